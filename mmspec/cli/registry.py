@@ -1,0 +1,21 @@
+"""Where the `mmspec` command finds its subcommands.
+
+Each entry names a module that defines `add_arguments(parser)` and `run(args) -> int`. Modules are imported
+only when their command runs, so `mmspec --help` stays fast and one broken optional dependency does not break
+every command. Add a command by adding one line here.
+"""
+
+from __future__ import annotations
+
+# top-level commands: name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "selfcheck": ("mmspec.cli.selfcheck", "check the installation: core rules, kernels, a toy speculative run"),
+    "generate": ("mmspec.cli.generate", "generate images with a pipeline and method (writes PNGs, grid, stats)"),
+    "bench": ("mmspec.bench.cli", "benchmark vanilla vs speculative methods side by side in one process"),
+}
+
+# `mmspec train <name>`: name -> (module, one-line help)
+TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
+    "tokenizer": ("mmspec.data.train_tokenizer", "train the world's text tokenizer (tokenizers BPE)"),
+    "judge": ("mmspec.metrics.train_judge", "train the shapes-world classifier used as the image judge"),
+}

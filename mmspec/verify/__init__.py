@@ -1,0 +1,1 @@
+"""Acceptance rules (filled in below)."""
