@@ -1,1 +1,107 @@
-"""Acceptance rules (filled in below)."""
+"""Acceptance rules: given drafts and the target's distributions, decide what each row keeps.
+
+    from mmspec.verify import ChainDraft, accept
+    result = accept("lossless", ChainDraft(tokens, probs=q), p, generator=gen)
+    result.output_tokens   # [B, K+1] accepted drafts, then the recovered/bonus token, -1 padded
+    result.num_accepted    # [B]
+
+Rules (`available_rules()`): `lossless` (chain and tree), `greedy` (chain and tree), `lantern` (chain and
+tree; delta or lambda form), `gsd` (chain). Each is a named mode with parameters; `get_rule(name, **params)`.
+`accept` validates its inputs once and draws the randomness from the user's generator(s); the rules
+themselves are pure tensor functions (they compile with `torch.compile(fullgraph=True)`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mmspec.errors import InputError, check, check_distribution, check_finite, check_shape
+from mmspec.sampling import Generators
+from mmspec.tree import DraftTree
+from mmspec.verify import gsd, lantern, lossless  # noqa: F401  (register the rules)
+from mmspec.verify.base import (
+    AcceptanceRule,
+    ChainDraft,
+    Draft,
+    Randomness,
+    VerifyResult,
+    available_rules,
+    get_rule,
+    register_rule,
+)
+from mmspec.verify.gsd import GSDRule
+from mmspec.verify.lantern import LanternRule, build_neighbour_table, load_or_build_neighbour_table
+from mmspec.verify.lossless import GreedyRule, LosslessRule
+
+__all__ = [
+    "AcceptanceRule", "ChainDraft", "Draft", "DraftTree", "GSDRule", "GreedyRule", "LanternRule", "LosslessRule",
+    "Randomness", "VerifyResult", "accept", "available_rules", "build_neighbour_table", "get_rule",
+    "load_or_build_neighbour_table", "register_rule", "validate_draft",
+]
+
+
+def validate_draft(rule: AcceptanceRule, draft: Draft, target_probs: torch.Tensor) -> None:
+    """Check shapes, vocabularies, token ranges and values; raise InputError naming what is wrong."""
+    check(isinstance(target_probs, torch.Tensor) and target_probs.dim() == 3,
+          f"target_probs must be a [B, positions, V] tensor, got "
+          f"{list(target_probs.shape) if isinstance(target_probs, torch.Tensor) else type(target_probs).__name__}.")
+    b, _, v = target_probs.shape
+    if isinstance(draft, ChainDraft):
+        check(rule.supports_chain, f"acceptance rule {rule.name!r} does not verify chains.")
+        check_shape("draft tokens", draft.tokens, [b, None], "[B, K] (batch, draft length)")
+        k = draft.tokens.shape[1]
+        check_shape("target_probs", target_probs, [b, k + 1, v], "[B, K+1, V]: p at every draft position plus "
+                    "the bonus position")
+        check(draft.tokens.dtype == torch.long, f"draft tokens must be int64, got {draft.tokens.dtype}.")
+        num_draft = draft.resolved_num_draft()
+        check_shape("num_draft", num_draft, [b], "[B]")
+        check(bool(((num_draft >= 0) & (num_draft <= k)).all()), f"num_draft must lie in [0, {k}].")
+        drafted = torch.arange(k, device=draft.tokens.device) < num_draft.unsqueeze(-1)
+        toks = draft.tokens[drafted]
+        check(bool(((toks >= 0) & (toks < v)).all()),
+              f"draft tokens must lie in [0, {v}) (the target's vocabulary) at drafted positions.")
+        if draft.probs is not None:
+            if draft.probs.dim() == 3 and draft.probs.shape[-1] != v:
+                raise InputError(f"draft vocabulary size {draft.probs.shape[-1]} does not match the target's {v}; "
+                                 "the drafter and the target must share one tokenizer / codebook.")
+            check_shape("draft probs (q)", draft.probs, [b, k, v], "[B, K, V]")
+            check_distribution("draft probs (q)", draft.probs[drafted])
+    elif isinstance(draft, DraftTree):
+        check(rule.supports_tree, f"acceptance rule {rule.name!r} does not verify trees; use a chain draft.")
+        check_shape("target_probs", target_probs, [draft.batch_size, draft.num_nodes, v], "[B, N, V] (tree nodes)")
+        draft.validate(v)
+        if draft.child_probs is not None:
+            if draft.child_probs.shape[-1] != v:
+                raise InputError(f"draft vocabulary size {draft.child_probs.shape[-1]} does not match the "
+                                 f"target's {v}.")
+            check_shape("tree child_probs (q)", draft.child_probs, [b, draft.num_nodes, v], "[B, N, V]")
+    else:
+        raise InputError(f"draft must be a ChainDraft or a DraftTree, got {type(draft).__name__}.")
+    if isinstance(rule, GreedyRule):
+        check_finite("target_probs", target_probs)  # logits are fine for greedy
+    else:
+        check_distribution("target_probs (p)", target_probs)
+    if isinstance(rule, LanternRule):
+        lantern.check_neighbour_table(rule.neighbours, v)
+    if isinstance(rule, GSDRule) and rule.embeddings is not None and rule.embeddings.shape[0] != v:
+        raise InputError(f"GSD embeddings have {rule.embeddings.shape[0]} rows but the vocabulary has {v}.")
+
+
+def accept(rule: str | AcceptanceRule, draft: Draft, target_probs: torch.Tensor,
+           generator: Generators = None, *, validate: bool = True, **rule_params) -> VerifyResult:
+    """Verify `draft` against the target distributions with `rule` (a name or a rule object).
+
+    target_probs: [B, K+1, V] for a ChainDraft (p at each draft position and the bonus position), or
+    [B, N, V] for a DraftTree (p for the token after each node). `generator`: one torch.Generator, a list with
+    one per row, or None. `validate=False` skips the checks (they synchronise with the device).
+    """
+    rule = get_rule(rule, **rule_params)
+    if validate:
+        validate_draft(rule, draft, target_probs)
+    b, positions, v = target_probs.shape
+    if isinstance(draft, ChainDraft):
+        positions = draft.tokens.shape[1]
+    rand = Randomness.draw(b, positions, v, generator, target_probs.device) if rule.uses_randomness else None
+    if isinstance(draft, ChainDraft):
+        return rule.verify_chain(draft.tokens, target_probs, draft.probs, rand, draft.resolved_num_draft())
+    return rule.verify_tree(draft, target_probs, rand)

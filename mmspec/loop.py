@@ -1,0 +1,180 @@
+"""The one loop: draft -> verify -> accept -> commit -> observe, generic over drafter, target and rule.
+
+    first = target.prefill(inputs)                  # p for the first new token, [B, 1, V]
+    state = DecodeState(...) + the first token      # sampled by the rule from a zero-length draft
+    while not state.done.all():                     # the one host sync per iteration
+        draft  = drafter.propose(state)             # ChainDraft or DraftTree
+        p      = target.verify(state, draft)        # ONE target forward over all draft positions
+        result = accept(rule, draft, p, generator)  # per-row accepted length + recovered/bonus token
+        target.commit(state, draft, result, active) # KV cache keeps only the accepted path
+        drafter.observe(state, draft, result, active)
+        stats.record(result, active); state.append(result, active)
+
+Vanilla decoding is the same loop with `NoDrafter` (zero-length drafts: every iteration emits the bonus token),
+so a benchmark compares methods through one code path. Targets and drafters are small adapters around a model
+(see `mmspec.lm` for causal LMs with a static KV cache); the loop knows nothing about images or text.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from mmspec.errors import check, check_positive_int
+from mmspec.sampling import Generators
+from mmspec.stats import SpecStats
+from mmspec.verify import AcceptanceRule, ChainDraft, Draft, VerifyResult, accept, get_rule
+
+
+@dataclass
+class DecodeState:
+    """Per-row progress of a batched generation."""
+
+    output: torch.Tensor  # [B, max_new_tokens + 1] generated tokens, -1 padded (last column is scratch)
+    num_generated: torch.Tensor  # [B]
+    last_token: torch.Tensor  # [B] the newest token; the target has not processed it yet
+    done: torch.Tensor  # [B] bool
+    max_new_tokens: int
+    eos_token_id: int | None = None
+    iteration: int = 0
+
+    @classmethod
+    def new(cls, batch_size: int, max_new_tokens: int, device: torch.device | str,
+            eos_token_id: int | None = None) -> DecodeState:
+        check_positive_int("max_new_tokens", max_new_tokens)
+        return cls(output=torch.full((batch_size, max_new_tokens + 1), -1, dtype=torch.long, device=device),
+                   num_generated=torch.zeros(batch_size, dtype=torch.long, device=device),
+                   last_token=torch.zeros(batch_size, dtype=torch.long, device=device),
+                   done=torch.zeros(batch_size, dtype=torch.bool, device=device),
+                   max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+
+    @property
+    def batch_size(self) -> int:
+        return self.done.shape[0]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[B, max_new_tokens] generated tokens, -1 padded."""
+        return self.output[:, : self.max_new_tokens]
+
+    def append(self, result: VerifyResult, active: torch.Tensor) -> torch.Tensor:
+        """Append each active row's emitted tokens, stopping at max_new_tokens and after EOS.
+
+        Returns [B] the number of tokens actually appended per row.
+        """
+        tokens = result.output_tokens  # [B, K+1]
+        columns = torch.arange(tokens.shape[1], device=tokens.device)
+        valid = (columns < (result.num_emitted * active).unsqueeze(-1))  # [B, K+1]
+        finished = torch.zeros_like(self.done)
+        if self.eos_token_id is not None:
+            is_eos = valid & (tokens == self.eos_token_id)
+            first_eos = torch.where(is_eos, columns, tokens.shape[1]).min(-1).values  # [B]
+            valid = valid & (columns <= first_eos.unsqueeze(-1))
+            finished = is_eos.any(-1)
+        dst = self.num_generated.unsqueeze(-1) + columns  # [B, K+1]
+        valid = valid & (dst < self.max_new_tokens)
+        dst = torch.where(valid, dst, self.max_new_tokens)  # invalid writes go to the scratch column
+        self.output.scatter_(1, dst, torch.where(valid, tokens, -1))
+        self.output[:, self.max_new_tokens] = -1
+        added = valid.sum(-1)
+        self.num_generated = self.num_generated + added
+        self.last_token = torch.where(active, result.final_tokens, self.last_token)
+        self.done = self.done | finished | (self.num_generated >= self.max_new_tokens)
+        return added
+
+
+class Target(Protocol):
+    """A model wrapped for the loop. It owns its KV cache and returns sampling distributions p."""
+
+    def prefill(self, inputs: Any) -> torch.Tensor:
+        """Run the condition / prompt; return p for the first new token, [B, 1, V]."""
+
+    def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
+        """ONE forward over the last token and the draft; p [B, K+1, V] (chain) or [B, N, V] (tree)."""
+
+    def commit(self, state: DecodeState, draft: Draft, result: VerifyResult, active: torch.Tensor) -> None:
+        """Keep the accepted path in the cache (rows not `active` keep nothing)."""
+
+
+class Drafter(Protocol):
+    """Proposes drafts; may keep its own cache. `forwards` counts its model calls (for stats)."""
+
+    forwards: int
+
+    def begin(self, inputs: Any, state: DecodeState) -> None:
+        """Called after prefill, with the first token in `state.last_token`."""
+
+    def propose(self, state: DecodeState) -> Draft:
+        """A ChainDraft (tokens after state.last_token) or a DraftTree rooted at state.last_token."""
+
+    def observe(self, state: DecodeState, draft: Draft, result: VerifyResult, active: torch.Tensor) -> None:
+        """Learn what was accepted (called before `state.append`)."""
+
+
+@dataclass
+class GenerationOutput:
+    tokens: torch.Tensor  # [B, max_new_tokens] -1 padded
+    num_generated: torch.Tensor  # [B]
+    stats: SpecStats
+
+
+# callback(state, draft, result) after each iteration; return False to stop early
+StepCallback = Callable[[DecodeState, Draft, VerifyResult], Any]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, inputs: Any, *, batch_size: int,
+             max_new_tokens: int, generator: Generators = None, eos_token_id: int | None = None,
+             device: torch.device | str = "cpu", callback: StepCallback | None = None,
+             validate: str = "first") -> GenerationOutput:
+    """Generate up to `max_new_tokens` per row with speculative decoding (vanilla with `NoDrafter`).
+
+    validate: "first" checks the rule's inputs on the first iteration only (cheap), "always" on every one,
+    "never" skips the checks.
+    """
+    check(validate in ("first", "always", "never"), f"validate must be first/always/never, got {validate!r}.")
+    rule = get_rule(rule)
+    device = torch.device(device)
+    stats = SpecStats()
+    draft_forwards_before = getattr(drafter, "forwards", 0)
+    _synchronize(device)
+    start = time.perf_counter()
+
+    state = DecodeState.new(batch_size, max_new_tokens, device, eos_token_id)
+    first_p = target.prefill(inputs)  # [B, 1, V]
+    stats.num_target_forwards += 1
+    no_draft = ChainDraft(torch.empty(batch_size, 0, dtype=torch.long, device=device))
+    first = accept(rule, no_draft, first_p, generator, validate=validate != "never")
+    active = ~state.done
+    state.append(first, active)
+    drafter.begin(inputs, state)
+
+    while True:
+        active = ~state.done
+        if not bool(active.any()):  # the one host sync per iteration
+            break
+        draft = drafter.propose(state)
+        target_probs = target.verify(state, draft)
+        stats.num_target_forwards += 1
+        check_now = validate == "always" or (validate == "first" and state.iteration == 0)
+        result = accept(rule, draft, target_probs, generator, validate=check_now)
+        target.commit(state, draft, result, active)
+        drafter.observe(state, draft, result, active)
+        stats.record(result, active)
+        state.append(result, active)
+        state.iteration += 1
+        if callback is not None and callback(state, draft, result) is False:
+            break
+
+    _synchronize(device)
+    stats.wall_time = time.perf_counter() - start
+    stats.num_draft_forwards = getattr(drafter, "forwards", 0) - draft_forwards_before
+    return GenerationOutput(tokens=state.tokens, num_generated=state.num_generated, stats=stats)

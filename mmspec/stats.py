@@ -1,0 +1,177 @@
+"""Speculative-decoding statistics with vLLM's metric names, mergeable across batches, JSON-serialisable.
+
+`SpecStats.record(result, active)` accumulates counters on the device without host synchronisation; the
+numbers are read once, by `to_dict()` / the properties. Definitions (per row and verify call = one "draft"):
+
+- num_target_forwards (NFE): target forward passes (prefill included).
+- num_drafts: row-iterations that verified a draft; num_draft_tokens: positions that could be accepted;
+  num_accepted_tokens: drafts accepted; num_emitted_tokens: accepted + recovered/bonus tokens.
+- mean_acceptance_length = num_emitted_tokens / num_drafts (includes the bonus token, vLLM / EAGLE convention;
+  ViSpec's tau excludes it).
+- draft_acceptance_rate = num_accepted_tokens / num_draft_tokens.
+- per_position_acceptance_rate[i] = drafts accepted at position i / drafts that had a position i.
+- acceptance_histogram[n] = row-iterations that accepted exactly n drafts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+import torch
+
+from mmspec.verify.base import VerifyResult
+
+
+def _grow(t: torch.Tensor, size: int) -> torch.Tensor:
+    if t.shape[0] >= size:
+        return t
+    return torch.cat([t, t.new_zeros(size - t.shape[0])])
+
+
+@dataclass
+class SpecStats:
+    """Counters of one generation run (or of many, merged with `+`)."""
+
+    num_target_forwards: int = 0
+    num_draft_forwards: int = 0
+    wall_time: float = 0.0
+    extra: dict = field(default_factory=dict)  # method-specific counters (e.g. fallback counts)
+    _counts: dict = field(default_factory=dict, repr=False)  # device tensors until read
+    _accepted_pos: torch.Tensor | None = field(default=None, repr=False)
+    _drafted_pos: torch.Tensor | None = field(default=None, repr=False)
+    _hist: torch.Tensor | None = field(default=None, repr=False)
+    _per_row: list = field(default_factory=list, repr=False)  # list of ([B] emitted, [B] active) per iteration
+
+    # ------------------------------------------------------------------------------------------ record
+    def record(self, result: VerifyResult, active: torch.Tensor | None = None, *, keep_per_row: bool = True) -> None:
+        """Accumulate one verify call; `active` [B] bool masks rows that are already finished."""
+        acc = result.num_accepted
+        if active is None:
+            active = torch.ones_like(acc, dtype=torch.bool)
+        a = active.long()
+        drafted = result.num_drafted * a
+        counts = {
+            "num_drafts": (a * (result.num_drafted > 0)).sum(),
+            "num_draft_tokens": drafted.sum(),
+            "num_accepted_tokens": (acc * a).sum(),
+            "num_emitted_tokens": ((acc + 1) * a).sum(),
+            "num_verify_rows": a.sum(),
+        }
+        for key, value in counts.items():
+            self._counts[key] = self._counts.get(key, 0) + value
+        k = result.accepted_flags.shape[1]
+        positions = torch.arange(k, device=acc.device)
+        had_position = (positions < result.num_drafted.unsqueeze(-1)) & active.unsqueeze(-1)  # [B, K]
+        accepted_pos = (result.accepted_flags & had_position).long().sum(0)  # [K]
+        drafted_pos = had_position.long().sum(0)
+        hist = torch.zeros(k + 1, dtype=torch.long, device=acc.device).scatter_add_(0, acc.clamp_max(k), a)
+        self._accepted_pos = accepted_pos if self._accepted_pos is None else \
+            _grow(self._accepted_pos, k) + _grow(accepted_pos, self._accepted_pos.shape[0])
+        self._drafted_pos = drafted_pos if self._drafted_pos is None else \
+            _grow(self._drafted_pos, k) + _grow(drafted_pos, self._drafted_pos.shape[0])
+        self._hist = hist if self._hist is None else _grow(self._hist, k + 1) + _grow(hist, self._hist.shape[0])
+        if keep_per_row:
+            self._per_row.append(((acc + 1) * a, active.clone()))
+
+    def add_extra(self, key: str, value: float) -> None:
+        self.extra[key] = self.extra.get(key, 0) + value
+
+    # ------------------------------------------------------------------------------------------- read
+    def _count(self, key: str) -> int:
+        value = self._counts.get(key, 0)
+        return int(value) if not isinstance(value, torch.Tensor) else int(value.item())
+
+    @property
+    def num_drafts(self) -> int:
+        return self._count("num_drafts")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self._count("num_draft_tokens")
+
+    @property
+    def num_accepted_tokens(self) -> int:
+        return self._count("num_accepted_tokens")
+
+    @property
+    def num_emitted_tokens(self) -> int:
+        return self._count("num_emitted_tokens")
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Emitted tokens per row-iteration, bonus included (1.0 for vanilla decoding)."""
+        rows = self._count("num_verify_rows")
+        return self.num_emitted_tokens / rows if rows else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        drafted = self.num_draft_tokens
+        return self.num_accepted_tokens / drafted if drafted else 0.0
+
+    @property
+    def per_position_acceptance_rate(self) -> list[float]:
+        if self._drafted_pos is None:
+            return []
+        acc, dr = self._accepted_pos.tolist(), self._drafted_pos.tolist()
+        return [a / d if d else 0.0 for a, d in zip(acc, dr)]
+
+    @property
+    def acceptance_histogram(self) -> list[int]:
+        return [] if self._hist is None else self._hist.tolist()
+
+    def accept_lengths_per_row(self) -> list[list[int]]:
+        """Spec-Bench's `accept_lengths`: per row, the emitted tokens of each verify call it took part in."""
+        if not self._per_row:
+            return []
+        emitted = torch.stack([e for e, _ in self._per_row], 1).tolist()  # [B, iterations]
+        active = torch.stack([m for _, m in self._per_row], 1).tolist()
+        return [[e for e, m in zip(er, ar) if m] for er, ar in zip(emitted, active)]
+
+    def to_dict(self) -> dict:
+        return {
+            "num_target_forwards": self.num_target_forwards,
+            "num_draft_forwards": self.num_draft_forwards,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "num_emitted_tokens": self.num_emitted_tokens,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "draft_acceptance_rate": self.draft_acceptance_rate,
+            "per_position_acceptance_rate": self.per_position_acceptance_rate,
+            "acceptance_histogram": self.acceptance_histogram,
+            "wall_time": self.wall_time,
+            "extra": dict(self.extra),
+            "_verify_rows": self._count("num_verify_rows"),
+            "_accepted_per_position": [] if self._accepted_pos is None else self._accepted_pos.tolist(),
+            "_drafted_per_position": [] if self._drafted_pos is None else self._drafted_pos.tolist(),
+        }
+
+    def to_json(self, **kwargs) -> str:
+        return json.dumps(self.to_dict(), **kwargs)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> SpecStats:
+        out = cls(num_target_forwards=data["num_target_forwards"], num_draft_forwards=data["num_draft_forwards"],
+                  wall_time=data["wall_time"], extra=dict(data.get("extra", {})))
+        out._counts = {k: data[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
+                                            "num_emitted_tokens")}
+        out._counts["num_verify_rows"] = data.get("_verify_rows", data["num_drafts"])
+        if data.get("_drafted_per_position"):
+            out._accepted_pos = torch.tensor(data["_accepted_per_position"])
+            out._drafted_pos = torch.tensor(data["_drafted_per_position"])
+        if data.get("acceptance_histogram"):
+            out._hist = torch.tensor(data["acceptance_histogram"])
+        return out
+
+    def __add__(self, other: SpecStats) -> SpecStats:
+        """Merge two runs' counters (per-row lists are not merged)."""
+        a, b = self.to_dict(), other.to_dict()
+        merged = {k: a[k] + b[k] for k in ("num_target_forwards", "num_draft_forwards", "num_drafts",
+                                           "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
+                                           "wall_time", "_verify_rows")}
+        for key in ("_accepted_per_position", "_drafted_per_position", "acceptance_histogram"):
+            n = max(len(a[key]), len(b[key]))
+            merged[key] = [x + y for x, y in zip(a[key] + [0] * (n - len(a[key])), b[key] + [0] * (n - len(b[key])))]
+        merged["extra"] = {k: a["extra"].get(k, 0) + b["extra"].get(k, 0) for k in set(a["extra"]) | set(b["extra"])}
+        return SpecStats.from_dict(merged)

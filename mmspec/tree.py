@@ -1,0 +1,208 @@
+"""Draft trees: the batched `DraftTree` type and EAGLE-2 dynamic tree expansion.
+
+A tree has N nodes per row; node 0 is the root (the last committed token, which the target has not processed
+yet), every other valid node is a drafted token whose parent has a smaller index. Rows of a batch hold
+different trees padded to the same N (padding nodes are invalid, token -1, parent -1).
+
+Derived layouts (all batched, [B, ...]):
+- `attention_mask()`  [B, N, N] bool: node i sees node j iff j is i or an ancestor of i (the tree mask).
+- `position_ids(L)`   [B, N]: L + depth, the positions the target uses for the tree nodes.
+- `paths()`           [B, N, D+1]: for every node the root-to-node path of node indices, padded -1.
+- `retrieve_indices()`[B, N, D+1]: the paths of leaves only (other rows -1), EAGLE's layout.
+
+EAGLE-2 expansion (`expand_eagle2`): from the root, expand the top_k children of each frontier node, score
+every node by its cumulative log-probability, keep the global top_k as the next frontier for `depth` levels,
+then keep the best `total_tokens - 1` drafted nodes overall. Scores never increase along a path, so the kept
+set is a connected tree; ties are broken towards earlier (shallower) nodes so that this holds exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from mmspec.errors import InputError, check, check_positive_int
+
+
+@dataclass
+class DraftTree:
+    """A batch of draft trees, node 0 the root. See the module docstring for the layouts."""
+
+    tokens: torch.Tensor  # [B, N] int64, -1 for padding nodes
+    parents: torch.Tensor  # [B, N] int64, -1 for the root and padding nodes
+    depths: torch.Tensor  # [B, N] int64, 0 for the root (and padding)
+    valid: torch.Tensor  # [B, N] bool
+    max_depth: int  # static bound on depth (number of draft levels)
+    max_children: int  # static bound on children per node
+    child_probs: torch.Tensor | None = None  # [B, N, V] q at each node over its children, or None
+    sampled: bool = False  # children sampled without replacement from child_probs (else deterministic top-k)
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Check the structure (one host sync); raises InputError with what is wrong."""
+        b, n = self.tokens.shape
+        for name in ("parents", "depths", "valid"):
+            t = getattr(self, name)
+            if tuple(t.shape) != (b, n):
+                raise InputError(f"DraftTree.{name} has shape {list(t.shape)}, expected [{b}, {n}] like tokens.")
+        check(bool(self.valid[:, 0].all()), "DraftTree: node 0 (the root) must be valid in every row.")
+        idx = torch.arange(n, device=self.tokens.device)
+        drafted = self.valid & (idx > 0)
+        check(
+            bool(((self.parents < idx) & (self.parents >= 0))[drafted].all()),
+            "DraftTree: every drafted node's parent must be a valid node with a smaller index.",
+        )
+        parent_depth = self.depths.gather(1, self.parents.clamp_min(0))
+        check(bool((self.depths == parent_depth + 1)[drafted].all()), "DraftTree: depth must be parent depth + 1.")
+        check(bool((self.depths <= self.max_depth).all()), "DraftTree: a node is deeper than max_depth.")
+        if vocab_size is not None:
+            toks = self.tokens[self.valid]
+            check(bool(((toks >= 0) & (toks < vocab_size)).all()),
+                  f"DraftTree: token ids must lie in [0, {vocab_size}).")
+        if self.sampled and self.child_probs is None:
+            raise InputError("DraftTree: sampled=True needs child_probs (the draft distribution q at each node).")
+
+    # ---------------------------------------------------------------------------------- derived layouts
+    def paths(self) -> torch.Tensor:
+        """[B, N, D+1]: column d holds the depth-d ancestor of each node (the node itself at its depth)."""
+        b, n = self.tokens.shape
+        spare = self.max_depth + 1  # walkers past the root write into this extra column
+        out = torch.full((b, n, spare + 1), -1, dtype=torch.long, device=self.tokens.device)
+        node = torch.arange(n, device=self.tokens.device).expand(b, n)  # [B, N] walker
+        for _ in range(self.max_depth + 1):  # static bound: walk up to the root
+            d = torch.where(node >= 0, self.depths.gather(1, node.clamp_min(0)), spare)  # [B, N]
+            out.scatter_(2, d.unsqueeze(-1), node.unsqueeze(-1))
+            node = torch.where(node > 0, self.parents.gather(1, node.clamp_min(0)), torch.full_like(node, -1))
+        return out[..., :spare].masked_fill(~self.valid.unsqueeze(-1), -1)
+
+    def attention_mask(self) -> torch.Tensor:
+        """[B, N, N] bool: query node i may attend to key node j iff j is i or an ancestor of i."""
+        b, n = self.tokens.shape
+        paths = self.paths()  # [B, N, D+1]
+        mask = torch.zeros(b, n, n + 1, dtype=torch.bool, device=self.tokens.device)
+        mask.scatter_(2, paths.masked_fill(paths < 0, n), True)  # -1 entries land in the spare column n
+        return mask[..., :n] & self.valid.unsqueeze(-1)
+
+    def position_ids(self, offset: torch.Tensor) -> torch.Tensor:
+        """[B, N] = offset[B] + depth (the positions of the tree nodes in the sequence)."""
+        return offset.unsqueeze(-1) + self.depths
+
+    def is_leaf(self) -> torch.Tensor:
+        """[B, N] bool: valid nodes with no valid child."""
+        is_child = (self.valid & (self.parents >= 0)).long()  # [B, N]
+        num_children = torch.zeros_like(is_child).scatter_add_(1, self.parents.clamp_min(0), is_child)
+        return self.valid & (num_children == 0)
+
+    def retrieve_indices(self) -> torch.Tensor:
+        """[B, N, D+1]: root-to-leaf paths (EAGLE layout), one row per node, -1 for non-leaf rows."""
+        return self.paths().masked_fill(~self.is_leaf().unsqueeze(-1), -1)
+
+
+def chain_as_tree(draft_tokens: torch.Tensor, root_tokens: torch.Tensor,
+                  draft_probs: torch.Tensor | None = None) -> DraftTree:
+    """A chain of K drafts as a one-branch tree of K+1 nodes (handy for testing tree rules against chains)."""
+    b, k = draft_tokens.shape
+    device = draft_tokens.device
+    idx = torch.arange(k + 1, device=device)
+    tokens = torch.cat([root_tokens.view(b, 1), draft_tokens], dim=1)  # [B, K+1]
+    parents = (idx - 1).expand(b, k + 1).clone()  # [B, K+1]
+    child_probs = None
+    if draft_probs is not None:  # q at node i over its child = the chain's q_{i+1}
+        child_probs = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # [B, K+1, V]
+    return DraftTree(tokens=tokens, parents=parents, depths=idx.expand(b, k + 1).clone(),
+                     valid=torch.ones(b, k + 1, dtype=torch.bool, device=device), max_depth=k,
+                     max_children=1, child_probs=child_probs, sampled=draft_probs is not None)
+
+
+# ---------------------------------------------------------------------------------------- EAGLE-2 expansion
+# score_children(frontier_tokens [B, F], frontier_ids [B, F], parent_ids [B, F], depth) -> log-probs [B, F, V]
+# for the next token after each of the F frontier nodes. Ids index the candidate pool (root = 0, then every
+# candidate in creation order), so a drafter can keep its own per-candidate cache and tree mask; parent_ids
+# of the root is -1.
+ScoreChildren = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+
+
+def expand_eagle2(root_tokens: torch.Tensor, score_children: ScoreChildren, *, top_k: int = 10,
+                  depth: int = 5, total_tokens: int = 60) -> DraftTree:
+    """Build EAGLE-2 dynamic draft trees for a batch (deterministic top-k children).
+
+    `score_children` is called once per level with the current frontier (at most `top_k` nodes per row) and
+    returns log-probabilities over the vocabulary for each frontier node's next token. Returns a DraftTree of
+    exactly `total_tokens` nodes per row (root + total_tokens - 1 drafts), nodes ordered by depth, siblings by
+    descending score.
+    """
+    check_positive_int("top_k", top_k)
+    check_positive_int("depth", depth)
+    check_positive_int("total_tokens", total_tokens, minimum=2)
+    b = root_tokens.shape[0]
+    device = root_tokens.device
+    max_nodes = 1 + top_k + (depth - 1) * top_k * top_k  # every candidate ever created
+    check(total_tokens - 1 <= max_nodes - 1,
+          f"total_tokens={total_tokens} exceeds what depth={depth}, top_k={top_k} can create ({max_nodes}).")
+
+    # candidate pool, node 0 = root
+    cand_tokens = [root_tokens.view(b, 1)]
+    cand_parent = [torch.full((b, 1), -1, dtype=torch.long, device=device)]
+    cand_score = [torch.zeros(b, 1, dtype=torch.float32, device=device)]
+    cand_depth = [torch.zeros(b, 1, dtype=torch.long, device=device)]
+    frontier = torch.zeros(b, 1, dtype=torch.long, device=device)  # [B, F] pool indices
+    frontier_score = torch.zeros(b, 1, dtype=torch.float32, device=device)
+    pool_size = 1
+    for d in range(1, depth + 1):
+        tokens_pool = torch.cat(cand_tokens, 1)
+        frontier_tokens = tokens_pool.gather(1, frontier)  # [B, F]
+        frontier_parents = torch.cat(cand_parent, 1).gather(1, frontier)  # [B, F]
+        logp = score_children(frontier_tokens, frontier, frontier_parents, d - 1).float()  # [B, F, V]
+        if logp.dim() != 3 or logp.shape[:2] != frontier.shape:
+            raise InputError(f"score_children must return [B, F, V] log-probs; got {list(logp.shape)} for "
+                             f"a frontier of shape {list(frontier.shape)}.")
+        child_lp, child_tok = logp.topk(top_k, dim=-1)  # [B, F, k]
+        child_score = frontier_score.unsqueeze(-1) + child_lp  # [B, F, k] cumulative log-prob
+        f = frontier.shape[1]
+        cand_tokens.append(child_tok.reshape(b, f * top_k))
+        cand_parent.append(frontier.unsqueeze(-1).expand(b, f, top_k).reshape(b, f * top_k))
+        cand_score.append(child_score.reshape(b, f * top_k))
+        cand_depth.append(torch.full((b, f * top_k), d, dtype=torch.long, device=device))
+        # next frontier: global top_k of this level's children
+        flat = child_score.reshape(b, f * top_k)
+        keep = min(top_k, f * top_k)
+        best_score, best = flat.topk(keep, dim=-1)  # [B, keep]
+        frontier = pool_size + best
+        frontier_score = best_score
+        pool_size += f * top_k
+
+    tokens_pool = torch.cat(cand_tokens, 1)  # [B, P]
+    parent_pool = torch.cat(cand_parent, 1)
+    score_pool = torch.cat(cand_score, 1)
+    depth_pool = torch.cat(cand_depth, 1)
+    # keep the best total_tokens - 1 drafted candidates; a stable tie-break by pool index (parents come first)
+    drafted_score = score_pool[:, 1:]
+    order = _stable_descending(drafted_score)[:, : total_tokens - 1] + 1  # [B, M] pool indices
+    # reorder kept nodes by (depth, pool index) so parents precede children
+    key = depth_pool.gather(1, order) * (pool_size + 1) + order
+    order = order.gather(1, key.argsort(dim=1))
+    kept = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=device), order], dim=1)  # [B, total]
+    # map pool index -> new node index
+    new_index = torch.full((b, pool_size), -1, dtype=torch.long, device=device)
+    new_index.scatter_(1, kept, torch.arange(total_tokens, device=device).expand(b, total_tokens))
+    parents = parent_pool.gather(1, kept)
+    parents = torch.where(parents >= 0, new_index.gather(1, parents.clamp_min(0)), parents)
+    if bool((parents[:, 1:] < 0).any()):  # cannot happen: scores are non-increasing along paths
+        raise RuntimeError("EAGLE-2 expansion produced a disconnected tree; please report this bug.")
+    return DraftTree(tokens=tokens_pool.gather(1, kept), parents=parents, depths=depth_pool.gather(1, kept),
+                     valid=torch.ones(b, total_tokens, dtype=torch.bool, device=device), max_depth=depth,
+                     max_children=top_k)
+
+
+def _stable_descending(scores: torch.Tensor) -> torch.Tensor:
+    """argsort descending with ties broken by lower index (stable)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices

@@ -1,0 +1,132 @@
+"""What every acceptance rule shares: drafts, randomness, the result type, the rule base class and registry.
+
+A rule is a named mode with parameters (like vLLM's rejection-sample methods), not a fork of the pipeline:
+`get_rule("lossless")`, `get_rule("lantern", neighbours=table, delta=0.1)`, `get_rule("gsd", group_size=50)`.
+Rules implement `verify_chain` and/or `verify_tree` as pure tensor functions of their inputs and the
+pre-drawn randomness; `mmspec.verify.accept` validates the inputs and draws the randomness.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmspec.errors import InputError
+from mmspec.sampling import Generators, exponential, uniform
+from mmspec.tree import DraftTree
+
+
+@dataclass
+class ChainDraft:
+    """K drafted tokens per row, with the draft distribution they were sampled from (or None = one-hot)."""
+
+    tokens: torch.Tensor  # [B, K] int64, -1 past num_draft
+    probs: torch.Tensor | None = None  # [B, K, V] q, or None for drafts without a distribution
+    num_draft: torch.Tensor | None = None  # [B] int64 drafts per row (ragged); None = K for every row
+
+    def resolved_num_draft(self) -> torch.Tensor:
+        if self.num_draft is not None:
+            return self.num_draft
+        b, k = self.tokens.shape
+        return torch.full((b,), k, dtype=torch.long, device=self.tokens.device)
+
+
+Draft = ChainDraft | DraftTree
+
+
+@dataclass
+class Randomness:
+    """Pre-drawn randomness for one verify call: one uniform per draft position / tree node, one Exp(1)
+    vector per row for the race that samples the recovered or bonus token (only one of them is used)."""
+
+    uniforms: torch.Tensor  # [B, K] (chain) or [B, N] (tree), float64 in [0, 1)
+    exponentials: torch.Tensor  # [B, V] float64 > 0
+
+    @staticmethod
+    def draw(batch: int, positions: int, vocab: int, generator: Generators = None,
+             device: torch.device | str = "cpu") -> Randomness:
+        """Draw per row: row b's numbers come from generator b when a list is given (batch-independent)."""
+        return Randomness(uniform((batch, positions), generator, device),
+                          exponential((batch, vocab), generator, device))
+
+
+@dataclass
+class VerifyResult:
+    """The outcome of one verify call for a batch.
+
+    output_tokens   [B, K+1] accepted drafts, then the recovered/bonus token, then -1 (tree: K = max depth)
+    num_accepted    [B] drafted tokens accepted (excluding the recovered/bonus token)
+    accepted_flags  [B, K] per draft position (tree: per depth along the accepted path)
+    num_drafted     [B] positions that could have been accepted (chain: drafts; tree: depth of the row's tree)
+    accepted_nodes  [B, K+1] tree only: node indices of the accepted path, root first, -1 padded
+    """
+
+    output_tokens: torch.Tensor
+    num_accepted: torch.Tensor
+    accepted_flags: torch.Tensor
+    num_drafted: torch.Tensor
+    accepted_nodes: torch.Tensor | None = None
+
+    @property
+    def num_emitted(self) -> torch.Tensor:
+        """[B] tokens this call adds per row: accepted + 1 (the recovered or bonus token)."""
+        return self.num_accepted + 1
+
+    @property
+    def final_tokens(self) -> torch.Tensor:
+        """[B] the recovered or bonus token of each row."""
+        return self.output_tokens.gather(1, self.num_accepted.unsqueeze(-1)).squeeze(-1)
+
+
+class AcceptanceRule:
+    """Base class: subclasses set `name`, `lossless`, and implement the shapes they support."""
+
+    name: str = "base"
+    lossless: bool = False  # output distribution equals the target's exactly
+    uses_randomness: bool = True
+    supports_chain: bool = True
+    supports_tree: bool = True
+
+    def verify_chain(self, draft_tokens: torch.Tensor, target_probs: torch.Tensor,
+                     draft_probs: torch.Tensor | None, rand: Randomness,
+                     num_draft: torch.Tensor) -> VerifyResult:
+        raise InputError(f"acceptance rule {self.name!r} does not verify chains; use a tree draft.")
+
+    def verify_tree(self, tree: DraftTree, target_probs: torch.Tensor, rand: Randomness) -> VerifyResult:
+        raise InputError(f"acceptance rule {self.name!r} does not verify trees; use a chain draft.")
+
+    def config(self) -> dict:
+        """The rule's parameters (JSON-serialisable), for stats and reports."""
+        return {"name": self.name}
+
+    def __repr__(self) -> str:
+        params = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "name")
+        return f"{type(self).__name__}({params})"
+
+
+_RULES: dict[str, type[AcceptanceRule]] = {}
+
+
+def register_rule(cls: type[AcceptanceRule]) -> type[AcceptanceRule]:
+    """Class decorator: make a rule available to `get_rule(cls.name, ...)`."""
+    _RULES[cls.name] = cls
+    return cls
+
+
+def available_rules() -> list[str]:
+    return sorted(_RULES)
+
+
+def get_rule(name: str | AcceptanceRule, **params) -> AcceptanceRule:
+    """A rule by name with its parameters, e.g. `get_rule("lantern", neighbours=table, delta=0.1)`."""
+    if isinstance(name, AcceptanceRule):
+        if params:
+            raise InputError("pass parameters either to get_rule with a name, or to the rule's constructor.")
+        return name
+    if name not in _RULES:
+        raise InputError(f"unknown acceptance rule {name!r}; available: {', '.join(available_rules())}.")
+    try:
+        return _RULES[name](**params)
+    except TypeError as err:
+        raise InputError(f"bad parameters for acceptance rule {name!r}: {err}") from None

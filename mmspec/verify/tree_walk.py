@@ -1,0 +1,133 @@
+"""Tree verification: walk each row's draft tree from the root, trying the children of the accepted node in turn.
+
+At each depth the children of the current node are tried in node order (for EAGLE-2 trees that is descending
+draft score). A rule supplies two pure functions on the working distributions of the current node:
+
+    accept_fn(p_work [B, V], q_work [B, V] | None, x [B], u [B] float64) -> [B] bool
+    reject_fn(p_work, q_work, x) -> (p_work', q_work')      # the distributions for the next sibling
+
+With lossless rules this is SpecInfer / RSD multi-candidate verification: deterministic children are accepted
+with probability p(c) and removed from p on rejection; sampled children with min(1, p(c)/q(c)), then
+p <- norm(max(p - q, 0)) and q <- q without c. When every child is rejected, the recovered token is sampled from
+the final p_work; at a leaf (or at max depth) the bonus token is sampled from the node's p.
+
+The loops run over the static bounds max_depth x max_children with tensor masks (no data-dependent branches,
+no host sync); rows are vectorised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from mmspec.sampling import race
+from mmspec.tree import DraftTree
+from mmspec.verify.base import Randomness, VerifyResult
+
+NodeAcceptFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor], torch.Tensor]
+NodeRejectFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor],
+                        tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def normalise(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """weights / sum(weights) over the last axis; rows whose sum is 0 take `fallback` instead."""
+    total = weights.sum(-1, keepdim=True)
+    return torch.where(total > 0, weights / total.clamp_min(1e-30), fallback)
+
+
+def pick(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """values [B, V] at index [B] -> [B]."""
+    return values.gather(-1, index.clamp_min(0).unsqueeze(-1)).squeeze(-1)
+
+
+def sibling_rank(tree: DraftTree) -> torch.Tensor:
+    """[B, N]: rank of each node among its siblings in node order (0 = first child)."""
+    n = tree.num_nodes
+    same_parent = tree.parents.unsqueeze(-1) == tree.parents.unsqueeze(-2)  # [B, N, N]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=tree.tokens.device).tril(-1)  # j < i
+    return (same_parent & earlier & tree.valid.unsqueeze(-2)).sum(-1)
+
+
+def tree_num_drafted(tree: DraftTree) -> torch.Tensor:
+    """[B] depth of each row's tree (the most tokens a verify call can accept)."""
+    return tree.depths.masked_fill(~tree.valid, 0).max(-1).values
+
+
+def assemble_tree_result(tree: DraftTree, path: torch.Tensor, num_accepted: torch.Tensor,
+                         final_token: torch.Tensor) -> VerifyResult:
+    """Lay out tokens along the accepted path [B, D+1] (root first, -1 padded), then the final token."""
+    depth = tree.max_depth
+    along = tree.tokens.gather(1, path[:, 1:].clamp_min(0))  # [B, D]
+    columns = torch.arange(depth + 1, device=path.device)  # [D+1]
+    padded = torch.cat([along, along.new_full((along.shape[0], 1), -1)], dim=1)  # [B, D+1]
+    output = torch.where(columns < num_accepted.unsqueeze(-1), padded, torch.full_like(padded, -1))
+    output = torch.where(columns == num_accepted.unsqueeze(-1), final_token.unsqueeze(-1), output)
+    flags = columns[:depth] < num_accepted.unsqueeze(-1)
+    return VerifyResult(output_tokens=output, num_accepted=num_accepted, accepted_flags=flags,
+                        num_drafted=tree_num_drafted(tree), accepted_nodes=path)
+
+
+def walk_tree(tree: DraftTree, target_probs: torch.Tensor, rand: Randomness, accept_fn: NodeAcceptFn,
+              reject_fn: NodeRejectFn) -> VerifyResult:
+    """Verify a batch of trees. target_probs [B, N, V]: p for the token after each node."""
+    b, n = tree.tokens.shape
+    device = tree.tokens.device
+    rows = torch.arange(b, device=device)
+    rank = sibling_rank(tree)  # [B, N]
+    child_probs = tree.child_probs if tree.sampled else None  # [B, N, V] or None
+
+    cur = torch.zeros(b, dtype=torch.long, device=device)  # [B] current node
+    active = torch.ones(b, dtype=torch.bool, device=device)  # [B] still descending
+    num_accepted = torch.zeros(b, dtype=torch.long, device=device)
+    path = torch.full((b, tree.max_depth + 1), -1, dtype=torch.long, device=device)
+    path[:, 0] = 0
+    p_work = target_probs[:, 0]  # [B, V]
+    q_work = None if child_probs is None else child_probs[:, 0]  # [B, V]
+    final_weights = torch.zeros_like(p_work)
+
+    for depth in range(1, tree.max_depth + 1):
+        is_child = tree.valid & (tree.parents == cur.unsqueeze(-1))  # [B, N]
+        chosen = torch.full((b,), -1, dtype=torch.long, device=device)  # [B] accepted child
+        searching = active.clone()
+        for s in range(tree.max_children):
+            sel = is_child & (rank == s)  # [B, N] at most one node per row
+            has = sel.any(-1) & searching  # [B]
+            c = sel.long().argmax(-1)  # [B]
+            x = tree.tokens[rows, c]  # [B]
+            ok = accept_fn(p_work, q_work, x, rand.uniforms[rows, c]) & has
+            chosen = torch.where(ok, c, chosen)
+            rejected = (has & ~ok).unsqueeze(-1)  # [B, 1]
+            p_next, q_next = reject_fn(p_work, q_work, x)
+            p_work = torch.where(rejected, p_next, p_work)
+            if q_work is not None:
+                q_work = torch.where(rejected, q_next, q_work)
+            searching = searching & ~ok
+        went_down = active & (chosen >= 0)  # [B]
+        stopped = (active & ~went_down).unsqueeze(-1)  # every child rejected, or a leaf
+        final_weights = torch.where(stopped, p_work, final_weights)
+        active = went_down
+        cur = torch.where(went_down, chosen, cur)
+        num_accepted = num_accepted + went_down.long()
+        path[:, depth] = torch.where(went_down, cur, torch.full_like(cur, -1))
+        p_work = torch.where(went_down.unsqueeze(-1), target_probs[rows, cur], p_work)
+        if q_work is not None:
+            q_work = torch.where(went_down.unsqueeze(-1), child_probs[rows, cur], q_work)
+
+    final_weights = torch.where(active.unsqueeze(-1), p_work, final_weights)  # reached max depth: bonus
+    final_weights = normalise(final_weights, target_probs[rows, cur])
+    return assemble_tree_result(tree, path, num_accepted, race(final_weights, rand.exponentials))
+
+
+def verify_tree_greedy(tree: DraftTree, target_probs: torch.Tensor) -> VerifyResult:
+    """Greedy: the longest root-to-node path whose tokens equal the argmax at their parent (first on ties)."""
+    best = target_probs.argmax(-1)  # [B, N] argmax after each node
+    parent_best = best.gather(1, tree.parents.clamp_min(0))  # [B, N]
+    matches = tree.valid & ((tree.tokens == parent_best) | (tree.parents < 0))  # root always matches
+    paths = tree.paths()  # [B, N, D+1]
+    on_path = paths >= 0
+    path_ok = (matches.gather(1, paths.clamp_min(0).flatten(1)).view_as(paths) | ~on_path).all(-1)  # [B, N]
+    score = torch.where(path_ok & tree.valid, tree.depths, torch.full_like(tree.depths, -1))
+    node = score.argmax(-1)  # [B] deepest fully matching node (lowest index on ties)
+    rows = torch.arange(tree.batch_size, device=tree.tokens.device)
+    return assemble_tree_result(tree, paths[rows, node], tree.depths[rows, node], best[rows, node])

@@ -1,0 +1,145 @@
+"""The loop on the toy target: greedy speculative == greedy vanilla, exact sampling distribution, EOS, stats."""
+
+import itertools
+
+import pytest
+import torch
+
+from mmspec.lm import DraftModelDrafter, LMTarget, NoDrafter, TreeModelDrafter
+from mmspec.loop import generate
+from mmspec.sampling import SamplingParams
+from mmspec.testing.distributions import empirical_distribution, tv_distance, tv_tolerance
+from mmspec.testing.drafters import RandomDrafter
+from mmspec.testing.toy import toy_model
+
+GREEDY = SamplingParams(temperature=0)
+
+
+@torch.no_grad()
+def reference_greedy(model, prompt, n):
+    """Plain greedy decoding with full forwards and no cache: the independent reference."""
+    seq = prompt
+    for _ in range(n):
+        seq = torch.cat([seq, model(seq)[:, -1].argmax(-1, keepdim=True)], 1)
+    return seq[:, prompt.shape[1]:]
+
+
+def run(model, drafter, prompt, n, rule="greedy", params=GREEDY, generator=None, eos=None):
+    target = LMTarget(model, params, max_new_tokens=n)
+    return generate(target, drafter, rule, prompt, batch_size=prompt.shape[0], max_new_tokens=n,
+                    generator=generator, eos_token_id=eos)
+
+
+@pytest.fixture(scope="module")
+def target_model():
+    return toy_model(seed=0, vocab_size=16)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("make_drafter, min_len, max_len", [
+    (lambda m: NoDrafter(), 1.0, 1.0),
+    (lambda m: RandomDrafter(16, 5), 1.0, 2.0),  # nothing (or little) accepted
+    (lambda m: DraftModelDrafter(m, 4, GREEDY), 5.0, 5.0),  # the target as its own drafter: all accepted
+    (lambda m: DraftModelDrafter(toy_model(seed=7, vocab_size=16), 3, GREEDY), 1.0, 4.0),
+    # EAGLE-2 keeps the global top-k by cumulative score, so even a self-drafted greedy path can be pruned
+    (lambda m: TreeModelDrafter(m, top_k=3, depth=4, total_tokens=12), 4.0, 5.0),
+    (lambda m: TreeModelDrafter(toy_model(seed=7, vocab_size=16), top_k=3, depth=3, total_tokens=10), 1.0, 4.0),
+], ids=["vanilla", "random", "self-chain", "other-chain", "self-tree", "other-tree"])
+def test_greedy_speculative_equals_greedy_vanilla(target_model, prompt, make_drafter, min_len, max_len):
+    n = 24
+    want = reference_greedy(target_model, prompt, n)
+    out = run(target_model, make_drafter(target_model), prompt, n)
+    assert torch.equal(out.tokens, want)
+    assert (out.num_generated == n).all()
+    assert min_len - 1e-9 <= out.stats.mean_acceptance_length <= max_len + 1e-9
+
+
+@pytest.mark.parametrize("rule", ["lossless", "lantern-zero"])
+def test_lossless_rule_at_temperature_zero_equals_greedy(target_model, prompt, rule):
+    from mmspec.verify import LanternRule, build_neighbour_table
+
+    if rule == "lantern-zero":
+        rule = LanternRule(build_neighbour_table(torch.randn(16, 3)), delta=0.0)
+    out = run(target_model, DraftModelDrafter(toy_model(seed=7, vocab_size=16), 3, GREEDY), prompt, 16, rule=rule)
+    assert torch.equal(out.tokens, reference_greedy(target_model, prompt, 16))
+
+
+@torch.no_grad()
+def exact_sequence_distribution(model, prompt, n, params):
+    """Probability of every length-n continuation of one prompt, by enumeration with full forwards."""
+    v = model.vocab_size
+    seqs = torch.tensor(list(itertools.product(range(v), repeat=n)))  # [V^n, n]
+    full = torch.cat([prompt.expand(len(seqs), -1), seqs], 1)
+    from mmspec.sampling import logits_to_probs
+
+    probs = logits_to_probs(model(full)[:, prompt.shape[1] - 1:-1], params.temperature, params.top_k, params.top_p)
+    return probs.gather(-1, seqs.unsqueeze(-1)).squeeze(-1).prod(-1)  # [V^n]
+
+
+@pytest.mark.parametrize("drafter_kind", ["draft-model", "tree", "random"])
+def test_sampling_through_the_loop_has_the_exact_sequence_distribution(drafter_kind):
+    v, n, rows = 5, 3, 60_000
+    model = toy_model(seed=3, vocab_size=v, dim=16)
+    params = SamplingParams(temperature=1.0, top_k=4)
+    prompt = torch.tensor([[1, 2, 3]])
+    exact = exact_sequence_distribution(model, prompt, n, params)
+    small = toy_model(seed=4, vocab_size=v, dim=16)
+    drafter = {"draft-model": lambda: DraftModelDrafter(small, 2, SamplingParams(temperature=1.0),
+                                                         torch.Generator().manual_seed(5)),
+               "tree": lambda: TreeModelDrafter(small, top_k=2, depth=2, total_tokens=5),
+               "random": lambda: RandomDrafter(v, 2, seed=5)}[drafter_kind]()
+    out = run(model, drafter, prompt.expand(rows, -1), n, rule="lossless", params=params,
+              generator=torch.Generator().manual_seed(6))
+    codes = (out.tokens * torch.tensor([v * v, v, 1])).sum(-1)
+    emp = empirical_distribution(codes, v ** n)
+    support = int((exact > 1e-4).sum())
+    assert tv_distance(emp, exact) < tv_tolerance(support, rows)
+    assert out.stats.num_accepted_tokens > 0 or drafter_kind == "random"
+
+
+def test_seeded_sampling_is_reproducible(target_model, prompt):
+    params = SamplingParams(temperature=1.0)
+    outs = [run(target_model, DraftModelDrafter(toy_model(seed=7, vocab_size=16), 3, params,
+                                                torch.Generator().manual_seed(1)),
+                prompt, 12, "lossless", params, torch.Generator().manual_seed(2)).tokens for _ in range(2)]
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_per_row_generators_make_a_row_independent_of_its_batch(target_model, prompt):
+    params = SamplingParams(temperature=1.0)
+
+    def go(rows):
+        gens = [torch.Generator().manual_seed(10 + r) for r in rows]
+        return run(target_model, NoDrafter(), prompt[rows], 10, "lossless", params, gens).tokens
+
+    assert torch.equal(go([0, 1, 2, 3])[2], go([2])[0])
+
+
+def test_eos_stops_a_row_and_max_new_tokens_truncates(target_model, prompt):
+    want = reference_greedy(target_model, prompt, 20)
+    eos = int(want[0, 3])
+    out = run(target_model, DraftModelDrafter(target_model, 4, GREEDY), prompt, 20, eos=eos)
+    for r in range(prompt.shape[0]):
+        hits = (want[r] == eos).nonzero()
+        stop = int(hits[0]) + 1 if len(hits) else 20
+        assert out.num_generated[r] == stop
+        assert torch.equal(out.tokens[r, :stop], want[r, :stop])
+        assert (out.tokens[r, stop:] == -1).all()
+
+
+def test_stats_account_for_every_token_and_forward(target_model, prompt):
+    out = run(target_model, DraftModelDrafter(toy_model(seed=7, vocab_size=16), 3, GREEDY), prompt, 17)
+    s = out.stats
+    # the first token comes from prefill; every other token from a verify call (this run does not truncate)
+    assert s.num_target_forwards == 1 + len(s.accept_lengths_per_row()[0])
+    assert s.num_emitted_tokens >= prompt.shape[0] * 16
+    assert s.num_accepted_tokens == sum(i * c for i, c in enumerate(s.acceptance_histogram))
+    assert s.num_draft_tokens == 3 * s.num_drafts
+    assert 0 <= s.draft_acceptance_rate <= 1
+    rates = s.per_position_acceptance_rate
+    assert len(rates) == 3 and all(a >= b for a, b in zip(rates, rates[1:]))  # accepted prefix: non-increasing
+    assert s.num_draft_forwards > 0

@@ -1,0 +1,45 @@
+"""Statistics: counters from hand-made verify results, per-position rates, merging, JSON round trip."""
+
+import json
+
+import torch
+
+from mmspec.stats import SpecStats
+from mmspec.verify import VerifyResult
+
+
+def result(accepted, drafted, k):
+    acc = torch.tensor(accepted)
+    flags = torch.arange(k) < acc.unsqueeze(-1)
+    out = torch.full((len(accepted), k + 1), -1)
+    return VerifyResult(out, acc, flags, torch.tensor(drafted))
+
+
+def test_counters_and_rates():
+    s = SpecStats()
+    s.record(result([2, 0, 3], [3, 3, 3], 3))
+    s.record(result([1, 3, 0], [3, 3, 0], 3), active=torch.tensor([True, True, False]))
+    assert s.num_drafts == 5  # the finished row of the second call is not counted
+    assert s.num_draft_tokens == 15
+    assert s.num_accepted_tokens == 2 + 0 + 3 + 1 + 3
+    assert s.num_emitted_tokens == 9 + 5
+    assert s.mean_acceptance_length == 14 / 5
+    assert s.draft_acceptance_rate == 9 / 15
+    assert s.per_position_acceptance_rate == [4 / 5, 3 / 5, 2 / 5]
+    assert s.acceptance_histogram == [1, 1, 1, 2]
+    assert s.accept_lengths_per_row() == [[3, 2], [1, 4], [4]]
+
+
+def test_positions_grow_with_longer_drafts_and_merge():
+    a = SpecStats(num_target_forwards=3)
+    a.record(result([1], [2], 2))
+    a.record(result([4], [5], 5))
+    b = SpecStats(num_target_forwards=2, wall_time=1.5)
+    b.record(result([0], [1], 1))
+    b.add_extra("fallbacks", 2)
+    merged = a + b
+    assert merged.num_target_forwards == 5 and merged.wall_time == 1.5
+    assert merged.per_position_acceptance_rate == [2 / 3, 1 / 2, 1.0, 1.0, 0.0]
+    assert merged.extra == {"fallbacks": 2}
+    again = SpecStats.from_dict(json.loads(merged.to_json()))
+    assert again.to_dict() == merged.to_dict()

@@ -1,0 +1,145 @@
+"""Tree verification: losslessness for deterministic and sampled children, equality with chains, greedy."""
+
+import pytest
+import torch
+
+from mmspec.errors import InputError
+from mmspec.testing.distributions import empirical_distribution, tv_distance, tv_tolerance
+from mmspec.tree import DraftTree, chain_as_tree
+from mmspec.verify import ChainDraft, Randomness, accept, get_rule
+
+V = 10
+C = 3  # children per node
+# node layout: 0 root; 1..3 depth 1; 4..12 depth 2 (children of 1, 2, 3 in order)
+PARENTS = [-1, 0, 0, 0] + [1] * C + [2] * C + [3] * C
+DEPTHS = [0, 1, 1, 1] + [2] * (C * C)
+N = len(PARENTS)
+
+
+def make_trees(n: int, seed: int, sampled: bool):
+    """n rows of the same 2-level tree shape; per-node target p and draft q (context free)."""
+    gen = torch.Generator().manual_seed(seed)
+    p_nodes = torch.softmax(torch.randn(N, V, generator=gen) * 1.5, -1)  # [N, V]
+    q_nodes = torch.softmax(torch.randn(N, V, generator=gen) * 1.5, -1)
+    parents = torch.tensor(PARENTS).expand(n, N)
+    if sampled:  # children of each node: C draws without replacement from q at the parent (Gumbel top-k order)
+        gumbel = -torch.log(-torch.log(torch.rand(n, N, V, generator=gen).clamp(1e-12, 1 - 1e-12)))
+        order = (q_nodes.log() + gumbel).argsort(-1, descending=True)[..., :C]  # [n, N, C]
+    else:  # deterministic top-C children of q
+        order = q_nodes.argsort(-1, descending=True)[:, :C].expand(n, N, C)
+    tokens = torch.zeros(n, N, dtype=torch.long)
+    for child in range(1, N):  # build-time only: fill each child with its parent's next candidate
+        parent = PARENTS[child]
+        rank = [c for c in range(1, N) if PARENTS[c] == parent].index(child)
+        tokens[:, child] = order[:, parent, rank]
+    tree = DraftTree(tokens=tokens, parents=parents.clone(), depths=torch.tensor(DEPTHS).expand(n, N).clone(),
+                     valid=torch.ones(n, N, dtype=torch.bool), max_depth=2, max_children=C,
+                     child_probs=q_nodes.expand(n, N, V) if sampled else None, sampled=sampled)
+    return tree, p_nodes
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_tree_verification_is_lossless(sampled):
+    n = 120_000
+    tree, p_nodes = make_trees(n, seed=11, sampled=sampled)
+    res = accept("lossless", tree, p_nodes.expand(n, N, V), torch.Generator().manual_seed(12))
+    out, nodes = res.output_tokens, res.accepted_nodes
+    # first emitted token ~ p at the root
+    assert tv_distance(empirical_distribution(out[:, 0], V), p_nodes[0]) < tv_tolerance(V, n)
+    # after accepting depth-1 node c, the next emitted token ~ p at c (recovered or, at a leaf, bonus)
+    for c in (1, 2, 3, 4, 8):
+        depth = DEPTHS[c]
+        rows = (nodes[:, depth] == c) if depth < nodes.shape[1] else None
+        count = int(rows.sum())
+        assert count > 300, f"node {c} reached by {count} rows only"
+        emp = empirical_distribution(out[:, depth], V, rows)
+        assert tv_distance(emp, p_nodes[c]) < tv_tolerance(V, count), f"node {c}"
+
+
+def test_tree_test_catches_missing_sibling_renormalisation():
+    """Negative control: trying every sibling against the ORIGINAL p (no removal) must fail the check."""
+    from mmspec.verify.lossless import lossless_node_accept
+    from mmspec.verify.tree_walk import walk_tree
+
+    n = 120_000
+    tree, p_nodes = make_trees(n, seed=11, sampled=False)
+    rand = Randomness.draw(n, N, V, torch.Generator().manual_seed(12))
+    res = walk_tree(tree, p_nodes.expand(n, N, V), rand, lossless_node_accept, lambda p, q, x: (p, q))
+    emp = empirical_distribution(res.output_tokens[:, 0], V)
+    assert tv_distance(emp, p_nodes[0]) > 5 * tv_tolerance(V, n)
+
+
+@pytest.mark.parametrize("with_q", [False, True])
+def test_one_branch_tree_equals_chain_with_the_same_randomness(with_q):
+    gen = torch.Generator().manual_seed(3)
+    b, k = 64, 4
+    p = torch.softmax(torch.randn(b, k + 1, V, generator=gen) * 2, -1)
+    q = torch.softmax(torch.randn(b, k, V, generator=gen) * 2, -1) if with_q else None
+    x = torch.multinomial(torch.softmax(torch.randn(V, generator=gen), -1), b * k, True, generator=gen).view(b, k)
+    rand = Randomness.draw(b, k + 1, V, gen)
+    tree = chain_as_tree(x, torch.zeros(b, dtype=torch.long), q)
+    rule = get_rule("lossless")
+    tree_res = rule.verify_tree(tree, p, rand)
+    chain_res = rule.verify_chain(x, p, q, Randomness(rand.uniforms[:, 1:], rand.exponentials), torch.full((b,), k))
+    assert torch.equal(tree_res.output_tokens, chain_res.output_tokens)
+    assert torch.equal(tree_res.accepted_nodes[:, 1:] >= 0, chain_res.accepted_flags)
+
+
+def test_greedy_tree_picks_the_longest_matching_path():
+    # root argmax = 5; node 1 (token 5) argmax = 7; node 3 (token 7 under node 1) argmax = 2
+    tokens = torch.tensor([[0, 5, 6, 7, 1]])
+    parents = torch.tensor([[-1, 0, 0, 1, 1]])
+    depths = torch.tensor([[0, 1, 1, 2, 2]])
+    tree = DraftTree(tokens, parents, depths, torch.ones(1, 5, dtype=torch.bool), max_depth=2, max_children=2)
+    logits = torch.zeros(1, 5, V)
+    logits[0, 0, 5] = logits[0, 1, 7] = logits[0, 3, 2] = 1.0
+    logits[0, 2, 3] = logits[0, 4, 4] = 1.0
+    res = accept("greedy", tree, logits)
+    assert res.output_tokens.tolist() == [[5, 7, 2]]
+    assert res.accepted_nodes.tolist() == [[0, 1, 3]]
+    assert res.num_accepted.tolist() == [2]
+
+
+def test_tree_with_no_match_emits_root_argmax():
+    tree = chain_as_tree(torch.tensor([[3, 4]]), torch.tensor([0]))
+    logits = torch.zeros(1, 3, V)
+    logits[0, 0, 9] = 1.0
+    res = accept("greedy", tree, logits)
+    assert res.output_tokens.tolist() == [[9, -1, -1]]
+
+
+@pytest.mark.parametrize("rule_name, sampled", [("lossless", False), ("lossless", True), ("greedy", False)])
+def test_tree_rules_compile_fullgraph(rule_name, sampled):
+    tree, p_nodes = make_trees(4, seed=5, sampled=sampled)
+    p = p_nodes.expand(4, N, V).contiguous()
+    rand = Randomness.draw(4, N, V, torch.Generator().manual_seed(0))
+    rule = get_rule(rule_name)
+
+    def fn(tokens, parents, depths, valid, child_probs, p, u, e):
+        t = DraftTree(tokens, parents, depths, valid, 2, C, child_probs, sampled)
+        res = rule.verify_tree(t, p, Randomness(u, e))
+        return res.output_tokens, res.accepted_nodes
+
+    args = (tree.tokens, tree.parents, tree.depths, tree.valid, tree.child_probs, p, rand.uniforms, rand.exponentials)
+    got = torch.compile(fn, fullgraph=True, backend="eager")(*args)
+    want = fn(*args)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_malformed_tree_is_a_clear_error():
+    tree, p_nodes = make_trees(2, seed=0, sampled=False)
+    tree.parents[0, 5] = 7  # parent after child
+    with pytest.raises(InputError, match="parent"):
+        accept("lossless", tree, p_nodes.expand(2, N, V))
+
+
+def test_rule_without_tree_support_says_so():
+    tree, p_nodes = make_trees(2, seed=0, sampled=False)
+    with pytest.raises(InputError, match="chain"):
+        accept("gsd", tree, p_nodes.expand(2, N, V))
+
+
+def test_chain_draft_shape_errors_are_named():
+    with pytest.raises(InputError, match="num_draft"):
+        accept("lossless", ChainDraft(torch.zeros(2, 3, dtype=torch.long), None, torch.tensor([4, 0])),
+               torch.full((2, 4, V), 0.1))
