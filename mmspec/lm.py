@@ -4,18 +4,23 @@ Any model that implements `CachedLM` (a `new_cache` and a `forward_cached` that 
 given cache slots under a given mask) can be a target (`LMTarget`) or a drafter (`DraftModelDrafter`: classic
 chain drafting with a small model; `TreeModelDrafter`: EAGLE-2 dynamic trees scored by the model). `NoDrafter`
 turns the loop into vanilla decoding. Image and VLM pipelines wrap their models in the same protocol.
+
+`GuidedRunner` holds a model and its cache and does classifier-free guidance the LlamaGen way when asked: the
+cache holds 2B rows [conditional ; unconditional], every token goes to both halves, and the logits returned are
+`uncond + scale * (cond - uncond)`. Targets and drafters use it, so CFG lives in one place.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 
 from mmspec.cache import StaticKVCache
 from mmspec.errors import check, check_positive_int
 from mmspec.loop import DecodeState
-from mmspec.sampling import SamplingParams, probs_from_params, sample
+from mmspec.sampling import SamplingParams, cfg_combine, probs_from_params, sample, split_cfg_batch
 from mmspec.tree import DraftTree, expand_eagle2
 from mmspec.verify import ChainDraft, Draft, VerifyResult
 
@@ -31,49 +36,129 @@ class CachedLM(Protocol):
         """tokens, positions, slots [B, S]; mask [B, S, T]. Writes K/V at `slots`; returns logits [B, S, V]."""
 
 
-def run_prompt(model: CachedLM, prompt: torch.Tensor, capacity: int) -> tuple[StaticKVCache, torch.Tensor]:
-    """Prefill a fresh cache with prompt [B, P] (all committed); return (cache, logits of the last position)."""
-    check(prompt.dim() == 2 and prompt.shape[1] >= 1, f"prompt must be [B, P] with P >= 1, got {list(prompt.shape)}.")
-    cache = model.new_cache(prompt.shape[0], capacity)
+def prefill_prompt(model: CachedLM, prompt: torch.Tensor, extra_capacity: int) -> tuple[StaticKVCache, torch.Tensor]:
+    """Prefill a fresh cache with a token prompt [R, P] (all committed), leaving room for `extra_capacity` more
+    entries; return (cache, logits for the first new token [R, 1, V])."""
+    check(isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and prompt.shape[1] >= 1,
+          f"prompt must be a [B, P] token tensor with P >= 1, got {getattr(prompt, 'shape', type(prompt))}.")
+    cache = model.new_cache(prompt.shape[0], prompt.shape[1] + extra_capacity)
     slots = cache.slots(prompt.shape[1])
     logits = model.forward_cached(prompt, slots, cache, slots, cache.attention_mask(slots))
     cache.commit_chain(torch.full_like(cache.lengths, prompt.shape[1]))
     return cache, logits[:, -1:]
 
 
-class LMTarget:
-    """A CachedLM as the loop's target; p is the model's distribution under `params` (temperature, top-k/p)."""
+def cfg_prompt_pair(model: CachedLM, prompts: tuple[torch.Tensor, torch.Tensor],
+                    extra_capacity: int) -> tuple[StaticKVCache, torch.Tensor]:
+    """CFG prefill for token prompts: `(cond [B, P], uncond [B, P])` become the 2B rows [cond ; uncond]."""
+    return prefill_prompt(model, torch.cat(prompts, dim=0), extra_capacity)
 
-    def __init__(self, model: CachedLM, params: SamplingParams, max_new_tokens: int, max_draft_nodes: int = 64):
+
+# prefill_fn(model, inputs, extra_capacity) -> (committed cache, logits for the first new token [R, 1, V])
+PrefillFn = Callable[[CachedLM, Any, int], tuple[StaticKVCache, torch.Tensor]]
+
+
+def both_halves(t: torch.Tensor) -> torch.Tensor:
+    """[B, ...] -> [2B, ...]: the same tensor for the conditional and the unconditional rows of a CFG batch."""
+    return torch.cat([t, t], dim=0)
+
+
+class GuidedRunner:
+    """A CachedLM with its cache, optionally run as a CFG pair. All arguments and results have B rows."""
+
+    def __init__(self, model: CachedLM, guidance_scale: float | torch.Tensor | None = None,
+                 prefill_fn: PrefillFn = prefill_prompt):
         self.model = model
+        self.guidance_scale = guidance_scale
+        self.prefill_fn = prefill_fn
+        self.cache: StaticKVCache | None = None
+        self.forwards = 0
+
+    @property
+    def uses_cfg(self) -> bool:
+        return self.guidance_scale is not None
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        return both_halves(t) if self.uses_cfg else t
+
+    def combine(self, logits: torch.Tensor) -> torch.Tensor:
+        """[R, ...] model logits -> [B, ...] (CFG-combined when guided)."""
+        if not self.uses_cfg:
+            return logits
+        cond, uncond = split_cfg_batch(logits)
+        scale = self.guidance_scale
+        if isinstance(scale, torch.Tensor):  # per-row scales [B]
+            scale = scale.to(logits.device).view(-1, *([1] * (logits.dim() - 1)))
+        return cfg_combine(cond, uncond, scale)
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] committed entries per row."""
+        return self.cache.lengths[: self.cache.batch_size // (2 if self.uses_cfg else 1)]
+
+    def prefill(self, inputs: Any, extra_capacity: int) -> torch.Tensor:
+        self.cache, logits = self.prefill_fn(self.model, inputs, extra_capacity)
+        self.forwards += 1
+        return self.combine(logits)  # [B, 1, V]
+
+    def slots(self, num_new: int) -> torch.Tensor:
+        """[B, S] slots for S new entries per row."""
+        return self.lengths.unsqueeze(-1) + torch.arange(num_new, device=self.cache.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                tree_mask: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run tokens [B, S] at positions/slots [B, S] (not committed). The mask is causal over the new entries,
+        or `tree_mask` [B, S, S] over them, or a full `mask` [B, S, T]. Returns combined logits [B, S, V]."""
+        full_slots = self.rows(slots)
+        if mask is None:
+            mask = self.cache.attention_mask(full_slots, None if tree_mask is None else self.rows(tree_mask))
+        else:
+            mask = self.rows(mask)
+        logits = self.model.forward_cached(self.rows(tokens), self.rows(positions), self.cache, full_slots, mask)
+        self.forwards += 1
+        return self.combine(logits)
+
+    def commit_chain(self, keep: torch.Tensor) -> None:
+        self.cache.commit_chain(self.rows(keep))
+
+    def commit_path(self, path: torch.Tensor, keep: torch.Tensor) -> None:
+        self.cache.commit_path(self.rows(path), self.rows(keep))
+
+
+class LMTarget:
+    """A CachedLM as the loop's target; p is the model's distribution under `params` (temperature, top-k/p).
+
+    `guidance_scale` turns on classifier-free guidance (see `GuidedRunner`); `prefill_fn` runs the condition
+    (default: a token prompt; `cfg_prompt_pair` for a (cond, uncond) pair of prompts).
+    """
+
+    def __init__(self, model: CachedLM, params: SamplingParams, max_new_tokens: int, max_draft_nodes: int = 64, *,
+                 guidance_scale: float | torch.Tensor | None = None, prefill_fn: PrefillFn = prefill_prompt):
+        self.runner = GuidedRunner(model, guidance_scale, prefill_fn)
         self.params = params
         self.extra_capacity = max_new_tokens + max_draft_nodes + 1
-        self.cache: StaticKVCache | None = None
 
-    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
-        self.cache, logits = run_prompt(self.model, prompt, prompt.shape[1] + self.extra_capacity)
-        return probs_from_params(logits, self.params)  # [B, 1, V]
+    def prefill(self, inputs: Any) -> torch.Tensor:
+        return probs_from_params(self.runner.prefill(inputs, self.extra_capacity), self.params)  # [B, 1, V]
 
     def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
-        cache = self.cache
+        runner = self.runner
         if isinstance(draft, DraftTree):
-            tokens = draft.tokens.clamp_min(0)  # [B, N], node 0 = state.last_token
-            slots = cache.slots(tokens.shape[1])
-            positions = draft.position_ids(cache.lengths)
-            mask = cache.attention_mask(slots, draft.attention_mask())
+            slots = runner.slots(draft.num_nodes)
+            logits = runner.forward(draft.tokens.clamp_min(0), draft.position_ids(runner.lengths), slots,
+                                    tree_mask=draft.attention_mask())
         else:
             tokens = torch.cat([state.last_token.unsqueeze(-1), draft.tokens.clamp_min(0)], dim=1)  # [B, K+1]
-            slots = cache.slots(tokens.shape[1])
-            positions, mask = slots, cache.attention_mask(slots)
-        logits = self.model.forward_cached(tokens, positions, cache, slots, mask)
+            slots = runner.slots(tokens.shape[1])
+            logits = runner.forward(tokens, slots, slots)
         return probs_from_params(logits, self.params)
 
     def commit(self, state: DecodeState, draft: Draft, result: VerifyResult, active: torch.Tensor) -> None:
         keep = (result.num_accepted + 1) * active  # the last token plus the accepted drafts
         if isinstance(draft, DraftTree):
-            self.cache.commit_path(result.accepted_nodes, keep)
+            self.runner.commit_path(result.accepted_nodes, keep)
         else:
-            self.cache.commit_chain(keep)
+            self.runner.commit_chain(keep)
 
 
 class NoDrafter:
@@ -94,9 +179,11 @@ class NoDrafter:
 class _PendingTokens:
     """Tokens the drafter has not run yet (ragged per row), fed at the start of the next proposal."""
 
-    def __init__(self, batch_size: int, width: int, device: torch.device):
-        self.tokens = torch.zeros(batch_size, width, dtype=torch.long, device=device)  # [B, W]
-        self.count = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
+    def __init__(self, last_token: torch.Tensor, width: int):
+        b = last_token.shape[0]
+        self.tokens = torch.zeros(b, width, dtype=torch.long, device=last_token.device)  # [B, W]
+        self.tokens[:, 0] = last_token
+        self.count = torch.ones(b, dtype=torch.long, device=last_token.device)  # [B]
 
     def set(self, tokens: torch.Tensor, count: torch.Tensor, rows: torch.Tensor) -> None:
         """For rows [B] bool, replace the pending tokens with tokens [B, <=W] (first `count` used)."""
@@ -106,11 +193,11 @@ class _PendingTokens:
         self.count = torch.where(rows, count, self.count)
 
 
-def feed_pending(model: CachedLM, cache: StaticKVCache, pending: _PendingTokens) -> tuple[torch.Tensor, torch.Tensor]:
+def feed_pending(runner: GuidedRunner, pending: _PendingTokens) -> tuple[torch.Tensor, torch.Tensor]:
     """Run each row's pending tokens after its committed prefix (not committed). Returns (logits after the last
     pending token [B, V], the slot of that token [B])."""
-    slots = cache.slots(pending.tokens.shape[1])  # [B, W]; entries past a row's count are scratch
-    logits = model.forward_cached(pending.tokens, slots, cache, slots, cache.attention_mask(slots))
+    slots = runner.slots(pending.tokens.shape[1])  # [B, W]; entries past a row's count are scratch
+    logits = runner.forward(pending.tokens, slots, slots)
     last = (pending.count - 1).clamp_min(0)
     rows = torch.arange(slots.shape[0], device=slots.device)
     return logits[rows, last], slots[rows, last]
@@ -119,25 +206,26 @@ def feed_pending(model: CachedLM, cache: StaticKVCache, pending: _PendingTokens)
 class DraftModelDrafter:
     """Classic speculative decoding: a (small) CachedLM drafts K tokens autoregressively.
 
-    `params` is the drafter's own sampling setting; greedy drafters report no distribution (one-hot q).
+    `params` is the drafter's own sampling setting; greedy drafters report no distribution (one-hot q). The
+    drafter receives the same inputs as the target (`prefill_fn`, `guidance_scale` as in `LMTarget`).
     """
 
-    def __init__(self, model: CachedLM, num_draft_tokens: int, params: SamplingParams, generator=None):
+    def __init__(self, model: CachedLM, num_draft_tokens: int, params: SamplingParams, generator=None, *,
+                 guidance_scale: float | torch.Tensor | None = None, prefill_fn: PrefillFn = prefill_prompt):
         check_positive_int("num_draft_tokens", num_draft_tokens)
-        self.model, self.k, self.params, self.generator = model, num_draft_tokens, params, generator
-        self.forwards = 0
+        self.runner = GuidedRunner(model, guidance_scale, prefill_fn)
+        self.k, self.params, self.generator = num_draft_tokens, params, generator
 
-    def begin(self, prompt: torch.Tensor, state: DecodeState) -> None:
-        capacity = prompt.shape[1] + state.max_new_tokens + self.k + 2
-        self.cache, _ = run_prompt(self.model, prompt, capacity)
-        self.forwards += 1
-        self.pending = _PendingTokens(state.batch_size, 2, prompt.device)
-        self.pending.set(state.last_token.unsqueeze(-1), torch.ones_like(state.num_generated),
-                         torch.ones_like(state.done))
+    @property
+    def forwards(self) -> int:
+        return self.runner.forwards
+
+    def begin(self, inputs: Any, state: DecodeState) -> None:
+        self.runner.prefill(inputs, state.max_new_tokens + self.k + 2)
+        self.pending = _PendingTokens(state.last_token, 2)
 
     def propose(self, state: DecodeState) -> ChainDraft:
-        logits, slot = feed_pending(self.model, self.cache, self.pending)  # [B, V], [B]
-        self.forwards += 1
+        logits, slot = feed_pending(self.runner, self.pending)  # [B, V], [B]
         tokens, probs = [], []
         for i in range(self.k):
             p = probs_from_params(logits, self.params)  # [B, V] the drafter's q
@@ -146,19 +234,16 @@ class DraftModelDrafter:
             probs.append(p)
             if i + 1 < self.k:
                 s = (slot + 1 + i).unsqueeze(-1)  # [B, 1]
-                logits = self.model.forward_cached(x.unsqueeze(-1), s, self.cache, s,
-                                                   self.cache.attention_mask(s))[:, 0]
-                self.forwards += 1
+                logits = self.runner.forward(x.unsqueeze(-1), s, s)[:, 0]
         q = None if self.params.greedy else torch.stack(probs, 1)
         return ChainDraft(torch.stack(tokens, 1), q)
 
     def observe(self, state: DecodeState, draft: ChainDraft, result: VerifyResult, active: torch.Tensor) -> None:
         # the drafter ran the pending tokens and drafts x_1..x_{K-1}; keep what the target committed
         n = result.num_accepted
-        self.cache.commit_chain((self.pending.count + n.clamp_max(self.k - 1)) * active)
+        self.runner.commit_chain((self.pending.count + n.clamp_max(self.k - 1)) * active)
         all_accepted = n == self.k
-        last_draft = draft.tokens[:, -1]
-        two = torch.stack([last_draft, result.final_tokens], 1)
+        two = torch.stack([draft.tokens[:, -1], result.final_tokens], 1)
         one = torch.stack([result.final_tokens, result.final_tokens], 1)
         self.pending.set(torch.where(all_accepted.unsqueeze(-1), two, one), 1 + all_accepted.long(), active)
 
@@ -169,44 +254,43 @@ class TreeModelDrafter:
     Each level runs the model once on the frontier, with tree attention over the candidate pool.
     """
 
-    def __init__(self, model: CachedLM, top_k: int = 4, depth: int = 4, total_tokens: int = 16):
-        self.model, self.top_k, self.depth, self.total = model, top_k, depth, total_tokens
+    def __init__(self, model: CachedLM, top_k: int = 4, depth: int = 4, total_tokens: int = 16, *,
+                 guidance_scale: float | torch.Tensor | None = None, prefill_fn: PrefillFn = prefill_prompt):
+        self.runner = GuidedRunner(model, guidance_scale, prefill_fn)
+        self.top_k, self.depth, self.total = top_k, depth, total_tokens
         self.max_pool = 1 + top_k + (depth - 1) * top_k * top_k
-        self.forwards = 0
 
-    def begin(self, prompt: torch.Tensor, state: DecodeState) -> None:
-        capacity = prompt.shape[1] + state.max_new_tokens + self.depth + 2 + self.max_pool
-        self.cache, _ = run_prompt(self.model, prompt, capacity)
-        self.forwards += 1
-        self.pending = _PendingTokens(state.batch_size, self.depth + 1, prompt.device)
-        self.pending.set(state.last_token.unsqueeze(-1), torch.ones_like(state.num_generated),
-                         torch.ones_like(state.done))
+    @property
+    def forwards(self) -> int:
+        return self.runner.forwards
+
+    def begin(self, inputs: Any, state: DecodeState) -> None:
+        self.runner.prefill(inputs, state.max_new_tokens + self.depth + 2 + self.max_pool)
+        self.pending = _PendingTokens(state.last_token, self.depth + 1)
 
     def propose(self, state: DecodeState) -> DraftTree:
-        cache = self.cache
-        root_logits, root_slot = feed_pending(self.model, cache, self.pending)  # [B, V], [B]
-        self.forwards += 1
+        runner = self.runner
+        root_logits, root_slot = feed_pending(runner, self.pending)  # [B, V], [B]
         b = state.batch_size
         device = root_slot.device
-        keys = torch.arange(cache.capacity, device=device)
+        keys = torch.arange(runner.cache.capacity, device=device)  # [T]
         # pool node j lives at slot root_slot + j; ancestors[b, j, i]: pool node i is j or an ancestor of j
         ancestors = torch.zeros(b, self.max_pool, self.max_pool, dtype=torch.bool, device=device)
         ancestors[:, 0, 0] = True
+        batch_rows = torch.arange(b, device=device).unsqueeze(-1)  # [B, 1]
 
         def score(tokens, ids, parent_ids, depth):
             if depth == 0:
                 return torch.log_softmax(root_logits.float(), -1).unsqueeze(1)  # [B, 1, V]
-            rows = torch.arange(b, device=device).unsqueeze(-1)
-            anc = ancestors[rows, parent_ids.clamp_min(0)]  # [B, F, P]
-            anc[rows, torch.arange(ids.shape[1], device=device).unsqueeze(0), ids] = True
-            ancestors[rows, ids] = anc
-            slots = root_slot.unsqueeze(-1) + ids  # [B, F]
+            anc = ancestors[batch_rows, parent_ids.clamp_min(0)]  # [B, F, P]
+            anc[batch_rows, torch.arange(ids.shape[1], device=device).unsqueeze(0), ids] = True
+            ancestors[batch_rows, ids] = anc
             offset = keys - root_slot.unsqueeze(-1)  # [B, T] pool index of each key
             in_pool = (offset >= 0) & (offset < self.max_pool)
             pool_cols = anc.gather(2, offset.clamp(0, self.max_pool - 1).unsqueeze(1).expand(-1, ids.shape[1], -1))
             mask = (keys < root_slot.unsqueeze(-1)).unsqueeze(1) | (in_pool.unsqueeze(1) & pool_cols)  # [B, F, T]
-            logits = self.model.forward_cached(tokens, root_slot.unsqueeze(-1) + depth, cache, slots, mask)
-            self.forwards += 1
+            logits = runner.forward(tokens, (root_slot + depth).unsqueeze(-1).expand_as(ids),
+                                    root_slot.unsqueeze(-1) + ids, mask=mask)
             return torch.log_softmax(logits.float(), -1)
 
         return expand_eagle2(state.last_token, score, top_k=self.top_k, depth=self.depth, total_tokens=self.total)
@@ -214,7 +298,6 @@ class TreeModelDrafter:
     def observe(self, state: DecodeState, draft: DraftTree, result: VerifyResult, active: torch.Tensor) -> None:
         # keep only the pending tokens (they end with the root); the accepted path and the final token are run
         # again next time, as EAGLE re-runs its drafter on accepted tokens
-        self.cache.commit_chain(self.pending.count * active)
+        self.runner.commit_chain(self.pending.count * active)
         emitted = result.output_tokens[:, : self.depth + 1]  # accepted drafts then the final token
         self.pending.set(emitted, result.num_accepted + 1, active)
-

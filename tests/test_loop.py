@@ -143,3 +143,30 @@ def test_stats_account_for_every_token_and_forward(target_model, prompt):
     rates = s.per_position_acceptance_rate
     assert len(rates) == 3 and all(a >= b for a, b in zip(rates, rates[1:]))  # accepted prefix: non-increasing
     assert s.num_draft_forwards > 0
+
+
+def test_cfg_target_equals_cfg_reference(target_model):
+    """CFG as one 2B batch: cond prompts then uncond prompts, the same token fed to both halves."""
+    from mmspec.lm import cfg_prompt_pair
+    from mmspec.sampling import cfg_combine
+
+    cond = torch.randint(0, 16, (3, 5), generator=torch.Generator().manual_seed(2))
+    uncond = torch.zeros_like(cond)
+    scale, n = 3.0, 12
+
+    with torch.no_grad():  # reference: full forwards of both halves, greedy on the combined logits
+        seq_c, seq_u = cond, uncond
+        for _ in range(n):
+            logits = cfg_combine(target_model(seq_c)[:, -1], target_model(seq_u)[:, -1], scale)
+            nxt = logits.argmax(-1, keepdim=True)
+            seq_c, seq_u = torch.cat([seq_c, nxt], 1), torch.cat([seq_u, nxt], 1)
+    want = seq_c[:, cond.shape[1]:]
+
+    cfg = dict(guidance_scale=scale, prefill_fn=cfg_prompt_pair)
+    for drafter in (NoDrafter(), DraftModelDrafter(target_model, 3, GREEDY, **cfg),
+                    TreeModelDrafter(toy_model(seed=7, vocab_size=16), top_k=2, depth=3, total_tokens=8, **cfg)):
+        target = LMTarget(target_model, GREEDY, n, **cfg)
+        out = generate(target, drafter, "greedy", (cond, uncond), batch_size=3, max_new_tokens=n)
+        assert torch.equal(out.tokens, want), type(drafter).__name__
+        if isinstance(drafter, DraftModelDrafter):  # the target drafting for itself under CFG: all accepted
+            assert out.stats.mean_acceptance_length == 4.0

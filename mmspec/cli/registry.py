@@ -10,7 +10,6 @@ from __future__ import annotations
 # top-level commands: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "selfcheck": ("mmspec.cli.selfcheck", "check the installation: core rules, kernels, a toy speculative run"),
-    "generate": ("mmspec.cli.generate", "generate images with a pipeline and method (writes PNGs, grid, stats)"),
     "bench": ("mmspec.bench.cli", "benchmark vanilla vs speculative methods side by side in one process"),
 }
 
