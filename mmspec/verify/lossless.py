@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from mmspec.errors import check
 from mmspec.tree import DraftTree
 from mmspec.verify.base import AcceptanceRule, Randomness, VerifyResult, register_rule
 from mmspec.verify.chain import verify_chain_greedy, verify_chain_lossless
@@ -41,11 +42,24 @@ class LosslessRule(AcceptanceRule):
     name = "lossless"
     lossless = True
 
+    def __init__(self, kernel: str = "torch") -> None:
+        """kernel: "torch" (the PyTorch implementation) or "triton" (the fused rejection-sampling kernel of
+        `mmspec.kernels.rejection`, token-identical; needs CUDA or TRITON_INTERPRET=1). The default stays
+        "torch" until GPU benchmarks show the kernel is faster."""
+        check(kernel in ("torch", "triton"), f"kernel must be 'torch' or 'triton', got {kernel!r}.")
+        self.kernel = kernel
+
+    def config(self) -> dict:
+        return {"name": self.name, "kernel": self.kernel}
+
     def verify_chain(self, draft_tokens: torch.Tensor, target_probs: torch.Tensor,
                      draft_probs: torch.Tensor | None, rand: Randomness,
                      num_draft: torch.Tensor) -> VerifyResult:
-        out, acc, flags = verify_chain_lossless(draft_tokens, target_probs, draft_probs, rand.uniforms,
-                                                rand.exponentials, num_draft)
+        chain_fn = verify_chain_lossless
+        if self.kernel == "triton":
+            from mmspec.kernels.rejection import rejection_sample_chain as chain_fn
+        out, acc, flags = chain_fn(draft_tokens, target_probs, draft_probs, rand.uniforms, rand.exponentials,
+                                   num_draft)
         return VerifyResult(out, acc, flags, num_draft)
 
     def verify_tree(self, tree: DraftTree, target_probs: torch.Tensor, rand: Randomness) -> VerifyResult:

@@ -203,3 +203,16 @@ def test_kernel_compiles_for_a_gpu_and_keeps_float_ops_exact(with_q: bool, gpu_c
     assert result["ok"], result["error"]
     ptx = result["ptx"]
     assert "div.rn.f64" in ptx and "fma" not in ptx and ".ftz" not in ptx
+
+
+def test_lossless_rule_can_use_the_kernel():
+    from mmspec.verify import ChainDraft, accept
+
+    gen = torch.Generator().manual_seed(0)
+    b, k, v = 5, 3, 29
+    p = torch.softmax(torch.randn(b, k + 1, v, generator=gen), -1)
+    q = torch.softmax(torch.randn(b, k, v, generator=gen), -1)
+    x = torch.multinomial(q.view(-1, v), 1, generator=gen).view(b, k)
+    want = accept("lossless", ChainDraft(x, q), p, torch.Generator().manual_seed(1))
+    got = accept("lossless", ChainDraft(x, q), p, torch.Generator().manual_seed(1), kernel="triton")
+    assert torch.equal(got.output_tokens, want.output_tokens)
