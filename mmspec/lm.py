@@ -109,6 +109,9 @@ class GuidedRunner:
                 tree_mask: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
         """Run tokens [B, S] at positions/slots [B, S] (not committed). The mask is causal over the new entries,
         or `tree_mask` [B, S, S] over them, or a full `mask` [B, S, T]. Returns combined logits [B, S, V]."""
+        max_positions = getattr(self.model, "max_seq_len", None)
+        if max_positions is not None:  # padding entries past the end (their outputs are never used)
+            positions = positions.clamp_max(max_positions - 1)
         full_slots = self.rows(slots)
         if mask is None:
             mask = self.cache.attention_mask(full_slots, None if tree_mask is None else self.rows(tree_mask))

@@ -27,6 +27,7 @@ import torch
 from mmspec.errors import check, check_positive_int
 from mmspec.sampling import Generators
 from mmspec.stats import SpecStats
+from mmspec.tree import DraftTree
 from mmspec.verify import AcceptanceRule, ChainDraft, Draft, VerifyResult, accept, get_rule
 
 
@@ -126,6 +127,21 @@ class GenerationOutput:
 StepCallback = Callable[[DecodeState, Draft, VerifyResult], Any]
 
 
+def cap_draft(draft: Draft, room: torch.Tensor) -> Draft:
+    """Limit each row's draft to `room` [B] tokens (a row can emit at most room + 1 more tokens): chains get a
+    shorter num_draft, trees lose the nodes deeper than room. Padding stays in place, so shapes are static."""
+    room = room.clamp_min(0)
+    if isinstance(draft, ChainDraft):
+        k = draft.tokens.shape[1]
+        num = torch.minimum(draft.resolved_num_draft(), room)
+        keep = torch.arange(k, device=room.device) < num.unsqueeze(-1)
+        return ChainDraft(torch.where(keep, draft.tokens, -1), draft.probs, num)
+    keep = draft.valid & (draft.depths <= room.unsqueeze(-1))
+    return DraftTree(tokens=torch.where(keep, draft.tokens, -1), parents=torch.where(keep, draft.parents, -1),
+                     depths=torch.where(keep, draft.depths, 0), valid=keep, max_depth=draft.max_depth,
+                     max_children=draft.max_children, child_probs=draft.child_probs, sampled=draft.sampled)
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -161,7 +177,8 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         active = ~state.done
         if not bool(active.any()):  # the one host sync per iteration
             break
-        draft = drafter.propose(state)
+        # never draft past the end: a row with r tokens left may accept at most r - 1 drafts
+        draft = cap_draft(drafter.propose(state), state.max_new_tokens - state.num_generated - 1)
         target_probs = target.verify(state, draft)
         stats.num_target_forwards += 1
         check_now = validate == "always" or (validate == "first" and state.iteration == 0)

@@ -43,7 +43,7 @@ def prompt():
 @pytest.mark.parametrize("make_drafter, min_len, max_len", [
     (lambda m: NoDrafter(), 1.0, 1.0),
     (lambda m: RandomDrafter(16, 5), 1.0, 2.0),  # nothing (or little) accepted
-    (lambda m: DraftModelDrafter(m, 4, GREEDY), 5.0, 5.0),  # the target as its own drafter: all accepted
+    (lambda m: DraftModelDrafter(m, 4, GREEDY), 4.0, 5.0),  # the target as its own drafter: all accepted
     (lambda m: DraftModelDrafter(toy_model(seed=7, vocab_size=16), 3, GREEDY), 1.0, 4.0),
     # EAGLE-2 keeps the global top-k by cumulative score, so even a self-drafted greedy path can be pruned
     (lambda m: TreeModelDrafter(m, top_k=3, depth=4, total_tokens=12), 4.0, 5.0),
@@ -52,10 +52,14 @@ def prompt():
 def test_greedy_speculative_equals_greedy_vanilla(target_model, prompt, make_drafter, min_len, max_len):
     n = 24
     want = reference_greedy(target_model, prompt, n)
-    out = run(target_model, make_drafter(target_model), prompt, n)
+    drafter = make_drafter(target_model)
+    out = run(target_model, drafter, prompt, n)
     assert torch.equal(out.tokens, want)
     assert (out.num_generated == n).all()
+    # the last iteration drafts only what still fits, so the mean can sit below K + 1
     assert min_len - 1e-9 <= out.stats.mean_acceptance_length <= max_len + 1e-9
+    if isinstance(drafter, DraftModelDrafter) and drafter.runner.model is target_model:
+        assert out.stats.draft_acceptance_rate == 1.0
 
 
 @pytest.mark.parametrize("rule", ["lossless", "lantern-zero"])
@@ -138,7 +142,8 @@ def test_stats_account_for_every_token_and_forward(target_model, prompt):
     assert s.num_target_forwards == 1 + len(s.accept_lengths_per_row()[0])
     assert s.num_emitted_tokens >= prompt.shape[0] * 16
     assert s.num_accepted_tokens == sum(i * c for i, c in enumerate(s.acceptance_histogram))
-    assert s.num_draft_tokens == 3 * s.num_drafts
+    rows = prompt.shape[0]  # drafts are full (3) except when capped near the end
+    assert 3 * (s.num_drafts - rows) <= s.num_draft_tokens <= 3 * s.num_drafts
     assert 0 <= s.draft_acceptance_rate <= 1
     rates = s.per_position_acceptance_rate
     assert len(rates) == 3 and all(a >= b for a, b in zip(rates, rates[1:]))  # accepted prefix: non-increasing
@@ -169,4 +174,15 @@ def test_cfg_target_equals_cfg_reference(target_model):
         out = generate(target, drafter, "greedy", (cond, uncond), batch_size=3, max_new_tokens=n)
         assert torch.equal(out.tokens, want), type(drafter).__name__
         if isinstance(drafter, DraftModelDrafter):  # the target drafting for itself under CFG: all accepted
-            assert out.stats.mean_acceptance_length == 4.0
+            assert out.stats.draft_acceptance_rate == 1.0
+
+
+def test_drafts_are_capped_at_the_end_of_generation():
+    from mmspec.loop import cap_draft
+    from mmspec.tree import chain_as_tree
+    from mmspec.verify import ChainDraft
+
+    chain = cap_draft(ChainDraft(torch.tensor([[1, 2, 3], [4, 5, 6]])), torch.tensor([1, 5]))
+    assert chain.tokens.tolist() == [[1, -1, -1], [4, 5, 6]] and chain.num_draft.tolist() == [1, 3]
+    tree = cap_draft(chain_as_tree(torch.tensor([[1, 2, 3]]), torch.tensor([0])), torch.tensor([2]))
+    assert tree.valid.tolist() == [[True, True, True, False]]

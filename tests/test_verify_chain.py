@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from mmspec.errors import InputError
+from mmspec.testing.distributions import empirical_distribution, tv_distance, tv_tolerance
 from mmspec.verify import ChainDraft, Randomness, accept, get_rule
 from mmspec.verify.chain import verify_chain_greedy, verify_chain_lossless
-from mmspec.testing.distributions import empirical_distribution, tv_distance, tv_tolerance
 
 V = 10
 

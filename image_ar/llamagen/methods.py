@@ -1,0 +1,81 @@
+"""Decoding methods of the LlamaGen pipeline: each builds a drafter and an acceptance rule for the shared loop.
+
+A method is a function `make(ctx, **kwargs) -> (drafter, rule)` registered under a name; the pipeline's
+`method=` argument and `mmspec generate --method` pick it. Issue-by-issue the registry grows (SJD, GSD, LANTERN,
+EAGLE); every method runs through `mmspec.loop.generate`, batched, with classifier-free guidance as one 2B batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mmspec.errors import InputError, check
+from mmspec.lm import DraftModelDrafter, NoDrafter, PrefillFn
+from mmspec.sampling import SamplingParams
+
+
+@dataclass
+class MethodContext:
+    """What a method may use to build its drafter."""
+
+    pipeline: Any  # the LlamaGenPipeline (its transformer, vqvae, optional draft_transformer)
+    params: SamplingParams  # the target's sampling settings
+    guidance_scale: float | None  # None = no CFG
+    prefill_fn: PrefillFn  # runs the condition for a model: (model, labels/embeddings, extra) -> (cache, logits)
+    generator: torch.Generator | list[torch.Generator] | None
+    batch_size: int
+
+    def rule_name(self) -> str:
+        return "greedy" if self.params.greedy else "lossless"
+
+
+MethodFactory = Callable[..., tuple[Any, Any]]
+_METHODS: dict[str, MethodFactory] = {}
+
+
+def register_method(name: str) -> Callable[[MethodFactory], MethodFactory]:
+    def wrap(fn: MethodFactory) -> MethodFactory:
+        _METHODS[name] = fn
+        return fn
+
+    return wrap
+
+
+def available_methods() -> list[str]:
+    return list(_METHODS)
+
+
+def build_method(name: str, ctx: MethodContext, **kwargs) -> tuple[Any, Any]:
+    if name not in _METHODS:
+        raise InputError(f"unknown LlamaGen method {name!r}; available: {', '.join(available_methods())}.")
+    try:
+        return _METHODS[name](ctx, **kwargs)
+    except TypeError as err:
+        raise InputError(f"bad parameters for method {name!r}: {err}") from None
+
+
+@register_method("vanilla")
+def vanilla(ctx: MethodContext) -> tuple[Any, Any]:
+    """One target forward per token (the reference every method is compared with)."""
+    return NoDrafter(), ctx.rule_name()
+
+
+@register_method("draft-model")
+def draft_model(ctx: MethodContext, num_draft_tokens: int = 4, draft_temperature: float | None = None) -> tuple:
+    """Classic speculative sampling with the pipeline's small `draft_transformer` (same VQ vocabulary), which
+    drafts with the same CFG and sampling settings (its own temperature if given); lossless."""
+    draft = ctx.pipeline.draft_transformer
+    check(draft is not None, "method 'draft-model' needs a pipeline with a draft_transformer component.")
+    target = ctx.pipeline.transformer
+    check(draft.config.vocab_size == target.config.vocab_size,
+          f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the target's "
+          f"({target.config.vocab_size}); they must share the VQ codebook.")
+    params = ctx.params if draft_temperature is None else SamplingParams(draft_temperature, ctx.params.top_k,
+                                                                         ctx.params.top_p)
+    drafter = DraftModelDrafter(draft, num_draft_tokens, params, ctx.generator, guidance_scale=ctx.guidance_scale,
+                                prefill_fn=ctx.prefill_fn)
+    return drafter, ctx.rule_name()

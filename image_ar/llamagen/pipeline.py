@@ -1,0 +1,181 @@
+"""`LlamaGenPipeline`: class- (or caption-) conditional image generation with LlamaGen, any decoding method.
+
+    pipe = LlamaGenPipeline.from_pretrained("assets/llamagen")
+    out = pipe(class_labels=[0, 5], guidance_scale=4.0, generator=torch.Generator().manual_seed(0))
+    out.images      # PIL images;  out.stats: the SpecStats of the run (NFE, acceptance, wall time)
+
+The transformer generates `block_size` VQ tokens in raster order through the shared draft-verify loop
+(`mmspec.loop.generate`); classifier-free guidance runs the conditional and unconditional halves as one batch of
+2B rows fed the same sampled token (LlamaGen's way). The VQ decoder turns the tokens into images. `method=`
+picks the decoding method (`image_ar.llamagen.methods`), e.g. "vanilla" or "draft-model".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import BaseOutput
+
+from image_ar.llamagen.gpt import LlamaGenGPT
+from image_ar.llamagen.methods import MethodContext, build_method
+from image_ar.llamagen.vq import LlamaGenVQ
+from mmspec.errors import InputError, check
+from mmspec.loop import generate
+from mmspec.sampling import SamplingParams
+from mmspec.stats import SpecStats
+
+
+@dataclass
+class LlamaGenPipelineOutput(BaseOutput):
+    """images: PIL list, np [N, H, W, 3] in [0, 1], or torch [N, 3, H, W] in [0, 1] (output_type); for
+    output_type='latent' the token grid. tokens: [N, block_size]. stats: the run's SpecStats."""
+
+    images: list[PIL.Image.Image] | np.ndarray | torch.Tensor
+    tokens: torch.Tensor
+    stats: SpecStats
+
+
+def condition_prefill(guided: bool, cond_mask: torch.Tensor | None = None):
+    """The prefill a LlamaGen model needs in the loop: embed the condition (and the null condition for CFG as
+    the second half of the batch), run it, return (cache, logits for the first image token [R, 1, V])."""
+
+    def prefill(model: LlamaGenGPT, cond: torch.Tensor, extra_capacity: int):
+        rows = cond.shape[0]
+        emb = model.embed_condition(cond)  # [B, C, dim]
+        mask = cond_mask
+        if guided:
+            null = model.embed_condition(cond, drop_mask=torch.ones(rows, dtype=torch.bool, device=cond.device))
+            emb = torch.cat([emb, null], dim=0)  # [2B, C, dim]
+            mask = None if cond_mask is None else torch.cat([cond_mask, cond_mask], dim=0)
+        cache = model.new_cache(emb.shape[0], model.config.cls_token_num + extra_capacity)
+        logits = model.prefill_condition(emb, cache, cond_mask=mask)  # [R, V]
+        return cache, logits.unsqueeze(1)
+
+    return prefill
+
+
+def tokens_to_images(vqvae: LlamaGenVQ, tokens: torch.Tensor, output_type: str):
+    """Decode [N, h*w] tokens to images in [0, 1] as PIL / np / pt."""
+    images = ((vqvae.decode_code(tokens) + 1) / 2).clamp(0, 1).float()  # [N, 3, H, W]
+    if output_type == "pt":
+        return images
+    array = images.permute(0, 2, 3, 1).cpu().numpy()  # [N, H, W, 3]
+    if output_type == "np":
+        return array
+    return [PIL.Image.fromarray((a * 255).round().astype(np.uint8)) for a in array]
+
+
+class LlamaGenPipeline(DiffusionPipeline):
+    """LlamaGen target + VQ tokenizer (+ an optional small draft LlamaGen for the draft-model method)."""
+
+    model_cpu_offload_seq = "transformer->vqvae"
+    _optional_components = ["draft_transformer"]
+    _callback_tensor_inputs = ["tokens"]
+
+    def __init__(self, transformer: LlamaGenGPT, vqvae: LlamaGenVQ, draft_transformer: LlamaGenGPT | None = None):
+        super().__init__()
+        self.register_modules(transformer=transformer, vqvae=vqvae, draft_transformer=draft_transformer)
+
+    # ----------------------------------------------------------------------------------------- inputs
+    def _conditions(self, class_labels, prompt_embeds, num_images_per_prompt: int) -> torch.Tensor:
+        model = self.transformer
+        device = model.device
+        if model.config.model_type == "c2i":
+            check(prompt_embeds is None,
+                  "this is a class-conditional (c2i) model: pass class_labels, not prompt_embeds.")
+            check(class_labels is not None, "pass class_labels (an int, a list of ints or a tensor of class ids).")
+            labels = torch.as_tensor([class_labels] if isinstance(class_labels, int) else class_labels).long()
+            check(labels.dim() == 1 and labels.numel() > 0, "class_labels must be an int or a 1-D list of ints.")
+            n = model.config.num_classes
+            bad = labels[(labels < 0) | (labels >= n)]
+            if bad.numel():
+                raise InputError(f"class label(s) {bad.tolist()} outside [0, {n}); this model has {n} classes.")
+            return labels.repeat_interleave(num_images_per_prompt).to(device)
+        check(class_labels is None, "this is a text-conditional (t2i) model: pass prompt_embeds, not class_labels.")
+        check(isinstance(prompt_embeds, torch.Tensor) and prompt_embeds.dim() == 3,
+              "prompt_embeds must be [B, cls_token_num, caption_dim] caption features (e.g. flan-t5-xl).")
+        return prompt_embeds.repeat_interleave(num_images_per_prompt, dim=0).to(device)
+
+    @staticmethod
+    def _generators(generator, batch: int):
+        if isinstance(generator, list):
+            check(len(generator) == batch, f"got {len(generator)} generators for {batch} images; pass one per image "
+                  "(num_images_per_prompt x conditions), one generator, or None.")
+        return generator
+
+    # ------------------------------------------------------------------------------------------- call
+    @torch.no_grad()
+    def __call__(self, class_labels: int | list[int] | torch.Tensor | None = None,
+                 prompt_embeds: torch.Tensor | None = None, prompt_embeds_mask: torch.Tensor | None = None,
+                 guidance_scale: float = 4.0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 num_images_per_prompt: int = 1, generator: torch.Generator | list[torch.Generator] | None = None,
+                 method: str = "vanilla", method_kwargs: dict[str, Any] | None = None, output_type: str = "pil",
+                 return_dict: bool = True,
+                 callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
+                 callback_on_step_end_tensor_inputs: list[str] | None = None):
+        """Generate images.
+
+        guidance_scale: CFG scale (1.0 disables the unconditional half). temperature 0 = greedy; top_k 0 and
+        top_p 1.0 disable those filters. generator: one, or one per image (then each image is independent of
+        the batch it was generated in). callback_on_step_end(pipe, step, num_tokens, {"tokens": [N, T]}) runs
+        after every loop iteration (read-only; return {"stop": True} to end early, e.g. a UI's cancel button).
+        """
+        check(output_type in ("pil", "np", "pt", "latent"),
+              f"output_type must be pil/np/pt/latent, got {output_type!r}.")
+        check(isinstance(num_images_per_prompt, int) and num_images_per_prompt >= 1,
+              f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}.")
+        check(isinstance(guidance_scale, (int, float)), f"guidance_scale must be a number, got {guidance_scale!r}.")
+        for name in callback_on_step_end_tensor_inputs or []:
+            check(name in self._callback_tensor_inputs,
+                  f"callback tensor input {name!r} not available; choose from {self._callback_tensor_inputs}.")
+        params = SamplingParams(temperature, top_k, top_p)
+        cond = self._conditions(class_labels, prompt_embeds, num_images_per_prompt)
+        batch = cond.shape[0]
+        generator = self._generators(generator, batch)
+        guided = guidance_scale != 1.0
+        cond_mask = None
+        if prompt_embeds_mask is not None:
+            cond_mask = prompt_embeds_mask.bool().repeat_interleave(num_images_per_prompt, dim=0).to(cond.device)
+        ctx = MethodContext(self, params, guidance_scale if guided else None, condition_prefill(guided, cond_mask),
+                            generator, batch)
+        drafter, rule = build_method(method, ctx, **(method_kwargs or {}))
+
+        from mmspec.lm import LMTarget  # the target: the transformer with CFG, under the sampling params
+
+        block = self.transformer.config.block_size
+        target = LMTarget(self.transformer, params, max_new_tokens=block, guidance_scale=ctx.guidance_scale,
+                          prefill_fn=ctx.prefill_fn)
+        self.transformer.check_positions = False  # positions are bounded by block_size here; no per-call sync
+        if self.draft_transformer is not None:
+            self.draft_transformer.check_positions = False
+
+        with self.progress_bar(total=block) as bar:
+            def on_step(state, draft, result):
+                done = int(state.num_generated.min())
+                bar.update(done - bar.n)
+                if callback_on_step_end is not None:
+                    out = callback_on_step_end(self, state.iteration - 1, done, {"tokens": state.tokens})
+                    if isinstance(out, dict) and out.get("stop"):
+                        return False
+                return True
+
+            gen = generate(target, drafter, rule, cond, batch_size=batch, max_new_tokens=block, generator=generator,
+                           device=cond.device, callback=on_step)
+            bar.update(block - bar.n)
+
+        tokens = gen.tokens  # [N, block]
+        if output_type == "latent":
+            images: Any = tokens
+        else:
+            check(bool((tokens >= 0).all()), "generation stopped early; no image to decode (use output_type='latent').")
+            images = tokens_to_images(self.vqvae, tokens, output_type)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return images, tokens, gen.stats
+        return LlamaGenPipelineOutput(images=images, tokens=tokens, stats=gen.stats)

@@ -1,0 +1,74 @@
+"""LlamaGen's 2D rotary position embedding, with the official zero rows at the condition positions.
+
+The table has one row per absolute sequence position: `cls_token_num` condition positions, then the
+`grid * grid` image tokens in raster order (image token i = row i // grid, column i % grid sits at position
+`cls_token_num + i`). Each row holds (cos, sin) for the `head_dim // 2` rotation pairs:
+
+- the angle frequencies are `1 / base ** (arange(0, half, 2)[: half // 2] / half)` with `half = head_dim // 2`
+  (note the exponent is divided by half the head dim, not by the head dim);
+- pairs `0 .. head_dim // 4 - 1` rotate by `row * freq`, pairs `head_dim // 4 .. head_dim // 2 - 1` by
+  `column * freq` (row frequencies first, then column frequencies, concatenated);
+- pair j rotates the INTERLEAVED channels (2j, 2j + 1) of each head (the gpt-fast / Llama layout, not the
+  rotate-half layout);
+- the condition rows are (cos, sin) = (0, 0), which multiplies q and k by zero there: condition keys score 0
+  against every query and condition queries attend uniformly. This is the official behaviour (checkpoints were
+  trained with it), reproduced on purpose.
+
+Everything is computed in float32 and cast back to the input dtype, as the official code does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mmspec.errors import InputError
+
+
+def grid_size_of(block_size: int) -> int:
+    """The side of the square token grid: sqrt(block_size); InputError if block_size is not a square."""
+    grid = math.isqrt(block_size) if isinstance(block_size, int) and block_size > 0 else 0
+    if grid * grid != block_size or grid == 0:
+        raise InputError(
+            f"block_size must be a positive perfect square (the number of image tokens of a square grid, e.g. "
+            f"256 = 16 x 16), got {block_size!r}."
+        )
+    return grid
+
+
+def rope_table_2d(grid_size: int, head_dim: int, base: float = 10000.0, cls_token_num: int = 1) -> torch.Tensor:
+    """The (cos, sin) table [cls_token_num + grid_size**2, head_dim // 2, 2] in float32 on the CPU."""
+    if head_dim % 4 != 0 or head_dim <= 0:
+        raise InputError(
+            f"2D RoPE needs a head dim divisible by 4 (half for rows, half for columns, in pairs), got head_dim="
+            f"{head_dim}; choose dim and n_head with dim // n_head a multiple of 4."
+        )
+    half = head_dim // 2
+    exponents = torch.arange(0, half, 2, dtype=torch.float32, device="cpu")[: half // 2] / half  # [hd/4]
+    freqs = 1.0 / (base**exponents)  # [hd/4]
+    steps = torch.arange(grid_size, dtype=torch.float32, device="cpu")  # [g]
+    angles = torch.outer(steps, freqs)  # [g, hd/4]
+    grid_angles = torch.cat(
+        [angles[:, None, :].expand(-1, grid_size, -1), angles[None, :, :].expand(grid_size, -1, -1)], dim=-1
+    )  # [g, g, hd/2]: row angles, then column angles
+    image_rows = torch.stack([grid_angles.cos(), grid_angles.sin()], dim=-1).flatten(0, 1)  # [g*g, hd/2, 2]
+    cond_rows = torch.zeros(cls_token_num, half, 2, dtype=torch.float32, device="cpu")  # [C, hd/2, 2]
+    return torch.cat([cond_rows, image_rows], dim=0)  # [C + g*g, hd/2, 2]
+
+
+def lookup_rope(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Rows of `table` [P, hd/2, 2] at positions [B, S] (or [S]) -> [B, S, hd/2, 2] (or [S, hd/2, 2])."""
+    return table[positions]
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, S, H, D] by rope [B|1, S, D/2, 2] (or [S, D/2, 2]); float32 math, result in x's dtype."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, S, H, D/2, 2]
+    if rope.dim() == 3:
+        rope = rope.unsqueeze(0)  # [1, S, D/2, 2]
+    cos = rope[..., 0].unsqueeze(2)  # [B, S, 1, D/2]
+    sin = rope[..., 1].unsqueeze(2)  # [B, S, 1, D/2]
+    even, odd = pairs[..., 0], pairs[..., 1]  # [B, S, H, D/2]
+    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)  # [B, S, H, D/2, 2]
+    return rotated.flatten(-2).to(x.dtype)  # [B, S, H, D]
