@@ -1,0 +1,173 @@
+"""The family registry: how a pipeline offers its methods to `mmspec bench`.
+
+A *family* is one model setup (the toy LM, LlamaGen, VAR, MAR, a VLM) with the methods that run on it. It is
+declared by a cheap, argument-free factory that returns a `Family`; the harness calls `Family.build` once per
+bench to make the models (shared by every method), `Family.inputs` once for the seeded inputs, then each
+`Method.run` on batches of those inputs, and `Family.quality` on each method's outputs against the vanilla
+outputs of the same repeat.
+
+    from mmspec.bench import Family, Method, MethodOutput, register_family
+
+    def my_family() -> Family:
+        return Family(name="mine", model_id="mine-small", build=build_models, inputs=make_inputs,
+                      methods={"vanilla": Method(run_vanilla), "sjd": Method(run_sjd, lossless=False,
+                                                                          params={"window": 16})},
+                      quality=my_quality, primary_quality="class_accuracy")
+
+    register_family("mine", my_family)
+
+In-tree families are listed in `BUILTIN_FAMILIES` as "module:factory" strings and imported only when used
+(add one line there for a new pipeline); anything else calls `register_family` at import time.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmspec.errors import InputError, check
+from mmspec.stats import SpecStats
+
+REFERENCE_METHOD = "vanilla"
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """What every family is built with: sizes, sampling temperature, seed, device and family options."""
+
+    num_samples: int = 16
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    seed: int = 0
+    device: str = "cpu"
+    options: Mapping[str, str] = field(default_factory=dict)  # family-specific `--family-option KEY=VALUE`
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One benchmark input. `data` is whatever the family's methods consume (a prompt, a class label...)."""
+
+    question_id: int | str
+    category: str
+    data: Any
+
+
+@dataclass
+class MethodOutput:
+    """What a method returns for one batch: one output per sample, new tokens per sample, and the stats.
+
+    `stats.num_target_forwards` is the batch's target forwards (NFE); `stats.accept_lengths_per_row()` gives
+    Spec-Bench's per-sample `accept_lengths` when the method records per-row stats.
+    """
+
+    outputs: list[Any]
+    new_tokens: list[int]
+    stats: SpecStats
+
+
+# run(models, batch, settings, params) -> MethodOutput; `models` is what Family.build returned
+MethodFn = Callable[[Any, Sequence[Sample], BenchSettings, Mapping[str, Any]], MethodOutput]
+# quality(method, params, outputs, vanilla_outputs, settings) -> {"figure name": number or text}
+QualityFn = Callable[["Method", Mapping[str, Any], Sequence[Any], Sequence[Any], BenchSettings], dict]
+
+
+@dataclass(frozen=True)
+class Method:
+    """A decoding method of a family: `run` produces per-sample outputs and a SpecStats for one batch.
+
+    `params` are the defaults a configuration may override (`--methods tree:depth=6`); a key that is not in
+    `params` is rejected. `lossless` says whether outputs follow the target's distribution exactly (a bool, or a
+    callable of the resolved params for methods whose lossiness depends on them, e.g. LANTERN's delta).
+    """
+
+    run: MethodFn
+    lossless: bool | Callable[[Mapping[str, Any]], bool] = True
+    params: Mapping[str, Any] = field(default_factory=dict)
+    description: str = ""
+
+    def is_lossless(self, params: Mapping[str, Any]) -> bool:
+        return bool(self.lossless(params) if callable(self.lossless) else self.lossless)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model setup and the methods that run on it (see the module docstring).
+
+    build(settings) -> models, called once; inputs(settings) -> samples, seeded and deterministic;
+    to_turn(output) -> a JSON-serialisable Spec-Bench turn (token ids, text, or an image description).
+    `primary_quality` names the quality figure used as the x axis of the speed-up vs quality plot.
+    """
+
+    name: str
+    model_id: str | Callable[[BenchSettings], str]
+    build: Callable[[BenchSettings], Any]
+    inputs: Callable[[BenchSettings], list[Sample]]
+    methods: Mapping[str, Method]
+    quality: QualityFn
+    primary_quality: str | None = None
+    to_turn: Callable[[Any], Any] | None = None
+    description: str = ""
+
+    def resolved_model_id(self, settings: BenchSettings) -> str:
+        return self.model_id(settings) if callable(self.model_id) else self.model_id
+
+
+FamilyFactory = Callable[[], Family]
+
+# in-tree families, imported lazily: name -> "module:factory"
+BUILTIN_FAMILIES: dict[str, str] = {
+    "toy": "mmspec.bench.toy:toy_family",
+}
+
+_FAMILIES: dict[str, FamilyFactory] = {}
+
+
+def register_family(name: str, factory: FamilyFactory, *, replace: bool = False) -> None:
+    """Make `factory` (no arguments -> Family) available as `mmspec bench --family NAME`.
+
+    The factory must be cheap (no model building: that is `Family.build`). Registering a taken name raises
+    InputError unless `replace=True`.
+    """
+    check(isinstance(name, str) and name != "", f"family name must be a non-empty string, got {name!r}.")
+    check(callable(factory), f"factory for family {name!r} must be callable, got {type(factory).__name__}.")
+    if not replace:
+        check(name not in _FAMILIES, f"bench family {name!r} is already registered; pass replace=True to override.")
+    _FAMILIES[name] = factory
+
+
+def unregister_family(name: str) -> None:
+    """Remove a family registered with `register_family` (no error if absent)."""
+    _FAMILIES.pop(name, None)
+
+
+def available_families() -> list[str]:
+    """Every family name `get_family` accepts, sorted."""
+    return sorted(set(_FAMILIES) | set(BUILTIN_FAMILIES))
+
+
+def _load_builtin(spec: str) -> FamilyFactory:
+    module_name, _, attr = spec.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def get_family(name: str) -> Family:
+    """The Family registered as `name`; InputError listing the known families otherwise."""
+    if name in _FAMILIES:
+        factory = _FAMILIES[name]
+    elif name in BUILTIN_FAMILIES:
+        factory = _load_builtin(BUILTIN_FAMILIES[name])
+    else:
+        raise InputError(f"unknown bench family {name!r}; known families: {', '.join(available_families())}.")
+    family = factory()
+    check(isinstance(family, Family), f"the factory of bench family {name!r} returned "
+          f"{type(family).__name__}, expected mmspec.bench.Family.")
+    check(REFERENCE_METHOD in family.methods,
+          f"bench family {name!r} must offer a {REFERENCE_METHOD!r} method (the reference every method is "
+          "compared with).")
+    return family

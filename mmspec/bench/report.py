@@ -1,0 +1,190 @@
+"""Summaries of a bench run: per batch size and configuration, the figures of summary.md / summary.json.
+
+Definitions (per batch size; a "pass" is one configuration over every sample, see `mmspec.bench.runner`):
+
+- target forwards: sum over the pass's batches of the batch's target forwards (NFE, prefill included).
+- step compression: vanilla's target forwards / the method's, in the same pass (median over passes; None
+  when the method reports no target forwards).
+- mean acceptance length: emitted tokens per row and verify call, bonus included (vanilla: 1.0).
+- draft acceptance rate: accepted / drafted tokens (None when nothing was drafted).
+- speed-up: vanilla's wall time / the method's wall time in the same pass; min, median and max over passes.
+- tokens/s: new tokens of the pass / its wall time (median over passes).
+- peak memory: the largest per-batch peak over every pass (see `mmspec.bench.memory` for what it measures).
+- quality: the family's figures, numbers averaged over passes (text figures shown as they are).
+
+A configuration that raised at a batch size has a row {"method", "failed": error} there instead.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mmspec.bench.configs import MethodConfig
+from mmspec.bench.runner import BenchResult, RunResult
+from mmspec.stats import SpecStats
+
+MIB = 1024 * 1024
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    """{min, median, max} of a non-empty sequence."""
+    return {"min": float(min(values)), "median": float(statistics.median(values)), "max": float(max(values))}
+
+
+def merge_quality(passes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Per figure: the mean over passes when numeric; else the distinct values joined by ' / '."""
+    merged: dict[str, Any] = {}
+    keys = [k for q in passes for k in q]
+    for key in dict.fromkeys(keys):
+        values = [q[key] for q in passes if key in q]
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+        merged[key] = float(statistics.fmean(values)) if numeric else " / ".join(dict.fromkeys(map(str, values)))
+    return merged
+
+
+def _merged_stats(runs: Sequence[RunResult]) -> SpecStats:
+    merged = SpecStats()
+    for run in runs:
+        merged = merged + run.stats
+    return merged
+
+
+def summarize_config(config: MethodConfig, runs: Sequence[RunResult],
+                     reference: Mapping[int, RunResult]) -> dict[str, Any]:
+    """The summary row of one configuration at one batch size; `reference` maps repeat -> vanilla's pass."""
+    runs = sorted(runs, key=lambda r: r.repeat)
+    stats = _merged_stats(runs)
+    speedups = [reference[r.repeat].wall_time / r.wall_time for r in runs]
+    compressions = [reference[r.repeat].nfe / r.nfe for r in runs if r.nfe > 0]  # a family may not count NFE
+    drafted = stats.num_draft_tokens > 0
+    return {
+        "method": config.label,
+        "base_method": config.method,
+        "params": dict(config.params),
+        "lossless": runs[0].lossless,
+        "repeats": len(runs),
+        "target_forwards": float(statistics.median(r.nfe for r in runs)),
+        "draft_forwards": float(statistics.median(r.stats.num_draft_forwards for r in runs)),
+        "new_tokens": float(statistics.median(sum(r.new_tokens) for r in runs)),
+        "step_compression": float(statistics.median(compressions)) if compressions else None,
+        "mean_acceptance_length": stats.mean_acceptance_length,
+        "draft_acceptance_rate": stats.draft_acceptance_rate if drafted else None,
+        "per_position_acceptance_rate": stats.per_position_acceptance_rate if drafted else [],
+        "acceptance_histogram": stats.acceptance_histogram if drafted else [],
+        "wall_time_s": spread([r.wall_time for r in runs]),
+        "speedup": {**spread(speedups), "per_repeat": speedups},
+        "tokens_per_s": float(statistics.median(sum(r.new_tokens) / r.wall_time for r in runs)),
+        "peak_memory_bytes": int(max(max(r.peak_memory_bytes) for r in runs)),
+        "quality": merge_quality([r.quality for r in runs]),
+    }
+
+
+def failed_row(config: MethodConfig, error: str) -> dict[str, Any]:
+    """The summary row of a configuration that raised at this batch size."""
+    return {"method": config.label, "base_method": config.method, "params": dict(config.params), "failed": error}
+
+
+def summarize(result: BenchResult) -> dict[str, Any]:
+    """summary.json: settings, environment and one table (list of rows) per completed batch size."""
+    tables = []
+    for batch_size in result.completed_batch_sizes:
+        runs = [r for r in result.runs if r.batch_size == batch_size]
+        reference = {r.repeat: r for r in runs if r.config.is_reference}
+        failed = result.failures.get(batch_size, {})
+        rows = [failed_row(c, failed[c.label]) if c.label in failed else
+                summarize_config(c, [r for r in runs if r.config.label == c.label], reference)
+                for c in result.configs]
+        tables.append({"batch_size": batch_size, "methods": rows})
+    s = result.settings
+    return {
+        "family": result.family,
+        "model_id": result.model_id,
+        "command": result.command,
+        "settings": {"num_samples": s.num_samples, "max_new_tokens": s.max_new_tokens,
+                     "temperature": s.temperature, "seed": s.seed, "device": s.device, "options": dict(s.options),
+                     "batch_sizes": result.batch_sizes, "repeats": result.repeats, "warmup": result.warmup},
+        "memory_kind": result.memory_kind,
+        "primary_quality": result.primary_quality,
+        "environment": result.environment,
+        "batch_sizes": tables,
+        "failures": result.failure_list(),
+    }
+
+
+# ------------------------------------------------------------------------------------------ markdown
+def format_quality(quality: Mapping[str, Any]) -> str:
+    """'exactness=1.000' style; text figures verbatim."""
+    if not quality:
+        return "—"
+    parts = [f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in quality.items()]
+    return ", ".join(parts)
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+TABLE_COLUMNS = ("method", "lossless", "target fwd", "step compression", "mean acc. length", "draft acc. rate",
+                 "speed-up median (min–max)", "tokens/s", "peak mem (MiB)", "quality")
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """One markdown table, one row per configuration."""
+    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "|".join("---" for _ in TABLE_COLUMNS) + "|"]
+    for row in rows:
+        if "failed" in row:
+            cells = [row["method"], f"FAILED: {row['failed']}"] + [""] * (len(TABLE_COLUMNS) - 2)
+            lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+            continue
+        sp = row["speedup"]
+        cells = [row["method"], "yes" if row["lossless"] else "no", f"{row['target_forwards']:.0f}",
+                 _fmt(row["step_compression"]) + ("x" if row["step_compression"] is not None else ""),
+                 _fmt(row["mean_acceptance_length"]),
+                 _fmt(row["draft_acceptance_rate"]),
+                 f"{sp['median']:.2f}x ({sp['min']:.2f}–{sp['max']:.2f})", f"{row['tokens_per_s']:.1f}",
+                 f"{row['peak_memory_bytes'] / MIB:.1f}", format_quality(row["quality"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def tables_markdown(summary: Mapping[str, Any]) -> str:
+    """The per-batch-size tables with a heading each (what `mmspec bench` prints)."""
+    s = summary["settings"]
+    blocks = []
+    for table in summary["batch_sizes"]:
+        blocks.append(f"### {summary['family']} · batch size {table['batch_size']} · {s['num_samples']} samples · "
+                      f"{s['max_new_tokens']} new tokens · temperature {s['temperature']:g} · "
+                      f"{s['repeats']} repeats\n\n" + markdown_table(table["methods"]))
+    return "\n".join(blocks)
+
+
+def summary_markdown(summary: Mapping[str, Any], plots: Mapping[int, Sequence[str]] | None = None) -> str:
+    """summary.md: what was run, on what, then one table (and its plots) per batch size."""
+    s, env = summary["settings"], summary["environment"]
+    memory = {"cpu_peak_rss": "peak process RSS (CPU, sampled)",
+              "cuda_max_allocated": "CUDA max allocated"}.get(summary["memory_kind"], summary["memory_kind"])
+    head = [f"# mmspec bench: {summary['family']} ({summary['model_id']})", ""]
+    if summary.get("command"):
+        head += ["```", summary["command"], "```", ""]
+    head += [f"- samples: {s['num_samples']}, max new tokens: {s['max_new_tokens']}, temperature: "
+             f"{s['temperature']:g}, seed: {s['seed']}, options: {json.dumps(s['options'])}",
+             f"- warm-up passes: {s['warmup']} (not recorded), recorded passes: {s['repeats']}, interleaved",
+             f"- device: {env.get('gpu', env['device'])}; torch {env['torch']}, python {env['python']}, "
+             f"{env.get('cpu_count')} CPUs, {env['torch_threads']} torch threads; {env['platform']}",
+             f"- memory: {memory}",
+             "- speed-up and step compression are vanilla / method within the same pass; mean acceptance length "
+             "includes the bonus token. See docs/benchmarks.md.", ""]
+    body = []
+    for table in summary["batch_sizes"]:
+        b = table["batch_size"]
+        body += [f"## Batch size {b}", "", markdown_table(table["methods"])]
+        for name in (plots or {}).get(b, []):
+            body += [f"![{name}]({name})", ""]
+    return "\n".join(head + body)
+
+
+def summary_json(summary: Mapping[str, Any]) -> str:
+    return json.dumps(summary, indent=2) + "\n"

@@ -1,0 +1,294 @@
+"""The interleaved benchmark run: every configuration on the same models and inputs, in one process.
+
+For each batch size (in the given order): `warmup` unrecorded passes, then `repeats` recorded passes; pass r
+runs every configuration once, in the fixed configuration order (vanilla, the reference, first),
+each over all the samples in batches of that size, before pass r+1 starts. Interleaving spreads slow drifts
+(thermal throttling, other processes) over all methods instead of charging them to whichever ran last, and
+each method's speed-up is taken against vanilla within the same pass.
+
+Only `Method.run` is timed (with a device synchronisation on both sides); quality, records and stats
+reading happen outside the timed region. The global torch seed is reset before every configuration's pass.
+A configuration that raises is reported as failed at that batch size and skipped there (see `_run_or_fail`);
+the others go on.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from mmspec.bench.configs import MethodConfig, parse_method_list
+from mmspec.bench.memory import PeakMemory
+from mmspec.bench.records import batch_records
+from mmspec.bench.registry import REFERENCE_METHOD, BenchSettings, Family, MethodOutput, Sample, get_family
+from mmspec.errors import InputError, check, check_nonnegative, check_positive_int
+from mmspec.stats import SpecStats
+
+
+@dataclass(frozen=True)
+class Step:
+    """One pass of one configuration at one batch size; `repeat` counts warm-ups and recorded passes apart."""
+
+    batch_size: int
+    config: MethodConfig
+    repeat: int
+    warmup: bool
+
+
+@dataclass
+class RunResult:
+    """One recorded pass of a configuration over every batch (at one batch size and repeat)."""
+
+    config: MethodConfig
+    lossless: bool
+    batch_size: int
+    repeat: int
+    wall_times: list[float]  # per batch, seconds
+    target_forwards: list[int]  # per batch
+    new_tokens: list[int]  # per sample
+    peak_memory_bytes: list[int]  # per batch
+    stats: SpecStats  # merged over batches
+    quality: dict = field(default_factory=dict)
+
+    @property
+    def wall_time(self) -> float:
+        return float(sum(self.wall_times))
+
+    @property
+    def nfe(self) -> int:
+        return int(sum(self.target_forwards))
+
+
+@dataclass
+class BenchResult:
+    """Everything a report needs: the settings, every recorded pass and the per-sample records."""
+
+    family: str
+    model_id: str
+    settings: BenchSettings
+    configs: list[MethodConfig]
+    batch_sizes: list[int]
+    repeats: int
+    warmup: int
+    memory_kind: str
+    primary_quality: str | None
+    environment: dict
+    command: str | None = None
+    runs: list[RunResult] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)
+    completed_batch_sizes: list[int] = field(default_factory=list)
+    failures: dict[int, dict[str, str]] = field(default_factory=dict)  # batch size -> label -> error
+
+    def failure_list(self) -> list[str]:
+        """'batch size B, LABEL: error' for every configuration that failed."""
+        return [f"batch size {b}, {label}: {error}" for b, errors in self.failures.items()
+                for label, error in errors.items()]
+
+
+@dataclass
+class _BatchRun:
+    samples: Sequence[Sample]
+    output: MethodOutput
+    wall_time: float
+    peak_memory_bytes: int
+
+
+def plan_steps(batch_sizes: Sequence[int], configs: Sequence[MethodConfig], warmup: int, repeats: int) -> list[Step]:
+    """The fixed run order: per batch size, warm-up passes then recorded passes, each over every config."""
+    steps = []
+    for batch_size in batch_sizes:
+        for index in range(warmup):
+            steps += [Step(batch_size, config, index, True) for config in configs]
+        for index in range(repeats):
+            steps += [Step(batch_size, config, index, False) for config in configs]
+    return steps
+
+
+def split_batches(samples: Sequence[Sample], batch_size: int) -> list[list[Sample]]:
+    """Consecutive batches of `batch_size` samples (the last one may be smaller)."""
+    return [list(samples[i: i + batch_size]) for i in range(0, len(samples), batch_size)]
+
+
+def environment(device: torch.device) -> dict:
+    """Versions and hardware, recorded with the results."""
+    env = {"python": sys.version.split()[0], "torch": torch.__version__, "platform": platform.platform(),
+           "device": str(device), "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads()}
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_run_args(batch_sizes: Sequence[int], repeats: int, warmup: int, settings: BenchSettings) -> None:
+    """Validate the numbers of a bench run (InputError naming the argument)."""
+    check(len(batch_sizes) > 0, "--batch-sizes is empty; give at least one batch size, e.g. 1,8.")
+    for b in batch_sizes:
+        check_positive_int("batch size", b)
+    check(len(set(batch_sizes)) == len(batch_sizes), f"--batch-sizes lists a size twice: {list(batch_sizes)}.")
+    check_positive_int("repeats", repeats)
+    check(isinstance(warmup, int) and warmup >= 0, f"warmup must be an integer >= 0, got {warmup!r}.")
+    check_positive_int("num_samples", settings.num_samples)
+    check_positive_int("max_new_tokens", settings.max_new_tokens)
+    check_nonnegative("temperature", settings.temperature)
+    device = torch.device(settings.device)
+    check(device.type in ("cpu", "cuda"), f"device must be cpu or cuda, got {settings.device!r}.")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("device 'cuda' was asked for but torch sees no CUDA device; use --device cpu.")
+
+
+def _check_output(output: Any, batch: Sequence[Sample], label: str) -> MethodOutput:
+    check(isinstance(output, MethodOutput), f"method {label!r} returned {type(output).__name__}, "
+          "expected mmspec.bench.MethodOutput.")
+    check(len(output.outputs) == len(batch) and len(output.new_tokens) == len(batch),
+          f"method {label!r} returned {len(output.outputs)} outputs / {len(output.new_tokens)} token counts "
+          f"for a batch of {len(batch)} samples.")
+    return output
+
+
+def run_config(family: Family, models: Any, config: MethodConfig, batches: Sequence[Sequence[Sample]],
+               settings: BenchSettings, meter: PeakMemory) -> list[_BatchRun]:
+    """One pass of `config` over every batch; only `Method.run` is inside the timed region."""
+    device = torch.device(settings.device)
+    method = family.methods[config.method]
+    torch.manual_seed(settings.seed)
+    runs = []
+    for batch in batches:
+        meter.reset()
+        _synchronize(device)
+        start = time.perf_counter()
+        output = method.run(models, batch, settings, config.params)
+        _synchronize(device)
+        wall = time.perf_counter() - start
+        runs.append(_BatchRun(batch, _check_output(output, batch, config.label), wall, meter.peak()))
+    return runs
+
+
+def _merge_stats(batch_runs: Sequence[_BatchRun]) -> SpecStats:
+    merged = SpecStats()
+    for run in batch_runs:
+        merged = merged + run.output.stats
+    return merged
+
+
+def _record_pass(result: BenchResult, family: Family, step: Step, batch_runs: list[_BatchRun],
+                 reference_outputs: list[Any]) -> list[Any]:
+    """Quality, RunResult and records of one recorded pass; returns the pass's outputs (in sample order)."""
+    method = family.methods[step.config.method]
+    lossless = method.is_lossless(step.config.params)
+    outputs = [o for run in batch_runs for o in run.output.outputs]
+    reference = outputs if step.config.is_reference else reference_outputs
+    quality = dict(family.quality(method, step.config.params, outputs, reference, result.settings))
+    result.runs.append(RunResult(
+        config=step.config, lossless=lossless, batch_size=step.batch_size, repeat=step.repeat,
+        wall_times=[r.wall_time for r in batch_runs],
+        target_forwards=[int(r.output.stats.num_target_forwards) for r in batch_runs],
+        new_tokens=[int(n) for r in batch_runs for n in r.output.new_tokens],
+        peak_memory_bytes=[r.peak_memory_bytes for r in batch_runs],
+        stats=_merge_stats(batch_runs), quality=quality))
+    for run in batch_runs:
+        result.records += batch_records(
+            family=family.name, model_id=result.model_id, label=step.config.label, params=step.config.params,
+            lossless=lossless, batch_size=step.batch_size, repeat=step.repeat, samples=run.samples,
+            output=run.output, wall_time=run.wall_time, peak_memory_bytes=run.peak_memory_bytes,
+            memory_kind=result.memory_kind, quality=quality, to_turn=family.to_turn)
+    return outputs
+
+
+def _format_error(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text[:300]}"
+
+
+def _run_or_fail(result: BenchResult, family: Family, models: Any, step: Step, batches: list[list[Sample]],
+                 meter: PeakMemory) -> list[_BatchRun] | None:
+    """run_config, except that a configuration that raised at this batch size is skipped from then on.
+
+    A failure (any exception but InputError, which is the user's to fix) is recorded in `result.failures`
+    and the configuration's recorded passes at this batch size are dropped, so a table never mixes complete
+    and partial passes. The reference failing ends the bench: nothing could be compared with it.
+    """
+    failed = result.failures.setdefault(step.batch_size, {})
+    if step.config.label in failed:
+        return None
+    try:
+        return run_config(family, models, step.config, batches, result.settings, meter)
+    except InputError:
+        raise
+    except Exception as err:
+        if step.config.is_reference:
+            raise
+        failed[step.config.label] = _format_error(err)
+        keep = lambda bs, label: not (bs == step.batch_size and label == step.config.label)
+        result.runs = [r for r in result.runs if keep(r.batch_size, r.config.label)]
+        result.records = [r for r in result.records if keep(r["batch_size"], r["method"])]
+        return None
+
+
+def _resolve(family: Family | str, methods: str | Sequence[str] | Sequence[MethodConfig] | None
+             ) -> tuple[Family, list[MethodConfig]]:
+    family = get_family(family) if isinstance(family, str) else family
+    if methods is not None and not isinstance(methods, str) and all(isinstance(m, MethodConfig) for m in methods):
+        configs = list(methods)
+        check(any(c.is_reference for c in configs), f"configurations must include {REFERENCE_METHOD!r}.")
+        return family, sorted(configs, key=lambda c: not c.is_reference)
+    return family, parse_method_list(methods, family)
+
+
+def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[MethodConfig] | None = None, *,
+              batch_sizes: Sequence[int] = (1,), repeats: int = 3, warmup: int = 1,
+              settings: BenchSettings | None = None, progress: bool = False, command: str | None = None,
+              on_batch_size_done: Callable[[BenchResult], None] | None = None) -> BenchResult:
+    """Run every configuration interleaved (see the module docstring); returns runs and per-sample records.
+
+    methods: "vanilla,tree:depth=6", a list of such strings, MethodConfigs, or None for all of the family's
+    methods. `on_batch_size_done(result)` is called after each batch size (to write partial results).
+    """
+    settings = settings or BenchSettings()
+    batch_sizes = list(batch_sizes)
+    check_run_args(batch_sizes, repeats, warmup, settings)
+    family, configs = _resolve(family, methods)
+    device = torch.device(settings.device)
+    models = family.build(settings)
+    samples = list(family.inputs(settings))
+    check(len(samples) > 0, f"bench family {family.name!r} produced no inputs.")
+    steps = plan_steps(batch_sizes, configs, warmup, repeats)
+    with PeakMemory(device) as meter:
+        result = BenchResult(family=family.name, model_id=family.resolved_model_id(settings), settings=settings,
+                             configs=configs, batch_sizes=batch_sizes, repeats=repeats, warmup=warmup,
+                             memory_kind=meter.kind, primary_quality=family.primary_quality,
+                             environment=environment(device), command=command)
+        reference_outputs: dict[tuple[int, int], list[Any]] = {}
+        bar = tqdm(total=len(steps), disable=not progress, desc=f"bench {family.name}", unit="run")
+        try:
+            for i, step in enumerate(steps):
+                bar.set_postfix_str(f"bs={step.batch_size} {'warmup' if step.warmup else 'repeat'} "
+                                    f"{step.repeat} {step.config.label}", refresh=False)
+                batch_runs = _run_or_fail(result, family, models, step, split_batches(samples, step.batch_size),
+                                          meter)
+                if batch_runs is not None and not step.warmup:
+                    key = (step.batch_size, step.repeat)
+                    outputs = _record_pass(result, family, step, batch_runs, reference_outputs.get(key, []))
+                    if step.config.is_reference:
+                        reference_outputs[key] = outputs
+                bar.update(1)
+                last_of_size = i + 1 == len(steps) or steps[i + 1].batch_size != step.batch_size
+                if last_of_size:
+                    reference_outputs.clear()
+                    result.completed_batch_sizes.append(step.batch_size)
+                    if on_batch_size_done is not None:
+                        on_batch_size_done(result)
+        finally:
+            bar.close()
+    return result

@@ -1,0 +1,278 @@
+"""`mmspec bench`: a small interleaved toy run end to end, the run order, records, and clear errors."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from mmspec.bench import (
+    BenchSettings,
+    Family,
+    Method,
+    MethodOutput,
+    Sample,
+    get_family,
+    parse_method_list,
+    plan_steps,
+    register_family,
+    run_bench,
+    unregister_family,
+)
+from mmspec.bench.records import CHOICE_FIELDS, MMSPEC_FIELDS, SPEC_BENCH_FIELDS
+from mmspec.cli import main
+from mmspec.errors import InputError
+from mmspec.stats import SpecStats
+
+TOY_METHODS = ["vanilla", "draft-model", "self-draft", "tree", "random"]
+# one torch thread: on a loaded 2-core machine two intra-op threads make this tiny model 10x slower
+SMALL_TOY = ["--threads", "1", "--family-option", "dim=16", "--family-option", "num_layers=2",
+             "--family-option", "num_heads=2", "--family-option", "vocab_size=32"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def toy_run(tmp_path_factory):
+    """One small CLI run: batch sizes 1 and 2 over 3 samples (the last batch of size 2 is ragged)."""
+    out = tmp_path_factory.mktemp("bench") / "toy"
+    argv = ["bench", "--family", "toy", "--batch-sizes", "1,2", "--warmup", "1", "--repeats", "2",
+            "--num-samples", "3", "--max-new-tokens", "10", "--temperature", "0", "--device", "cpu",
+            "--quiet", *SMALL_TOY, "--out", str(out)]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    return out, records, summary
+
+
+def rows_by_method(summary, batch_size):
+    table = next(t for t in summary["batch_sizes"] if t["batch_size"] == batch_size)
+    return {row["method"]: row for row in table["methods"]}
+
+
+def test_files_exist_and_plots_are_valid_pngs(toy_run):
+    out, _, _ = toy_run
+    names = {p.name for p in out.iterdir()}
+    assert {"results.jsonl", "summary.md", "summary.json"} <= names
+    assert not [n for n in names if n.endswith(".tmp")]  # atomic writes leave no temporaries
+    for b in (1, 2):
+        for stem in ("speedup_vs_quality", "acceptance_per_position", "acceptance_histogram"):
+            path = out / f"{stem}_bs{b}.png"
+            assert path.read_bytes()[:8] == PNG_MAGIC
+            with Image.open(path) as image:
+                image.verify()
+
+
+def test_records_carry_every_spec_bench_field(toy_run):
+    _, records, _ = toy_run
+    assert len(records) == len(TOY_METHODS) * 2 * 2 * 3  # methods x batch sizes x repeats x samples
+    for r in records:
+        assert set(SPEC_BENCH_FIELDS) | set(MMSPEC_FIELDS) <= set(r)
+        (choice,) = r["choices"]
+        assert set(CHOICE_FIELDS) <= set(choice)
+        assert len(choice["turns"]) == len(choice["decoding_steps"]) == len(choice["new_tokens"]) == 1
+        assert len(choice["wall_time"]) == 1 and choice["wall_time"][0] > 0
+        assert choice["new_tokens"][0] == len(choice["turns"][0]) == 10
+        assert choice["decoding_steps"][0] == r["nfe"] >= 1
+        assert sum(choice["accept_lengths"]) >= choice["new_tokens"][0] - 1  # first token comes from prefill
+        assert r["peak_memory_bytes"] > 0 and r["memory_kind"] == "cpu_peak_rss"
+        assert r["method"] in TOY_METHODS and r["batch_size"] in (1, 2) and r["repeat"] in (0, 1)
+        assert r["model_id"].endswith("-" + r["method"])
+    assert len({r["answer_id"] for r in records}) == len(records)
+    # within a batch every sample carries the batch's NFE and the same share of its wall time
+    pairs = [r for r in records if r["batch_size"] == 2 and r["question_id"] in (0, 1)]
+    for method in TOY_METHODS:
+        a, b = [r for r in pairs if r["method"] == method and r["repeat"] == 0]
+        assert a["nfe"] == b["nfe"] and a["choices"][0]["wall_time"] == b["choices"][0]["wall_time"]
+
+
+def test_greedy_lossless_methods_are_exact_and_vanilla_is_the_unit(toy_run):
+    _, records, summary = toy_run
+    assert all(r["lossless"] and r["quality"] == {"exactness": 1.0} for r in records)
+    vanilla_turns = {(r["batch_size"], r["repeat"], r["question_id"]): r["choices"][0]["turns"]
+                     for r in records if r["method"] == "vanilla"}
+    for r in records:
+        assert r["choices"][0]["turns"] == vanilla_turns[(r["batch_size"], r["repeat"], r["question_id"])]
+    for b in (1, 2):
+        rows = rows_by_method(summary, b)
+        assert list(rows) == TOY_METHODS
+        assert rows["vanilla"]["step_compression"] == 1.0 and rows["vanilla"]["mean_acceptance_length"] == 1.0
+        assert rows["vanilla"]["draft_acceptance_rate"] is None
+        assert rows["self-draft"]["step_compression"] > 1 and rows["self-draft"]["mean_acceptance_length"] > 1
+        assert rows["self-draft"]["draft_acceptance_rate"] == 1.0
+        for row in rows.values():
+            sp = row["speedup"]
+            assert 0 < sp["min"] <= sp["median"] <= sp["max"] and len(sp["per_repeat"]) == 2
+            assert row["quality"] == {"exactness": 1.0} and row["peak_memory_bytes"] > 0
+        assert rows["vanilla"]["speedup"]["per_repeat"] == [1.0, 1.0]
+
+
+def test_summary_markdown_has_a_row_per_method_and_batch_size(toy_run):
+    out, _, _ = toy_run
+    text = (out / "summary.md").read_text()
+    sections = re.split(r"^## Batch size ", text, flags=re.M)[1:]
+    assert [s.split("\n", 1)[0] for s in sections] == ["1", "2"]
+    for section in sections:
+        methods = [line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| ")]
+        assert methods[1:] == TOY_METHODS  # first row is the header
+        assert "](speedup_vs_quality_bs" in section
+    assert "mmspec bench --family toy" in text
+
+
+def test_cli_prints_the_table(tmp_path, capsys):
+    out = tmp_path / "printed"
+    argv = ["bench", "--methods", "self-draft", "--num-samples", "2", "--max-new-tokens", "4", "--repeats", "1",
+            "--warmup", "0", "--no-plots", "--device", "cpu", *SMALL_TOY, "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| vanilla |" in printed and "| self-draft |" in printed and "speed-up" in printed
+    assert not list(out.glob("*.png"))
+
+
+@pytest.fixture
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_sampling_reports_exactness_as_not_applicable(one_thread):
+    result = run_bench("toy", "tree,vanilla", batch_sizes=[2], repeats=1, warmup=0,
+                       settings=BenchSettings(num_samples=2, max_new_tokens=6, temperature=1.0,
+                                              options={"dim": "16", "num_layers": "2", "num_heads": "2"}))
+    assert [c.label for c in result.configs] == ["vanilla", "tree"]  # the reference always runs first
+    assert {r.config.label: r.quality["exactness"] for r in result.runs} == \
+        {"vanilla": "n/a (sampling)", "tree": "n/a (sampling)"}
+    assert all(r.stats.num_target_forwards > 0 for r in result.runs)
+
+
+# ----------------------------------------------------------------------------------------- fake family
+class FakeFamily:
+    """A registered family whose methods record every call (and whose build is counted)."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+        self.builds = 0
+        self.fail: tuple[str, int] | None = None  # (method, batch size) that raises RuntimeError
+
+    def method(self, name: str) -> Method:
+        def run(models, batch, settings, params):
+            self.calls.append((name, tuple(s.question_id for s in batch)))
+            if self.fail == (name, len(batch)):
+                raise RuntimeError("index 9 is out of bounds | boom")
+            stats = SpecStats(num_target_forwards=settings.max_new_tokens)
+            tokens = [torch.full((settings.max_new_tokens,), s.question_id) for s in batch]  # [n] each
+            return MethodOutput(outputs=tokens, new_tokens=[settings.max_new_tokens] * len(batch), stats=stats)
+
+        return Method(run, params={"x": 1} if name == "b" else {})
+
+    def build(self, settings):
+        self.builds += 1
+        return None
+
+    def family(self) -> Family:
+        return Family(name="fake", model_id="fake-model", build=self.build,
+                      inputs=lambda s: [Sample(i, "fake", i) for i in range(s.num_samples)],
+                      methods={n: self.method(n) for n in ("vanilla", "a", "b")},
+                      quality=lambda method, params, outputs, reference, settings: {"same": float(
+                          all(torch.equal(x, y) for x, y in zip(outputs, reference)))})
+
+
+@pytest.fixture
+def fake():
+    family = FakeFamily()
+    register_family("fake", family.family)
+    yield family
+    unregister_family("fake")
+
+
+def test_runs_are_interleaved_warmup_first_per_batch_size(fake):
+    result = run_bench("fake", "b,vanilla,a", batch_sizes=[2, 1], repeats=2, warmup=1,
+                       settings=BenchSettings(num_samples=3, max_new_tokens=2))
+    order = ["vanilla", "b", "a"]  # vanilla moves to the front; the others keep their order
+    expected = []
+    for batches in ([(0, 1), (2,)], [(0,), (1,), (2,)]):  # batch size 2, then 1
+        for _ in range(1 + 2):  # one warm-up pass, then two recorded passes
+            expected += [(m, b) for m in order for b in batches]
+    assert fake.calls == expected
+    assert fake.builds == 1
+    assert [(r.batch_size, r.repeat, r.config.label) for r in result.runs] == \
+        [(b, r, m) for b in (2, 1) for r in (0, 1) for m in order]
+    assert len(result.records) == 2 * 2 * 3 * 3
+    assert all(r.quality == {"same": 1.0} for r in result.runs)
+    steps = plan_steps([2, 1], result.configs, 1, 2)
+    assert [s.warmup for s in steps[:3]] == [True] * 3 and not steps[3].warmup
+
+
+def test_a_failing_configuration_is_reported_and_the_others_go_on(fake, tmp_path, capsys):
+    fake.fail = ("a", 2)  # "a" raises on full batches of 2, so only at batch size 2
+    out = tmp_path / "failing"
+    argv = ["bench", "--family", "fake", "--methods", "a,b", "--batch-sizes", "2,1", "--num-samples", "4",
+            "--max-new-tokens", "2", "--repeats", "2", "--warmup", "1", "--no-plots", "--out", str(out)]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "FAILED at batch size 2, a: RuntimeError: index 9 is out of bounds" in captured.err
+    assert "| a | FAILED: RuntimeError: index 9 is out of bounds / boom |" in captured.out
+    assert sum(1 for name, _ in fake.calls if name == "a") == 1 + 3 * 4  # failed once at bs 2; 3 passes at bs 1
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert {(r["batch_size"], r["method"]) for r in records} == {(2, "vanilla"), (2, "b"), (1, "vanilla"),
+                                                                 (1, "a"), (1, "b")}
+    summary = json.loads((out / "summary.json").read_text())
+    assert rows_by_method(summary, 2)["a"]["failed"].startswith("RuntimeError")
+    assert rows_by_method(summary, 1)["a"]["speedup"]["median"] > 0
+    assert summary["failures"] == ["batch size 2, a: RuntimeError: index 9 is out of bounds | boom"]
+
+
+def test_method_parameters_are_parsed_and_checked(fake):
+    family = get_family("fake")
+    configs = parse_method_list("a,b:x=3", family)
+    assert [(c.label, dict(c.params)) for c in configs] == [("vanilla", {}), ("a", {}), ("b:x=3", {"x": 3})]
+    with pytest.raises(InputError, match=r"method 'b' has no parameter 'y'; its parameters: x"):
+        parse_method_list("b:y=1", family)
+    with pytest.raises(InputError, match="listed twice"):
+        parse_method_list("a,a", family)
+
+
+def test_unknown_family_and_method_are_clear_errors(fake, tmp_path, capsys):
+    with pytest.raises(InputError, match=r"unknown bench family 'nope'; known families: .*fake.*toy"):
+        get_family("nope")
+    with pytest.raises(InputError, match=r"unknown method 'c' for bench family 'fake'; known methods: vanilla, a, b"):
+        parse_method_list("a,c", get_family("fake"))
+    assert main(["bench", "--family", "nope", "--out", str(tmp_path / "o1")]) == 2
+    assert "unknown bench family 'nope'" in capsys.readouterr().err
+    assert main(["bench", "--family", "toy", "--methods", "tree,eagle9", "--out", str(tmp_path / "o2")]) == 2
+    err = capsys.readouterr().err
+    assert "unknown method 'eagle9'" in err and "draft-model, self-draft, tree, random" in err
+    assert fake.builds == 0
+
+
+def test_unwritable_output_dir_fails_before_any_work(fake, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    for out in (blocker, blocker / "sub"):
+        assert main(["bench", "--family", "fake", "--out", str(out)]) == 2
+        assert "--out" in capsys.readouterr().err
+    assert fake.builds == 0 and fake.calls == []
+
+
+def test_bad_numbers_are_input_errors(tmp_path, capsys):
+    for extra in (["--batch-sizes", "1,x"], ["--batch-sizes", "0"], ["--repeats", "0"], ["--warmup", "-1"],
+                  ["--family-option", "nokey"]):
+        assert main(["bench", *extra, "--out", str(tmp_path / "o")]) == 2
+        assert "mmspec: error:" in capsys.readouterr().err
+    with pytest.raises(InputError, match="unknown option 'depth' for bench family 'toy'"):
+        run_bench("toy", settings=BenchSettings(options={"depth": "3"}))
+
+
+def test_results_are_written_to_an_existing_directory(tmp_path):
+    """--out may already exist (results are replaced, other files kept)."""
+    out = Path(tmp_path)
+    (out / "keep.txt").write_text("x")
+    assert main(["bench", "--family", "toy", "--methods", "vanilla", "--num-samples", "1", "--max-new-tokens",
+                 "2", "--repeats", "1", "--warmup", "0", "--no-plots", "--quiet", *SMALL_TOY,
+                 "--out", str(out)]) == 0
+    assert (out / "keep.txt").read_text() == "x" and (out / "results.jsonl").exists()
