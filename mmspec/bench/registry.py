@@ -123,6 +123,7 @@ FamilyFactory = Callable[[], Family]
 # in-tree families, imported lazily: name -> "module:factory"
 BUILTIN_FAMILIES: dict[str, str] = {
     "toy": "mmspec.bench.toy:toy_family",
+    "llamagen": "image_ar.llamagen.bench:llamagen_family",
 }
 
 _FAMILIES: dict[str, FamilyFactory] = {}

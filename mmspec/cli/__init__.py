@@ -10,7 +10,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from mmspec.cli.registry import COMMANDS, TRAIN_COMMANDS
+from mmspec.cli.registry import COMMANDS, CONVERT_COMMANDS, TRAIN_COMMANDS
 from mmspec.errors import MMSpecError
 
 
@@ -37,12 +37,13 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     for name, (module, help_text) in COMMANDS.items():
         _add_lazy(sub, name, module, help_text, argv_has=name in argv[:1])
-    train = sub.add_parser("train", help="train the embedded-world models and drafters",
-                           description="Train the small models that ship in assets/.")
-    train_sub = train.add_subparsers(dest="train_command", metavar="<model>")
-    is_train = argv[:1] == ["train"]
-    for name, (module, help_text) in TRAIN_COMMANDS.items():
-        _add_lazy(train_sub, name, module, help_text, argv_has=is_train and name in argv[1:2])
+    for group, commands, help_text in (
+            ("train", TRAIN_COMMANDS, "train the embedded-world models and drafters (they ship in assets/)"),
+            ("convert", CONVERT_COMMANDS, "convert official checkpoints into pipeline folders")):
+        group_parser = sub.add_parser(group, help=help_text, description=help_text)
+        group_sub = group_parser.add_subparsers(dest=f"{group}_command", metavar="<model>")
+        for name, (module, command_help) in commands.items():
+            _add_lazy(group_sub, name, module, command_help, argv_has=argv[:1] == [group] and name in argv[1:2])
     return parser
 
 

@@ -10,11 +10,18 @@ from __future__ import annotations
 # top-level commands: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "selfcheck": ("mmspec.cli.selfcheck", "check the installation: core rules, kernels, a toy speculative run"),
+    "generate": ("mmspec.cli.generate", "generate images with a family and method (writes PNGs, a grid, stats)"),
     "bench": ("mmspec.bench.cli", "benchmark vanilla vs speculative methods side by side in one process"),
+}
+
+# `mmspec convert <name>`: official checkpoints -> a pipeline folder
+CONVERT_COMMANDS: dict[str, tuple[str, str]] = {
+    "llamagen": ("image_ar.llamagen.convert_pipeline", "official LlamaGen GPT + VQ files -> a pipeline folder"),
 }
 
 # `mmspec train <name>`: name -> (module, one-line help)
 TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
     "tokenizer": ("mmspec.data.train_tokenizer", "train the world's text tokenizer (tokenizers BPE)"),
     "judge": ("mmspec.metrics.train_judge", "train the shapes-world classifier used as the image judge"),
+    "llamagen": ("image_ar.llamagen.train", "train the embedded LlamaGen default: VQ tokenizer, target, draft model"),
 }

@@ -1,0 +1,59 @@
+"""`mmspec convert llamagen`: official LlamaGen files -> a pipeline folder that `--model` and `from_pretrained` take.
+
+    mmspec convert llamagen --gpt c2i_L_256.pt --vq vq_ds16_c2i.pt [--draft-gpt c2i_B_256.pt] --out llamagen-L
+
+Loading is safe by default (safetensors or weights-only torch.load); configs are inferred from the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from image_ar.llamagen.convert_gpt import load_llamagen_gpt
+from image_ar.llamagen.convert_vq import load_llamagen_vq
+from image_ar.llamagen.pipeline import LlamaGenPipeline
+from mmspec.data.artifacts import atomic_output_dir
+from mmspec.errors import InputError, check
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpt", required=True, help="official c2i_*.pt / t2i_*.pt (or a diffusers folder)")
+    parser.add_argument("--vq", required=True, help="official vq_ds*.pt")
+    parser.add_argument("--draft-gpt", default=None, help="optional smaller official GPT, for method draft-model")
+    parser.add_argument("--gpt-config", default=None,
+                        help="preset name (B, L, XL, ...) or a JSON dict of LlamaGenGPT arguments, when the file "
+                             "does not say (e.g. a non-official size)")
+    parser.add_argument("--vq-config", default=None,
+                        help="JSON dict of LlamaGenVQ arguments the file cannot tell (e.g. {\"norm_num_groups\": 8} "
+                             "for a non-official model; official files use 32)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="image tokens, (resolution/16)^2; inferred from the file name when it says 256/384/512")
+    parser.add_argument("--out", required=True, help="pipeline folder to write")
+
+
+def _json_or_name(option: str, value: str | None):
+    if value and value.strip().startswith("{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as err:
+            raise InputError(f"{option} is not valid JSON: {err}") from None
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {} if args.block_size is None else {"block_size": args.block_size}
+    config = _json_or_name("--gpt-config", args.gpt_config)
+    gpt = load_llamagen_gpt(args.gpt, config, **overrides)
+    vq_overrides = _json_or_name("--vq-config", args.vq_config) or {}
+    check(isinstance(vq_overrides, dict), "--vq-config must be a JSON dict of LlamaGenVQ arguments.")
+    vq = load_llamagen_vq(args.vq, **vq_overrides)  # on top of the config inferred from the weights
+    check(gpt.config.vocab_size == vq.config.codebook_size,
+          f"the GPT's vocabulary ({gpt.config.vocab_size}) does not match the VQ codebook ({vq.config.codebook_size}).")
+    draft = load_llamagen_gpt(args.draft_gpt, config, **overrides) if args.draft_gpt else None
+    if draft is not None:
+        check(draft.config.vocab_size == gpt.config.vocab_size, "the draft GPT must share the target's VQ vocabulary.")
+    with atomic_output_dir(args.out) as tmp:
+        LlamaGenPipeline(transformer=gpt, vqvae=vq, draft_transformer=draft).save_pretrained(tmp)
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,116 @@
+"""`mmspec generate --family llamagen` and `mmspec train llamagen`, on tiny models."""
+
+import json
+import os
+
+import pytest
+from llamagen_dummies import get_dummy_components
+
+from image_ar.llamagen.pipeline import LlamaGenPipeline
+from mmspec.cli import main
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pipe")
+    LlamaGenPipeline(**get_dummy_components()).save_pretrained(path)
+    return path
+
+
+def run_generate(model_dir, out, *extra):
+    return main(["generate", "--family", "llamagen", "--model", str(model_dir), "--out", str(out), "--quiet", *extra])
+
+
+def test_generate_writes_images_grid_and_stats(model_dir, tmp_path):
+    assert run_generate(model_dir, tmp_path, "--classes", "0,3", "--num-images", "2", "--method", "draft-model",
+                        "--method-arg", "num_draft_tokens=2") == 0
+    files = sorted(os.listdir(tmp_path / "images"))
+    assert files == ["00000_class0.png", "00001_class0.png", "00002_class3.png", "00003_class3.png"]
+    stats = json.loads((tmp_path / "stats.json").read_text())
+    assert stats["num_images"] == 4 and stats["method"] == "draft-model"
+    assert stats["method_kwargs"] == {"num_draft_tokens": 2}
+    assert stats["stats"]["num_target_forwards"] > 0
+    assert (tmp_path / "grid.png").stat().st_size > 0
+    assert not [f for f in os.listdir(tmp_path / "images") if f.endswith(".tmp")]
+
+
+def test_images_do_not_depend_on_batch_size(model_dir, tmp_path):
+    run_generate(model_dir, tmp_path / "a", "--classes", "1,2", "--num-images", "2", "--batch-size", "4")
+    run_generate(model_dir, tmp_path / "b", "--classes", "1,2", "--num-images", "2", "--batch-size", "1")
+    for name in os.listdir(tmp_path / "a" / "images"):
+        assert (tmp_path / "a" / "images" / name).read_bytes() == (tmp_path / "b" / "images" / name).read_bytes()
+
+
+def test_bad_requests_are_clear_errors(model_dir, tmp_path, capsys):
+    assert run_generate(model_dir, tmp_path, "--classes", "9") == 2
+    assert "outside [0, 4)" in capsys.readouterr().err
+    assert run_generate(model_dir, tmp_path, "--classes", "purple blob") == 2
+    assert "unknown class" in capsys.readouterr().err
+    assert run_generate(model_dir, tmp_path, "--method", "nope") == 2
+    assert "unknown method" in capsys.readouterr().err
+    assert run_generate(tmp_path / "missing", tmp_path / "o") == 2
+    assert "model_index.json" in capsys.readouterr().err
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert run_generate(model_dir, blocker / "sub") == 2
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_train_llamagen_smoke(tmp_path):
+    """The training command end to end with a handful of steps (the real run is in assets/llamagen/README.md)."""
+    out = tmp_path / "llamagen"
+    assert main(["train", "llamagen", "--out", str(out), "--work-dir", str(tmp_path / "work"), "--vq-steps", "2",
+                 "--target-steps", "2", "--draft-steps", "2", "--num-train-images", "256", "--eval-images-per-class",
+                 "1", "--threads", "1", "--no-compile", "--quiet"]) == 0
+    for part in ("model_index.json", "README.md", "vqvae", "transformer", "draft_transformer"):
+        assert (out / part).exists()
+    info = json.loads((out / "training.json").read_text())
+    assert set(info["eval"]) == {"target", "draft"} and info["eval"]["target"]["n"] == 16
+    pipe = LlamaGenPipeline.from_pretrained(out)
+    assert pipe.transformer.config.block_size == 64
+
+
+def test_bench_family_runs_on_a_pipeline_folder(model_dir, tmp_path):
+    """`mmspec bench --family llamagen` on the dummy pipeline: files written, vanilla and draft-model compared."""
+    out = tmp_path / "bench"
+    assert main(["bench", "--family", "llamagen", "--methods", "vanilla,draft-model", "--batch-sizes", "2",
+                 "--repeats", "1", "--warmup", "0", "--num-samples", "4", "--temperature", "0", "--family-option",
+                 f"model={model_dir}", "--family-option", "fid_reference=64", "--no-plots", "--quiet", "--out",
+                 str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    text = json.dumps(summary)
+    assert "draft-model" in text and "class_accuracy" in text and "exactness" in text
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 8  # 4 samples x 2 methods x 1 repeat
+
+
+def test_model_that_is_not_a_llamagen_pipeline_is_a_one_line_error(model_dir, tmp_path, capsys):
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "model_index.json").write_text(json.dumps({"_class_name": "VARPipeline"}))
+    assert run_generate(other, tmp_path / "o") == 2
+    err = capsys.readouterr().err.strip()
+    assert "VARPipeline pipeline, not a LlamaGen one" in err and len(err.splitlines()) == 1
+    ckpt = tmp_path / "c2i_B_256.pt"
+    ckpt.write_bytes(b"not really")
+    assert run_generate(ckpt, tmp_path / "o") == 2
+    assert "mmspec convert llamagen" in capsys.readouterr().err
+    assert run_generate(model_dir, tmp_path / "o", "--num-images", "-2") == 2
+    assert "--num-images" in capsys.readouterr().err
+
+
+def test_convert_official_files_into_a_pipeline_folder(model_dir, tmp_path):
+    import torch
+
+    pipe = LlamaGenPipeline.from_pretrained(model_dir)
+    gpt_file, vq_file = tmp_path / "c2i_X_64.pt", tmp_path / "vq_ds4_c2i.pt"
+    torch.save({"model": pipe.transformer.state_dict()}, gpt_file)  # the official container and key layout
+    torch.save({"model": pipe.vqvae.state_dict()}, vq_file)
+    out = tmp_path / "converted"
+    assert main(["convert", "llamagen", "--gpt", str(gpt_file), "--vq", str(vq_file), "--gpt-config",
+                 json.dumps({"n_head": 2, "multiple_of": 16}), "--vq-config", json.dumps({"norm_num_groups": 8}),
+                 "--block-size", "16", "--out", str(out)]) == 0
+    assert run_generate(out, tmp_path / "imgs", "--classes", "1", "--num-images", "1") == 0
+    a = (tmp_path / "imgs" / "images" / "00000_class1.png").read_bytes()
+    run_generate(model_dir, tmp_path / "ref", "--classes", "1", "--num-images", "1")
+    assert a == (tmp_path / "ref" / "images" / "00000_class1.png").read_bytes()
