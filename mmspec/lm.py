@@ -175,7 +175,7 @@ class NoDrafter:
     def propose(self, state: DecodeState) -> ChainDraft:
         return ChainDraft(torch.empty(state.batch_size, 0, dtype=torch.long, device=state.done.device))
 
-    def observe(self, state, draft, result, active) -> None:
+    def observe(self, state, draft, result, active, target_probs) -> None:
         pass
 
 
@@ -241,7 +241,8 @@ class DraftModelDrafter:
         q = None if self.params.greedy else torch.stack(probs, 1)
         return ChainDraft(torch.stack(tokens, 1), q)
 
-    def observe(self, state: DecodeState, draft: ChainDraft, result: VerifyResult, active: torch.Tensor) -> None:
+    def observe(self, state: DecodeState, draft: ChainDraft, result: VerifyResult, active: torch.Tensor,
+                target_probs: torch.Tensor) -> None:
         # the drafter ran the pending tokens and drafts x_1..x_{K-1}; keep what the target committed
         n = result.num_accepted
         self.runner.commit_chain((self.pending.count + n.clamp_max(self.k - 1)) * active)
@@ -298,7 +299,8 @@ class TreeModelDrafter:
 
         return expand_eagle2(state.last_token, score, top_k=self.top_k, depth=self.depth, total_tokens=self.total)
 
-    def observe(self, state: DecodeState, draft: DraftTree, result: VerifyResult, active: torch.Tensor) -> None:
+    def observe(self, state: DecodeState, draft: DraftTree, result: VerifyResult, active: torch.Tensor,
+                target_probs: torch.Tensor) -> None:
         # keep only the pending tokens (they end with the root); the accepted path and the final token are run
         # again next time, as EAGLE re-runs its drafter on accepted tokens
         self.runner.commit_chain(self.pending.count * active)

@@ -7,7 +7,7 @@
         p      = target.verify(state, draft)        # ONE target forward over all draft positions
         result = accept(rule, draft, p, generator)  # per-row accepted length + recovered/bonus token
         target.commit(state, draft, result, active) # KV cache keeps only the accepted path
-        drafter.observe(state, draft, result, active)
+        drafter.observe(state, draft, result, active, p)
         stats.record(result, active); state.append(result, active)
 
 Vanilla decoding is the same loop with `NoDrafter` (zero-length drafts: every iteration emits the bonus token),
@@ -112,8 +112,10 @@ class Drafter(Protocol):
     def propose(self, state: DecodeState) -> Draft:
         """A ChainDraft (tokens after state.last_token) or a DraftTree rooted at state.last_token."""
 
-    def observe(self, state: DecodeState, draft: Draft, result: VerifyResult, active: torch.Tensor) -> None:
-        """Learn what was accepted (called before `state.append`)."""
+    def observe(self, state: DecodeState, draft: Draft, result: VerifyResult, active: torch.Tensor,
+                target_probs: torch.Tensor) -> None:
+        """Learn what was accepted (called before `state.append`). `target_probs` is what the target's verify
+        returned ([B, K+1, V] or [B, N, V]): Jacobi drafters resample their unaccepted tail from it."""
 
 
 @dataclass
@@ -184,7 +186,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         check_now = validate == "always" or (validate == "first" and state.iteration == 0)
         result = accept(rule, draft, target_probs, generator, validate=check_now)
         target.commit(state, draft, result, active)
-        drafter.observe(state, draft, result, active)
+        drafter.observe(state, draft, result, active, target_probs)
         stats.record(result, active)
         state.append(result, active)
         state.iteration += 1

@@ -70,15 +70,18 @@ def test_lantern_output_stays_within_delta_of_target_and_equals_the_relaxed_mixt
     assert res.num_accepted.float().mean() > lossless.num_accepted.float().mean()  # it does relax
 
 
-def test_lantern_with_zero_delta_is_lossless_exactly():
-    gen = torch.Generator().manual_seed(4)
-    b, k = 256, 4
+def random_chain_problem(seed: int, b: int = 256, k: int = 4):
+    """p [b, k+1, V], q [b, k, V], drafts x [b, k], randomness and num_draft for exactness checks."""
+    gen = torch.Generator().manual_seed(seed)
     p = torch.softmax(torch.randn(b, k + 1, V, generator=gen) * 2, -1)
     q = torch.softmax(torch.randn(b, k, V, generator=gen) * 2, -1)
     x = torch.randint(0, V, (b, k), generator=gen)
-    rand = Randomness.draw(b, k, V, gen)
+    return p, q, x, Randomness.draw(b, k, V, gen), torch.full((b,), k)
+
+
+def test_lantern_with_zero_delta_is_lossless_exactly():
+    p, q, x, rand, nd = random_chain_problem(seed=4)
     table = build_neighbour_table(line_codebook())
-    nd = torch.full((b,), k)
     for probs in (None, q):
         got = LanternRule(table, delta=0.0).verify_chain(x, p, probs, rand, nd)
         want = get_rule("lossless").verify_chain(x, p, probs, rand, nd)
@@ -157,13 +160,8 @@ def _exact_acceptance(rule: GSDRule, p: torch.Tensor, q: torch.Tensor) -> float:
 
 
 def test_gsd_with_group_of_one_is_plain_speculative_sampling():
+    p, q, x, rand, nd = random_chain_problem(seed=8)
     gen = torch.Generator().manual_seed(8)
-    b, k = 256, 4
-    p = torch.softmax(torch.randn(b, k + 1, V, generator=gen) * 2, -1)
-    q = torch.softmax(torch.randn(b, k, V, generator=gen) * 2, -1)
-    x = torch.randint(0, V, (b, k), generator=gen)
-    rand = Randomness.draw(b, k, V, gen)
-    nd = torch.full((b,), k)
     for probs in (None, q):
         got = GSDRule(group_size=1).verify_chain(x, p, probs, rand, nd)
         want = get_rule("lossless").verify_chain(x, p, probs, rand, nd)

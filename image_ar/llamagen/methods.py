@@ -32,6 +32,43 @@ class MethodContext:
     def rule_name(self) -> str:
         return "greedy" if self.params.greedy else "lossless"
 
+    def neighbour_table(self, k: int) -> torch.Tensor:
+        """LANTERN's latent-neighbour table of the VQ codebook (raw codebook vectors, as the reference code), built
+        once per pipeline and kept on it."""
+        cache = self.pipeline.__dict__.setdefault("_mmspec_neighbour_tables", {})
+        if k not in cache:
+            from mmspec.verify import build_neighbour_table
+
+            cache[k] = build_neighbour_table(self.pipeline.vqvae.quantize.embedding.weight.detach().float().cpu(), k)
+        return cache[k]
+
+    def token_embeddings(self) -> torch.Tensor:
+        """GSD's embedding table: the L2-normalised VQ codebook (the latents the decoder sees) [V, C]."""
+        return self.pipeline.vqvae.codebook().detach().float()
+
+
+ACCEPT_MODES = ("lossless", "lantern", "gsd")
+
+
+def acceptance_rule(ctx: MethodContext, accept: str = "lossless", **params):
+    """The acceptance rule of a method: `accept` names the mode, `params` its parameters.
+
+    lossless: exact (greedy at temperature 0). lantern: k (1000), delta (0.1) or lam, reject ('moved' | 'code');
+    at temperature 0 its greedy variant. gsd: group_size (50), p_thr (0.15), d_thr (0.5).
+    """
+    from mmspec.verify import GSDRule, LanternRule
+
+    if accept == "lossless":
+        check(not params, f"the lossless rule takes no parameters, got {sorted(params)}.")
+        return ctx.rule_name()
+    if accept == "lantern":
+        k = int(params.pop("k", 1000))
+        table = ctx.neighbour_table(min(k, ctx.pipeline.vqvae.config.codebook_size - 1))
+        return LanternRule(table, k=k, greedy=ctx.params.greedy, **params)
+    if accept == "gsd":  # at temperature 0 p is one-hot, and grouped acceptance reduces to greedy verification
+        return GSDRule(embeddings=ctx.token_embeddings(), **params)
+    raise InputError(f"unknown acceptance mode {accept!r}; choose one of {', '.join(ACCEPT_MODES)}.")
+
 
 MethodFactory = Callable[..., tuple[Any, Any]]
 _METHODS: dict[str, MethodFactory] = {}

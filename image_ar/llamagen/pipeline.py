@@ -72,15 +72,18 @@ def tokens_to_images(vqvae: LlamaGenVQ, tokens: torch.Tensor, output_type: str):
 
 
 class LlamaGenPipeline(DiffusionPipeline):
-    """LlamaGen target + VQ tokenizer (+ an optional small draft LlamaGen for the draft-model method)."""
+    """LlamaGen target + VQ tokenizer, and optional drafters: a small draft LlamaGen (method draft-model) and an
+    EAGLE drafter over the target's features (methods eagle, lantern)."""
 
     model_cpu_offload_seq = "transformer->vqvae"
-    _optional_components = ["draft_transformer"]
+    _optional_components = ["draft_transformer", "eagle_drafter"]
     _callback_tensor_inputs = ["tokens"]
 
-    def __init__(self, transformer: LlamaGenGPT, vqvae: LlamaGenVQ, draft_transformer: LlamaGenGPT | None = None):
+    def __init__(self, transformer: LlamaGenGPT, vqvae: LlamaGenVQ, draft_transformer: LlamaGenGPT | None = None,
+                 eagle_drafter: Any = None):
         super().__init__()
-        self.register_modules(transformer=transformer, vqvae=vqvae, draft_transformer=draft_transformer)
+        self.register_modules(transformer=transformer, vqvae=vqvae, draft_transformer=draft_transformer,
+                              eagle_drafter=eagle_drafter)
 
     # ----------------------------------------------------------------------------------------- inputs
     def _conditions(self, class_labels, prompt_embeds, num_images_per_prompt: int) -> torch.Tensor:
@@ -151,9 +154,9 @@ class LlamaGenPipeline(DiffusionPipeline):
         block = self.transformer.config.block_size
         target = LMTarget(self.transformer, params, max_new_tokens=block, guidance_scale=ctx.guidance_scale,
                           prefill_fn=ctx.prefill_fn)
-        self.transformer.check_positions = False  # positions are bounded by block_size here; no per-call sync
-        if self.draft_transformer is not None:
-            self.draft_transformer.check_positions = False
+        for model in (self.transformer, self.draft_transformer):  # positions are bounded here; no per-call sync
+            if model is not None:
+                model.check_positions = False
 
         with self.progress_bar(total=block) as bar:
             def on_step(state, draft, result):

@@ -27,5 +27,5 @@ class RandomDrafter:
             tokens = torch.where(torch.arange(self.k) < num.unsqueeze(-1), tokens, -1)
         return ChainDraft(tokens.to(state.done.device), None, None if num is None else num.to(state.done.device))
 
-    def observe(self, state, draft, result, active) -> None:
+    def observe(self, state, draft, result, active, target_probs) -> None:
         pass
