@@ -249,3 +249,12 @@ def test_lantern_tree_compiles_fullgraph():
 
     args = (tree.tokens, tree.parents, tree.depths, tree.valid, p, rand.uniforms, rand.exponentials)
     assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(*args), fn(*args))
+
+
+def test_lantern_treats_one_hot_q_rows_as_drafts_without_a_distribution():
+    p, _, x, rand, nd = random_chain_problem(seed=12, b=64, k=3)
+    one_hot = torch.nn.functional.one_hot(x, V).float()
+    rule = LanternRule(build_neighbour_table(line_codebook()), delta=0.2)
+    with_q = rule.verify_chain(x, p, one_hot, rand, nd)
+    without = rule.verify_chain(x, p, None, rand, nd)
+    assert torch.equal(with_q.output_tokens, without.output_tokens)

@@ -116,3 +116,7 @@ def draft_model(ctx: MethodContext, num_draft_tokens: int = 4, draft_temperature
     drafter = DraftModelDrafter(draft, num_draft_tokens, params, ctx.generator, guidance_scale=ctx.guidance_scale,
                                 prefill_fn=ctx.prefill_fn)
     return drafter, ctx.rule_name()
+
+
+# method modules register themselves on import (they need register_method and acceptance_rule defined above)
+from image_ar.llamagen import jacobi_methods  # noqa: E402,F401  (sjd, gsd)

@@ -13,7 +13,8 @@ children), x and the neighbours whose mass was moved to it are removed from p, s
 draft is exactly the relaxed distribution p~_x and TV(output, p) <= delta (`reject="moved"`, the default,
 which is what the paper's bound needs). The public code instead zeroes the k+1 nearest neighbours whenever any
 mass moved (`reject="code"`). With a draft distribution q the residual is norm(max(p - q, 0)) (the reference's
-static-tree rule). Note the bound is per candidate: trees that try several siblings, or sampled drafts, can
+static-tree rule); chain rows whose q is one-hot (freshly initialised Jacobi positions) count as drafts without a
+distribution. Note the bound is per candidate: trees that try several siblings, or sampled drafts, can
 move more mass in total; `mmspec bench` reports the measured effect.
 
 `greedy=True`: accept x iff it is the argmax of its relaxed distribution (p~(x) >= every remaining p(y)).
@@ -164,10 +165,13 @@ class LanternRule(AcceptanceRule):
             return u * q_x < p_tilde.double()
 
         def residual_fn(p_j, q_j, x_j):
-            if q_j is not None:
-                return (p_j - q_j).clamp_min(0)
             _, moved = self.relaxed(p_j, x_j)
-            return self.remove_rejected(p_j, x_j, moved)
+            removed = self.remove_rejected(p_j, x_j, moved)  # what a draft without a distribution leaves
+            if q_j is None:
+                return removed
+            # rows whose q is one-hot (e.g. freshly initialised Jacobi positions) are drafts without a distribution
+            one_hot = (q_j.max(-1, keepdim=True).values >= 1 - 1e-6)
+            return torch.where(one_hot, removed, (p_j - q_j).clamp_min(0))
 
         out, acc, flags = verify_chain(draft_tokens, target_probs, draft_probs, rand.uniforms,
                                        rand.exponentials, num_draft, accept_fn, residual_fn)
