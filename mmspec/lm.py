@@ -4,6 +4,8 @@ Any model that implements `CachedLM` (a `new_cache` and a `forward_cached` that 
 given cache slots under a given mask) can be a target (`LMTarget`) or a drafter (`DraftModelDrafter`: classic
 chain drafting with a small model; `TreeModelDrafter`: EAGLE-2 dynamic trees scored by the model). `NoDrafter`
 turns the loop into vanilla decoding. Image and VLM pipelines wrap their models in the same protocol.
+`CandidatePool` is the tree attention over EAGLE-2's candidate pool in a drafter's cache, shared by
+`TreeModelDrafter` and feature-level (EAGLE) drafters.
 
 `GuidedRunner` holds a model and its cache and does classifier-free guidance the LlamaGen way when asked: the
 cache holds 2B rows [conditional ; unconditional], every token goes to both halves, and the logits returned are
@@ -106,9 +108,13 @@ class GuidedRunner:
         return self.lengths.unsqueeze(-1) + torch.arange(num_new, device=self.cache.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                tree_mask: torch.Tensor | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+                tree_mask: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                **model_inputs: Any) -> torch.Tensor:
         """Run tokens [B, S] at positions/slots [B, S] (not committed). The mask is causal over the new entries,
-        or `tree_mask` [B, S, S] over them, or a full `mask` [B, S, T]. Returns combined logits [B, S, V]."""
+        or `tree_mask` [B, S, S] over them, or a full `mask` [B, S, T]. Returns combined logits [B, S, V].
+
+        `model_inputs` go to `forward_cached` unchanged, so they must already have the model's R rows (2B with
+        CFG), e.g. the target features of an EAGLE drafter, which differ between the two halves."""
         max_positions = getattr(self.model, "max_seq_len", None)
         if max_positions is not None:  # padding entries past the end (their outputs are never used)
             positions = positions.clamp_max(max_positions - 1)
@@ -117,7 +123,8 @@ class GuidedRunner:
             mask = self.cache.attention_mask(full_slots, None if tree_mask is None else self.rows(tree_mask))
         else:
             mask = self.rows(mask)
-        logits = self.model.forward_cached(self.rows(tokens), self.rows(positions), self.cache, full_slots, mask)
+        logits = self.model.forward_cached(self.rows(tokens), self.rows(positions), self.cache, full_slots, mask,
+                                           **model_inputs)
         self.forwards += 1
         return self.combine(logits)
 
@@ -252,6 +259,41 @@ class DraftModelDrafter:
         self.pending.set(torch.where(all_accepted.unsqueeze(-1), two, one), 1 + all_accepted.long(), active)
 
 
+class CandidatePool:
+    """EAGLE-2's candidate pool in a drafter's cache, with tree attention (used by `expand_eagle2` scorers).
+
+    Pool node j (0 = the root, then every candidate in creation order, the ids `expand_eagle2` hands to its
+    scorer) lives at cache slot `root_slot + j`. A candidate sees the committed prefix (slots below the root's)
+    and its own ancestors in the pool, itself included; stale entries in the pool region stay hidden.
+    """
+
+    def __init__(self, root_slot: torch.Tensor, max_pool: int, capacity: int):
+        b, device = root_slot.shape[0], root_slot.device
+        self.root_slot = root_slot  # [B]
+        self.max_pool = max_pool
+        self.keys = torch.arange(capacity, device=device)  # [T]
+        # ancestors[b, j, i]: pool node i is j or an ancestor of j
+        self.ancestors = torch.zeros(b, max_pool, max_pool, dtype=torch.bool, device=device)  # [B, P, P]
+        self.ancestors[:, 0, 0] = True
+        self.batch_rows = torch.arange(b, device=device).unsqueeze(-1)  # [B, 1]
+
+    def slots(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, F] cache slots of pool nodes ids [B, F]."""
+        return self.root_slot.unsqueeze(-1) + ids
+
+    def mask(self, ids: torch.Tensor, parent_ids: torch.Tensor) -> torch.Tensor:
+        """Register pool nodes ids [B, F] as children of parent_ids [B, F]; return their attention mask [B, F, T]."""
+        rows = self.batch_rows
+        anc = self.ancestors[rows, parent_ids.clamp_min(0)]  # [B, F, P]
+        anc[rows, torch.arange(ids.shape[1], device=ids.device).unsqueeze(0), ids] = True
+        self.ancestors[rows, ids] = anc
+        offset = self.keys - self.root_slot.unsqueeze(-1)  # [B, T] pool index of each key
+        in_pool = (offset >= 0) & (offset < self.max_pool)
+        pool_cols = anc.gather(2, offset.clamp(0, self.max_pool - 1).unsqueeze(1).expand(-1, ids.shape[1], -1))
+        prefix = self.keys < self.root_slot.unsqueeze(-1)  # [B, T]
+        return prefix.unsqueeze(1) | (in_pool.unsqueeze(1) & pool_cols)  # [B, F, T]
+
+
 class TreeModelDrafter:
     """EAGLE-2 dynamic draft trees scored by a CachedLM (deterministic top-k children).
 
@@ -275,26 +317,14 @@ class TreeModelDrafter:
     def propose(self, state: DecodeState) -> DraftTree:
         runner = self.runner
         root_logits, root_slot = feed_pending(runner, self.pending)  # [B, V], [B]
-        b = state.batch_size
-        device = root_slot.device
-        keys = torch.arange(runner.cache.capacity, device=device)  # [T]
-        # pool node j lives at slot root_slot + j; ancestors[b, j, i]: pool node i is j or an ancestor of j
-        ancestors = torch.zeros(b, self.max_pool, self.max_pool, dtype=torch.bool, device=device)
-        ancestors[:, 0, 0] = True
-        batch_rows = torch.arange(b, device=device).unsqueeze(-1)  # [B, 1]
+        pool = CandidatePool(root_slot, self.max_pool, runner.cache.capacity)
 
         def score(tokens, ids, parent_ids, depth):
             if depth == 0:
                 return torch.log_softmax(root_logits.float(), -1).unsqueeze(1)  # [B, 1, V]
-            anc = ancestors[batch_rows, parent_ids.clamp_min(0)]  # [B, F, P]
-            anc[batch_rows, torch.arange(ids.shape[1], device=device).unsqueeze(0), ids] = True
-            ancestors[batch_rows, ids] = anc
-            offset = keys - root_slot.unsqueeze(-1)  # [B, T] pool index of each key
-            in_pool = (offset >= 0) & (offset < self.max_pool)
-            pool_cols = anc.gather(2, offset.clamp(0, self.max_pool - 1).unsqueeze(1).expand(-1, ids.shape[1], -1))
-            mask = (keys < root_slot.unsqueeze(-1)).unsqueeze(1) | (in_pool.unsqueeze(1) & pool_cols)  # [B, F, T]
-            logits = runner.forward(tokens, (root_slot + depth).unsqueeze(-1).expand_as(ids),
-                                    root_slot.unsqueeze(-1) + ids, mask=mask)
+            mask = pool.mask(ids, parent_ids)  # [B, F, T]
+            logits = runner.forward(tokens, (root_slot + depth).unsqueeze(-1).expand_as(ids), pool.slots(ids),
+                                    mask=mask)
             return torch.log_softmax(logits.float(), -1)
 
         return expand_eagle2(state.last_token, score, top_k=self.top_k, depth=self.depth, total_tokens=self.total)

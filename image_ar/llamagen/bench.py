@@ -18,12 +18,11 @@ from typing import Any
 import torch
 
 from image_ar.llamagen.generate import DEFAULTS, load
-from image_ar.llamagen.methods import available_methods
+from image_ar.llamagen.methods import available_methods, is_lossless
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
 from mmspec.errors import InputError
 
 OPTIONS = ("model", "guidance_scale", "top_k", "top_p", "fid_reference")
-LOSSY_METHODS: set[str] = set()  # relaxed-acceptance methods register here (see issue on SJD/GSD/LANTERN)
 
 
 def _options(settings: BenchSettings) -> dict[str, Any]:
@@ -88,8 +87,8 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
 
 
 def llamagen_family() -> Family:
-    methods = {name: Method(_runner(name), lossless=name not in LOSSY_METHODS) for name in available_methods()}
-    methods["draft-model"] = Method(_runner("draft-model"), lossless=True, params={"num_draft_tokens": 4})
+    methods = {name: Method(_runner(name), lossless=lambda params, name=name: is_lossless(name, params))
+               for name in available_methods()}
     return Family(name="llamagen", model_id=lambda s: str(_options(s)["model"] or "embedded llamagen (world)"),
                   build=build, inputs=inputs, methods=methods, quality=quality, primary_quality="class_accuracy",
                   to_turn=lambda o: o["tokens"].tolist(),

@@ -69,7 +69,7 @@ def sjd(ctx: MethodContext, window: int = 16, init: str = "random", interval: An
     return drafter, acceptance_rule(ctx, accept, **accept_params)
 
 
-@register_method("gsd")
+@register_method("gsd", lossless=lambda params: params.get("group_size", 50) == 1)
 def gsd(ctx: MethodContext, window: int = 16, init: str = "random", interval: Any = None, group_size: int = 50,
         p_thr: float = 0.15, d_thr: float = 0.5, embeddings: str | None = "codebook") -> tuple[JacobiDrafter, Any]:
     """Grouped speculative decoding: SJD drafting, GSD's grouped acceptance (lossy).

@@ -71,12 +71,23 @@ def acceptance_rule(ctx: MethodContext, accept: str = "lossless", **params):
 
 
 MethodFactory = Callable[..., tuple[Any, Any]]
+# lossless(params) -> whether the method keeps the target distribution exactly with these parameters
+LosslessFn = Callable[[dict], bool]
 _METHODS: dict[str, MethodFactory] = {}
+_LOSSLESS: dict[str, LosslessFn] = {}
 
 
-def register_method(name: str) -> Callable[[MethodFactory], MethodFactory]:
+def accepts_losslessly(params: dict) -> bool:
+    """The default: exact unless an `accept` mode other than 'lossless' is chosen."""
+    return params.get("accept", "lossless") == "lossless"
+
+
+def register_method(name: str, lossless: LosslessFn = accepts_losslessly) -> Callable[[MethodFactory], MethodFactory]:
+    """Register `make(ctx, **params) -> (drafter, rule)` under `name`; `lossless(params)` says whether it is exact."""
+
     def wrap(fn: MethodFactory) -> MethodFactory:
         _METHODS[name] = fn
+        _LOSSLESS[name] = lossless
         return fn
 
     return wrap
@@ -84,6 +95,13 @@ def register_method(name: str) -> Callable[[MethodFactory], MethodFactory]:
 
 def available_methods() -> list[str]:
     return list(_METHODS)
+
+
+def is_lossless(name: str, params: dict | None = None) -> bool:
+    """Whether method `name` with `params` keeps the target's output distribution exactly."""
+    if name not in _METHODS:
+        raise InputError(f"unknown LlamaGen method {name!r}; available: {', '.join(available_methods())}.")
+    return _LOSSLESS[name](dict(params or {}))
 
 
 def build_method(name: str, ctx: MethodContext, **kwargs) -> tuple[Any, Any]:
@@ -119,4 +137,4 @@ def draft_model(ctx: MethodContext, num_draft_tokens: int = 4, draft_temperature
 
 
 # method modules register themselves on import (they need register_method and acceptance_rule defined above)
-from image_ar.llamagen import jacobi_methods  # noqa: E402,F401  (sjd, gsd)
+from image_ar.llamagen import eagle_methods, jacobi_methods  # noqa: E402,F401  (eagle, lantern, sjd, gsd)

@@ -24,4 +24,5 @@ TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
     "tokenizer": ("mmspec.data.train_tokenizer", "train the world's text tokenizer (tokenizers BPE)"),
     "judge": ("mmspec.metrics.train_judge", "train the shapes-world classifier used as the image judge"),
     "llamagen": ("image_ar.llamagen.train", "train the embedded LlamaGen default: VQ tokenizer, target, draft model"),
+    "llamagen-drafter": ("image_ar.llamagen.train_eagle", "train an EAGLE drafter (LANTERN recipe) for LlamaGen"),
 }

@@ -144,3 +144,14 @@ def test_pipeline_without_draft_model_explains_what_is_missing(tmp_path):
 def test_bad_inputs_are_clear_errors(pipe, kwargs, match):
     with pytest.raises(InputError, match=match):
         pipe(**kwargs)
+
+
+def test_methods_declare_whether_they_are_lossless():
+    from image_ar.llamagen.methods import available_methods, is_lossless
+
+    assert {"vanilla", "draft-model", "sjd", "gsd", "eagle", "lantern"} <= set(available_methods())
+    assert is_lossless("vanilla") and is_lossless("draft-model") and is_lossless("sjd") and is_lossless("eagle")
+    assert not is_lossless("sjd", {"accept": "lantern"}) and not is_lossless("gsd") and not is_lossless("lantern")
+    assert is_lossless("gsd", {"group_size": 1}) and is_lossless("lantern", {"delta": 0.0})
+    with pytest.raises(InputError, match="unknown"):
+        is_lossless("nope")

@@ -1,0 +1,328 @@
+"""EAGLE-style feature drafter for LlamaGen (LANTERN's drafter) and its EAGLE-2 tree drafter for the loop.
+
+The model (`LlamaGenEagleDrafter`, LANTERN `cnets_llamagen.py` / EAGLE `cnets.py` from the facts):
+
+    x_i = fc([tok_embeddings(img_i) ; f_i])          # [R, S, 2 dim] -> [R, S, dim], fc has a bias
+    h_i = decoder layer(x_i) at the target's absolute position of img_i, the target's 2D RoPE
+    logits_i = output(h_i)                           # the target's frozen head, NO final norm (as EAGLE)
+
+`f_i` is the target's final normed hidden state (`LlamaGenGPT.last_hidden`) at the position that PREDICTS
+img_i (the last condition position for img_0, img_{i-1}'s position after that); `h_i` regresses f_{i+1}, so
+`output(h_i)` predicts img_{i+1}. The decoder layer is a LlamaGen block (SwiGLU, 2D RoPE, GQA), without the
+input RMSNorm in the first layer (EAGLE; `input_norm=True` adds it, as SpecVLM suggests). The token embeddings
+and the head are the target's, frozen and shared: `attach(target)` links them (they are not submodules, so
+`save_pretrained` writes only the drafter's own fc and layer weights).
+
+Sequence layout: the drafter's cache holds only image elements, element i at cache slot i and absolute
+position `cls_token_num + i` (the target's position of img_i; condition positions never appear, their
+information reaches the drafter through f_0). Classifier-free guidance: the drafter runs 2B rows, the
+conditional and unconditional halves each with their own target features and the same tokens, and combines
+its own logits (`uncond + scale * (cond - uncond)`, `mmspec.lm.GuidedRunner`) before ranking children.
+
+The loop drafter (`EagleTreeDrafter`) builds EAGLE-2 dynamic trees with `mmspec.tree.expand_eagle2`. Feature
+bookkeeping, per row (n = tokens already committed by the target, root = img_n = `state.last_token`):
+
+- pending pairs: (f_j, img_j) for the tokens the drafter has not yet run with TRUE target features; they end
+  with the root's pair (f_n, img_n). After prefill there is one, (f_0 = prefill `last_hidden[:, -1]`, img_0).
+- propose: run the pending pairs at slots `lengths + [0, W)` (W = depth + 1; unused columns are scratch); the
+  output at the root's pair, h_n, scores the root's children (depth-1 candidates). A candidate x with parent
+  node u runs as the pair (drafter output of u, x) at position root + depth(x) and at pool slot root + id(x)
+  with tree attention (`mmspec.lm.CandidatePool`); its output scores x's children.
+- observe: the target's verify forward left `last_hidden` [R, N, dim] at every tree node; the feature at node
+  u predicts u's child. With accepted path root = u_0, u_1..u_k and final (recovered/bonus) token y, the new
+  pending pairs are (H[u_0], tok(u_1)), .., (H[u_{k-1}], tok(u_k)), (H[u_k], y): features at
+  `accepted_nodes[:, :k+1]`, tokens `output_tokens[:, :k+1]`, both CFG halves. The old pending pairs are
+  committed to the drafter's cache (they ran with true features); tree entries are dropped (overwritten).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.modeling_utils import ModelMixin
+from torch import nn
+
+from image_ar.llamagen.gpt import LlamaGenGPT, TransformerBlock, causal_mask, ffn_hidden_dim
+from image_ar.llamagen.rope import grid_size_of, lookup_rope, rope_table_2d
+from mmspec.cache import StaticKVCache
+from mmspec.errors import InputError, check, check_positive_int
+from mmspec.lm import CandidatePool, GuidedRunner, _PendingTokens
+from mmspec.loop import DecodeState
+from mmspec.sampling import SamplingParams, process_logits
+from mmspec.tree import DraftTree, expand_eagle2
+from mmspec.verify import VerifyResult
+
+# EAGLE-2 tree defaults for the 64-token world images (LANTERN's LlamaGen setting is top_k 10, depth 4, total 59)
+DEFAULT_TOP_K = 10
+DEFAULT_DEPTH = 4
+DEFAULT_TOTAL_TOKENS = 59
+
+# config fields that must agree with the target the drafter is attached to
+_TARGET_FIELDS = ("dim", "vocab_size", "block_size", "cls_token_num", "rope_base")
+
+
+class LlamaGenEagleDrafter(ModelMixin, ConfigMixin):
+    """EAGLE feature drafter over a LlamaGen target (see the module docstring). Build it for a target with
+    `for_target(target)`; a loaded one must be `attach`ed to the target before use."""
+
+    @register_to_config
+    def __init__(
+        self,
+        dim: int = 768,
+        n_head: int = 12,
+        n_kv_head: int | None = None,
+        n_layer: int = 1,
+        multiple_of: int = 256,
+        ffn_dim_multiplier: float | None = None,
+        norm_eps: float = 1e-5,
+        rope_base: float = 10000.0,
+        block_size: int = 256,
+        cls_token_num: int = 1,
+        vocab_size: int = 16384,
+        fc_bias: bool = True,
+        input_norm: bool = False,
+        attention_backend: str | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("dim", dim), ("n_head", n_head), ("n_layer", n_layer), ("multiple_of", multiple_of),
+                            ("cls_token_num", cls_token_num), ("vocab_size", vocab_size)):
+            check_positive_int(name, value)
+        check(dim % n_head == 0, f"dim ({dim}) must be divisible by n_head ({n_head}).")
+        self.n_kv_head = n_head if n_kv_head is None else n_kv_head
+        check(isinstance(self.n_kv_head, int) and self.n_kv_head >= 1 and n_head % self.n_kv_head == 0,
+              f"n_kv_head must be None or a positive divisor of n_head ({n_head}), got {n_kv_head!r}.")
+        self.dim, self.n_head, self.head_dim, self.n_layer = dim, n_head, dim // n_head, n_layer
+        self.vocab_size, self.block_size, self.cls_token_num = vocab_size, block_size, cls_token_num
+        self.attention_backend = attention_backend
+        self.fc = nn.Linear(2 * dim, dim, bias=fc_bias)
+        hidden = ffn_hidden_dim(dim, multiple_of, ffn_dim_multiplier)
+        self.layers = nn.ModuleList(TransformerBlock(dim, n_head, self.n_kv_head, hidden, norm_eps, 0.0, 0.0, 0.0)
+                                    for _ in range(n_layer))
+        if not input_norm:  # EAGLE: the first layer reads fc's output without an input norm
+            self.layers[0].attention_norm = nn.Identity()
+        self._rope = rope_table_2d(grid_size_of(block_size), self.head_dim, rope_base, cls_token_num)  # float32
+        self.last_hidden: torch.Tensor | None = None  # [R, S, dim] output features of the last forward_cached
+
+    # ------------------------------------------------------------------------------------------ target
+    @classmethod
+    def for_target(cls, target: LlamaGenGPT, **overrides: Any) -> LlamaGenEagleDrafter:
+        """A fresh drafter shaped like `target` (its width, heads, FFN size, RoPE, positions), attached to it."""
+        c = target.config
+        config = dict(dim=c.dim, n_head=c.n_head, n_kv_head=c.n_kv_head, multiple_of=c.multiple_of,
+                      ffn_dim_multiplier=c.ffn_dim_multiplier, norm_eps=c.norm_eps, rope_base=c.rope_base,
+                      block_size=c.block_size, cls_token_num=c.cls_token_num, vocab_size=c.vocab_size)
+        drafter = cls(**{**config, **overrides})
+        p = target.tok_embeddings.weight
+        drafter = drafter.to(p.device) if p.dtype == drafter.dtype else drafter.to(device=p.device, dtype=p.dtype)
+        return drafter.attach(target)
+
+    def attach(self, target: LlamaGenGPT) -> LlamaGenEagleDrafter:
+        """Share `target`'s token embeddings and output head (not registered, so never saved); returns self."""
+        check(isinstance(target, LlamaGenGPT), f"attach needs the LlamaGen target, got {type(target).__name__}.")
+        bad = [f"{name}: drafter {getattr(self.config, name)!r} vs target {getattr(target.config, name)!r}"
+               for name in _TARGET_FIELDS if getattr(self.config, name) != getattr(target.config, name)]
+        if bad:
+            raise InputError("this eagle drafter was made for another target (" + "; ".join(bad) + "); retrain it "
+                             "with `mmspec train llamagen-drafter --pipeline PIPELINE --out PIPELINE/eagle_drafter`.")
+        self.__dict__["_target"] = target  # a plain attribute: not a submodule, not in the state dict
+        return self
+
+    @property
+    def target(self) -> LlamaGenGPT:
+        target = self.__dict__.get("_target")
+        if target is None:
+            raise InputError("the eagle drafter is not attached to its target; call drafter.attach(transformer).")
+        return target
+
+    @property
+    def max_seq_len(self) -> int:
+        """Absolute positions with a rotary row: cls_token_num + block_size (as the target)."""
+        return self.cls_token_num + self.block_size
+
+    def rope_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """(cos, sin) rows [*positions.shape, head_dim // 2, 2] float32 for absolute positions."""
+        if self._rope.device != positions.device:
+            self._rope = self._rope.to(positions.device)
+        return lookup_rope(self._rope, positions)
+
+    # ------------------------------------------------------------------------------------------ forward
+    def embed_pairs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """fc([tok_embeddings(tokens) ; features]): tokens [R, S], features [R, S, dim] -> [R, S, dim]."""
+        check(isinstance(features, torch.Tensor) and features.dim() == 3
+              and tuple(features.shape) == (*tokens.shape, self.dim),
+              f"features must be target features [R, S, dim] = [{tokens.shape[0]}, {tokens.shape[1]}, {self.dim}], "
+              f"got {list(getattr(features, 'shape', []))}.")
+        dtype = self.fc.weight.dtype
+        emb = self.target.tok_embeddings(tokens).to(dtype)  # [R, S, dim]
+        return self.fc(torch.cat([emb, features.to(dtype)], dim=-1))  # [R, S, dim]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's output head on drafter features [..., dim] -> float32 logits [..., V]."""
+        return self.target.output(hidden).float()
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced training forward: pairs (features [R, S, dim], tokens [R, S]) with full causal attention,
+        at positions [S] (default: image tokens 0..S-1, `cls_token_num + arange(S)`). Returns the predicted next
+        features [R, S, dim]."""
+        check(isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and not tokens.is_floating_point(),
+              f"tokens must be integer image tokens [R, S], got {list(getattr(tokens, 'shape', []))}.")
+        s = tokens.shape[1]
+        check(1 <= s <= self.block_size, f"at most block_size ({self.block_size}) pairs per row, got {s}.")
+        if positions is None:
+            positions = self.cls_token_num + torch.arange(s, device=tokens.device)  # [S]
+        x = self.embed_pairs(tokens, features)  # [R, S, dim]
+        rope = self.rope_rows(positions)  # [S, hd/2, 2]
+        mask = causal_mask(s, tokens.device)  # [1, S, S]
+        for layer in self.layers:
+            x = layer(x, rope, mask, backend=self.attention_backend)
+        return x  # [R, S, dim]
+
+    def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
+        """An empty cache for `batch_size` rows (2B with CFG) of `capacity` image elements."""
+        p = self.fc.weight
+        return StaticKVCache(self.n_layer, batch_size, self.n_kv_head, capacity, self.head_dim, p.dtype, p.device)
+
+    @torch.no_grad()
+    def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
+                       slots: torch.Tensor, mask: torch.Tensor, *,
+                       features: torch.Tensor | None = None) -> torch.Tensor:
+        """Pairs (tokens [R, S], features [R, S, dim]) at absolute positions [R, S], written to cache slots [R, S],
+        attending through mask [R, S, T]. Returns logits [R, S, V] and sets `last_hidden` [R, S, dim]."""
+        check(features is not None, "the eagle drafter needs the target features of its input pairs (features=).")
+        x = self.embed_pairs(tokens, features)  # [R, S, dim]
+        rope = self.rope_rows(positions)  # [R, S, hd/2, 2]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, mask, cache=cache, layer_index=i, slots=slots, backend=self.attention_backend)
+        self.last_hidden = x.detach()
+        return self.head(x)  # [R, S, V]
+
+
+# ---------------------------------------------------------------------------------------------- loop drafter
+class _PendingPairs(_PendingTokens):
+    """Pending (feature, token) pairs: `_PendingTokens` plus their target features [R, W, dim] (R = 2B with CFG)."""
+
+    def __init__(self, last_token: torch.Tensor, features: torch.Tensor, width: int):
+        super().__init__(last_token, width)
+        self.features = features.new_zeros(features.shape[0], width, features.shape[-1])  # [R, W, dim]
+        self.features[:, 0] = features
+
+    def set_pairs(self, tokens: torch.Tensor, count: torch.Tensor, rows: torch.Tensor, features: torch.Tensor,
+                  feature_rows: torch.Tensor) -> None:
+        """rows [B] / feature_rows [R] bool take tokens [B, <=W], count [B] and features [R, <=W, dim]."""
+        self.set(tokens, count, rows)
+        padded = torch.zeros_like(self.features)
+        padded[:, : features.shape[1]] = features
+        self.features = torch.where(feature_rows[:, None, None], padded, self.features)
+
+
+def gather_nodes(values: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+    """values [R, N, D] at node indices nodes [R, P] (-1 padding reads node 0) -> [R, P, D]."""
+    index = nodes.clamp_min(0).unsqueeze(-1).expand(-1, -1, values.shape[-1])  # [R, P, D]
+    return values.gather(1, index)
+
+
+def check_tree_params(top_k: int, depth: int, total_tokens: int) -> int:
+    """Validate the EAGLE-2 tree size; return the candidate pool size 1 + top_k + (depth - 1) * top_k^2."""
+    for name, value in (("top_k", top_k), ("depth", depth)):
+        check_positive_int(name, value)
+    check_positive_int("total_tokens", total_tokens, minimum=2)
+    pool = 1 + top_k + (depth - 1) * top_k * top_k
+    check(total_tokens <= pool, f"total_tokens={total_tokens} exceeds the {pool} nodes depth={depth}, "
+                                f"top_k={top_k} can create; lower total_tokens or raise depth/top_k.")
+    return pool
+
+
+class EagleTreeDrafter:
+    """The loop's drafter: EAGLE-2 dynamic trees from a `LlamaGenEagleDrafter` over the target's features.
+
+    `params` are the target's sampling settings: at temperature > 0 the drafter ranks children by log-probs of
+    its CFG-combined logits after the same temperature / top-k / top-p processing (LANTERN), at temperature 0 by
+    the raw log-softmax. Children are deterministic top-k, so lossless verification accepts a child c with
+    probability p(c) (`mmspec.verify`). Reads the target's features from `target.last_hidden` (see the module
+    docstring for the bookkeeping).
+    """
+
+    def __init__(self, drafter: LlamaGenEagleDrafter, target: LlamaGenGPT, params: SamplingParams, *,
+                 top_k: int = DEFAULT_TOP_K, depth: int = DEFAULT_DEPTH, total_tokens: int = DEFAULT_TOTAL_TOKENS,
+                 guidance_scale: float | torch.Tensor | None = None):
+        self.max_pool = check_tree_params(top_k, depth, total_tokens)
+        self.drafter = drafter.attach(target)
+        self.target = target
+        self.params = params
+        self.top_k, self.depth, self.total = top_k, depth, total_tokens
+        self.width = depth + 1  # pending pairs: at most depth accepted drafts + the final token
+        self.runner = GuidedRunner(drafter, guidance_scale)
+
+    @property
+    def forwards(self) -> int:
+        return self.runner.forwards
+
+    def _target_features(self, rows: int, positions: int, when: str) -> torch.Tensor:
+        """The target's `last_hidden` [R, positions, dim], checked to come from the forward we expect."""
+        h = self.target.last_hidden
+        ok = h is not None and h.dim() == 3 and tuple(h.shape[:2]) == (rows, positions)
+        if not ok:
+            raise InputError(f"the eagle drafter reads the target's features of its {when} from "
+                             f"transformer.last_hidden, expected [{rows}, {positions}, dim], got "
+                             f"{None if h is None else list(h.shape)}; run it with the pipeline's own target.")
+        return h
+
+    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """CFG-combined drafter logits [..., V] -> log-probs used to rank children [..., V]."""
+        if not self.params.greedy:
+            logits = process_logits(logits, self.params.temperature, self.params.top_k, self.params.top_p)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def begin(self, inputs: Any, state: DecodeState) -> None:
+        rows = state.batch_size * (2 if self.runner.uses_cfg else 1)
+        prefill = self._target_features(rows, self.target.config.cls_token_num, "prefill")  # [R, C, dim]
+        capacity = self.drafter.block_size + self.width + self.max_pool
+        self.runner.cache = self.drafter.new_cache(rows, capacity)
+        self.pending = _PendingPairs(state.last_token, prefill[:, -1], self.width)  # (f_0, img_0)
+
+    def run_pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run the pending pairs (not committed). Returns the root's CFG-combined logits [B, V], the drafter's
+        output feature at the root's pair [R, dim] (h_n: the predicted f_{n+1}) and the root's slot [B]."""
+        runner, pending = self.runner, self.pending
+        slots = runner.slots(self.width)  # [B, W]; columns past a row's count are scratch
+        positions = slots + self.drafter.cls_token_num  # [B, W] element j sits at position C + j
+        logits = runner.forward(pending.tokens, positions, slots, features=pending.features)  # [B, W, V]
+        last = pending.count - 1  # [B] the root's pair
+        batch = torch.arange(slots.shape[0], device=slots.device)
+        root_hidden = gather_nodes(self.drafter.last_hidden, runner.rows(last).unsqueeze(-1))[:, 0]  # [R, dim]
+        return logits[batch, last], root_hidden, slots[batch, last]
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        runner, drafter = self.runner, self.drafter
+        c = drafter.cls_token_num
+        root_logits, root_hidden, root_slot = self.run_pending()  # [B, V], [R, dim], [B]
+        pool = CandidatePool(root_slot, self.max_pool, runner.cache.capacity)
+        pool_features = root_hidden.new_zeros(root_hidden.shape[0], self.max_pool, root_hidden.shape[-1])  # [R,P,dim]
+        pool_features[:, 0] = root_hidden
+
+        def score(tokens: torch.Tensor, ids: torch.Tensor, parent_ids: torch.Tensor, depth: int) -> torch.Tensor:
+            if depth == 0:
+                return self._log_probs(root_logits).unsqueeze(1)  # [B, 1, V]
+            mask = pool.mask(ids, parent_ids)  # [B, F, T]
+            features = gather_nodes(pool_features, runner.rows(parent_ids))  # [R, F, dim] the parents' outputs
+            positions = (root_slot + c + depth).unsqueeze(-1).expand_as(ids)  # [B, F]
+            out = runner.forward(tokens, positions, pool.slots(ids), mask=mask, features=features)  # [B, F, V]
+            index = runner.rows(ids).unsqueeze(-1).expand(-1, -1, pool_features.shape[-1])  # [R, F, dim]
+            pool_features.scatter_(1, index, drafter.last_hidden)
+            return self._log_probs(out)
+
+        return expand_eagle2(state.last_token, score, top_k=self.top_k, depth=self.depth, total_tokens=self.total)
+
+    def observe(self, state: DecodeState, draft: DraftTree, result: VerifyResult, active: torch.Tensor,
+                target_probs: torch.Tensor) -> None:
+        runner = self.runner
+        runner.commit_chain(self.pending.count * active)  # the pending pairs ran with true target features
+        rows = runner.cache.batch_size
+        verify = self._target_features(rows, draft.num_nodes, "verify forward")  # [R, N, dim]
+        path = result.accepted_nodes[:, : self.width]  # [B, <=W] root first, -1 padded
+        features = gather_nodes(verify, runner.rows(path))  # [R, <=W, dim] H[u_0], .., H[u_k]
+        tokens = result.output_tokens[:, : self.width]  # [B, <=W] tok(u_1), .., tok(u_k), y
+        self.pending.set_pairs(tokens, result.num_accepted + 1, active, features, runner.rows(active))

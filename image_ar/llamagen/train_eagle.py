@@ -1,0 +1,366 @@
+"""`mmspec train llamagen-drafter`: train an EAGLE drafter (LANTERN's recipe) for a LlamaGen pipeline.
+
+    mmspec train llamagen-drafter --pipeline assets/llamagen --out assets/llamagen/eagle_drafter
+
+Data: image token sequences (`--data world`: world images tokenized by the pipeline's VQ with
+`image_ar.llamagen.train.tokenize`; `--data target`: the target's own samples, for targets not trained on the
+world), cached in the work dir. Each step teacher-forces the frozen target on a batch (no grad), with 10% of the
+class labels replaced by the null class (`--null-prob`), and reads its final normed features f_0..f_{T-1}
+(`last_hidden`; f_i predicts token i) and logits. The drafter sees the pairs (f_i + noise, token_i),
+i < T - 1, and is trained to predict f_{i+1}:
+
+    loss = SmoothL1(h_i, f_{i+1}) + 0.1 * CE(softmax(target logits_{i+1}), log_softmax(output(h_i)))
+
+LANTERN's optimiser: AdamW (betas 0.9, 0.95), linear warm-up over 3% of the steps then linear decay, gradient
+clipping by value at 0.5, uniform feature noise U(-0.1, 0.1) (width `--noise` 0.2). The reference scales the
+noise width by 512 / sequence length (EAGLE's data code); here the width is used as given. The learning rate
+default (3e-3) is higher than the reference's 1e-4 because this run is minutes on a CPU, not 20 epochs on GPUs.
+
+The run is resumable: the drafter, optimiser and data-sampler state are saved to the work dir every
+`--checkpoint-every` steps and picked up by a rerun (`--force` starts over). At the end the drafter is saved
+to `--out` with a card (README.md: command, seed, time, final losses, and the mean acceptance length of method
+`eagle` measured on `--eval-images` images at temperature 0 and at the pipeline's default sampling). When
+`--out` is `PIPELINE/eagle_drafter`, the component is registered in `PIPELINE/model_index.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from image_ar.llamagen.eagle import LlamaGenEagleDrafter
+from image_ar.llamagen.gpt import LlamaGenGPT
+from image_ar.llamagen.pipeline import LlamaGenPipeline
+from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
+from mmspec.errors import InputError, check, check_positive_int
+
+COMPONENT = "eagle_drafter"
+COMPONENT_ENTRY = ["image_ar.llamagen.eagle", "LlamaGenEagleDrafter"]
+DATA_KINDS = ("world", "target")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--pipeline", default=str(ASSETS_DIR / "llamagen"), help="LlamaGen pipeline folder (target)")
+    parser.add_argument("--out", default=None, help="drafter folder to write (default: PIPELINE/eagle_drafter)")
+    parser.add_argument("--work-dir", default="runs/llamagen-drafter", help="scratch folder (data, checkpoints)")
+    parser.add_argument("--data", choices=DATA_KINDS, default="world",
+                        help="world: world images tokenized by the pipeline's VQ; target: the target's own samples")
+    parser.add_argument("--num-train-sequences", type=int, default=20_000, help="token sequences to train on")
+    parser.add_argument("--data-guidance", type=float, default=4.0, help="--data target: CFG scale of the samples")
+    parser.add_argument("--data-temperature", type=float, default=1.0, help="--data target: sampling temperature")
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--warmup", type=float, default=0.03, help="warm-up fraction of the steps")
+    parser.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise on input features")
+    parser.add_argument("--p-weight", type=float, default=0.1, help="weight of the soft cross-entropy")
+    parser.add_argument("--grad-clip", type=float, default=0.5, help="clip gradients by value")
+    parser.add_argument("--null-prob", type=float, default=0.1, help="fraction of labels replaced by the null class")
+    parser.add_argument("--input-norm", action="store_true", help="RMSNorm on the layer input (SpecVLM's variant)")
+    parser.add_argument("--checkpoint-every", type=int, default=250)
+    parser.add_argument("--eval-images", type=int, default=64, help="images for the acceptance measurement (0: none)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
+    parser.add_argument("--no-compile", action="store_true", help="do not torch.compile the drafter's loss")
+    parser.add_argument("--force", action="store_true", help="ignore a checkpoint in the work dir; start over")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def lr_at(step: int, total: int, base: float, warmup: float) -> float:
+    """Linear warm-up over `warmup` * total steps, then linear decay to 0 (LANTERN's schedule)."""
+    warm = max(1, math.ceil(warmup * total))
+    if step < warm:
+        return base * (step + 1) / warm
+    return base * max(0.0, (total - step) / max(1, total - warm))
+
+
+# ------------------------------------------------------------------------------------------------------ data
+def world_sequences(pipe: LlamaGenPipeline, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """World images tokenized by the pipeline's VQ: tokens [n, block_size] int16, labels [n]."""
+    from image_ar.llamagen.train import IMAGE_SIZE, tokenize
+
+    target = pipe.transformer
+    grid = math.isqrt(target.config.block_size)
+    factor = pipe.vqvae.downsample_factor
+    if grid * factor != IMAGE_SIZE:
+        raise InputError(f"--data world tokenizes {IMAGE_SIZE}x{IMAGE_SIZE} world images, but this pipeline makes "
+                         f"{grid * factor}x{grid * factor} images ({grid}x{grid} tokens, VQ factor {factor}); use "
+                         "--data target (the target's own samples).")
+    return tokenize(pipe.vqvae, n, seed)
+
+
+@torch.no_grad()
+def target_sequences(pipe: LlamaGenPipeline, n: int, seed: int, guidance: float, temperature: float,
+                     quiet: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's own samples (vanilla decoding): tokens [n, block_size] int16, uniform random labels [n]."""
+    classes = pipe.transformer.config.num_classes
+    labels = torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(seed))
+    pipe.set_progress_bar_config(disable=True)
+    ids = []
+    for start in tqdm(range(0, n, 64), desc="sampling the target", disable=quiet):
+        chunk = labels[start:start + 64]
+        out = pipe(class_labels=chunk.tolist(), guidance_scale=guidance, temperature=temperature,
+                   generator=torch.Generator().manual_seed(seed * 1_000_003 + start), output_type="latent")
+        ids.append(out.tokens.short())
+    return torch.cat(ids), labels
+
+
+def training_data(pipe: LlamaGenPipeline, args: argparse.Namespace, work: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token sequences [n, T] int64 and labels [n], cached in the work dir."""
+    name = f"{args.data}-{args.num_train_sequences}-seed{args.seed}"
+    if args.data == "target":
+        name += f"-g{args.data_guidance}-t{args.data_temperature}"
+    cache = work / f"sequences-{name}.pt"
+    if not cache.is_file() or args.force:
+        if args.data == "world":
+            ids, labels = world_sequences(pipe, args.num_train_sequences, args.seed)
+        else:
+            ids, labels = target_sequences(pipe, args.num_train_sequences, args.seed, args.data_guidance,
+                                           args.data_temperature, args.quiet)
+        torch.save({"ids": ids, "labels": labels}, cache)
+    data = torch.load(cache, weights_only=True)
+    return data["ids"].long(), data["labels"].long()
+
+
+# ----------------------------------------------------------------------------------------------------- steps
+@torch.no_grad()
+def teacher_features(target: LlamaGenGPT, idx: torch.Tensor, labels: torch.Tensor,
+                     drop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Teacher-forced target on idx [B, T]: features [B, T, dim] (feature i predicts idx[:, i]) and logits
+    [B, T, V] (logits i = output(feature i)); labels [B] with drop [B] bool -> the null class."""
+    logits = target(idx, labels, drop_mask=drop).logits  # [B, T, V]
+    features = target.last_hidden[:, target.config.cls_token_num - 1:]  # [B, T, dim]
+    return features, logits
+
+
+def drafter_loss(drafter: LlamaGenEagleDrafter, features: torch.Tensor, logits: torch.Tensor, idx: torch.Tensor,
+                 noise: torch.Tensor, p_weight: float) -> tuple[torch.Tensor, ...]:
+    """EAGLE loss on pairs (features_i + noise, idx_i), i < T - 1, predicting features_{i+1}.
+
+    features [B, T, dim], logits [B, T, V], idx [B, T], noise [B, T-1, dim]. Returns (loss, feature SmoothL1,
+    soft CE, top-1 agreement of the drafter's and the target's next token), the last three detached.
+    """
+    pred = drafter(features[:, :-1] + noise, idx[:, :-1])  # [B, T-1, dim]
+    vloss = F.smooth_l1_loss(pred.float(), features[:, 1:].float())
+    logp = torch.log_softmax(drafter.head(pred), dim=-1)  # [B, T-1, V]
+    target_logits = logits[:, 1:].float()  # [B, T-1, V]
+    ploss = -(torch.softmax(target_logits, dim=-1) * logp).sum(-1).mean()
+    agree = (logp.argmax(-1) == target_logits.argmax(-1)).float().mean()
+    return vloss + p_weight * ploss, vloss.detach(), ploss.detach(), agree.detach()
+
+
+def _save_checkpoint(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)
+
+
+def train_drafter(target: LlamaGenGPT, ids: torch.Tensor, labels: torch.Tensor, args: argparse.Namespace,
+                  work: Path) -> tuple[LlamaGenEagleDrafter, dict]:
+    """Train (or resume) the drafter; returns it in eval mode and its training record."""
+    torch.manual_seed(args.seed)
+    drafter = LlamaGenEagleDrafter.for_target(target, input_norm=args.input_norm).train()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    gen = torch.Generator().manual_seed(args.seed)
+    ckpt_path = work / "drafter-checkpoint.pt"
+    start, elapsed, history = 0, 0.0, []
+    if ckpt_path.is_file() and not args.force:
+        ckpt = torch.load(ckpt_path, weights_only=True)
+        check(ckpt["steps"] == args.steps and ckpt["batch_size"] == args.batch_size,
+              f"{ckpt_path} was made with --steps {ckpt['steps']} --batch-size {ckpt['batch_size']}; rerun with "
+              "those, or pass --force to start over.")
+        drafter.load_state_dict(ckpt["drafter"])
+        opt.load_state_dict(ckpt["optimizer"])
+        gen.set_state(ckpt["generator"])
+        start, elapsed, history = ckpt["step"], ckpt["seconds"], ckpt["history"]
+
+    def loss_fn(features, logits, idx, noise):
+        return drafter_loss(drafter, features, logits, idx, noise, args.p_weight)
+
+    step_loss = loss_fn if args.no_compile else torch.compile(loss_fn)
+    t0 = time.perf_counter() - elapsed
+    bar = tqdm(range(start, args.steps), desc="eagle drafter", initial=start, total=args.steps, disable=args.quiet)
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        rows = torch.randint(0, ids.shape[0], (args.batch_size,), generator=gen)
+        idx, lab = ids[rows], labels[rows]  # [B, T], [B]
+        drop = torch.rand(args.batch_size, generator=gen) < args.null_prob  # [B]
+        features, logits = teacher_features(target, idx, lab, drop)
+        noise = (torch.rand(features[:, :-1].shape, generator=gen) - 0.5) * args.noise  # [B, T-1, dim]
+        loss, vloss, ploss, agree = step_loss(features, logits, idx, noise.to(features.dtype))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_value_(drafter.parameters(), args.grad_clip)
+        opt.step()
+        history.append([float(vloss), float(ploss), float(agree)])
+        if step % 25 == 0:
+            bar.set_postfix(vloss=f"{vloss:.4f}", ploss=f"{ploss:.3f}", top1=f"{agree:.3f}")
+        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps:
+            _save_checkpoint(ckpt_path, {"drafter": drafter.state_dict(), "optimizer": opt.state_dict(),
+                                         "generator": gen.get_state(), "step": step + 1, "steps": args.steps,
+                                         "batch_size": args.batch_size, "seconds": time.perf_counter() - t0,
+                                         "history": history})
+    seconds = time.perf_counter() - t0
+    last = torch.tensor(history[-50:]).mean(0).tolist() if history else [float("nan")] * 3
+    info = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "seconds": seconds,
+            "final_feature_smoothl1": last[0], "final_soft_ce": last[1], "final_top1_agreement": last[2],
+            "first_feature_smoothl1": history[0][0] if history else None,
+            "first_soft_ce": history[0][1] if history else None,
+            "parameters": sum(p.numel() for p in drafter.parameters())}
+    return drafter.eval(), info
+
+
+# -------------------------------------------------------------------------------------------------- measure
+def is_world_pipeline(pipe: LlamaGenPipeline) -> bool:
+    """True when the pipeline makes world images (32x32, the world's classes), which the world judge can score."""
+    from image_ar.llamagen.train import IMAGE_SIZE
+    from mmspec.data import NUM_CLASSES
+
+    target = pipe.transformer.config
+    size = math.isqrt(target.block_size) * pipe.vqvae.downsample_factor
+    return size == IMAGE_SIZE and target.num_classes == NUM_CLASSES
+
+
+@torch.no_grad()
+def measure_acceptance(pipe: LlamaGenPipeline, n: int, seed: int) -> dict:
+    """Mean acceptance length (emitted tokens per row and verify call, bonus included), target forwards, wall
+    time and (world pipelines) the world judge's class accuracy of vanilla / eagle / lantern on n images
+    (classes round-robin, one generator per image), one batch each, at temperature 0 and at the pipeline's
+    default sampling (guidance 4.0, temperature 1.0, no top-k / top-p)."""
+    import image_ar.llamagen.eagle_methods  # noqa: F401  (registers eagle and lantern)
+    from mmspec.metrics import class_accuracy
+
+    check_positive_int("eval images", n)
+    pipe.set_progress_bar_config(disable=True)
+    labels = torch.arange(n) % pipe.transformer.config.num_classes  # [n]
+    judge = is_world_pipeline(pipe)
+    runs = {"vanilla, temperature 0": ("vanilla", 0.0), "eagle, temperature 0": ("eagle", 0.0),
+            "vanilla, default sampling": ("vanilla", 1.0), "eagle, default sampling": ("eagle", 1.0),
+            "lantern, default sampling": ("lantern", 1.0)}
+    out = {}
+    for name, (method, temperature) in runs.items():
+        gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(n)]
+        result = pipe(class_labels=labels.tolist(), temperature=temperature, method=method, generator=gens,
+                      output_type="pt" if judge else "latent")
+        stats = result.stats
+        out[name] = {"mean_acceptance_length": stats.mean_acceptance_length,
+                     "target_forwards": stats.num_target_forwards, "seconds": stats.wall_time,
+                     "judge_accuracy": class_accuracy(result.images, labels) if judge else None}
+    return {"n": n, "runs": out}
+
+
+# ------------------------------------------------------------------------------------------------------ run
+def register_component(pipeline_dir: Path, out: Path) -> bool:
+    """Add eagle_drafter to PIPELINE/model_index.json when out is PIPELINE/eagle_drafter; True if it did."""
+    index = pipeline_dir / "model_index.json"
+    if out.resolve() != (pipeline_dir / COMPONENT).resolve() or not index.is_file():
+        return False
+    data = json.loads(index.read_text())
+    data[COMPONENT] = COMPONENT_ENTRY
+    tmp = index.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.replace(index)
+    return True
+
+
+def _card(command: str, info: dict) -> str:
+    tr, cfg = info["train"], info["config"]
+    lines = [
+        "# EAGLE drafter (eagle_drafter)",
+        "",
+        "LANTERN's LlamaGen drafter (EAGLE-1/2 style) for this pipeline's transformer: fc([token embedding ; target",
+        "feature]) -> one LlamaGen decoder layer (2D RoPE at the target's positions) -> the target's frozen head.",
+        "The token embeddings and head are the target's (shared, not stored here). Used by the methods `eagle` and",
+        "`lantern` (EAGLE-2 dynamic trees; see docs/eagle_lantern.md). Made by:",
+        "",
+        f"    {command}",
+        "",
+        f"Machine: {info['machine']}.",
+        "",
+        f"- Architecture: {json.dumps(cfg)}; {tr['parameters'] / 1e6:.3f}M trained parameters.",
+        f"- Data: {info['data']}.",
+        f"- Training: {tr['steps']} steps x {tr['batch_size']} sequences, AdamW lr {tr['lr']} (betas 0.9, 0.95), "
+        f"seed {info['seed']}, {tr['seconds']:.0f} s of training; the whole command (data, training, measurement) "
+        f"took {info['command_seconds']:.0f} s.",
+        f"- Losses (mean of the last 50 steps): feature SmoothL1 {tr['final_feature_smoothl1']:.4f} (first step "
+        f"{tr['first_feature_smoothl1']:.4f}), soft cross-entropy {tr['final_soft_ce']:.3f} (first step "
+        f"{tr['first_soft_ce']:.3f}), top-1 agreement with the target's next token "
+        f"{tr['final_top1_agreement']:.3f} (teacher-forced, training batches).",
+    ]
+    if "acceptance" in info:
+        acc = info["acceptance"]
+        lines += ["", f"## Measured acceptance ({acc['n']} images, one batch, classes round-robin, default tree "
+                  f"top_k {info['tree']['top_k']}, depth {info['tree']['depth']}, total_tokens "
+                  f"{info['tree']['total_tokens']})", "",
+                  "Mean acceptance length = emitted tokens per row and verify call (bonus included; vanilla = 1).",
+                  "Target forwards = verify calls for the whole batch, prefill included (vanilla: one per token).",
+                  "Default sampling = the pipeline's defaults: guidance 4.0, temperature 1.0, no top-k / top-p;",
+                  "lantern uses k 1000, delta 0.1. Wall times are this CPU's, for orientation only.", "",
+                  "Judge accuracy = the world judge's class accuracy on these images (a small sample; `mmspec bench`",
+                  "measures quality properly).", "",
+                  "| run | mean acceptance length | target forwards | wall time (s) | judge accuracy |",
+                  "|---|---|---|---|---|"]
+        for name, r in acc["runs"].items():
+            judge = "-" if r["judge_accuracy"] is None else f"{r['judge_accuracy']:.3f}"
+            lines.append(f"| {name} | {r['mean_acceptance_length']:.3f} | {r['target_forwards']} | "
+                         f"{r['seconds']:.1f} | {judge} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    from image_ar.llamagen.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
+
+    for name in ("num_train_sequences", "steps", "batch_size", "checkpoint_every"):
+        check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
+    check(args.eval_images >= 0, f"--eval-images must be >= 0, got {args.eval_images}.")
+    start = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    pipeline_dir = Path(args.pipeline)
+    check((pipeline_dir / "model_index.json").is_file(),
+          f"--pipeline {pipeline_dir} is not a LlamaGen pipeline folder (no model_index.json); make one with "
+          "`mmspec train llamagen` or `mmspec convert llamagen`.")
+    out = Path(args.out) if args.out is not None else pipeline_dir / COMPONENT
+    args.out = str(out)  # the card's command names the folder it wrote
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+
+    pipe = LlamaGenPipeline.from_pretrained(pipeline_dir)
+    pipe.eagle_drafter = None  # train a fresh one (an existing component is replaced at the end)
+    target = pipe.transformer.eval().requires_grad_(False)
+    check(target.config.model_type == "c2i", "the drafter trainer supports class-conditional (c2i) pipelines.")
+    ids, labels = training_data(pipe, args, work)
+    drafter, train_info = train_drafter(target, ids, labels, args, work)
+
+    info = {"machine": machine_summary(), "seed": args.seed, "train": train_info,
+            "config": {k: v for k, v in drafter.config.items() if not k.startswith("_")},
+            "data": (f"{ids.shape[0]} world images tokenized by the pipeline's VQ" if args.data == "world" else
+                     f"{ids.shape[0]} samples of the target (guidance {args.data_guidance}, temperature "
+                     f"{args.data_temperature})") + f", {args.null_prob:.0%} of labels replaced by the null class",
+            "tree": {"top_k": DEFAULT_TOP_K, "depth": DEFAULT_DEPTH, "total_tokens": DEFAULT_TOTAL_TOKENS}}
+    if args.eval_images > 0:
+        pipe.eagle_drafter = drafter
+        info["acceptance"] = measure_acceptance(pipe, args.eval_images, args.seed)
+    info["command_seconds"] = time.perf_counter() - start
+    command = explicit_command("mmspec train llamagen-drafter", args, [
+        "pipeline", "out", "data", "num_train_sequences", "steps", "batch_size", "lr", "noise", "seed", "threads"])
+    with atomic_output_dir(out) as tmp:
+        drafter.save_pretrained(tmp)
+        (tmp / "training.json").write_text(json.dumps(info, indent=2) + "\n")
+        (tmp / "README.md").write_text(_card(command, info))
+    registered = register_component(pipeline_dir, out)
+    ckpt = work / "drafter-checkpoint.pt"
+    if ckpt.is_file():
+        ckpt.unlink()  # finished: a rerun trains afresh instead of resuming a completed run
+    print(json.dumps({k: info[k] for k in ("train", "acceptance") if k in info}, indent=2))
+    print(f"wrote {out}" + (f" (registered in {pipeline_dir / 'model_index.json'})" if registered else ""))
+    return 0
