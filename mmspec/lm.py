@@ -186,7 +186,7 @@ class NoDrafter:
         pass
 
 
-class _PendingTokens:
+class PendingTokens:
     """Tokens the drafter has not run yet (ragged per row), fed at the start of the next proposal."""
 
     def __init__(self, last_token: torch.Tensor, width: int):
@@ -203,7 +203,7 @@ class _PendingTokens:
         self.count = torch.where(rows, count, self.count)
 
 
-def feed_pending(runner: GuidedRunner, pending: _PendingTokens) -> tuple[torch.Tensor, torch.Tensor]:
+def feed_pending(runner: GuidedRunner, pending: PendingTokens) -> tuple[torch.Tensor, torch.Tensor]:
     """Run each row's pending tokens after its committed prefix (not committed). Returns (logits after the last
     pending token [B, V], the slot of that token [B])."""
     slots = runner.slots(pending.tokens.shape[1])  # [B, W]; entries past a row's count are scratch
@@ -232,7 +232,7 @@ class DraftModelDrafter:
 
     def begin(self, inputs: Any, state: DecodeState) -> None:
         self.runner.prefill(inputs, state.max_new_tokens + self.k + 2)
-        self.pending = _PendingTokens(state.last_token, 2)
+        self.pending = PendingTokens(state.last_token, 2)
 
     def propose(self, state: DecodeState) -> ChainDraft:
         logits, slot = feed_pending(self.runner, self.pending)  # [B, V], [B]
@@ -312,7 +312,7 @@ class TreeModelDrafter:
 
     def begin(self, inputs: Any, state: DecodeState) -> None:
         self.runner.prefill(inputs, state.max_new_tokens + self.depth + 2 + self.max_pool)
-        self.pending = _PendingTokens(state.last_token, self.depth + 1)
+        self.pending = PendingTokens(state.last_token, self.depth + 1)
 
     def propose(self, state: DecodeState) -> DraftTree:
         runner = self.runner

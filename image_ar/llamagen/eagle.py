@@ -48,7 +48,7 @@ from image_ar.llamagen.gpt import LlamaGenGPT, TransformerBlock, causal_mask, ff
 from image_ar.llamagen.rope import grid_size_of, lookup_rope, rope_table_2d
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check, check_positive_int
-from mmspec.lm import CandidatePool, GuidedRunner, _PendingTokens
+from mmspec.lm import CandidatePool, GuidedRunner, PendingTokens
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams, process_logits
 from mmspec.tree import DraftTree, expand_eagle2
@@ -201,8 +201,8 @@ class LlamaGenEagleDrafter(ModelMixin, ConfigMixin):
 
 
 # ---------------------------------------------------------------------------------------------- loop drafter
-class _PendingPairs(_PendingTokens):
-    """Pending (feature, token) pairs: `_PendingTokens` plus their target features [R, W, dim] (R = 2B with CFG)."""
+class _PendingPairs(PendingTokens):
+    """Pending (feature, token) pairs: `PendingTokens` plus their target features [R, W, dim] (R = 2B with CFG)."""
 
     def __init__(self, last_token: torch.Tensor, features: torch.Tensor, width: int):
         super().__init__(last_token, width)
