@@ -258,3 +258,4 @@ def test_lantern_treats_one_hot_q_rows_as_drafts_without_a_distribution():
     with_q = rule.verify_chain(x, p, one_hot, rand, nd)
     without = rule.verify_chain(x, p, None, rand, nd)
     assert torch.equal(with_q.output_tokens, without.output_tokens)
+

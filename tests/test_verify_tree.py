@@ -134,12 +134,38 @@ def test_malformed_tree_is_a_clear_error():
 
 
 def test_rule_without_tree_support_says_so():
+    from mmspec.verify.base import AcceptanceRule
+
+    class ChainOnly(AcceptanceRule):
+        name = "chain-only"
+        supports_tree = False
+
     tree, p_nodes = make_trees(2, seed=0, sampled=False)
     with pytest.raises(InputError, match="chain"):
-        accept("gsd", tree, p_nodes.expand(2, N, V))
+        accept(ChainOnly(), tree, p_nodes.expand(2, N, V))
 
 
 def test_chain_draft_shape_errors_are_named():
     with pytest.raises(InputError, match="num_draft"):
         accept("lossless", ChainDraft(torch.zeros(2, 3, dtype=torch.long), None, torch.tensor([4, 0])),
                torch.full((2, 4, V), 0.1))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_gsd_tree_with_group_of_one_is_lossless_tree_verification(sampled):
+    n = 512
+    tree, p_nodes = make_trees(n, seed=9, sampled=sampled)
+    p = p_nodes.expand(n, N, V)
+    rand = Randomness.draw(n, N, V, torch.Generator().manual_seed(9))
+    got = get_rule("gsd", group_size=1).verify_tree(tree, p, rand)
+    want = get_rule("lossless").verify_tree(tree, p, rand)
+    assert torch.equal(got.output_tokens, want.output_tokens)
+
+
+def test_gsd_tree_accepts_more_than_lossless_tree():
+    n = 4000
+    tree, p_nodes = make_trees(n, seed=10, sampled=False)
+    p = p_nodes.expand(n, N, V)
+    grouped = accept("gsd", tree, p, torch.Generator().manual_seed(3), group_size=4, p_thr=0.3)
+    exact = accept("lossless", tree, p, torch.Generator().manual_seed(3))
+    assert grouped.num_accepted.float().mean() > exact.num_accepted.float().mean() + 0.05

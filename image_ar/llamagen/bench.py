@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from image_ar.llamagen.generate import DEFAULTS, load
-from image_ar.llamagen.methods import available_methods, is_lossless
+from image_ar.llamagen.methods import available_methods, is_lossless, method_parameters
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
 from mmspec.errors import InputError
 
@@ -48,6 +48,11 @@ def inputs(settings: BenchSettings) -> list[Sample]:
             for i in range(settings.num_samples)]
 
 
+def given(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameters a configuration sets (None = not given, see `methods.method_parameters`)."""
+    return {k: v for k, v in params.items() if v is not None}
+
+
 def _runner(method: str):
     def run(pipe, batch: Sequence[Sample], settings: BenchSettings, params: Mapping[str, Any]) -> MethodOutput:
         o = _options(settings)
@@ -55,7 +60,7 @@ def _runner(method: str):
                 for s in batch]
         out = pipe(class_labels=[int(s.data) for s in batch], generator=gens, guidance_scale=o["guidance_scale"],
                    temperature=settings.temperature, top_k=o["top_k"], top_p=o["top_p"], method=method,
-                   method_kwargs=dict(params), output_type="pt")
+                   method_kwargs=given(params), output_type="pt")
         outputs = [{"image": img.cpu(), "tokens": tok.cpu(), "label": int(s.data)}
                    for img, tok, s in zip(out.images, out.tokens, batch)]
         return MethodOutput(outputs=outputs, new_tokens=[out.tokens.shape[1]] * len(batch), stats=out.stats)
@@ -87,7 +92,8 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
 
 
 def llamagen_family() -> Family:
-    methods = {name: Method(_runner(name), lossless=lambda params, name=name: is_lossless(name, params))
+    methods = {name: Method(_runner(name), lossless=lambda params, name=name: is_lossless(name, given(params)),
+                            params=method_parameters(name))
                for name in available_methods()}
     return Family(name="llamagen", model_id=lambda s: str(_options(s)["model"] or "embedded llamagen (world)"),
                   build=build, inputs=inputs, methods=methods, quality=quality, primary_quality="class_accuracy",

@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from image_ar.llamagen.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, EagleTreeDrafter
-from image_ar.llamagen.methods import MethodContext, acceptance_rule, register_method
+from image_ar.llamagen.methods import ACCEPT_PARAMS, MethodContext, acceptance_rule, register_method
 from mmspec.errors import InputError
 
 TRAIN_HINT = ("train one with `mmspec train llamagen-drafter --pipeline PIPELINE --out PIPELINE/eagle_drafter` "
@@ -32,7 +32,7 @@ def eagle_tree_drafter(ctx: MethodContext, method: str, top_k: int = DEFAULT_TOP
                             total_tokens=total_tokens, guidance_scale=ctx.guidance_scale)
 
 
-@register_method("eagle")
+@register_method("eagle", passthrough=ACCEPT_PARAMS)
 def eagle(ctx: MethodContext, top_k: int = DEFAULT_TOP_K, depth: int = DEFAULT_DEPTH,
           total_tokens: int = DEFAULT_TOTAL_TOKENS, accept: str = "lossless", **accept_params: Any) -> tuple:
     """EAGLE-2 dynamic trees from the eagle_drafter (top_k children per frontier node, `depth` levels,
@@ -41,7 +41,8 @@ def eagle(ctx: MethodContext, top_k: int = DEFAULT_TOP_K, depth: int = DEFAULT_D
     return drafter, acceptance_rule(ctx, accept, **accept_params)
 
 
-@register_method("lantern", lossless=lambda params: params.get("delta", 0.1) == 0 and params.get("lam") is None)
+@register_method("lantern", lossless=lambda params: params.get("delta", 0.1) == 0 and params.get("lam") is None,
+                 passthrough=("top_k", "depth", "total_tokens"))
 def lantern(ctx: MethodContext, k: int = 1000, delta: float | None = 0.1, lam: float | None = None,
             reject: str = "moved", **tree_params: Any) -> tuple:
     """LANTERN: EAGLE-2 trees + relaxed acceptance (k latent neighbours, total-variation budget `delta`, or the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from image_ar.llamagen.methods import MethodContext, acceptance_rule, register_method
+from image_ar.llamagen.methods import ACCEPT_PARAMS, MethodContext, acceptance_rule, register_method
 from image_ar.llamagen.rope import grid_size_of
 from mmspec.errors import check, check_positive_int
 from mmspec.jacobi import JacobiDrafter, check_init, check_interval
@@ -54,7 +54,7 @@ def llamagen_jacobi_drafter(ctx: MethodContext, window: int = 16, init: str = "r
                          greedy=ctx.params.greedy, row_width=grid_size_of(config.block_size))
 
 
-@register_method("sjd")
+@register_method("sjd", passthrough=ACCEPT_PARAMS)
 def sjd(ctx: MethodContext, window: int = 16, init: str = "random", interval: Any = None,
         accept: str = "lossless", **accept_params) -> tuple[JacobiDrafter, Any]:
     """Speculative Jacobi decoding: a window of `window` positions re-sampled from the target every forward.

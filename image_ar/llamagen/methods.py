@@ -75,6 +75,9 @@ MethodFactory = Callable[..., tuple[Any, Any]]
 LosslessFn = Callable[[dict], bool]
 _METHODS: dict[str, MethodFactory] = {}
 _LOSSLESS: dict[str, LosslessFn] = {}
+_PASSTHROUGH: dict[str, tuple[str, ...]] = {}
+# the parameters `acceptance_rule` takes for its non-default modes (what a method's `**accept_params` may hold)
+ACCEPT_PARAMS = ("k", "delta", "lam", "reject", "group_size", "p_thr", "d_thr")
 
 
 def accepts_losslessly(params: dict) -> bool:
@@ -82,12 +85,15 @@ def accepts_losslessly(params: dict) -> bool:
     return params.get("accept", "lossless") == "lossless"
 
 
-def register_method(name: str, lossless: LosslessFn = accepts_losslessly) -> Callable[[MethodFactory], MethodFactory]:
-    """Register `make(ctx, **params) -> (drafter, rule)` under `name`; `lossless(params)` says whether it is exact."""
+def register_method(name: str, lossless: LosslessFn = accepts_losslessly,
+                    passthrough: tuple[str, ...] = ()) -> Callable[[MethodFactory], MethodFactory]:
+    """Register `make(ctx, **params) -> (drafter, rule)` under `name`; `lossless(params)` says whether it is exact;
+    `passthrough` names the parameters its `**kwargs` forwards (listed by `method_parameters`)."""
 
     def wrap(fn: MethodFactory) -> MethodFactory:
         _METHODS[name] = fn
         _LOSSLESS[name] = lossless
+        _PASSTHROUGH[name] = tuple(passthrough)
         return fn
 
     return wrap
@@ -102,6 +108,18 @@ def is_lossless(name: str, params: dict | None = None) -> bool:
     if name not in _METHODS:
         raise InputError(f"unknown LlamaGen method {name!r}; available: {', '.join(available_methods())}.")
     return _LOSSLESS[name](dict(params or {}))
+
+
+def method_parameters(name: str) -> dict[str, Any]:
+    """The parameters method `name` takes, with their defaults; those its `**kwargs` forwards default to None
+    (None = not given: callers drop None values before building the method)."""
+    import inspect
+
+    if name not in _METHODS:
+        raise InputError(f"unknown LlamaGen method {name!r}; available: {', '.join(available_methods())}.")
+    params = {p.name: p.default for p in list(inspect.signature(_METHODS[name]).parameters.values())[1:]
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {**params, **{key: None for key in _PASSTHROUGH[name] if key not in params}}
 
 
 def build_method(name: str, ctx: MethodContext, **kwargs) -> tuple[Any, Any]:

@@ -46,14 +46,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--force", action="store_true", help="retrain stages whose output already exists")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vq-steps", type=int, default=2000)
+    parser.add_argument("--vq-steps", type=int, default=1500)
     parser.add_argument("--object-weight", type=float, default=10.0,
                         help="extra weight of high-contrast (object) pixels in the VQ's L2 loss; small shapes are a "
                              "few percent of the pixels and get blurred into blobs without it")
     parser.add_argument("--vq-batch-size", type=int, default=64)
     parser.add_argument("--vq-lr", type=float, default=1e-3)
     parser.add_argument("--num-train-images", type=int, default=100_000, help="world images tokenized for the GPTs")
-    parser.add_argument("--target-steps", type=int, default=5000)
+    parser.add_argument("--target-steps", type=int, default=3500)
     parser.add_argument("--draft-steps", type=int, default=3000)
     parser.add_argument("--gpt-batch-size", type=int, default=64)
     parser.add_argument("--gpt-lr", type=float, default=1e-3)

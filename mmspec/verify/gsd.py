@@ -15,6 +15,11 @@ Defaults follow the paper (g = 50, its PartiPrompts setting; g = 25 for COCO). T
 g = 14 (the window [r-7, r+7) of logits sorted ascending), p_thr = 0.15, d_thr = 0.5, and falls back to plain
 speculative sampling when the window would leave the vocabulary; `GSDRule.reference_code()` gives its g, and
 here the window is shifted instead. The sort is done once per verify call, batched.
+
+Trees (an mmspec extension; the paper only verifies Jacobi chains): each child is judged by the same grouped
+test against the working p at its parent, and a rejected child leaves the lossless tree residual (x removed
+from p for deterministic children, norm(max(p - q, 0)) for sampled ones), so with g = 1 it is exactly lossless
+tree verification. This is the "grouped acceptance on EAGLE trees" combination (docs/eagle_lantern.md).
 """
 
 from __future__ import annotations
@@ -22,17 +27,20 @@ from __future__ import annotations
 import torch
 
 from mmspec.errors import check, check_positive_int
+from mmspec.tree import DraftTree
 from mmspec.verify.base import AcceptanceRule, Randomness, VerifyResult, register_rule
 from mmspec.verify.chain import lossless_residual, verify_chain
+from mmspec.verify.lossless import lossless_node_reject
+from mmspec.verify.tree_walk import walk_tree
 
 
 @register_rule
 class GSDRule(AcceptanceRule):
-    """Grouped speculative decoding acceptance (chain drafts only). See the module docstring."""
+    """Grouped speculative decoding acceptance (chains, and trees as an extension). See the module docstring."""
 
     name = "gsd"
     lossless = False
-    supports_tree = False
+    supports_tree = True
 
     def __init__(self, group_size: int = 50, p_thr: float = 0.15, d_thr: float = 0.5,
                  embeddings: torch.Tensor | None = None) -> None:
@@ -97,3 +105,10 @@ class GSDRule(AcceptanceRule):
         out, acc, flags = verify_chain(draft_tokens, target_probs, draft_probs, rand.uniforms,
                                        rand.exponentials, num_draft, accept_fn, lossless_residual)
         return VerifyResult(out, acc, flags, num_draft)
+
+    def verify_tree(self, tree: DraftTree, target_probs: torch.Tensor, rand: Randomness) -> VerifyResult:
+        def accept_fn(p_work, q_work, x, u):  # p_work/q_work [B, V], x/u [B]
+            p_group, q_group = self.group_masses(p_work, q_work, x)
+            return u * q_group.double() < p_group.double()
+
+        return walk_tree(tree, target_probs, rand, accept_fn, lossless_node_reject)

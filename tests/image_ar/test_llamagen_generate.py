@@ -71,9 +71,11 @@ def test_train_llamagen_smoke(tmp_path):
 
 
 def test_bench_family_runs_on_a_pipeline_folder(model_dir, tmp_path):
-    """`mmspec bench --family llamagen` on the dummy pipeline: files written, vanilla and draft-model compared."""
+    """`mmspec bench --family llamagen` on the dummy pipeline: files written, vanilla, draft-model and SJD with
+    grouped acceptance (a parameter its **kwargs forwards) compared."""
     out = tmp_path / "bench"
-    assert main(["bench", "--family", "llamagen", "--methods", "vanilla,draft-model", "--batch-sizes", "2",
+    assert main(["bench", "--family", "llamagen", "--methods", "vanilla,draft-model,sjd:accept=gsd:group_size=4",
+                 "--batch-sizes", "2",
                  "--repeats", "1", "--warmup", "0", "--num-samples", "4", "--temperature", "0", "--family-option",
                  f"model={model_dir}", "--family-option", "fid_reference=64", "--no-plots", "--quiet", "--out",
                  str(out)]) == 0
@@ -81,7 +83,18 @@ def test_bench_family_runs_on_a_pipeline_folder(model_dir, tmp_path):
     text = json.dumps(summary)
     assert "draft-model" in text and "class_accuracy" in text and "exactness" in text
     lines = (out / "results.jsonl").read_text().splitlines()
-    assert len(lines) == 8  # 4 samples x 2 methods x 1 repeat
+    assert len(lines) == 12  # 4 samples x 3 methods x 1 repeat
+    grouped = [m for m in summary["batch_sizes"][0]["methods"] if m["method"] == "sjd:accept=gsd:group_size=4"]
+    assert grouped and grouped[0]["lossless"] is False
+
+
+def test_method_parameters_list_signature_defaults_and_forwarded_keys():
+    from image_ar.llamagen.methods import method_parameters
+
+    eagle = method_parameters("eagle")
+    assert eagle["depth"] == 4 and eagle["accept"] == "lossless" and eagle["group_size"] is None
+    assert method_parameters("lantern")["top_k"] is None and method_parameters("lantern")["delta"] == 0.1
+    assert method_parameters("vanilla") == {}
 
 
 def test_model_that_is_not_a_llamagen_pipeline_is_a_one_line_error(model_dir, tmp_path, capsys):
