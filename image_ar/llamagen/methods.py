@@ -48,6 +48,7 @@ class MethodContext:
 
 
 ACCEPT_MODES = ("lossless", "lantern", "gsd")
+MODE_PARAMS = {"lossless": (), "lantern": ("k", "delta", "lam", "reject"), "gsd": ("group_size", "p_thr", "d_thr")}
 
 
 def acceptance_rule(ctx: MethodContext, accept: str = "lossless", **params):
@@ -58,16 +59,20 @@ def acceptance_rule(ctx: MethodContext, accept: str = "lossless", **params):
     """
     from mmspec.verify import GSDRule, LanternRule
 
+    if accept not in MODE_PARAMS:
+        raise InputError(f"unknown acceptance mode {accept!r}; choose one of {', '.join(ACCEPT_MODES)}.")
+    unknown = sorted(set(params) - set(MODE_PARAMS[accept]))
+    if unknown:
+        takes = ", ".join(MODE_PARAMS[accept]) or "no parameters"
+        raise InputError(f"accept={accept!r} takes {takes}; got {', '.join(unknown)}.")
     if accept == "lossless":
-        check(not params, f"the lossless rule takes no parameters, got {sorted(params)}.")
         return ctx.rule_name()
     if accept == "lantern":
         k = int(params.pop("k", 1000))
         table = ctx.neighbour_table(min(k, ctx.pipeline.vqvae.config.codebook_size - 1))
         return LanternRule(table, k=k, greedy=ctx.params.greedy, **params)
-    if accept == "gsd":  # at temperature 0 p is one-hot, and grouped acceptance reduces to greedy verification
-        return GSDRule(embeddings=ctx.token_embeddings(), **params)
-    raise InputError(f"unknown acceptance mode {accept!r}; choose one of {', '.join(ACCEPT_MODES)}.")
+    # gsd: at temperature 0 p is one-hot, and grouped acceptance reduces to greedy verification
+    return GSDRule(embeddings=ctx.token_embeddings(), **params)
 
 
 MethodFactory = Callable[..., tuple[Any, Any]]
@@ -77,7 +82,7 @@ _METHODS: dict[str, MethodFactory] = {}
 _LOSSLESS: dict[str, LosslessFn] = {}
 _PASSTHROUGH: dict[str, tuple[str, ...]] = {}
 # the parameters `acceptance_rule` takes for its non-default modes (what a method's `**accept_params` may hold)
-ACCEPT_PARAMS = ("k", "delta", "lam", "reject", "group_size", "p_thr", "d_thr")
+ACCEPT_PARAMS = tuple(name for names in MODE_PARAMS.values() for name in names)
 
 
 def accepts_losslessly(params: dict) -> bool:

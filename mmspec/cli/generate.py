@@ -104,6 +104,10 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         raise InputError(f"cannot write to --out {out}: {err.strerror}. Choose a writable folder.") from None
 
+    if args.quiet:  # diffusers' "Loading pipeline components" bar
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
     pipe = family.load(args.model, args.device)
     if args.classes.strip() == "all":
         classes = list(range(family.num_classes(pipe)))

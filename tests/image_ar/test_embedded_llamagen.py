@@ -62,3 +62,12 @@ def test_the_documented_examples_run(doc, tmp_path, monkeypatch):
     assert blocks, f"{doc} has no python example"
     for block in blocks:
         exec(compile(block, doc, "exec"), {"__name__": "__doc_example__"})
+
+
+def test_grouped_acceptance_on_eagle_trees_with_groups_of_one_is_eagle(pipe):
+    """eagle with accept="gsd", group_size=1 is lossless tree verification: same generators, same images."""
+    labels = [1, 7]
+    exact = pipe(class_labels=labels, generator=gens(2, 40), method="eagle", output_type="latent")
+    grouped = pipe(class_labels=labels, generator=gens(2, 40), method="eagle",
+                   method_kwargs={"accept": "gsd", "group_size": 1}, output_type="latent")
+    assert torch.equal(grouped.tokens, exact.tokens)

@@ -140,3 +140,8 @@ def test_the_documented_example_runs_on_the_embedded_model():
     assert blocks
     for block in blocks:
         exec(compile(block, "docs/sjd_gsd.md", "exec"), {"__name__": "__doc_example__"})
+
+
+def test_parameters_of_another_acceptance_mode_are_named(pipe):
+    with pytest.raises(InputError, match="accept='gsd' takes group_size, p_thr, d_thr; got delta"):
+        pipe(class_labels=[0], method="sjd", method_kwargs={"accept": "gsd", "delta": 0.1}, output_type="latent")
