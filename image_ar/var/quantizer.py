@@ -108,6 +108,17 @@ class MultiScaleQuantizer(nn.Module):
             f_hat = f_hat + self.upsampled_residual(si, idx)
         return f_hat
 
+    def forward(self, f: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training: (straight-through f_hat [B, Cvae, H, W], VQ loss). The codes are found on the detached f;
+        loss = mean over scales of beta * |f_hat_si.detach() - f|^2 + |f_hat_si - f.detach()|^2 (the second term
+        trains the codebook and the Phi convolutions, the first the encoder), as the official VectorQuantizer2."""
+        f32 = f.float()
+        f_hat, loss = torch.zeros_like(f32), f32.new_zeros(())
+        for si, idx in enumerate(self.encode(f32.detach())):
+            f_hat = f_hat + self.upsampled_residual(si, idx)
+            loss = loss + self.beta * F.mse_loss(f_hat.detach(), f32) + F.mse_loss(f_hat, f32.detach())
+        return (f_hat.detach() - f32.detach()) + f32, loss / len(self.patch_nums)
+
     def next_input(self, scale: int, f_hat: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Inference step: add scale si's codes idx [B, pn^2] to f_hat [B, Cvae, H, W]; return (f_hat, the
         transformer's next-scale input [B, pn_{si+1}^2, Cvae], or None after the last scale)."""
