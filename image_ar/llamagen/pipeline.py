@@ -26,6 +26,7 @@ from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.methods import MethodContext, build_method
 from image_ar.llamagen.vq import LlamaGenVQ
 from mmspec.errors import InputError, check
+from mmspec.images import check_output_type, format_images
 from mmspec.loop import generate
 from mmspec.sampling import SamplingParams
 from mmspec.stats import SpecStats
@@ -62,13 +63,7 @@ def condition_prefill(guided: bool, cond_mask: torch.Tensor | None = None):
 
 def tokens_to_images(vqvae: LlamaGenVQ, tokens: torch.Tensor, output_type: str):
     """Decode [N, h*w] tokens to images in [0, 1] as PIL / np / pt."""
-    images = ((vqvae.decode_code(tokens) + 1) / 2).clamp(0, 1).float()  # [N, 3, H, W]
-    if output_type == "pt":
-        return images
-    array = images.permute(0, 2, 3, 1).cpu().numpy()  # [N, H, W, 3]
-    if output_type == "np":
-        return array
-    return [PIL.Image.fromarray((a * 255).round().astype(np.uint8)) for a in array]
+    return format_images((vqvae.decode_code(tokens) + 1) / 2, output_type)  # [N, 3, H, W] in [0, 1]
 
 
 class LlamaGenPipeline(DiffusionPipeline):
@@ -129,8 +124,7 @@ class LlamaGenPipeline(DiffusionPipeline):
         the batch it was generated in). callback_on_step_end(pipe, step, num_tokens, {"tokens": [N, T]}) runs
         after every loop iteration (read-only; return {"stop": True} to end early, e.g. a UI's cancel button).
         """
-        check(output_type in ("pil", "np", "pt", "latent"),
-              f"output_type must be pil/np/pt/latent, got {output_type!r}.")
+        check_output_type(output_type)
         check(isinstance(num_images_per_prompt, int) and num_images_per_prompt >= 1,
               f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}.")
         check(isinstance(guidance_scale, (int, float)), f"guidance_scale must be a number, got {guidance_scale!r}.")
