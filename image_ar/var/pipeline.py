@@ -67,6 +67,26 @@ def per_scale(value: float | Sequence[float], num_scales: int, name: str) -> lis
     return values
 
 
+def check_labels(class_labels: Any, num_images_per_prompt: int, num_classes: int, device: torch.device,
+                 generator: Generators = None) -> torch.Tensor:
+    """Class labels [N] (each repeated num_images_per_prompt times), checked against the model's classes and the
+    number of generators."""
+    check(isinstance(num_images_per_prompt, int) and num_images_per_prompt >= 1,
+          f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}.")
+    check(class_labels is not None, "pass class_labels (an int, a list of ints or a tensor of class ids).")
+    labels = torch.as_tensor([class_labels] if isinstance(class_labels, int) else class_labels).long()
+    check(labels.dim() == 1 and labels.numel() > 0, "class_labels must be an int or a 1-D list of ints.")
+    bad = labels[(labels < 0) | (labels >= num_classes)]
+    if bad.numel():
+        raise InputError(f"class label(s) {bad.tolist()} outside [0, {num_classes}); this model has {num_classes} "
+                         "classes.")
+    labels = labels.repeat_interleave(num_images_per_prompt).to(device)
+    if isinstance(generator, list):
+        check(len(generator) == labels.shape[0], f"got {len(generator)} generators for {labels.shape[0]} images; "
+                                                 "pass one per image, one generator, or None.")
+    return labels
+
+
 def generate_scales(model: VARTransformer, quantizer: MultiScaleQuantizer, labels: torch.Tensor,
                     state: ScaleState, cache: StaticKVCache, scales: range, guidance: list[float],
                     params: list[SamplingParams], generator: Generators = None, guided: bool = True,
@@ -112,16 +132,6 @@ class VARPipeline(DiffusionPipeline):
               "the transformer's vocabulary differs from the VQVAE's codebook size.")
         self.register_modules(transformer=transformer, vqvae=vqvae)
 
-    def _labels(self, class_labels: Any, num_images_per_prompt: int) -> torch.Tensor:
-        check(class_labels is not None, "pass class_labels (an int, a list of ints or a tensor of class ids).")
-        labels = torch.as_tensor([class_labels] if isinstance(class_labels, int) else class_labels).long()
-        check(labels.dim() == 1 and labels.numel() > 0, "class_labels must be an int or a 1-D list of ints.")
-        n = self.transformer.config.num_classes
-        bad = labels[(labels < 0) | (labels >= n)]
-        if bad.numel():
-            raise InputError(f"class label(s) {bad.tolist()} outside [0, {n}); this model has {n} classes.")
-        return labels.repeat_interleave(num_images_per_prompt).to(self.transformer.device)
-
     @torch.no_grad()
     def __call__(self, class_labels: int | list[int] | torch.Tensor | None = None, guidance_scale: float = 4.0,
                  temperature: float | Sequence[float] = 1.0, top_k: int = 0, top_p: float = 1.0,
@@ -133,18 +143,13 @@ class VARPipeline(DiffusionPipeline):
         per image. callback_on_step_end(pipe, scale, num_tokens, {"tokens": [N, tokens so far]}) after each
         scale."""
         check_output_type(output_type)
-        check(isinstance(num_images_per_prompt, int) and num_images_per_prompt >= 1,
-              f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}.")
         check(isinstance(guidance_scale, (int, float)) and guidance_scale >= 0,
               f"guidance_scale must be a number >= 0, got {guidance_scale!r}.")
         model, quantizer = self.transformer, self.vqvae.quantize
         n_scales = len(model.patch_nums)
         params = [SamplingParams(t, top_k, top_p) for t in per_scale(temperature, n_scales, "temperature")]
-        labels = self._labels(class_labels, num_images_per_prompt)
+        labels = check_labels(class_labels, num_images_per_prompt, model.config.num_classes, model.device, generator)
         b = labels.shape[0]
-        if isinstance(generator, list):
-            check(len(generator) == b, f"got {len(generator)} generators for {b} images; pass one per image, one "
-                                       "generator, or None.")
         guided = guidance_scale > 0
         cache = model.new_cache(2 * b if guided else b, device=labels.device)
 

@@ -129,13 +129,21 @@ class MultiScaleQuantizer(nn.Module):
         down = F.interpolate(f_hat, size=(pn, pn), mode="area")  # [B, C, pn, pn]
         return f_hat, down.flatten(2).transpose(1, 2)
 
-    def teacher_inputs(self, pyramid: Sequence[torch.Tensor]) -> torch.Tensor:
-        """The transformer's inputs for scales 1.. from a code pyramid (its first S - 1 scales used):
-        [B, L - pn_0^2, Cvae]."""
+    def scale_inputs(self, pyramid: Sequence[torch.Tensor], num_scales: int | None = None) -> torch.Tensor:
+        """The transformer's inputs of scales 1..n-1 (n = num_scales, default all) from the codes of scales
+        0..n-2: [B, sum of pn^2 over scales 1..n-1, Cvae] (empty for n = 1)."""
+        n = len(self.patch_nums) if num_scales is None else num_scales
+        check(1 <= n <= len(self.patch_nums) and len(pyramid) >= n - 1,
+              f"scale_inputs needs 1 <= num_scales <= {len(self.patch_nums)} and the codes of the first "
+              f"num_scales - 1 scales; got num_scales={n} and {len(pyramid)} scales of codes.")
         b, full = pyramid[0].shape[0], self.patch_nums[-1]
         f_hat = pyramid[0].new_zeros(b, self.cvae, full, full, dtype=torch.float32)
-        inputs = []
-        for si in range(len(self.patch_nums) - 1):
+        inputs = [f_hat.new_zeros(b, 0, self.cvae)]
+        for si in range(n - 1):
             f_hat, nxt = self.next_input(si, f_hat, pyramid[si])
             inputs.append(nxt)
         return torch.cat(inputs, 1)
+
+    def teacher_inputs(self, pyramid: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The transformer's training inputs for scales 1.. from a full code pyramid: [B, L - pn_0^2, Cvae]."""
+        return self.scale_inputs(pyramid)

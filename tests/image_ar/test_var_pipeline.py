@@ -6,23 +6,11 @@ import inspect
 import PIL.Image
 import pytest
 import torch
+from var_dummies import get_dummy_components
 
-from image_ar.var import VARVQVAE, VARTransformer
+from image_ar.var import VARVQVAE
 from image_ar.var.pipeline import VARPipeline, guidance_schedule
 from mmspec.errors import InputError
-
-PNS = (1, 2, 4)
-
-
-def get_dummy_components() -> dict:
-    torch.manual_seed(0)
-    transformer = VARTransformer(vocab_size=16, cvae=4, num_classes=3, depth=2, embed_dim=16, num_heads=2,
-                                 patch_nums=PNS).eval()
-    with torch.no_grad():  # a trained model's logits are far from uniform; random small weights are not
-        transformer.head.weight.mul_(20)
-    vqvae = VARVQVAE(vocab_size=16, z_channels=4, ch=8, ch_mult=(1, 2), num_res_blocks=1, norm_num_groups=4,
-                     patch_nums=PNS).eval()
-    return {"transformer": transformer, "vqvae": vqvae}
 
 
 @pytest.fixture(scope="module")
