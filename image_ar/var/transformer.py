@@ -46,6 +46,11 @@ def scale_bounds(patch_nums: Sequence[int]) -> list[tuple[int, int]]:
     return bounds
 
 
+def scale_levels(patch_nums: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
+    """[L] the scale index of every position."""
+    return torch.cat([torch.full((pn * pn,), i, device=device) for i, pn in enumerate(patch_nums)])
+
+
 def check_patch_nums(patch_nums: Sequence[int]) -> tuple[int, ...]:
     pns = tuple(int(p) for p in patch_nums)
     check(len(pns) >= 1 and all(p >= 1 for p in pns) and all(a < b for a, b in zip(pns, pns[1:])),
@@ -182,13 +187,12 @@ class VARTransformer(ModelMixin, ConfigMixin):
         for tensor in (self.class_emb.weight, self.pos_start, self.pos_1LC, self.lvl_embed.weight):
             nn.init.trunc_normal_(tensor.data, mean=0, std=init_std)
         self.shared_ada_lin = nn.Sequential(nn.SiLU(), SharedAdaLin(c, 6 * c)) if shared_aln else nn.Identity()
-        rates = torch.linspace(0, drop_path_rate, depth).tolist()
+        rates = [drop_path_rate * i / (depth - 1) if depth > 1 else 0.0 for i in range(depth)]  # linear, 0 first
         self.blocks = nn.ModuleList([AdaLNSelfAttn(c, heads, mlp_ratio, norm_eps, shared_aln, attn_l2_norm, rates[i])
                                      for i in range(depth)])
         self.head_nm = AdaLNBeforeHead(c, norm_eps)
         self.head = nn.Linear(c, vocab_size)
-        levels = torch.cat([torch.full((pn * pn,), i) for i, pn in enumerate(self.patch_nums)])
-        self.register_buffer("levels", levels, persistent=False)  # [L] scale index of every position
+        self.register_buffer("levels", scale_levels(self.patch_nums), persistent=False)  # [L]
 
     # ----------------------------------------------------------------------------------------- inputs
     def condition(self, labels: torch.Tensor) -> torch.Tensor:
