@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 # `mmspec convert <name>`: official checkpoints -> a pipeline folder
 CONVERT_COMMANDS: dict[str, tuple[str, str]] = {
     "llamagen": ("image_ar.llamagen.convert_pipeline", "official LlamaGen GPT + VQ files -> a pipeline folder"),
+    "var": ("image_ar.var.convert_pipeline", "official VAR transformer(s) + VQVAE files -> a VAR or CoDe pipeline"),
 }
 
 # `mmspec train <name>`: name -> (module, one-line help)

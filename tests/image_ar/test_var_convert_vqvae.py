@@ -94,3 +94,29 @@ def test_config_inference_and_wrong_files(source_and_file, tmp_path):
     torch.save({"tok_embeddings.weight": torch.zeros(2, 2)}, other)
     with pytest.raises(CheckpointError, match="not a VAR VQVAE"):
         load_var_vqvae(other)
+
+
+def test_mmspec_convert_var_writes_var_and_code_pipelines(tmp_path):
+    from image_ar.var import CoDePipeline, VARPipeline, VARTransformer
+    from mmspec.cli import main
+
+    torch.manual_seed(1)
+    pns = (1, 2, 4)
+    vae = VARVQVAE(vocab_size=16, z_channels=4, ch=32, ch_mult=(1, 2), num_res_blocks=1, patch_nums=pns)
+    torch.save(to_official(dict(vae.state_dict()), 2), tmp_path / "vae.pth")
+    for name, depth in (("var_d2.pth", 2), ("var_d1.pth", 1)):
+        model = VARTransformer(vocab_size=16, cvae=4, num_classes=3, depth=depth, embed_dim=16, num_heads=2,
+                               patch_nums=pns)
+        torch.save(model.state_dict(), tmp_path / name)
+    args = ["convert", "var", "--transformer", str(tmp_path / "var_d2.pth"), "--vqvae", str(tmp_path / "vae.pth"),
+            "--patch-nums", "1,2,4"]
+    assert main([*args, "--out", str(tmp_path / "var")]) == 0
+    assert main([*args, "--small", str(tmp_path / "var_d1.pth"), "--out", str(tmp_path / "code")]) == 0
+    var = VARPipeline.from_pretrained(tmp_path / "var")
+    code = CoDePipeline.from_pretrained(tmp_path / "code")
+    assert var.transformer.depth == 2 and code.refiner.depth == 1
+    var.set_progress_bar_config(disable=True)
+    images = var(class_labels=[1], generator=torch.Generator().manual_seed(0), output_type="pt").images
+    assert images.shape == (1, 3, 8, 8)
+    assert main(["convert", "var", "--transformer", str(tmp_path / "vae.pth"), "--vqvae", str(tmp_path / "vae.pth"),
+                 "--out", str(tmp_path / "bad")]) != 0
