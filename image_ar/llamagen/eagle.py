@@ -45,7 +45,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from image_ar.llamagen.gpt import LlamaGenGPT, TransformerBlock, causal_mask, ffn_hidden_dim
-from image_ar.llamagen.rope import grid_size_of, lookup_rope, rope_table_2d
+from image_ar.llamagen.rope import RopePositions, grid_size_of, rope_table_2d
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check, check_positive_int
 from mmspec.lm import CandidatePool, GuidedRunner, PendingTokens
@@ -63,7 +63,7 @@ DEFAULT_TOTAL_TOKENS = 59
 _TARGET_FIELDS = ("dim", "vocab_size", "block_size", "cls_token_num", "rope_base")
 
 
-class LlamaGenEagleDrafter(ModelMixin, ConfigMixin):
+class LlamaGenEagleDrafter(RopePositions, ModelMixin, ConfigMixin):
     """EAGLE feature drafter over a LlamaGen target (see the module docstring). Build it for a target with
     `for_target(target)`; a loaded one must be `attach`ed to the target before use."""
 
@@ -135,17 +135,6 @@ class LlamaGenEagleDrafter(ModelMixin, ConfigMixin):
         if target is None:
             raise InputError("the eagle drafter is not attached to its target; call drafter.attach(transformer).")
         return target
-
-    @property
-    def max_seq_len(self) -> int:
-        """Absolute positions with a rotary row: cls_token_num + block_size (as the target)."""
-        return self.cls_token_num + self.block_size
-
-    def rope_rows(self, positions: torch.Tensor) -> torch.Tensor:
-        """(cos, sin) rows [*positions.shape, head_dim // 2, 2] float32 for absolute positions."""
-        if self._rope.device != positions.device:
-            self._rope = self._rope.to(positions.device)
-        return lookup_rope(self._rope, positions)
 
     # ------------------------------------------------------------------------------------------ forward
     def embed_pairs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import BaseOutput
 from torch import nn
 
-from image_ar.llamagen.rope import apply_rope, grid_size_of, lookup_rope, rope_table_2d
+from image_ar.llamagen.rope import RopePositions, apply_rope, grid_size_of, rope_table_2d
 from mmspec.attention import attend
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check, check_positive_int
@@ -293,7 +293,7 @@ def _check_rates(**rates: float) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- model
-class LlamaGenGPT(ModelMixin, ConfigMixin):
+class LlamaGenGPT(RopePositions, ModelMixin, ConfigMixin):
     """LlamaGen's image-token transformer (c2i or t2i) at any size; see the module docstring."""
 
     @register_to_config
@@ -366,17 +366,6 @@ class LlamaGenGPT(ModelMixin, ConfigMixin):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
         nn.init.zeros_(self.output.weight)
-
-    @property
-    def max_seq_len(self) -> int:
-        """Number of absolute positions with a rotary row: cls_token_num + block_size."""
-        return self.cls_token_num + self.block_size
-
-    def rope_rows(self, positions: torch.Tensor) -> torch.Tensor:
-        """(cos, sin) rows [*positions.shape, head_dim // 2, 2] float32 for absolute positions."""
-        if self._rope.device != positions.device:
-            self._rope = self._rope.to(positions.device)
-        return lookup_rope(self._rope, positions)
 
     # ---------------------------------------------------------------------------------------- conditions
     def embed_condition(self, cond: torch.Tensor, drop_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -72,3 +72,23 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     even, odd = pairs[..., 0], pairs[..., 1]  # [B, S, H, D/2]
     rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)  # [B, S, H, D/2, 2]
     return rotated.flatten(-2).to(x.dtype)  # [B, S, H, D]
+
+
+class RopePositions:
+    """Mixin for LlamaGen-layout models (the GPT and its EAGLE drafter): a `_rope` table from `rope_table_2d` over
+    `cls_token_num + block_size` absolute positions, moved to the device of the positions it is read at."""
+
+    cls_token_num: int
+    block_size: int
+    _rope: torch.Tensor
+
+    @property
+    def max_seq_len(self) -> int:
+        """Number of absolute positions with a rotary row: cls_token_num + block_size."""
+        return self.cls_token_num + self.block_size
+
+    def rope_rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """(cos, sin) rows [*positions.shape, head_dim // 2, 2] float32 for absolute positions."""
+        if self._rope.device != positions.device:
+            self._rope = self._rope.to(positions.device)
+        return lookup_rope(self._rope, positions)
