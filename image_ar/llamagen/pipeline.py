@@ -25,9 +25,9 @@ from diffusers.utils import BaseOutput
 from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.methods import MethodContext, build_method
 from image_ar.llamagen.vq import LlamaGenVQ
-from mmspec.errors import InputError, check
-from mmspec.images import check_output_type, format_images
+from mmspec.errors import check
 from mmspec.loop import generate
+from mmspec.pipeline_io import check_generators, check_output_type, class_labels_tensor, format_images
 from mmspec.sampling import SamplingParams
 from mmspec.stats import SpecStats
 
@@ -87,25 +87,11 @@ class LlamaGenPipeline(DiffusionPipeline):
         if model.config.model_type == "c2i":
             check(prompt_embeds is None,
                   "this is a class-conditional (c2i) model: pass class_labels, not prompt_embeds.")
-            check(class_labels is not None, "pass class_labels (an int, a list of ints or a tensor of class ids).")
-            labels = torch.as_tensor([class_labels] if isinstance(class_labels, int) else class_labels).long()
-            check(labels.dim() == 1 and labels.numel() > 0, "class_labels must be an int or a 1-D list of ints.")
-            n = model.config.num_classes
-            bad = labels[(labels < 0) | (labels >= n)]
-            if bad.numel():
-                raise InputError(f"class label(s) {bad.tolist()} outside [0, {n}); this model has {n} classes.")
-            return labels.repeat_interleave(num_images_per_prompt).to(device)
+            return class_labels_tensor(class_labels, num_images_per_prompt, model.config.num_classes, device)
         check(class_labels is None, "this is a text-conditional (t2i) model: pass prompt_embeds, not class_labels.")
         check(isinstance(prompt_embeds, torch.Tensor) and prompt_embeds.dim() == 3,
               "prompt_embeds must be [B, cls_token_num, caption_dim] caption features (e.g. flan-t5-xl).")
         return prompt_embeds.repeat_interleave(num_images_per_prompt, dim=0).to(device)
-
-    @staticmethod
-    def _generators(generator, batch: int):
-        if isinstance(generator, list):
-            check(len(generator) == batch, f"got {len(generator)} generators for {batch} images; pass one per image "
-                  "(num_images_per_prompt x conditions), one generator, or None.")
-        return generator
 
     # ------------------------------------------------------------------------------------------- call
     @torch.no_grad()
@@ -134,7 +120,7 @@ class LlamaGenPipeline(DiffusionPipeline):
         params = SamplingParams(temperature, top_k, top_p)
         cond = self._conditions(class_labels, prompt_embeds, num_images_per_prompt)
         batch = cond.shape[0]
-        generator = self._generators(generator, batch)
+        check_generators(generator, batch)
         guided = guidance_scale != 1.0
         cond_mask = None
         if prompt_embeds_mask is not None:

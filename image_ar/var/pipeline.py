@@ -10,7 +10,8 @@ rows (conditional, then the null class) are guided with t = guidance_scale * si 
 logits = (1 + t) cond - t uncond, i.e. `cfg_combine` with scale 1 + t; then temperature (a number or one per
 scale), top-k, top-p, and sampling from the user's generator(s); the codes update f_hat through the quantiser.
 `generate_scales` is the loop as a free function over a range of scales, so collaborative decoding (CoDe) can run
-scales 0..N-1 with one model and the rest with another.
+scales 0..N-1 with one model and the rest with another; `prepare_run`, `scale_progress` and `finish_run` are
+the rest of a call, shared by both pipelines.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from image_ar.var.quantizer import MultiScaleQuantizer
 from image_ar.var.transformer import VARTransformer
 from image_ar.var.vqvae import VARVQVAE
 from mmspec.cache import StaticKVCache
-from mmspec.errors import InputError, check
-from mmspec.images import check_output_type, format_images
+from mmspec.errors import check
+from mmspec.pipeline_io import check_generators, check_output_type, class_labels_tensor, format_images
 from mmspec.sampling import Generators, SamplingParams, cfg_combine, sample_logits, split_cfg_batch
 
 
@@ -67,35 +68,81 @@ def per_scale(value: float | Sequence[float], num_scales: int, name: str) -> lis
     return values
 
 
-def check_labels(class_labels: Any, num_images_per_prompt: int, num_classes: int, device: torch.device,
-                 generator: Generators = None) -> torch.Tensor:
-    """Class labels [N] (each repeated num_images_per_prompt times), checked against the model's classes and the
-    number of generators."""
+def check_fits_vqvae(name: str, model: VARTransformer, vqvae: VARVQVAE) -> None:
+    """A pipeline's transformer must use its VQVAE's scale schedule and codebook."""
+    check(tuple(model.config.patch_nums) == tuple(vqvae.config.patch_nums),
+          f"the {name}'s patch_nums {tuple(model.config.patch_nums)} differ from the VQVAE's "
+          f"{tuple(vqvae.config.patch_nums)}; they must use one scale schedule.")
+    check(model.config.vocab_size == vqvae.config.vocab_size,
+          f"the {name}'s vocabulary differs from the VQVAE's codebook size.")
+
+
+def cfg_rows(labels: torch.Tensor, num_classes: int, guided: bool) -> torch.Tensor:
+    """The rows a model runs: labels [B], then the null class for each with CFG -> [R] (R = 2B, or B)."""
+    return torch.cat([labels, torch.full_like(labels, num_classes)]) if guided else labels
+
+
+@dataclass
+class ScaleRun:
+    """The checked settings of one pipeline call: labels [B], the CFG rows [R], per-scale sampling parameters
+    and guidance scales."""
+
+    labels: torch.Tensor
+    rows: torch.Tensor
+    guided: bool
+    params: list[SamplingParams]
+    guidance: list[float]
+
+
+def prepare_run(model: VARTransformer, class_labels: Any, guidance_scale: float, temperature: float | Sequence[float],
+                top_k: int, top_p: float, num_images_per_prompt: int, generator: Generators,
+                output_type: str) -> ScaleRun:
+    """Check a call's arguments (clear errors) and resolve them per scale."""
+    check_output_type(output_type)
+    check(isinstance(guidance_scale, (int, float)) and guidance_scale >= 0,
+          f"guidance_scale must be a number >= 0, got {guidance_scale!r}.")
     check(isinstance(num_images_per_prompt, int) and num_images_per_prompt >= 1,
           f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}.")
-    check(class_labels is not None, "pass class_labels (an int, a list of ints or a tensor of class ids).")
-    labels = torch.as_tensor([class_labels] if isinstance(class_labels, int) else class_labels).long()
-    check(labels.dim() == 1 and labels.numel() > 0, "class_labels must be an int or a 1-D list of ints.")
-    bad = labels[(labels < 0) | (labels >= num_classes)]
-    if bad.numel():
-        raise InputError(f"class label(s) {bad.tolist()} outside [0, {num_classes}); this model has {num_classes} "
-                         "classes.")
-    labels = labels.repeat_interleave(num_images_per_prompt).to(device)
-    if isinstance(generator, list):
-        check(len(generator) == labels.shape[0], f"got {len(generator)} generators for {labels.shape[0]} images; "
-                                                 "pass one per image, one generator, or None.")
-    return labels
+    n_scales = len(model.patch_nums)
+    params = [SamplingParams(t, top_k, top_p) for t in per_scale(temperature, n_scales, "temperature")]
+    labels = class_labels_tensor(class_labels, num_images_per_prompt, model.config.num_classes, model.device)
+    check_generators(generator, labels.shape[0])
+    guided = guidance_scale > 0
+    return ScaleRun(labels, cfg_rows(labels, model.config.num_classes, guided), guided, params,
+                    guidance_schedule(guidance_scale, n_scales))
 
 
-def generate_scales(model: VARTransformer, quantizer: MultiScaleQuantizer, labels: torch.Tensor,
-                    state: ScaleState, cache: StaticKVCache, scales: range, guidance: list[float],
-                    params: list[SamplingParams], generator: Generators = None, guided: bool = True,
+def scale_progress(pipe: DiffusionPipeline, bar: Any, model: VARTransformer,
+                   callback: Callable[[Any, int, int, dict], Any] | None) -> Callable[[int, ScaleState], None]:
+    """The per-scale hook of a pipeline call: advance the progress bar, then call the user's callback."""
+
+    def on_scale(si: int, state: ScaleState) -> None:
+        bar.update(1)
+        if callback is not None:
+            callback(pipe, si, model.bounds[si][1], {"tokens": torch.cat(state.pyramid, 1)})
+
+    return on_scale
+
+
+def finish_run(pipe: DiffusionPipeline, vqvae: VARVQVAE, state: ScaleState, output_type: str, return_dict: bool,
+               num_forwards: int):
+    """Decode the final f_hat into the requested output (tokens only for "latent")."""
+    tokens = torch.cat(state.pyramid, 1)  # [N, L]
+    images = tokens if output_type == "latent" else format_images((vqvae.fhat_to_images(state.f_hat) + 1) / 2,
+                                                                   output_type)
+    pipe.maybe_free_model_hooks()
+    if not return_dict:
+        return images, tokens
+    return VARPipelineOutput(images=images, tokens=tokens, num_forwards=num_forwards)
+
+
+def generate_scales(model: VARTransformer, quantizer: MultiScaleQuantizer, run: ScaleRun, state: ScaleState,
+                    cache: StaticKVCache, scales: range, generator: Generators = None,
                     on_scale: Callable[[int, ScaleState], None] | None = None) -> ScaleState:
-    """Sample the scales in `scales` (consecutive, continuing `state`) for labels [B]; the cache holds 2B rows
-    (conditional, then null class) when `guided`, else B."""
-    b = labels.shape[0]
-    rows = torch.cat([labels, torch.full_like(labels, model.config.num_classes)]) if guided else labels
-    cond = model.condition(rows)  # [R, C]
+    """Sample the scales in `scales` (consecutive, continuing `state`) for run.labels [B]; the cache holds the
+    run's rows (2B: conditional, then null class, with CFG)."""
+    b, guided = run.labels.shape[0], run.guided
+    cond = model.condition(run.rows)  # [R, C]
     for si in scales:
         begin = model.bounds[si][0]
         if si == 0:
@@ -106,8 +153,8 @@ def generate_scales(model: VARTransformer, quantizer: MultiScaleQuantizer, label
             h = model.embed_inputs(x, begin)  # [R, l, C]
         logits = model.forward_cached(h, cond, cache, si)  # [R, l, V]
         if guided:
-            logits = cfg_combine(*split_cfg_batch(logits), guidance[si])  # [B, l, V]
-        codes, _ = sample_logits(logits, params[si], generator)  # [B, l]
+            logits = cfg_combine(*split_cfg_batch(logits), run.guidance[si])  # [B, l, V]
+        codes, _ = sample_logits(logits, run.params[si], generator)  # [B, l]
         if state.f_hat is None:
             full = quantizer.patch_nums[-1]
             state.f_hat = logits.new_zeros(b, quantizer.cvae, full, full)
@@ -125,11 +172,7 @@ class VARPipeline(DiffusionPipeline):
 
     def __init__(self, transformer: VARTransformer, vqvae: VARVQVAE) -> None:
         super().__init__()
-        check(tuple(transformer.config.patch_nums) == tuple(vqvae.config.patch_nums),
-              f"the transformer's patch_nums {tuple(transformer.config.patch_nums)} differ from the VQVAE's "
-              f"{tuple(vqvae.config.patch_nums)}; they must use one scale schedule.")
-        check(transformer.config.vocab_size == vqvae.config.vocab_size,
-              "the transformer's vocabulary differs from the VQVAE's codebook size.")
+        check_fits_vqvae("transformer", transformer, vqvae)
         self.register_modules(transformer=transformer, vqvae=vqvae)
 
     @torch.no_grad()
@@ -142,29 +185,11 @@ class VARPipeline(DiffusionPipeline):
         number or one per scale (0 = greedy); top_k 0 / top_p 1.0 disable the filters; generator: one, or one
         per image. callback_on_step_end(pipe, scale, num_tokens, {"tokens": [N, tokens so far]}) after each
         scale."""
-        check_output_type(output_type)
-        check(isinstance(guidance_scale, (int, float)) and guidance_scale >= 0,
-              f"guidance_scale must be a number >= 0, got {guidance_scale!r}.")
-        model, quantizer = self.transformer, self.vqvae.quantize
-        n_scales = len(model.patch_nums)
-        params = [SamplingParams(t, top_k, top_p) for t in per_scale(temperature, n_scales, "temperature")]
-        labels = check_labels(class_labels, num_images_per_prompt, model.config.num_classes, model.device, generator)
-        b = labels.shape[0]
-        guided = guidance_scale > 0
-        cache = model.new_cache(2 * b if guided else b, device=labels.device)
-
-        with self.progress_bar(total=n_scales) as bar:
-            def on_scale(si: int, state: ScaleState) -> None:
-                bar.update(1)
-                if callback_on_step_end is not None:
-                    callback_on_step_end(self, si, model.bounds[si][1], {"tokens": torch.cat(state.pyramid, 1)})
-
-            state = generate_scales(model, quantizer, labels, ScaleState(), cache, range(n_scales),
-                                    guidance_schedule(guidance_scale, n_scales), params, generator, guided, on_scale)
-        tokens = torch.cat(state.pyramid, 1)  # [N, L]
-        images = tokens if output_type == "latent" else format_images((self.vqvae.fhat_to_images(state.f_hat) + 1) / 2,
-                                                                       output_type)
-        self.maybe_free_model_hooks()
-        if not return_dict:
-            return images, tokens
-        return VARPipelineOutput(images=images, tokens=tokens, num_forwards=n_scales)
+        model = self.transformer
+        run = prepare_run(model, class_labels, guidance_scale, temperature, top_k, top_p, num_images_per_prompt,
+                          generator, output_type)
+        cache = model.new_cache(run.rows.shape[0], device=run.labels.device)
+        with self.progress_bar(total=len(model.patch_nums)) as bar:
+            state = generate_scales(model, self.vqvae.quantize, run, ScaleState(), cache, range(len(model.patch_nums)),
+                                    generator, scale_progress(self, bar, model, callback_on_step_end))
+        return finish_run(self, self.vqvae, state, output_type, return_dict, len(model.patch_nums))

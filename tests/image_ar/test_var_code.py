@@ -8,7 +8,7 @@ from var_dummies import get_dummy_components
 
 from image_ar.var import VARPipeline, VARTransformer
 from image_ar.var.code import CoDePipeline, default_draft_steps, refiner_prefill
-from image_ar.var.pipeline import ScaleState
+from image_ar.var.pipeline import ScaleState, prepare_run
 from mmspec.errors import InputError
 
 
@@ -60,7 +60,8 @@ def test_refiner_prefill_equals_scale_by_scale_caching():
     labels = torch.tensor([0, 2])
     pyramid = [torch.randint(0, 16, (2, pn * pn), generator=torch.Generator().manual_seed(pn)) for pn in (1, 2)]
     with torch.no_grad():
-        one_pass = refiner_prefill(refiner, quantizer, labels, ScaleState(pyramid=pyramid), 2, guided=True)
+        run = prepare_run(refiner, labels, 4.0, 1.0, 0, 1.0, 1, None, "latent")
+        one_pass = refiner_prefill(refiner, quantizer, run, ScaleState(pyramid=pyramid), 2)
         rows = torch.cat([labels, torch.full_like(labels, 3)])
         cond, step_cache = refiner.condition(rows), refiner.new_cache(4)
         refiner.forward_cached(refiner.first_token_map(cond), cond, step_cache, 0)
