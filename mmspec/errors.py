@@ -43,6 +43,12 @@ def check_nonnegative(name: str, value: float) -> None:
     check(value >= 0, f"{name} must be >= 0, got {value!r}.")
 
 
+def check_float_dtype(dtype: object) -> None:
+    """dtype must be a floating torch.dtype (e.g. what a model is converted to)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise InputError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
+
+
 def check_positive_int(name: str, value: int, minimum: int = 1) -> None:
     check(
         isinstance(value, int) and not isinstance(value, bool) and value >= minimum,

@@ -50,7 +50,7 @@ from torch import nn
 
 from image_ar.llamagen.gpt import PRESETS, LlamaGenGPT, ffn_hidden_dim, preset_name_for, preset_sizes
 from mmspec.checkpoints import StateDict, load_into, load_state_dict
-from mmspec.errors import CheckpointError, InputError
+from mmspec.errors import CheckpointError, InputError, check_float_dtype
 
 CONTAINER_KEYS = ("model", "module", "state_dict")  # the official scripts' order
 IGNORED_KEYS = (r"(^|\.)freqs_cis$", r"(^|\.)kv_cache\.[kv]_cache$", r"^causal_mask$")
@@ -236,8 +236,7 @@ def load_llamagen_gpt(
     `mmspec.checkpoints.load_checkpoint` (trusted files only). Raises `CheckpointError` listing every missing /
     unexpected key and shape mismatch when the file does not fit the config.
     """
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise InputError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
+    check_float_dtype(dtype)
     sd = load_state_dict(path, keys=CONTAINER_KEYS, prefer=prefer, allow_pickle=allow_pickle)
     known = _resolve_known(config, overrides)
     cfg = infer_llamagen_config(sd, Path(path).name, **known)

@@ -47,8 +47,9 @@ class MethodContext:
         return self.pipeline.vqvae.codebook().detach().float()
 
 
-ACCEPT_MODES = ("lossless", "lantern", "gsd")
+# acceptance modes and the parameters each takes
 MODE_PARAMS = {"lossless": (), "lantern": ("k", "delta", "lam", "reject"), "gsd": ("group_size", "p_thr", "d_thr")}
+ACCEPT_MODES = tuple(MODE_PARAMS)
 
 
 def acceptance_rule(ctx: MethodContext, accept: str = "lossless", **params):

@@ -29,7 +29,7 @@ from torch import nn
 from image_ar.var.transformer import VARTransformer, check_patch_nums, scale_levels
 from mmspec.checkpoints import load_into, load_state_dict
 from mmspec.checkpoints.keys import strip_wrapper_prefixes
-from mmspec.errors import CheckpointError, InputError
+from mmspec.errors import CheckpointError, InputError, check_float_dtype
 
 OFFICIAL_PATCH_NUMS = (1, 2, 3, 4, 5, 6, 8, 10, 13, 16)
 IGNORED_KEYS = (r"^attn_bias_for_masking$", r"^lvl_1L$", r"\.attn\.zero_k_bias$")
@@ -74,8 +74,7 @@ def infer_var_config(sd: Mapping[str, torch.Tensor], **known: Any) -> dict[str, 
 def load_var_transformer(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,
                          allow_pickle: bool = False, **overrides: Any) -> VARTransformer:
     """Build a `VARTransformer` from an official `var_d*.pth`, in eval mode, in `dtype` on the CPU."""
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise InputError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
+    check_float_dtype(dtype)
     sd = strip_wrapper_prefixes(load_state_dict(path, allow_pickle=allow_pickle))
     cfg = infer_var_config(sd, **overrides)
     with torch.device("meta"):

@@ -34,7 +34,7 @@ from image_ar.var.convert import OFFICIAL_PATCH_NUMS
 from image_ar.var.vqvae import VARVQVAE
 from mmspec.checkpoints import load_into, load_state_dict
 from mmspec.checkpoints.keys import strip_wrapper_prefixes
-from mmspec.errors import CheckpointError, InputError
+from mmspec.errors import CheckpointError, check_float_dtype
 
 IGNORED_KEYS = (r"^quantize\.ema_vocab_hit_SV$",)
 _MID = {"block_1": "0", "attn_1": "1", "block_2": "2"}
@@ -89,8 +89,7 @@ def infer_vqvae_config(sd: Mapping[str, torch.Tensor], **known: Any) -> dict[str
 def load_var_vqvae(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32, allow_pickle: bool = False,
                    **overrides: Any) -> VARVQVAE:
     """Build a `VARVQVAE` from the official `vae_ch160v4096z32.pth`, in eval mode, in `dtype` on the CPU."""
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise InputError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
+    check_float_dtype(dtype)
     sd = strip_wrapper_prefixes(load_state_dict(path, allow_pickle=allow_pickle))
     cfg = infer_vqvae_config(sd, **overrides)
     model = VARVQVAE(**cfg)  # small enough to initialise normally

@@ -17,7 +17,7 @@ from a code pyramid (training), `next_input` one at a time (inference). Paramete
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -86,20 +86,25 @@ class MultiScaleQuantizer(nn.Module):
             h = F.interpolate(h, size=(full, full), mode="bicubic")
         return self.phi(scale, h)
 
-    @torch.no_grad()
-    def encode(self, f: torch.Tensor) -> list[torch.Tensor]:
-        """Code pyramid of a feature map f [B, Cvae, H, W]: one [B, pn^2] id tensor per scale."""
+    def _walk(self, f: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Quantise f [B, Cvae, H, W] scale by scale: yields (codes [B, pn^2], phi(upsampled code map)
+        [B, Cvae, H, W]); codes are found on the detached residual, the maps keep their graph for training."""
         b, c, h, w = f.shape
         full = self.patch_nums[-1]
         check(c == self.cvae and h == w == full,
               f"feature map must be [B, {self.cvae}, {full}, {full}] (the last patch size), got {list(f.shape)}.")
-        rest, pyramid = f.float().clone(), []
+        rest = f.detach().float().clone()
         for si, pn in enumerate(self.patch_nums):
             z = rest if pn == full else F.interpolate(rest, size=(pn, pn), mode="area")  # [B, C, pn, pn]
             idx = self.nearest_codes(z.permute(0, 2, 3, 1).reshape(-1, c)).view(b, pn * pn)
-            rest = rest - self.upsampled_residual(si, idx)
-            pyramid.append(idx)
-        return pyramid
+            h_map = self.upsampled_residual(si, idx)
+            rest = rest - h_map.detach()
+            yield idx, h_map
+
+    @torch.no_grad()
+    def encode(self, f: torch.Tensor) -> list[torch.Tensor]:
+        """Code pyramid of a feature map f [B, Cvae, H, W]: one [B, pn^2] id tensor per scale."""
+        return [idx for idx, _ in self._walk(f)]
 
     def decode_pyramid(self, pyramid: Sequence[torch.Tensor]) -> torch.Tensor:
         """f_hat [B, Cvae, H, W] of a (full) code pyramid."""
@@ -114,8 +119,8 @@ class MultiScaleQuantizer(nn.Module):
         trains the codebook and the Phi convolutions, the first the encoder), as the official VectorQuantizer2."""
         f32 = f.float()
         f_hat, loss = torch.zeros_like(f32), f32.new_zeros(())
-        for si, idx in enumerate(self.encode(f32.detach())):
-            f_hat = f_hat + self.upsampled_residual(si, idx)
+        for _, h_map in self._walk(f32):
+            f_hat = f_hat + h_map
             loss = loss + self.beta * F.mse_loss(f_hat.detach(), f32) + F.mse_loss(f_hat, f32.detach())
         return (f_hat.detach() - f32.detach()) + f32, loss / len(self.patch_nums)
 
