@@ -276,3 +276,18 @@ def test_results_are_written_to_an_existing_directory(tmp_path):
                  "2", "--repeats", "1", "--warmup", "0", "--no-plots", "--quiet", *SMALL_TOY,
                  "--out", str(out)]) == 0
     assert (out / "keep.txt").read_text() == "x" and (out / "results.jsonl").exists()
+
+
+def test_live_tensor_bytes_counts_what_a_window_allocates():
+    from mmspec.bench.memory import PeakMemory
+
+    weights = torch.zeros(10_000)  # made before the window: not counted
+    with PeakMemory("cpu", tensors=True) as meter:
+        meter.reset()
+        a = torch.ones(1000, dtype=torch.float32)  # 4000 bytes
+        b = a.view(10, 100)  # a view: same storage, not counted again
+        del a, b
+        c = torch.empty(500, dtype=torch.float64) + weights[:500]  # empty (4000) freed after the add (4000)
+        peak = meter.peak()
+        assert meter.kind == "tensor_peak"
+    assert peak == 8000 and c.numel() == 500

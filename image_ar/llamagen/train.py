@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import time
 from pathlib import Path
@@ -27,8 +26,18 @@ from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.pipeline import LlamaGenPipeline
 from image_ar.llamagen.vq import LlamaGenVQ
 from image_ar.llamagen.vq_train import VQLossWeights, vq_loss
-from mmspec.data import NUM_CLASSES, generate_batch
-from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
+from image_ar.world_training import (
+    TrainingFolder,
+    judge_card_line,
+    judge_generation,
+    lr_at,
+    object_weights,
+    parse_stages,
+    recon_card_line,
+    world_images,
+)
+from mmspec.data import NUM_CLASSES
+from mmspec.data.artifacts import ASSETS_DIR, explicit_command
 from mmspec.errors import check
 
 STAGES = ("vq", "target", "draft", "eval")
@@ -37,7 +46,6 @@ WORLD_VQ = dict(codebook_size=512, codebook_embed_dim=8, encoder_ch_mult=(1, 2, 
 WORLD_GPT_COMMON = dict(block_size=64, num_classes=NUM_CLASSES, class_dropout_prob=0.1, multiple_of=32,
                         token_dropout_p=0.0, resid_dropout_p=0.0, ffn_dropout_p=0.0)
 WORLD_GPT = {"target": dict(dim=192, n_layer=8, n_head=6), "draft": dict(dim=96, n_layer=3, n_head=3)}
-IMAGE_SIZE = 32
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,29 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-def lr_at(step: int, total: int, base: float, warmup: int = 100) -> float:
-    """Linear warm-up then cosine decay to 10% of the base rate."""
-    if step < warmup:
-        return base * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def world_images(n: int, seed: int, split: str, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """n single-object world images as float [-1, 1] [n, 3, 32, 32] and their class labels [n]."""
-    batch = generate_batch(n, seed, split=split, start=start, image_size=IMAGE_SIZE, with_text=False)
-    return batch.float_images() * 2 - 1, batch.labels.long()
-
-
 # ------------------------------------------------------------------------------------------------------ VQ
-def object_weights(images: torch.Tensor, strength: float) -> torch.Tensor:
-    """Per-pixel loss weights [B, 1, H, W]: 1 + strength x local contrast (|x - 7x7 box blur|, scaled to [0, 1] per
-    image). Backgrounds are smooth gradients, so the weight concentrates on the shapes and their edges."""
-    padded = torch.nn.functional.pad(images, (3, 3, 3, 3), mode="replicate")
-    contrast = (images - torch.nn.functional.avg_pool2d(padded, 7, stride=1)).abs().mean(1, keepdim=True)
-    return 1 + strength * contrast / contrast.amax((2, 3), keepdim=True).clamp_min(1e-6)
-
-
 def train_vq(steps: int, batch_size: int, lr: float, seed: int, quiet: bool,
              object_weight: float = 10.0) -> tuple[LlamaGenVQ, dict]:
     torch.manual_seed(seed)
@@ -171,25 +157,13 @@ def train_gpt(kind: str, ids: torch.Tensor, labels: torch.Tensor, vocab_size: in
     return model.eval(), info
 
 
-@torch.no_grad()
 def evaluate_pipeline(pipe: LlamaGenPipeline, per_class: int, seed: int, use_draft: bool = False) -> dict:
     """Judge accuracy and world-FID of images generated at the pipeline's default sampling settings."""
-    from mmspec.metrics import class_accuracy, world_fid, world_reference_stats
-
     if use_draft:  # judge the draft model alone, as a target
         pipe = LlamaGenPipeline(transformer=pipe.draft_transformer, vqvae=pipe.vqvae)
     pipe.set_progress_bar_config(disable=True)
-    labels = torch.arange(NUM_CLASSES).repeat_interleave(per_class)
-    gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(len(labels))]
-    images = []
-    for start in range(0, len(labels), 64):
-        out = pipe(class_labels=labels[start:start + 64].tolist(), generator=gens[start:start + 64],
-                   output_type="pt")
-        images.append(out.images)
-    images = torch.cat(images)
-    reference = world_reference_stats(n=2000, seed=seed, image_size=IMAGE_SIZE)
-    return {"n": len(labels), "judge_accuracy": class_accuracy(images, labels),
-            "world_fid": world_fid(images, reference).fid, "fid_reference_n": reference.n}
+    return judge_generation(lambda labels, gens: pipe(class_labels=labels, generator=gens, output_type="pt").images,
+                            per_class, seed)
 
 
 # ----------------------------------------------------------------------------------------------------- run
@@ -222,51 +196,33 @@ def _card(command: str, info: dict) -> str:
         "",
     ]
     if "recon" in info:
-        r = info["recon"]
-        lines += [f"- VQ reconstructions of {r['n']} held-out images: MSE {r['mse']:.5f}, judge accuracy "
-                  f"{r['judge_accuracy_recon']:.3f} (real images: {r['judge_accuracy_real']:.3f}), world-FID vs the "
-                  f"originals {r['world_fid_recon']:.3f}, {r['codes_used']} of {WORLD_VQ['codebook_size']} codes used."]
-    for key, name in (("target", "transformer"), ("draft", "draft_transformer")):
+        lines.append(recon_card_line("VQ", info["recon"], WORLD_VQ["codebook_size"]))
+    for key, name in (("target", "transformer, vanilla decoding"), ("draft", "draft_transformer, vanilla decoding")):
         if key in ev:
-            e = ev[key]
-            lines.append(f"- {name}, vanilla decoding at the pipeline defaults (guidance 4.0, temperature 1.0, no "
-                         f"top-k/top-p), {e['n']} images ({e['n'] // NUM_CLASSES} per class): judge class accuracy "
-                         f"{e['judge_accuracy']:.3f}, world-FID {e['world_fid']:.2f} (vs {e['fid_reference_n']} "
-                         "held-out real images).")
+            lines.append(judge_card_line(name, ev[key]))
     return "\n".join(lines) + "\n"
 
 
 def run(args: argparse.Namespace) -> int:
-    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
-    check(all(s in STAGES for s in stages), f"--stages must be a subset of {','.join(STAGES)}, got {args.stages!r}.")
+    stages = parse_stages(args.stages, STAGES)
     torch.set_num_threads(args.threads)
-    out, work = Path(args.out), Path(args.work_dir)
+    folder = TrainingFolder(args.out, args.force)
+    out, info, work = folder.out, folder.info, Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    info_path = out / "training.json"
-    info = json.loads(info_path.read_text()) if info_path.is_file() else {}
-    info["machine"] = machine_summary()
 
-    def done(component: str) -> bool:
-        return (out / component / "config.json").is_file() and not args.force
-
-    def save_component(model, component: str) -> None:
-        out.mkdir(parents=True, exist_ok=True)
-        with atomic_output_dir(out / component) as tmp:
-            model.save_pretrained(tmp)
-
-    if "vq" in stages and not done("vqvae"):
+    if "vq" in stages and not folder.done("vqvae"):
         vq, info["vq"] = train_vq(args.vq_steps, args.vq_batch_size, args.vq_lr, args.seed, args.quiet,
                                   args.object_weight)
-        save_component(vq, "vqvae")
+        folder.save(vq, "vqvae")
         info["recon"] = evaluate_vq(vq, 1000, args.seed)
-        _write_info(info_path, info)
+        folder.record()
     check((out / "vqvae" / "config.json").is_file(), f"no VQ tokenizer in {out}/vqvae: run the 'vq' stage first.")
     vq = LlamaGenVQ.from_pretrained(out / "vqvae").eval()
 
     cache = work / f"tokens-{args.num_train_images}-seed{args.seed}.pt"
     for kind, component, steps in (("target", "transformer", args.target_steps),
                                    ("draft", "draft_transformer", args.draft_steps)):
-        if kind not in stages or done(component):
+        if kind not in stages or folder.done(component):
             continue
         if not cache.is_file() or args.force:
             ids, labels = tokenize(vq, args.num_train_images, args.seed)
@@ -274,8 +230,8 @@ def run(args: argparse.Namespace) -> int:
         data = torch.load(cache, weights_only=True)
         model, info[kind] = train_gpt(kind, data["ids"], data["labels"], vq.config.codebook_size, steps,
                                       args.gpt_batch_size, args.gpt_lr, args.seed, args.quiet, not args.no_compile)
-        save_component(model, component)
-        _write_info(info_path, info)
+        folder.save(model, component)
+        folder.record()
 
     if "eval" in stages:
         pipe = LlamaGenPipeline.from_pretrained(out) if (out / "model_index.json").is_file() else None
@@ -289,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
         info["eval"] = {"target": evaluate_pipeline(pipe, args.eval_images_per_class, args.seed)}
         if pipe.draft_transformer is not None:
             info["eval"]["draft"] = evaluate_pipeline(pipe, args.eval_images_per_class, args.seed, use_draft=True)
-        _write_info(info_path, info)
+        folder.record()
         command = explicit_command("mmspec train llamagen", args, [
             "out", "seed", "vq_steps", "vq_batch_size", "vq_lr", "object_weight", "num_train_images", "target_steps",
             "draft_steps", "gpt_batch_size", "gpt_lr", "eval_images_per_class", "threads"])
@@ -298,9 +254,3 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out}")
     return 0
 
-
-def _write_info(path: Path, info: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    tmp.replace(path)

@@ -25,6 +25,7 @@ from diffusers import DiffusionPipeline
 from image_ar.var.pipeline import (
     ScaleRun,
     ScaleState,
+    VARPipeline,
     check_fits_vqvae,
     finish_run,
     generate_scales,
@@ -66,6 +67,14 @@ class CoDePipeline(DiffusionPipeline):
               "the drafter and the refiner must have the same classes.")
         self.register_modules(drafter=drafter, refiner=refiner, vqvae=vqvae)
 
+    def as_var_pipeline(self, which: str = "drafter") -> VARPipeline:
+        """One of the two models alone as a vanilla `VARPipeline` (shares the modules, copies nothing):
+        "drafter" is the large model alone, CoDe's baseline."""
+        check(which in ("drafter", "refiner"), f"which must be 'drafter' or 'refiner', got {which!r}.")
+        pipe = VARPipeline(transformer=getattr(self, which), vqvae=self.vqvae)
+        pipe.set_progress_bar_config(**getattr(self, "_progress_bar_config", {}))
+        return pipe
+
     @torch.no_grad()
     def __call__(self, class_labels: int | list[int] | torch.Tensor | None = None, draft_steps: int | None = None,
                  guidance_scale: float = 4.0, temperature: float | Sequence[float] = 1.0, top_k: int = 0,
@@ -83,7 +92,7 @@ class CoDePipeline(DiffusionPipeline):
         with self.progress_bar(total=n_scales) as bar:
             on_scale = scale_progress(self, bar, self.drafter, callback_on_step_end)
             if n > 0:
-                cache = self.drafter.new_cache(run.rows.shape[0], device=run.labels.device)
+                cache = self.drafter.new_cache(run.rows.shape[0], device=run.labels.device, num_scales=n)
                 generate_scales(self.drafter, quantizer, run, state, cache, range(n), generator, on_scale)
                 del cache  # the hand-over frees the drafter's KV cache
             if n < n_scales:
@@ -91,4 +100,4 @@ class CoDePipeline(DiffusionPipeline):
                          else self.refiner.new_cache(run.rows.shape[0], device=run.labels.device))
                 generate_scales(self.refiner, quantizer, run, state, cache, range(n, n_scales), generator, on_scale)
         forwards = n_scales + (1 if 0 < n < n_scales else 0)  # the refiner's prefill is one more forward
-        return finish_run(self, self.vqvae, state, output_type, return_dict, forwards)
+        return finish_run(self, self.vqvae, state, output_type, return_dict, forwards, n)

@@ -35,11 +35,13 @@ from mmspec.sampling import Generators, SamplingParams, cfg_combine, sample_logi
 
 @dataclass
 class VARPipelineOutput(BaseOutput):
-    """images (output_type), tokens [N, L] (the codes of every scale, concatenated), forwards per image."""
+    """images (output_type), tokens [N, L] (the codes of every scale, concatenated), transformer forwards of the
+    batch, and CoDe's split (None for vanilla)."""
 
     images: Any
     tokens: torch.Tensor
     num_forwards: int
+    draft_steps: int | None = None
 
 
 @dataclass
@@ -125,7 +127,7 @@ def scale_progress(pipe: DiffusionPipeline, bar: Any, model: VARTransformer,
 
 
 def finish_run(pipe: DiffusionPipeline, vqvae: VARVQVAE, state: ScaleState, output_type: str, return_dict: bool,
-               num_forwards: int):
+               num_forwards: int, draft_steps: int | None = None):
     """Decode the final f_hat into the requested output (tokens only for "latent")."""
     tokens = torch.cat(state.pyramid, 1)  # [N, L]
     images = tokens if output_type == "latent" else format_images((vqvae.fhat_to_images(state.f_hat) + 1) / 2,
@@ -133,7 +135,7 @@ def finish_run(pipe: DiffusionPipeline, vqvae: VARVQVAE, state: ScaleState, outp
     pipe.maybe_free_model_hooks()
     if not return_dict:
         return images, tokens
-    return VARPipelineOutput(images=images, tokens=tokens, num_forwards=num_forwards)
+    return VARPipelineOutput(images=images, tokens=tokens, num_forwards=num_forwards, draft_steps=draft_steps)
 
 
 def generate_scales(model: VARTransformer, quantizer: MultiScaleQuantizer, run: ScaleRun, state: ScaleState,

@@ -86,9 +86,10 @@ class MultiScaleQuantizer(nn.Module):
             h = F.interpolate(h, size=(full, full), mode="bicubic")
         return self.phi(scale, h)
 
-    def _walk(self, f: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Quantise f [B, Cvae, H, W] scale by scale: yields (codes [B, pn^2], phi(upsampled code map)
-        [B, Cvae, H, W]); codes are found on the detached residual, the maps keep their graph for training."""
+    def _walk(self, f: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Quantise f [B, Cvae, H, W] scale by scale: yields (the residual vectors quantised [B * pn^2, Cvae],
+        codes [B, pn^2], phi(upsampled code map) [B, Cvae, H, W]); codes are found on the detached residual, the
+        maps keep their graph for training."""
         b, c, h, w = f.shape
         full = self.patch_nums[-1]
         check(c == self.cvae and h == w == full,
@@ -96,15 +97,32 @@ class MultiScaleQuantizer(nn.Module):
         rest = f.detach().float().clone()
         for si, pn in enumerate(self.patch_nums):
             z = rest if pn == full else F.interpolate(rest, size=(pn, pn), mode="area")  # [B, C, pn, pn]
-            idx = self.nearest_codes(z.permute(0, 2, 3, 1).reshape(-1, c)).view(b, pn * pn)
+            z_flat = z.permute(0, 2, 3, 1).reshape(-1, c)  # [B * pn^2, C]
+            idx = self.nearest_codes(z_flat).view(b, pn * pn)
             h_map = self.upsampled_residual(si, idx)
             rest = rest - h_map.detach()
-            yield idx, h_map
+            yield z_flat, idx, h_map
 
     @torch.no_grad()
     def encode(self, f: torch.Tensor) -> list[torch.Tensor]:
         """Code pyramid of a feature map f [B, Cvae, H, W]: one [B, pn^2] id tensor per scale."""
-        return [idx for idx, _ in self._walk(f)]
+        return [idx for _, idx, _ in self._walk(f)]
+
+    @torch.no_grad()
+    def restart_dead_codes(self, f: torch.Tensor, generator: torch.Generator | None = None) -> int:
+        """Training aid (not in the official trainer): codes that no position of f [B, Cvae, H, W] picks at any
+        scale are moved onto randomly chosen residual vectors of f's walk, so they get used and trained.
+        Returns how many codes were moved."""
+        residuals, used = [], torch.zeros(self.vocab_size, dtype=torch.bool, device=f.device)
+        for z_flat, idx, _ in self._walk(f):
+            residuals.append(z_flat)
+            used[idx.flatten()] = True
+        dead = (~used).nonzero().flatten()
+        if dead.numel():
+            pool = torch.cat(residuals)  # [N, C]
+            pick = torch.randint(0, pool.shape[0], (dead.numel(),), generator=generator, device=pool.device)
+            self.embedding.weight.data[dead] = pool[pick].to(self.embedding.weight.dtype)
+        return int(dead.numel())
 
     def decode_pyramid(self, pyramid: Sequence[torch.Tensor]) -> torch.Tensor:
         """f_hat [B, Cvae, H, W] of a (full) code pyramid."""
@@ -119,7 +137,7 @@ class MultiScaleQuantizer(nn.Module):
         trains the codebook and the Phi convolutions, the first the encoder), as the official VectorQuantizer2."""
         f32 = f.float()
         f_hat, loss = torch.zeros_like(f32), f32.new_zeros(())
-        for _, h_map in self._walk(f32):
+        for _, _, h_map in self._walk(f32):
             f_hat = f_hat + h_map
             loss = loss + self.beta * F.mse_loss(f_hat.detach(), f32) + F.mse_loss(f_hat, f32.detach())
         return (f_hat.detach() - f32.detach()) + f32, loss / len(self.patch_nums)

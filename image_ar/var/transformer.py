@@ -241,10 +241,15 @@ class VARTransformer(ModelMixin, ConfigMixin):
 
     # ------------------------------------------------------------------------------------------ inference
     def new_cache(self, batch_size: int, dtype: torch.dtype = torch.float32,
-                  device: torch.device | str | None = None) -> StaticKVCache:
-        """A KV cache for every position of every scale of `batch_size` rows (2B with CFG)."""
-        return StaticKVCache(self.depth, batch_size, self.num_heads, self.num_tokens, self.embed_dim // self.num_heads,
-                             dtype=dtype, device=self.pos_1LC.device if device is None else device)
+                  device: torch.device | str | None = None, num_scales: int | None = None) -> StaticKVCache:
+        """A KV cache for every position of the first `num_scales` scales (default all) of `batch_size` rows
+        (2B with CFG). CoDe's drafter only needs its N scales, which is where its memory saving starts."""
+        n = len(self.patch_nums) if num_scales is None else num_scales
+        check(isinstance(n, int) and 1 <= n <= len(self.patch_nums),
+              f"num_scales must be an integer in [1, {len(self.patch_nums)}], got {num_scales!r}.")
+        return StaticKVCache(self.depth, batch_size, self.num_heads, self.bounds[n - 1][1],
+                             self.embed_dim // self.num_heads, dtype=dtype,
+                             device=self.pos_1LC.device if device is None else device)
 
     def forward_cached(self, h: torch.Tensor, cond: torch.Tensor, cache: StaticKVCache,
                        first_scale: int) -> torch.Tensor:

@@ -3,8 +3,8 @@ and the residual multi-scale quantiser (`image_ar/var/quantizer.py`).
 
 Facts from ../shared/reference/image_ar.md (VAR): vocab 4096, Cvae = z_channels 32, ch 160, ch_mult
 (1, 1, 2, 2, 4) (16x downsampling), 2 residual blocks per level, self-attention at the lowest resolution and in
-the middle. The encoder and decoder are the same LDM/taming modules as LlamaGen's tokenizer, so they are shared
-with `image_ar.llamagen.vq` (one implementation); the official VAR state dict names them differently
+the middle. The encoder and decoder are the same LDM/taming modules as LlamaGen's tokenizer
+(`image_ar.conv_autoencoder`, one implementation); the official VAR state dict names them differently
 (`encoder.down.{i}.block.{j}`, a fused `attn.qkv` conv, `mid.block_1`), which its converter maps.
 
     images [B, 3, H, W] in [-1, 1] -> encoder -> quant_conv -> f [B, Cvae, pn_last, pn_last]
@@ -21,7 +21,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
-from image_ar.llamagen.vq import Decoder, Encoder
+from image_ar.conv_autoencoder import Decoder, Encoder
 from image_ar.var.quantizer import MultiScaleQuantizer
 from image_ar.var.transformer import check_patch_nums
 from mmspec.errors import check

@@ -51,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="family-specific option (repeatable), e.g. --family-option draft_layers=2")
     parser.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
                         help="import MODULE first (a module that calls mmspec.bench.register_family)")
+    parser.add_argument("--memory", choices=("device", "tensors"), default="device",
+                        help="peak memory figure: 'device' = CUDA max allocated / CPU process RSS (default); "
+                             "'tensors' = peak bytes of the tensors each batch allocates (KV caches, activations; "
+                             "weights excluded), exact on any device but slows every op: take timings from "
+                             "another run")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary on stdout")
@@ -91,6 +96,8 @@ def canonical_command(args: argparse.Namespace, methods: str, batch_sizes: Seque
         parts += ["--threads", str(args.threads)]
     for item in args.family_option:
         parts += ["--family-option", item]
+    if getattr(args, "memory", "device") != "device":
+        parts += ["--memory", args.memory]
     if args.no_plots:
         parts.append("--no-plots")
     return shlex.join(parts + ["--out", str(args.out)])
@@ -127,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_bench(family, configs, batch_sizes=batch_sizes, repeats=args.repeats, warmup=args.warmup,
                            settings=settings, progress=not args.quiet, command=command,
-                           on_batch_size_done=write_partial)
+                           on_batch_size_done=write_partial, tensor_memory=args.memory == "tensors")
     finally:
         torch.set_num_threads(threads_before)
     summary = written["summary"]

@@ -124,6 +124,7 @@ FamilyFactory = Callable[[], Family]
 BUILTIN_FAMILIES: dict[str, str] = {
     "toy": "mmspec.bench.toy:toy_family",
     "llamagen": "image_ar.llamagen.bench:llamagen_family",
+    "var": "image_ar.var.bench:var_family",
 }
 
 _FAMILIES: dict[str, FamilyFactory] = {}

@@ -165,7 +165,9 @@ def summary_markdown(summary: Mapping[str, Any], plots: Mapping[int, Sequence[st
     """summary.md: what was run, on what, then one table (and its plots) per batch size."""
     s, env = summary["settings"], summary["environment"]
     memory = {"cpu_peak_rss": "peak process RSS (CPU, sampled)",
-              "cuda_max_allocated": "CUDA max allocated"}.get(summary["memory_kind"], summary["memory_kind"])
+              "cuda_max_allocated": "CUDA max allocated",
+              "tensor_peak": "peak bytes of the tensors a batch allocates (weights excluded; ops hooked, so the "
+                             "timings of this run are slowed)"}.get(summary["memory_kind"], summary["memory_kind"])
     head = [f"# mmspec bench: {summary['family']} ({summary['model_id']})", ""]
     if summary.get("command"):
         head += ["```", summary["command"], "```", ""]

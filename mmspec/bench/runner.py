@@ -249,11 +249,14 @@ def _resolve(family: Family | str, methods: str | Sequence[str] | Sequence[Metho
 def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[MethodConfig] | None = None, *,
               batch_sizes: Sequence[int] = (1,), repeats: int = 3, warmup: int = 1,
               settings: BenchSettings | None = None, progress: bool = False, command: str | None = None,
-              on_batch_size_done: Callable[[BenchResult], None] | None = None) -> BenchResult:
+              on_batch_size_done: Callable[[BenchResult], None] | None = None,
+              tensor_memory: bool = False) -> BenchResult:
     """Run every configuration interleaved (see the module docstring); returns runs and per-sample records.
 
     methods: "vanilla,tree:depth=6", a list of such strings, MethodConfigs, or None for all of the family's
     methods. `on_batch_size_done(result)` is called after each batch size (to write partial results).
+    tensor_memory: measure the peak bytes of the tensors each batch allocates (slows every op; see
+    `mmspec.bench.memory`) instead of the device's peak.
     """
     settings = settings or BenchSettings()
     batch_sizes = list(batch_sizes)
@@ -264,7 +267,7 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
     samples = list(family.inputs(settings))
     check(len(samples) > 0, f"bench family {family.name!r} produced no inputs.")
     steps = plan_steps(batch_sizes, configs, warmup, repeats)
-    with PeakMemory(device) as meter:
+    with PeakMemory(device, tensors=tensor_memory) as meter:
         result = BenchResult(family=family.name, model_id=family.resolved_model_id(settings), settings=settings,
                              configs=configs, batch_sizes=batch_sizes, repeats=repeats, warmup=warmup,
                              memory_kind=meter.kind, primary_quality=family.primary_quality,

@@ -1,12 +1,20 @@
-"""`mmspec generate`: class-conditional image generation with any family and method; writes PNGs, a grid and stats.
+"""`mmspec generate`: class-conditional image generation with any family and method, from command-line values or
+a job file; resumable, multi-process, no lost work.
 
     mmspec generate --family llamagen --classes "red circle,blue cross" --num-images 4 --out out/ [--method M]
-                    [--model PATH] [--seed S]
+    mmspec generate --family var --method code --job job.jsonl --out out/ [--skip-bad] [--max-batch 16]
+    torchrun --nproc_per_node 2 -m mmspec generate --job job.jsonl --out out/        # or accelerate launch on GPUs
 
-Images are seeded one by one (image i of a run with seed S uses its own generator, seeded from (S, i)), so an
-image does not depend on the batch it was generated in. Every file is written atomically (temporary file, then
-rename). Families plug in through `GENERATE_FAMILIES`: an adapter module with `METHODS`, `DEFAULTS`,
-`load(model_path, device)`, `resolve_class(text)` and `generate(pipe, labels, generators, options)`.
+Every image is a work item with its own generator (see `mmspec.cli.jobs`), and the job is cut into fixed chunks
+of --max-batch items that are always generated whole, so images do not depend on resuming or on the number of
+processes (a different --max-batch may change a rare image: batched arithmetic rounds by batch shape). Each
+image is written atomically (temporary file, then rename) and only
+then listed in the manifest; a rerun with the same job skips what the manifest lists. Under `accelerate launch`
+(or torchrun) the work items are split between the processes (accelerate's `split_between_processes`), each
+writes its own manifest shard, and the main process merges them into one `manifest.jsonl`. A batch that runs out
+of GPU memory is retried in halves (down to 1) without losing rows. Families plug in through
+`GENERATE_FAMILIES`: an adapter module with `METHODS`, `DEFAULTS`, `load(model_path, device)`,
+`num_classes(pipe)` and `generate(pipe, labels, generators, options)` returning the images and a `SpecStats`.
 """
 
 from __future__ import annotations
@@ -20,24 +28,49 @@ from pathlib import Path
 
 import torch
 
+from mmspec.bench.files import atomic_write, atomic_write_text, prepare_output_dir
+from mmspec.cli.family_io import class_slug, resolve_class
+from mmspec.cli.jobs import (
+    MANIFEST,
+    JobRow,
+    ManifestWriter,
+    WorkItem,
+    check_same_job,
+    done_records,
+    merge_manifests,
+    read_job_file,
+    read_manifest,
+    row_seed,
+    work_items,
+)
 from mmspec.errors import InputError, check
 from mmspec.stats import SpecStats
 
-GENERATE_FAMILIES = {"llamagen": "image_ar.llamagen.generate"}
+GENERATE_FAMILIES = {"llamagen": "image_ar.llamagen.generate", "var": "image_ar.var.generate"}
+GRID_LIMIT = 256  # images; larger runs get no grid.png
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", default="llamagen", choices=sorted(GENERATE_FAMILIES), help="model family")
-    parser.add_argument("--classes", default="all",
-                        help="comma-separated class ids or names (e.g. '0,5' or 'red circle,blue cross'), or 'all'")
-    parser.add_argument("--num-images", type=int, default=4, help="images per class")
-    parser.add_argument("--out", required=True, help="output folder (images/, grid.png, stats.json)")
+    parser.add_argument("--job", default=None,
+                        help="job file (.jsonl or .csv; columns id, class, count, seed), instead of --classes")
+    parser.add_argument("--classes", default=None,
+                        help="comma-separated class ids or names (e.g. '0,5' or 'red circle,blue cross'), or 'all' "
+                             "(the default without --job)")
+    parser.add_argument("--num-images", type=int, default=4, help="images per class (with --classes)")
+    parser.add_argument("--out", required=True, help="output folder (images/, manifest.jsonl, stats.json, grid.png)")
     parser.add_argument("--method", default="vanilla", help="decoding method (see the family's docs)")
     parser.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a method parameter, repeatable (e.g. --method-arg num_draft_tokens=4)")
+    parser.add_argument("--draft-steps", type=int, default=None,
+                        help="CoDe (--family var --method code): scales made by the large model (default: all but "
+                             "the last two)")
     parser.add_argument("--model", default=None, help="pipeline folder (default: the embedded asset)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=0, help="base seed of rows without their own seed")
+    parser.add_argument("--max-batch", "--batch-size", dest="max_batch", type=int, default=16,
+                        help="images per batch (halved automatically after a GPU out-of-memory error)")
+    parser.add_argument("--skip-bad", action="store_true",
+                        help="skip malformed job rows (listed in the summary) instead of stopping before any work")
     parser.add_argument("--guidance-scale", type=float, default=None, help="CFG scale (family default if unset)")
     parser.add_argument("--temperature", type=float, default=None)
     parser.add_argument("--top-k", type=int, default=None)
@@ -59,23 +92,6 @@ def parse_method_args(items: list[str]) -> dict:
     return out
 
 
-def image_generator(seed: int, index: int) -> torch.Generator:
-    """The generator of image `index` in a run seeded with `seed` (independent of batching)."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + index)
-
-
-def atomic_save_image(image, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    image.save(tmp, format="PNG")
-    os.replace(tmp, path)
-
-
-def atomic_write_text(text: str, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def make_grid(images: list, columns: int):
     import PIL.Image
 
@@ -87,66 +103,220 @@ def make_grid(images: list, columns: int):
     return grid
 
 
+def is_out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, torch.cuda.OutOfMemoryError) or (
+        isinstance(err, RuntimeError) and "out of memory" in str(err).lower())
+
+
+# ------------------------------------------------------------------------------------------------------ rows
+def class_rows(args: argparse.Namespace, n_classes: int) -> list[JobRow]:
+    """The rows of a command-line run: one per class, --num-images each, ids from the class names."""
+    check(args.num_images >= 1, f"--num-images must be >= 1, got {args.num_images}.")
+    spec = "all" if args.classes is None else args.classes.strip()
+    if spec == "all":
+        classes = list(range(n_classes))
+    else:
+        classes = [resolve_class(part.strip(), n_classes) for part in spec.split(",") if part.strip()]
+    check(classes, "--classes is empty; give class ids or names, or 'all'.")
+    rows, used = [], set()
+    for position, label in enumerate(classes):
+        row_id = class_slug(label, n_classes)
+        row_id = row_id if row_id not in used else f"{row_id}-{position}"
+        used.add(row_id)
+        rows.append(JobRow(row_id, position + 1, {"class": label}, args.num_images, row_seed(args.seed, position)))
+    return rows
+
+
+def job_rows(args: argparse.Namespace, n_classes: int) -> tuple[list[JobRow], list[str]]:
+    def parse_inputs(fields: dict) -> dict:
+        if "class" not in fields:
+            raise ValueError("missing 'class'")
+        return {"class": resolve_class(str(fields["class"]), n_classes)}
+
+    rows, bad = read_job_file(args.job, args.seed, parse_inputs)
+    if bad and not args.skip_bad:
+        shown = "\n  ".join(bad[:20]) + (f"\n  ... and {len(bad) - 20} more" if len(bad) > 20 else "")
+        raise InputError(f"job file {args.job} has {len(bad)} malformed row(s); nothing was generated:\n  {shown}\n"
+                         "Fix them, or pass --skip-bad to generate the other rows.")
+    check(rows, f"job file {args.job} has no usable rows.")
+    return rows, bad
+
+
+# ------------------------------------------------------------------------------------------------- the work
+def halves(chunk: list, limit: int) -> list[list]:
+    """Split a chunk in halves (recursively) until every piece holds at most `limit` items."""
+    if len(chunk) <= limit:
+        return [chunk]
+    half = (len(chunk) + 1) // 2
+    return halves(chunk[:half], limit) + halves(chunk[half:], limit)
+
+
+class Runner:
+    """Makes chunks of work items with one family and pipeline; writes each missing image, then its manifest line.
+
+    A chunk is always generated whole (its done images are regenerated and not rewritten), so every image is made
+    in the same batch as in an uninterrupted run: batched matrix products round differently for different batch
+    shapes, which can flip a rare sample, so this is what makes resumed and sharded runs byte-identical. After an
+    out-of-memory error the chunks are halved (deterministically) until they fit."""
+
+    def __init__(self, family, pipe, options: dict, out: Path, manifest: ManifestWriter, max_batch: int,
+                 settings: dict, done: set) -> None:
+        self.family, self.pipe, self.options, self.out = family, pipe, options, out
+        self.manifest, self.limit, self.settings, self.done = manifest, max_batch, settings, done
+        self.stats, self.backoffs, self.made = SpecStats(), 0, 0
+
+    def make(self, chunks: list[list[WorkItem]], bar) -> None:
+        for chunk in chunks:
+            queue = halves(chunk, self.limit)
+            while queue:
+                piece = queue.pop(0)
+                if len(piece) > self.limit:  # cut before an earlier piece ran out of memory
+                    queue = halves(piece, self.limit) + queue
+                    continue
+                try:
+                    images, stats = self.family.generate(self.pipe, [it.row.inputs["class"] for it in piece],
+                                                         [it.generator() for it in piece], self.options)
+                except Exception as err:
+                    if not is_out_of_memory(err) or len(piece) == 1:
+                        raise
+                    self.limit = (len(piece) + 1) // 2  # retry the same items, in halves
+                    self.backoffs += 1
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                    bar.write(f"out of memory: retrying with batches of at most {self.limit}")
+                    queue = halves(piece, self.limit) + queue
+                    continue
+                self.stats = self.stats + stats
+                self._write(piece, images, stats.to_dict(), bar)
+
+    def _write(self, piece: list[WorkItem], images: list, batch_stats: dict, bar) -> None:
+        for item, image in zip(piece, images):
+            if item.key in self.done:
+                continue
+            path = self.out / "images" / item.file_name
+            atomic_write(path, lambda handle, image=image: image.save(handle, format="PNG"), binary=True)
+            self.manifest.append({"id": item.row.id, "index": item.index, "inputs": item.row.inputs,
+                                  "seed": item.row.seed, "settings": self.settings,
+                                  "output": f"images/{item.file_name}", "batch_stats": batch_stats})
+            self.made += 1
+            bar.update(1)
+
+
+def _process_state(device: str):
+    """accelerate's PartialState when launched with several processes (accelerate launch / torchrun), else None."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from accelerate import PartialState
+
+    return PartialState(cpu=device == "cpu")
+
+
 def run(args: argparse.Namespace) -> int:
     from tqdm.auto import tqdm
 
-    check(args.num_images >= 1, f"--num-images must be >= 1, got {args.num_images}.")
-    check(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}.")
+    check(args.max_batch >= 1, f"--max-batch must be >= 1, got {args.max_batch}.")
+    if args.job is not None:
+        check(args.classes is None, "pass either --job or --classes, not both.")
     family = importlib.import_module(GENERATE_FAMILIES[args.family])
     check(args.method in family.METHODS,
           f"unknown method {args.method!r} for {args.family}; available: {', '.join(family.METHODS)}.")
-    out = Path(args.out)
-    try:  # fail before any work if the output folder is not writable
-        (out / "images").mkdir(parents=True, exist_ok=True)
-        probe = out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise InputError(f"cannot write to --out {out}: {err.strerror}. Choose a writable folder.") from None
+    method_kwargs = parse_method_args(args.method_arg)
+    if args.draft_steps is not None:
+        check(args.family == "var" and args.method == "code",
+              "--draft-steps is CoDe's split: use it with --family var --method code.")
+        method_kwargs["draft_steps"] = args.draft_steps
+    state = _process_state(args.device)
+    rank = 0 if state is None else state.process_index
+    out = prepare_output_dir(args.out)  # fails before any work if the folder is not writable
+    (out / "images").mkdir(exist_ok=True)
 
     if args.quiet:  # diffusers' "Loading pipeline components" bar
         from diffusers.utils import logging as diffusers_logging
 
         diffusers_logging.disable_progress_bar()
-    pipe = family.load(args.model, args.device)
-    if args.classes.strip() == "all":
-        classes = list(range(family.num_classes(pipe)))
-    else:
-        classes = [family.resolve_class(part.strip(), pipe) for part in args.classes.split(",") if part.strip()]
-    check(classes, "--classes is empty; give class ids or names, or 'all'.")
-    labels = [c for c in classes for _ in range(args.num_images)]
+    device = args.device if state is None or args.device == "cpu" else str(state.device)
+    pipe = family.load(args.model, device)
+    n_classes = family.num_classes(pipe)
+    rows, bad = job_rows(args, n_classes) if args.job is not None else (class_rows(args, n_classes), [])
     options = {k: getattr(args, k) for k in ("guidance_scale", "temperature", "top_k", "top_p")
                if getattr(args, k) is not None}
-    options = {**family.DEFAULTS, **options, "method": args.method, "method_kwargs": parse_method_args(args.method_arg)}
+    options = {**family.DEFAULTS, **options, "method": args.method, "method_kwargs": method_kwargs}
 
-    stats, images, names = SpecStats(), [], []
+    items = work_items(rows)
+    if rank == 0:  # per-process figures of an earlier, interrupted run
+        for stale in out.glob(".stats.rank*.json"):
+            stale.unlink()
+    settings = {"family": args.family, "model": args.model or "embedded default",
+                **{k: options[k] for k in ("method", "method_kwargs", "guidance_scale", "temperature", "top_k",
+                                           "top_p")}}
+    done = done_records(out)
+    check_same_job(done, items, settings, out)
+    # fixed chunks of the job (the same in every run with this --max-batch); only those with missing images
+    chunks = [items[i:i + args.max_batch] for i in range(0, len(items), args.max_batch)]
+    todo = [c for c in chunks if any(it.key not in done for it in c)]
+    if state is not None:
+        state.wait_for_everyone()  # every process has read the manifests before any writes its shard
+        with state.split_between_processes(todo) as mine:
+            todo = list(mine)
+    shard = out / (MANIFEST if state is None else f"manifest.rank{rank}.jsonl")
+    manifest = ManifestWriter(shard)
+    runner = Runner(family, pipe, options, out, manifest, args.max_batch, settings, set(done))
     start = time.perf_counter()
-    bar = tqdm(total=len(labels), desc=f"{args.family}/{args.method}", unit="img", disable=args.quiet)
-    for first in range(0, len(labels), args.batch_size):
-        batch = labels[first:first + args.batch_size]
-        gens = [image_generator(args.seed, first + i) for i in range(len(batch))]
-        batch_images, batch_stats = family.generate(pipe, batch, gens, options)
-        stats = stats + batch_stats
-        for i, (image, label) in enumerate(zip(batch_images, batch)):
-            name = f"{first + i:05d}_{family.class_slug(label, pipe)}.png"
-            atomic_save_image(image, out / "images" / name)
-            images.append(image)
-            names.append(name)
-        bar.update(len(batch))
-    bar.close()
+    bar = tqdm(total=sum(it.key not in done for c in todo for it in c),
+               desc=f"{args.family}/{args.method}" + (f" [rank {rank}]" if state else ""),
+               unit="img", disable=args.quiet or rank != 0)
+    try:
+        runner.make(todo, bar)
+    finally:
+        bar.close()
+        manifest.close()
     seconds = time.perf_counter() - start
+    atomic_write_text(out / f".stats.rank{rank}.json", json.dumps(
+        {"made": runner.made, "seconds": seconds, "backoffs": runner.backoffs, "stats": runner.stats.to_dict()}))
+    if state is not None:
+        state.wait_for_everyone()
+    if rank != 0:
+        return 0
+    return _finish(args, out, rows, items, bad, done, options, seconds)
 
-    atomic_save_image(make_grid(images, columns=args.num_images if args.num_images > 1 else 8), out / "grid.png")
+
+def _finish(args: argparse.Namespace, out: Path, rows: list[JobRow], items: list[WorkItem], bad: list[str],
+            done: set, options: dict, seconds: float) -> int:
+    """Main process: merge the manifests, write stats.json (and grid.png for small runs), print a summary."""
+    total = merge_manifests(out, [it.key for it in items])
+    per_rank = []
+    for path in sorted(out.glob(".stats.rank*.json")):
+        per_rank.append(json.loads(path.read_text()))
+        path.unlink()
+    stats = SpecStats()
+    for part in per_rank:
+        stats = stats + SpecStats.from_dict(part["stats"])
+    made = sum(p["made"] for p in per_rank)
+    records = read_manifest(out / MANIFEST)
+    if len(items) <= GRID_LIMIT:
+        import PIL.Image
+
+        wanted = {it.key for it in items}
+        paths = [out / r["output"] for r in records if (r["id"], int(r["index"])) in wanted]
+        if paths:
+            per_row = max(r.count for r in rows)
+            grid = make_grid([PIL.Image.open(p).convert("RGB") for p in paths],
+                             columns=per_row if 1 < per_row <= 16 else 8)
+            atomic_write(out / "grid.png", lambda handle: grid.save(handle, format="PNG"), binary=True)
     summary = {
         "family": args.family, "method": args.method, "method_kwargs": options["method_kwargs"],
-        "model": args.model or "embedded default", "seed": args.seed, "classes": classes,
-        "images_per_class": args.num_images, "num_images": len(labels), "batch_size": args.batch_size,
+        "model": args.model or "embedded default", "job": args.job, "seed": args.seed, "rows": len(rows),
+        "num_images": len(items), "made_this_run": made, "already_done": len(set(done) & {it.key for it in items}),
+        "manifest_records": total, "processes": len(per_rank), "max_batch": args.max_batch,
+        "oom_backoffs": sum(p["backoffs"] for p in per_rank), "skipped_bad_rows": bad,
         "sampling": {k: options[k] for k in ("guidance_scale", "temperature", "top_k", "top_p")},
-        "wall_time": seconds, "images_per_second": len(labels) / seconds, "files": names,
+        "wall_time": seconds, "images_per_second": made / seconds if seconds > 0 else 0.0,
         "stats": stats.to_dict(),
     }
-    atomic_write_text(json.dumps(summary, indent=2), out / "stats.json")
-    s = stats
-    print(f"wrote {len(labels)} images to {out / 'images'} ({len(labels) / seconds:.2f} img/s), grid.png, stats.json; "
-          f"target forwards {s.num_target_forwards}, mean acceptance length {s.mean_acceptance_length:.2f}")
+    atomic_write_text(out / "stats.json", json.dumps(summary, indent=2))
+    counts = (f"target forwards {stats.num_target_forwards}, mean acceptance length {stats.mean_acceptance_length:.2f}"
+              if stats.num_drafts else f"transformer forwards {stats.num_target_forwards + stats.num_draft_forwards}")
+    skipped = f"; skipped {len(bad)} malformed row(s)" if bad else ""
+    print(f"made {made} of {len(items)} images in {out / 'images'} ({summary['already_done']} already done, "
+          f"{made / seconds if seconds > 0 else 0:.2f} img/s){skipped}; manifest.jsonl, stats.json; {counts}")
     return 0

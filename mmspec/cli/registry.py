@@ -26,4 +26,6 @@ TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
     "judge": ("mmspec.metrics.train_judge", "train the shapes-world classifier used as the image judge"),
     "llamagen": ("image_ar.llamagen.train", "train the embedded LlamaGen default: VQ tokenizer, target, draft model"),
     "llamagen-drafter": ("image_ar.llamagen.train_eagle", "train an EAGLE drafter (LANTERN recipe) for LlamaGen"),
+    "var": ("image_ar.var.train", "train the embedded VAR default: multi-scale VQVAE, large and small VAR (CoDe)"),
+    "var-code": ("image_ar.var.train_code", "CoDe fine-tuning of a VAR pair: large on its scales, small distilled"),
 }

@@ -25,7 +25,7 @@ def test_generate_writes_images_grid_and_stats(model_dir, tmp_path):
     assert run_generate(model_dir, tmp_path, "--classes", "0,3", "--num-images", "2", "--method", "draft-model",
                         "--method-arg", "num_draft_tokens=2") == 0
     files = sorted(os.listdir(tmp_path / "images"))
-    assert files == ["00000_class0.png", "00001_class0.png", "00002_class3.png", "00003_class3.png"]
+    assert files == ["class0_000.png", "class0_001.png", "class3_000.png", "class3_001.png"]
     stats = json.loads((tmp_path / "stats.json").read_text())
     assert stats["num_images"] == 4 and stats["method"] == "draft-model"
     assert stats["method_kwargs"] == {"num_draft_tokens": 2}
@@ -53,7 +53,7 @@ def test_bad_requests_are_clear_errors(model_dir, tmp_path, capsys):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert run_generate(model_dir, blocker / "sub") == 2
-    assert "cannot write" in capsys.readouterr().err
+    assert "is not a writable directory" in capsys.readouterr().err
 
 
 def test_train_llamagen_smoke(tmp_path):
@@ -103,7 +103,7 @@ def test_model_that_is_not_a_llamagen_pipeline_is_a_one_line_error(model_dir, tm
     (other / "model_index.json").write_text(json.dumps({"_class_name": "VARPipeline"}))
     assert run_generate(other, tmp_path / "o") == 2
     err = capsys.readouterr().err.strip()
-    assert "VARPipeline pipeline, not a LlamaGen one" in err and len(err.splitlines()) == 1
+    assert "VARPipeline pipeline, not a LlamaGenPipeline" in err and len(err.splitlines()) == 1
     ckpt = tmp_path / "c2i_B_256.pt"
     ckpt.write_bytes(b"not really")
     assert run_generate(ckpt, tmp_path / "o") == 2
@@ -124,6 +124,6 @@ def test_convert_official_files_into_a_pipeline_folder(model_dir, tmp_path):
                  json.dumps({"n_head": 2, "multiple_of": 16}), "--vq-config", json.dumps({"norm_num_groups": 8}),
                  "--block-size", "16", "--out", str(out)]) == 0
     assert run_generate(out, tmp_path / "imgs", "--classes", "1", "--num-images", "1") == 0
-    a = (tmp_path / "imgs" / "images" / "00000_class1.png").read_bytes()
+    a = (tmp_path / "imgs" / "images" / "class1_000.png").read_bytes()
     run_generate(model_dir, tmp_path / "ref", "--classes", "1", "--num-images", "1")
-    assert a == (tmp_path / "ref" / "images" / "00000_class1.png").read_bytes()
+    assert a == (tmp_path / "ref" / "images" / "class1_000.png").read_bytes()

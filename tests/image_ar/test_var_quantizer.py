@@ -94,3 +94,23 @@ def test_wrong_feature_shape_is_a_clear_error():
     q = MultiScaleQuantizer(8, 3, (1, 2))
     with pytest.raises(InputError, match=r"\[B, 3, 2, 2\]"):
         q.encode(torch.randn(1, 3, 4, 4))
+
+
+def test_restart_dead_codes_moves_only_unused_codes_onto_residual_vectors():
+    torch.manual_seed(0)
+    q = MultiScaleQuantizer(8, 3, (1, 2), quant_resi=0.0)  # Phi = identity: the residuals are easy to list
+    with torch.no_grad():
+        q.embedding.weight[4:] = 1000.0  # codes 4..7 are far from everything: never picked
+    f = torch.randn(2, 3, 2, 2)
+    before = q.embedding.weight.detach().clone()
+    used = torch.unique(torch.cat([idx.flatten() for idx in q.encode(f)]))
+    mean = f.mean((2, 3))  # scale 0's residual vectors (1x1), then scale 1's: f minus the scale-0 code
+    up = before[q.encode(f)[0][:, 0]][:, :, None, None]
+    pool = torch.cat([mean, (f - up).permute(0, 2, 3, 1).reshape(-1, 3)])
+    moved = q.restart_dead_codes(f, torch.Generator().manual_seed(1))
+    dead = [c for c in range(8) if c not in used.tolist()]
+    assert moved == len(dead) and set(range(4, 8)) <= set(dead)
+    after = q.embedding.weight.detach()
+    assert torch.equal(after[used], before[used])  # live codes untouched
+    for c in dead:  # every moved code now sits on one of the walk's residual vectors
+        assert torch.isclose(pool, after[c]).all(-1).any()

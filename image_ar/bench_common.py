@@ -1,0 +1,77 @@
+"""What the class-conditional image bench families (llamagen, var) share: their family options, the class-label
+inputs, per-image generators and the judge-based quality figures.
+
+Family options (`--family-option KEY=VALUE`): model (pipeline folder; default the embedded asset),
+guidance_scale, top_k, top_p (defaults: the family's pipeline defaults), fid_reference (number of held-out real
+world images for world-FID, default 2000).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from mmspec.bench.registry import BenchSettings, Sample
+from mmspec.errors import InputError
+
+OPTIONS = ("model", "guidance_scale", "top_k", "top_p", "fid_reference")
+
+
+def image_options(settings: BenchSettings, family: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """The family options of a run, parsed, with the pipeline defaults filled in."""
+    unknown = set(settings.options) - set(OPTIONS)
+    if unknown:
+        raise InputError(f"unknown option(s) {sorted(unknown)} for bench family {family!r}; "
+                         f"known: {', '.join(OPTIONS)}.")
+    o = dict(settings.options)
+    return {"model": o.get("model"), "guidance_scale": float(o.get("guidance_scale", defaults["guidance_scale"])),
+            "top_k": int(o.get("top_k", defaults["top_k"])), "top_p": float(o.get("top_p", defaults["top_p"])),
+            "fid_reference": int(o.get("fid_reference", 2000))}
+
+
+def class_inputs(settings: BenchSettings) -> list[Sample]:
+    """num_samples class labels cycling through the world's classes."""
+    from mmspec.data import CLASS_NAMES
+
+    n_classes = len(CLASS_NAMES)
+    return [Sample(question_id=i, category=CLASS_NAMES[i % n_classes], data=i % n_classes)
+            for i in range(settings.num_samples)]
+
+
+def sample_generators(batch: Sequence[Sample], settings: BenchSettings) -> list[torch.Generator]:
+    """One generator per image seeded by (seed, sample id): a sample's randomness does not depend on its batch."""
+    return [torch.Generator(device=settings.device).manual_seed(settings.seed * 1_000_003 + int(s.question_id))
+            for s in batch]
+
+
+def image_outputs(images: torch.Tensor, tokens: torch.Tensor, batch: Sequence[Sample]) -> list[dict]:
+    return [{"image": img.cpu(), "tokens": tok.cpu(), "label": int(s.data)}
+            for img, tok, s in zip(images, tokens, batch)]
+
+
+@lru_cache(maxsize=4)
+def _reference(n: int):
+    from mmspec.metrics import world_reference_stats
+
+    return world_reference_stats(n=n, seed=0)
+
+
+def image_quality(outputs: Sequence[dict], vanilla: Sequence[dict], settings: BenchSettings,
+                  fid_reference: int, exactness: bool) -> dict:
+    """Judge class accuracy, world-FID (2+ images), and token exactness vs vanilla when `exactness`."""
+    from mmspec.metrics import class_accuracy, world_fid
+
+    images = torch.stack([o["image"] for o in outputs])
+    labels = torch.tensor([o["label"] for o in outputs])
+    figures: dict[str, Any] = {"class_accuracy": class_accuracy(images, labels)}
+    if len(outputs) >= 2:
+        fid = world_fid(images, _reference(fid_reference))
+        figures["world_fid"] = fid.fid
+        figures["world_fid_n"] = fid.n_generated
+    if exactness:
+        same = [torch.equal(a["tokens"], b["tokens"]) for a, b in zip(outputs, vanilla)]
+        figures["exactness"] = sum(same) / len(same)
+    return figures

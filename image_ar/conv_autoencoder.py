@@ -1,0 +1,188 @@
+"""The LDM / taming-transformers convolutional encoder and decoder shared by the image tokenizers: LlamaGen's VQ
+(`image_ar.llamagen.vq`) and VAR's multi-scale VQVAE (`image_ar.var.vqvae`) use the same modules.
+
+    Encoder: conv_in; one level per ch_mult entry (num_res_blocks ResnetBlocks, + an AttnBlock after each of them
+             at the lowest resolution, + a stride-2 Downsample except at the last level); mid = Resnet, Attn,
+             Resnet; GroupNorm, swish, conv_out                     [B, 3, H, W] -> [B, z_channels, H / f, W / f]
+    Decoder: the mirror image with num_res_blocks + 1 blocks per level and nearest-neighbour x2 Upsample
+                                                                    [B, z_channels, h, w] -> [B, 3, h * f, w * f]
+
+f = 2 ** (len(ch_mult) - 1). Module names follow LlamaGen's official keys (`conv_blocks.{i}.res.{j}`,
+`...attn.{j}.q`, `mid.{0,1,2}`, `nin_shortcut`); VAR's converter maps its own names onto them. Attention uses
+`F.scaled_dot_product_attention` (scale 1/sqrt(C), as the official code).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _norm(channels: int, groups: int) -> nn.GroupNorm:
+    return nn.GroupNorm(num_groups=groups, num_channels=channels, eps=1e-6, affine=True)
+
+
+class ResnetBlock(nn.Module):
+    """norm1 -> swish -> conv1 -> norm2 -> swish -> dropout -> conv2, plus the (1x1 `nin_shortcut`) skip."""
+
+    def __init__(self, in_channels: int, out_channels: int, dropout: float, groups: int) -> None:
+        super().__init__()
+        self.norm1 = _norm(in_channels, groups)
+        self.conv1 = nn.Conv2d(in_channels, out_channels, kernel_size=3, stride=1, padding=1)
+        self.norm2 = _norm(out_channels, groups)
+        self.dropout = nn.Dropout(dropout)
+        self.conv2 = nn.Conv2d(out_channels, out_channels, kernel_size=3, stride=1, padding=1)
+        if in_channels != out_channels:
+            self.nin_shortcut = nn.Conv2d(in_channels, out_channels, kernel_size=1, stride=1, padding=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, Cin, h, w] -> [B, Cout, h, w]
+        h = self.conv1(F.silu(self.norm1(x)))
+        h = self.conv2(self.dropout(F.silu(self.norm2(h))))
+        skip = self.nin_shortcut(x) if hasattr(self, "nin_shortcut") else x
+        return skip + h
+
+
+class AttnBlock(nn.Module):
+    """Single-head self-attention over the h*w positions, with 1x1 conv projections q, k, v, proj_out."""
+
+    def __init__(self, channels: int, groups: int) -> None:
+        super().__init__()
+        self.norm = _norm(channels, groups)
+        self.q = nn.Conv2d(channels, channels, kernel_size=1)
+        self.k = nn.Conv2d(channels, channels, kernel_size=1)
+        self.v = nn.Conv2d(channels, channels, kernel_size=1)
+        self.proj_out = nn.Conv2d(channels, channels, kernel_size=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [B, C, h, w] -> [B, C, h, w]
+        b, c, hh, ww = x.shape
+        n = self.norm(x)
+
+        def tokens(t: torch.Tensor) -> torch.Tensor:  # [B, C, h, w] -> [B, 1, h*w, C]
+            return t.reshape(b, c, hh * ww).transpose(1, 2).unsqueeze(1)
+
+        out = F.scaled_dot_product_attention(tokens(self.q(n)), tokens(self.k(n)), tokens(self.v(n)))  # [B,1,hw,C]
+        out = out.squeeze(1).transpose(1, 2).reshape(b, c, hh, ww)  # [B, C, h, w]
+        return x + self.proj_out(out)
+
+
+class Downsample(nn.Module):
+    """Zero-pad right and bottom by one, then a 3x3 stride-2 conv: [B, C, h, w] -> [B, C, h/2, w/2]."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, kernel_size=3, stride=2, padding=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.pad(x, (0, 1, 0, 1), mode="constant", value=0.0))
+
+
+class Upsample(nn.Module):
+    """Nearest-neighbour x2, then a 3x3 conv: [B, C, h, w] -> [B, C, 2h, 2w]."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, kernel_size=3, stride=1, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+class _Level(nn.Module):
+    """One resolution level: `res` blocks, `attn` blocks (lowest resolution only), optional `downsample` or
+    `upsample` (the attribute names are the official state-dict keys)."""
+
+    def __init__(self, res: nn.ModuleList, attn: nn.ModuleList, resample: tuple[str, nn.Module] | None) -> None:
+        super().__init__()
+        self.res = res
+        self.attn = attn
+        if resample is not None:
+            self.add_module(*resample)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.res):
+            h = block(h)
+            if len(self.attn) > 0:
+                h = self.attn[i](h)
+        if hasattr(self, "downsample"):
+            h = self.downsample(h)
+        if hasattr(self, "upsample"):
+            h = self.upsample(h)
+        return h
+
+
+def _mid(channels: int, dropout: float, groups: int) -> nn.ModuleList:
+    return nn.ModuleList(
+        [
+            ResnetBlock(channels, channels, dropout, groups),
+            AttnBlock(channels, groups),
+            ResnetBlock(channels, channels, dropout, groups),
+        ]
+    )
+
+
+class Encoder(nn.Module):
+    """[B, in_channels, H, W] -> [B, z_channels, H / f, W / f]."""
+
+    def __init__(self, in_channels: int, ch: int, ch_mult: Sequence[int], num_res_blocks: int, z_channels: int,
+                 dropout: float, groups: int) -> None:
+        super().__init__()
+        self.conv_in = nn.Conv2d(in_channels, ch, kernel_size=3, stride=1, padding=1)
+        last = len(ch_mult) - 1
+        block_in = ch
+        self.conv_blocks = nn.ModuleList()
+        for level, mult in enumerate(ch_mult):
+            block_out = ch * mult
+            res = nn.ModuleList()
+            for j in range(num_res_blocks):
+                res.append(ResnetBlock(block_in if j == 0 else block_out, block_out, dropout, groups))
+            attn = nn.ModuleList([AttnBlock(block_out, groups) for _ in range(num_res_blocks)] if level == last else [])
+            resample = ("downsample", Downsample(block_out)) if level != last else None
+            self.conv_blocks.append(_Level(res, attn, resample))
+            block_in = block_out
+        self.mid = _mid(block_in, dropout, groups)
+        self.norm_out = _norm(block_in, groups)
+        self.conv_out = nn.Conv2d(block_in, z_channels, kernel_size=3, stride=1, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.conv_in(x)  # [B, ch, H, W]
+        for level in self.conv_blocks:
+            h = level(h)
+        for block in self.mid:
+            h = block(h)
+        return self.conv_out(F.silu(self.norm_out(h)))  # [B, z_channels, h, w]
+
+
+class Decoder(nn.Module):
+    """[B, z_channels, h, w] -> [B, out_channels, h * f, w * f]; `conv_blocks[0]` is the lowest resolution."""
+
+    def __init__(self, out_channels: int, ch: int, ch_mult: Sequence[int], num_res_blocks: int, z_channels: int,
+                 dropout: float, groups: int) -> None:
+        super().__init__()
+        last = len(ch_mult) - 1
+        block_in = ch * ch_mult[last]
+        self.conv_in = nn.Conv2d(z_channels, block_in, kernel_size=3, stride=1, padding=1)
+        self.mid = _mid(block_in, dropout, groups)
+        self.conv_blocks = nn.ModuleList()
+        for level in reversed(range(len(ch_mult))):
+            block_out = ch * ch_mult[level]
+            res = nn.ModuleList()
+            for j in range(num_res_blocks + 1):
+                res.append(ResnetBlock(block_in if j == 0 else block_out, block_out, dropout, groups))
+            n_attn = num_res_blocks + 1 if level == last else 0
+            attn = nn.ModuleList([AttnBlock(block_out, groups) for _ in range(n_attn)])
+            resample = ("upsample", Upsample(block_out)) if level != 0 else None
+            self.conv_blocks.append(_Level(res, attn, resample))
+            block_in = block_out
+        self.norm_out = _norm(block_in, groups)
+        self.conv_out = nn.Conv2d(block_in, out_channels, kernel_size=3, stride=1, padding=1)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        h = self.conv_in(z)  # [B, ch * ch_mult[-1], h, w]
+        for block in self.mid:
+            h = block(h)
+        for level in self.conv_blocks:
+            h = level(h)
+        return self.conv_out(F.silu(self.norm_out(h)))  # [B, out_channels, H, W]

@@ -1,0 +1,58 @@
+"""The `var` bench family: VAR alone (`vanilla`, the large model) and CoDe (`code`, param draft_steps: the scales
+the large model makes; default all but the last two) on the embedded default or `--family-option model=PATH`.
+
+A table over every split: `--methods vanilla,code:draft_steps=0,code:draft_steps=1,...` (0 = the small model
+alone; S = the large model alone through CoDe's code path). Inputs, generators, options and quality (judge class
+accuracy, world-FID) as the llamagen family (`image_ar.bench_common`); at temperature 0 every configuration also
+reports token exactness vs vanilla (1.0 for CoDe with draft_steps = S). "target fwd" counts the large model's
+forwards and "draft fwd" the small model's; the scales differ in size, so the speed-up column (wall-clock), not
+the forward count, is CoDe's figure. For the peak memory of the tensors a run allocates (KV caches, activations;
+not the weights), run with `--memory tensors`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from image_ar.bench_common import class_inputs, image_options, image_outputs, image_quality, sample_generators
+from image_ar.var.generate import DEFAULTS, forward_stats, load, method_pipeline
+from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
+
+
+def _options(settings: BenchSettings) -> dict[str, Any]:
+    return image_options(settings, "var", DEFAULTS)
+
+
+def build(settings: BenchSettings):
+    return load(_options(settings)["model"], settings.device)
+
+
+def _runner(method: str):
+    def run(pipe, batch: Sequence[Sample], settings: BenchSettings, params: Mapping[str, Any]) -> MethodOutput:
+        o = _options(settings)
+        call, extra = method_pipeline(pipe, method, {k: v for k, v in params.items() if v is not None})
+        out = call(class_labels=[int(s.data) for s in batch], generator=sample_generators(batch, settings),
+                   guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],
+                   top_p=o["top_p"], output_type="pt", **extra)
+        stats = forward_stats(len(call.vqvae.config.patch_nums), out.draft_steps)
+        return MethodOutput(outputs=image_outputs(out.images, out.tokens, batch),
+                            new_tokens=[out.tokens.shape[1]] * len(batch), stats=stats)
+
+    return run
+
+
+def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list, settings: BenchSettings) -> dict:
+    return image_quality(outputs, vanilla, settings, _options(settings)["fid_reference"],
+                         exactness=settings.greedy)
+
+
+def var_family() -> Family:
+    methods = {"vanilla": Method(_runner("vanilla"), lossless=True,
+                                 description="the large VAR alone (CoDe's baseline)"),
+               "code": Method(_runner("code"), lossless=False, params={"draft_steps": None},
+                              description="CoDe: large model for the first draft_steps scales, small for the rest")}
+    return Family(name="var", model_id=lambda s: str(_options(s)["model"] or "embedded var (world)"),
+                  build=build, inputs=class_inputs, methods=methods, quality=quality, primary_quality="class_accuracy",
+                  to_turn=lambda o: o["tokens"].tolist(),
+                  description="VAR next-scale class-conditional generation and CoDe (judge accuracy, world-FID)")

@@ -1,0 +1,113 @@
+"""Pieces shared by the image families' `mmspec train` commands on the procedural world: the learning-rate
+schedule, batches of world images, the object-weighted reconstruction weights and the atomic `training.json`.
+
+    images, labels = world_images(64, seed=0, split="train", start=0)   # [64, 3, 32, 32] in [-1, 1], [64]
+    loss = (object_weights(images, 10.0) * (recon - images) ** 2).mean()
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from mmspec.data import generate_batch
+from mmspec.data.artifacts import atomic_output_dir, machine_summary
+from mmspec.errors import check
+
+IMAGE_SIZE = 32  # world images are 32x32
+
+
+def lr_at(step: int, total: int, base: float, warmup: int = 100) -> float:
+    """Linear warm-up then cosine decay to 10% of the base rate."""
+    if step < warmup:
+        return base * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def world_images(n: int, seed: int, split: str, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """n single-object world images as float [-1, 1] [n, 3, 32, 32] and their class labels [n]."""
+    batch = generate_batch(n, seed, split=split, start=start, image_size=IMAGE_SIZE, with_text=False)
+    return batch.float_images() * 2 - 1, batch.labels.long()
+
+
+def object_weights(images: torch.Tensor, strength: float) -> torch.Tensor:
+    """Per-pixel loss weights [B, 1, H, W]: 1 + strength x local contrast (|x - 7x7 box blur|, scaled to [0, 1] per
+    image). Backgrounds are smooth gradients, so the weight concentrates on the shapes and their edges."""
+    padded = F.pad(images, (3, 3, 3, 3), mode="replicate")
+    contrast = (images - F.avg_pool2d(padded, 7, stride=1)).abs().mean(1, keepdim=True)
+    return 1 + strength * contrast / contrast.amax((2, 3), keepdim=True).clamp_min(1e-6)
+
+
+def write_info(path: Path, info: dict) -> None:
+    """Write a training record atomically (temp file + rename)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(info, indent=2))
+    tmp.replace(path)
+
+
+@torch.no_grad()
+def judge_generation(generate, per_class: int, seed: int, chunk: int = 64) -> dict:
+    """Judge accuracy and world-FID of `per_class` images of every world class made by
+    generate(labels: list[int], generators: list[torch.Generator]) -> images [n, 3, H, W] in [0, 1]
+    (one seeded generator per image, so the images do not depend on the chunking)."""
+    from mmspec.data import NUM_CLASSES
+    from mmspec.metrics import class_accuracy, world_fid, world_reference_stats
+
+    labels = torch.arange(NUM_CLASSES).repeat_interleave(per_class)
+    gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(len(labels))]
+    images = torch.cat([generate(labels[s:s + chunk].tolist(), gens[s:s + chunk])
+                        for s in range(0, len(labels), chunk)])
+    reference = world_reference_stats(n=2000, seed=seed, image_size=IMAGE_SIZE)
+    return {"n": len(labels), "judge_accuracy": class_accuracy(images, labels),
+            "world_fid": world_fid(images, reference).fid, "fid_reference_n": reference.n}
+
+
+def parse_stages(text: str, allowed: tuple[str, ...]) -> list[str]:
+    """The comma-separated --stages of a staged training command, checked."""
+    stages = [s.strip() for s in text.split(",") if s.strip()]
+    check(all(s in allowed for s in stages), f"--stages must be a subset of {','.join(allowed)}, got {text!r}.")
+    return stages
+
+
+class TrainingFolder:
+    """The output folder of a staged `mmspec train` command: its training record (`info`, kept in training.json),
+    which components are finished (a rerun skips them unless `force`), and atomic saves of components."""
+
+    def __init__(self, out: str | Path, force: bool) -> None:
+        self.out, self.force = Path(out), force
+        self.info_path = self.out / "training.json"
+        self.info = json.loads(self.info_path.read_text()) if self.info_path.is_file() else {}
+        self.info["machine"] = machine_summary()
+
+    def done(self, component: str) -> bool:
+        return (self.out / component / "config.json").is_file() and not self.force
+
+    def save(self, model, component: str) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        with atomic_output_dir(self.out / component) as tmp:
+            model.save_pretrained(tmp)
+
+    def record(self) -> None:
+        write_info(self.info_path, self.info)
+
+
+def judge_card_line(name: str, figures: dict) -> str:
+    """A card's line for `judge_generation` figures at the pipelines' default sampling settings."""
+    from mmspec.data import NUM_CLASSES
+
+    return (f"- {name}, at the pipeline defaults (guidance 4.0, temperature 1.0, no top-k/top-p), {figures['n']} "
+            f"images ({figures['n'] // NUM_CLASSES} per class): judge class accuracy {figures['judge_accuracy']:.3f}, "
+            f"world-FID {figures['world_fid']:.2f} (vs {figures['fid_reference_n']} held-out real images).")
+
+
+def recon_card_line(what: str, figures: dict, vocab_size: int) -> str:
+    """A card's line for a tokenizer's reconstruction figures."""
+    return (f"- {what} reconstructions of {figures['n']} held-out images: MSE {figures['mse']:.5f}, judge accuracy "
+            f"{figures['judge_accuracy_recon']:.3f} (real images: {figures['judge_accuracy_real']:.3f}), world-FID vs "
+            f"the originals {figures['world_fid_recon']:.3f}, {figures['codes_used']} of {vocab_size} codes used.")

@@ -1,0 +1,73 @@
+"""What every `mmspec generate` family adapter shares: loading a pipeline folder with clear errors, and class
+ids / world class names on the command line.
+
+    pipe = load_pipeline_folder(LlamaGenPipeline, model_path, ASSETS_DIR / "llamagen", family="LlamaGen",
+                                made_by="mmspec train llamagen", converted_by="mmspec convert llamagen ...",
+                                device="cpu")
+    resolve_class("red circle", num_classes=16)  # -> 0
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from mmspec.errors import InputError, check
+
+
+def load_pipeline_folder(pipeline_cls: type | tuple[type, ...], model_path: str | None, default: Path, *,
+                         family: str, made_by: str, converted_by: str, device: str):
+    """`from_pretrained` of --model (default: the embedded asset) with the pipeline class (or the one of several
+    classes) its model_index.json names, progress bars off; InputError with what to do for a file, a folder
+    without model_index.json, another pipeline's folder or unreadable weights."""
+    classes = pipeline_cls if isinstance(pipeline_cls, tuple) else (pipeline_cls,)
+    names = " or ".join(c.__name__ for c in classes)
+    path = Path(model_path) if model_path else default
+    if path.is_file():
+        raise InputError(f"--model {path} is a file; pass a pipeline folder. Official {family} checkpoints become "
+                         f"one with `{converted_by}`.")
+    index = path / "model_index.json"
+    if not index.is_file():
+        hint = (f"the embedded default is made by `{made_by}`" if model_path is None
+                else f"pass a folder written by {names}.save_pretrained or `{converted_by}`")
+        raise InputError(f"no {family} pipeline at {path} (model_index.json missing); {hint}.")
+    try:
+        kind = json.loads(index.read_text()).get("_class_name")
+    except (json.JSONDecodeError, AttributeError):
+        raise InputError(f"{index} is not a valid model_index.json.") from None
+    by_name = {c.__name__: c for c in classes}
+    if kind not in by_name:
+        raise InputError(f"{path} holds a {kind} pipeline, not a {names}; pick the family that matches it.")
+    try:
+        pipe = by_name[kind].from_pretrained(path).to(device)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise InputError(f"could not load the {family} pipeline in {path}: {first_line}") from None
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def world_class_names(num_classes: int) -> list[str] | None:
+    """The world's class names when a model has exactly the world's classes, else None."""
+    from mmspec.data import CLASS_NAMES
+
+    return list(CLASS_NAMES) if num_classes == len(CLASS_NAMES) else None
+
+
+def resolve_class(text: str, num_classes: int) -> int:
+    """A class id ("5") or, for world models, a class name ("red circle")."""
+    if text.lstrip("-").isdigit():
+        value = int(text)
+        check(0 <= value < num_classes, f"class id {value} outside [0, {num_classes}).")
+        return value
+    names = world_class_names(num_classes)
+    if names and text.lower() in names:
+        return names.index(text.lower())
+    known = f"; names: {', '.join(names)}" if names else ""
+    raise InputError(f"unknown class {text!r}: give an id in [0, {num_classes}){known}.")
+
+
+def class_slug(label: int, num_classes: int) -> str:
+    """The file-name part of a class: 'red-circle' for world models, else 'class5'."""
+    names = world_class_names(num_classes)
+    return names[label].replace(" ", "-") if names else f"class{label}"

@@ -1,0 +1,207 @@
+"""`mmspec generate` at scale, on the tiny LlamaGen: job files (JSONL and CSV) with per-row seeds and counts, the
+manifest written after each image, resume after an interruption (in-process and a killed process) with
+byte-identical outputs, 2-process sharding (torchrun, accelerate's PartialState; every row exactly once),
+malformed job files, and the out-of-memory back-off. Runs compared byte for byte use the same --max-batch (3):
+the job is cut into the same chunks, see `mmspec.cli.generate.Runner`."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from llamagen_dummies import get_dummy_components
+
+import image_ar.llamagen.generate as llamagen_generate
+from image_ar.llamagen.pipeline import LlamaGenPipeline
+from mmspec.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = [{"id": "a", "class": 1, "count": 3, "seed": 5}, {"class": 0, "count": 2}, {"id": "c", "class": "3"},
+       {"id": "d", "class": 2, "count": 2, "seed": 9}]
+KEYS = [("a", 0), ("a", 1), ("a", 2), ("row2", 0), ("row2", 1), ("c", 0), ("d", 0), ("d", 1)]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("pipe")
+    LlamaGenPipeline(**get_dummy_components()).save_pretrained(path)
+    return path
+
+
+def write_job(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def generate(model_dir, out, job, *extra):
+    return main(["generate", "--family", "llamagen", "--model", str(model_dir), "--job", str(job), "--out", str(out),
+                 "--quiet", *extra])
+
+
+def manifest(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "manifest.jsonl").read_text().splitlines()]
+
+
+def images(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted((out / "images").glob("*.png"))}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, tmp_path_factory):
+    """The job made in one uninterrupted single-process run."""
+    root = tmp_path_factory.mktemp("reference")
+    assert generate(model_dir, root / "out", write_job(root / "job.jsonl", JOB), "--max-batch", "3") == 0
+    return root / "out"
+
+
+def test_job_file_rows_counts_seeds_and_manifest(reference):
+    assert [(r["id"], r["index"]) for r in manifest(reference)] == KEYS
+    for record in manifest(reference):
+        assert (reference / record["output"]).is_file() and record["settings"]["method"] == "vanilla"
+    assert manifest(reference)[0]["seed"] == 5 and manifest(reference)[0]["inputs"] == {"class": 1}
+    assert sorted(images(reference)) == sorted(f"{i}_{k:03d}.png" for i, k in KEYS)
+    stats = json.loads((reference / "stats.json").read_text())
+    assert stats["made_this_run"] == 8 and stats["rows"] == 4 and stats["skipped_bad_rows"] == []
+
+
+def test_rerun_skips_done_images_and_csv_gives_the_same_bytes(model_dir, reference, tmp_path):
+    out = tmp_path / "out"
+    generate(model_dir, out, write_job(tmp_path / "job.jsonl", JOB), "--max-batch", "3")
+    before = {p: p.stat().st_mtime_ns for p in (out / "images").iterdir()}
+    assert generate(model_dir, out, tmp_path / "job.jsonl", "--max-batch", "3") == 0
+    assert json.loads((out / "stats.json").read_text())["made_this_run"] == 0
+    assert {p: p.stat().st_mtime_ns for p in (out / "images").iterdir()} == before
+    csv = tmp_path / "job.csv"
+    csv.write_text("id,class,count,seed\na,1,3,5\nrow2,0,2,\nc,3,,\nd,2,2,9\n")
+    assert generate(model_dir, tmp_path / "csv", csv, "--max-batch", "3") == 0
+    assert images(tmp_path / "csv") == images(reference)
+
+
+def test_resuming_into_a_folder_of_another_job_is_refused(model_dir, reference, tmp_path, capsys):
+    out = tmp_path / "out"
+    job = write_job(tmp_path / "job.jsonl", JOB[:1])
+    assert generate(model_dir, out, job) == 0
+    assert generate(model_dir, out, job, "--temperature", "0") == 2
+    assert "made with a different settings" in capsys.readouterr().err
+    assert generate(model_dir, out, write_job(tmp_path / "other.jsonl", [{**JOB[0], "seed": 6}])) == 2
+    assert "made with a different seed" in capsys.readouterr().err
+
+
+def test_a_row_alone_makes_the_images_it_makes_in_the_job(model_dir, reference, tmp_path):
+    """Row d is the job's last chunk (2 images at --max-batch 3); alone, it is one chunk of the same 2 images."""
+    job = write_job(tmp_path / "job.jsonl", [{"id": "d", "class": 2, "count": 2, "seed": 9}])
+    generate(model_dir, tmp_path / "out", job, "--max-batch", "3")
+    assert images(tmp_path / "out") == {k: v for k, v in images(reference).items() if k.startswith("d_")}
+
+
+def test_interrupted_run_resumes_to_the_same_bytes(model_dir, reference, tmp_path, monkeypatch):
+    calls = {"n": 0}
+    real = llamagen_generate.generate
+
+    def interrupted(*args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(llamagen_generate, "generate", interrupted)
+    job = write_job(tmp_path / "job.jsonl", JOB)
+    assert generate(model_dir, tmp_path / "out", job, "--max-batch", "3") == 130
+    assert len(manifest(tmp_path / "out")) == 6  # two chunks of three finished before Ctrl-C
+    monkeypatch.setattr(llamagen_generate, "generate", real)
+    assert generate(model_dir, tmp_path / "out", job, "--max-batch", "3") == 0
+    assert json.loads((tmp_path / "out" / "stats.json").read_text())["made_this_run"] == 2
+    assert [(r["id"], r["index"]) for r in manifest(tmp_path / "out")] == KEYS
+    assert images(tmp_path / "out") == images(reference)
+
+
+def test_killed_process_resumes_to_the_same_bytes(model_dir, reference, tmp_path):
+    job = write_job(tmp_path / "job.jsonl", JOB)
+    out = tmp_path / "out"
+    slow = ("import time, image_ar.llamagen.generate as g; real = g.generate\n"
+            "def slow(*a):\n    time.sleep(0.3)\n    return real(*a)\n"
+            "g.generate = slow\nfrom mmspec.cli import main\n"
+            f"main(['generate', '--model', {str(model_dir)!r}, '--job', {str(job)!r}, '--out', {str(out)!r}, "
+            "'--quiet', '--max-batch', '3'])")
+    proc = subprocess.Popen([sys.executable, "-c", slow], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        shard = out / "manifest.jsonl"
+        if shard.is_file() and len(shard.read_text().splitlines()) >= 2:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert 2 <= len((out / "manifest.jsonl").read_text().splitlines()) < 8
+    assert generate(model_dir, out, job, "--max-batch", "3") == 0
+    assert [(r["id"], r["index"]) for r in manifest(out)] == KEYS
+    assert images(out) == images(reference)
+    assert not list((out / "images").glob(".*.tmp"))
+
+
+def test_two_processes_cover_every_row_exactly_once(model_dir, reference, tmp_path):
+    job = write_job(tmp_path / "job.jsonl", JOB)
+    out = tmp_path / "out"
+    # torchrun, as `accelerate launch --cpu` starts one process only (huggingface/accelerate#2741); the processes
+    # still meet through accelerate's PartialState (gloo on CPU)
+    torchrun = Path(sys.executable).parent / "torchrun"
+    cmd = [str(torchrun), "--nproc_per_node", "2", "-m", "mmspec", "generate", "--model", str(model_dir), "--job",
+           str(job), "--out", str(out), "--quiet", "--max-batch", "3"]
+    done = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [(r["id"], r["index"]) for r in manifest(out)] == KEYS  # merged, each image once, in job order
+    assert not list(out.glob("manifest.rank*.jsonl"))
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["processes"] == 2 and stats["made_this_run"] == 8
+    assert images(out) == images(reference)
+
+
+def test_malformed_job_files_stop_before_any_work_or_are_skipped(model_dir, tmp_path, capsys):
+    rows = [{"id": "ok", "class": 1}, "{not json", {"count": 2}, {"class": "purple blob"}, {"class": 1, "count": 0},
+            {"id": "ok", "class": 2}, {"class": 1, "colour": "red"}, "[1, 2]", {"id": "bad id!", "class": 0}]
+    job = write_job(tmp_path / "job.jsonl", rows)
+    assert generate(model_dir, tmp_path / "out", job) == 2
+    err = capsys.readouterr().err
+    assert "8 malformed row(s); nothing was generated" in err
+    for line, text in ((2, "not valid JSON"), (3, "missing 'class'"), (4, "unknown class"), (5, "'count'"),
+                       (6, "id 'ok' appears twice"), (7, "unknown column"), (8, "each line must be a JSON object"),
+                       (9, "id 'bad id!'")):
+        assert f"line {line}: {text}" in err
+    assert not list((tmp_path / "out" / "images").glob("*.png"))
+    assert generate(model_dir, tmp_path / "out", job, "--skip-bad") == 0
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["made_this_run"] == 1 and len(stats["skipped_bad_rows"]) == 8
+    bad_csv = tmp_path / "job.csv"
+    bad_csv.write_text("class,count\n1,2\n1,2,3\n")
+    assert generate(model_dir, tmp_path / "csv", bad_csv) == 2
+    assert "line 3: more values than header columns" in capsys.readouterr().err
+    assert generate(model_dir, tmp_path / "x", tmp_path / "missing.jsonl") == 2
+    assert main(["generate", "--model", str(model_dir), "--job", str(job), "--classes", "1", "--out",
+                 str(tmp_path / "y")]) == 2
+    assert "either --job or --classes" in capsys.readouterr().err
+
+
+def test_out_of_memory_batches_are_retried_smaller_without_losing_rows(model_dir, reference, tmp_path,
+                                                                       monkeypatch):
+    real = llamagen_generate.generate
+
+    def small_gpu(pipe, labels, generators, options):
+        if len(labels) > 2:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(pipe, labels, generators, options)
+
+    job = write_job(tmp_path / "job.jsonl", JOB)
+    assert generate(model_dir, tmp_path / "batches-of-2", job, "--max-batch", "2") == 0
+    monkeypatch.setattr(llamagen_generate, "generate", small_gpu)
+    assert generate(model_dir, tmp_path / "out", job, "--max-batch", "8") == 0
+    stats = json.loads((tmp_path / "out" / "stats.json").read_text())
+    assert stats["oom_backoffs"] == 2 and stats["made_this_run"] == 8  # 8 -> 4 -> 2
+    assert [(r["id"], r["index"]) for r in manifest(tmp_path / "out")] == KEYS
+    assert images(tmp_path / "out") == images(tmp_path / "batches-of-2")  # the halves are the chunks of 2
