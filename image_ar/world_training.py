@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from mmspec.bench.files import atomic_write_text
 from mmspec.data import generate_batch
 from mmspec.data.artifacts import atomic_output_dir, machine_summary
 from mmspec.errors import check
@@ -43,12 +44,22 @@ def object_weights(images: torch.Tensor, strength: float) -> torch.Tensor:
     return 1 + strength * contrast / contrast.amax((2, 3), keepdim=True).clamp_min(1e-6)
 
 
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, step: int, total_steps: int, base_lr: float,
+                   max_grad_norm: float = 1.0) -> None:
+    """One training step of the world trainers: the `lr_at` rate for `step`, backward, gradient clipping over the
+    optimiser's parameters, update."""
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, total_steps, base_lr)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], max_grad_norm)
+    opt.step()
+
+
 def write_info(path: Path, info: dict) -> None:
     """Write a training record atomically (temp file + rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(info, indent=2))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(info, indent=2))
 
 
 @torch.no_grad()

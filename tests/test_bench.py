@@ -291,3 +291,17 @@ def test_live_tensor_bytes_counts_what_a_window_allocates():
         peak = meter.peak()
         assert meter.kind == "tensor_peak"
     assert peak == 8000 and c.numel() == 500
+
+
+def test_live_tensor_bytes_ignores_storages_of_earlier_windows():
+    """A tensor made in one window and freed in the next must not lower the next window's count."""
+    from mmspec.bench.memory import PeakMemory
+
+    with PeakMemory("cpu", tensors=True) as meter:
+        meter.reset()
+        kept = torch.ones(1000)  # 4000 bytes, outlives its window
+        meter.peak()
+        meter.reset()
+        del kept
+        fresh = torch.ones(1000)  # 4000 bytes in the second window
+        assert meter.peak() == 4000 and fresh.numel() == 1000

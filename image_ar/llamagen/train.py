@@ -30,8 +30,8 @@ from image_ar.world_training import (
     TrainingFolder,
     judge_card_line,
     judge_generation,
-    lr_at,
     object_weights,
+    optimizer_step,
     parse_stages,
     recon_card_line,
     world_images,
@@ -81,16 +81,11 @@ def train_vq(steps: int, batch_size: int, lr: float, seed: int, quiet: bool,
     start = time.perf_counter()
     bar = tqdm(range(steps), desc="vq", disable=quiet)
     for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr)
         images, _ = world_images(batch_size, seed, "train", start=step * batch_size)
         out = model(images)
         loss, logs = vq_loss(out, images, weights)
         loss = loss + (object_weights(images, object_weight) * (out.sample - images) ** 2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, step, steps, lr)
         if step % 50 == 0:
             bar.set_postfix(l2=f"{float(logs['l2']):.4f}", commit=f"{float(logs['commit_loss']):.4f}")
     return model.eval(), {"steps": steps, "batch_size": batch_size, "lr": lr, "object_weight": object_weight,
@@ -141,15 +136,10 @@ def train_gpt(kind: str, ids: torch.Tensor, labels: torch.Tensor, vocab_size: in
     start = time.perf_counter()
     bar = tqdm(range(steps), desc=kind, disable=quiet)
     for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr)
         rows = torch.randint(0, ids.shape[0], (batch_size,), generator=gen)
         idx = ids[rows].long()  # [B, 64]
         loss = forward(idx, labels[rows])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, step, steps, lr)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
     info = {"steps": steps, "batch_size": batch_size, "lr": lr, "final_loss": loss.item(),

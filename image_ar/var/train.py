@@ -35,8 +35,8 @@ from image_ar.world_training import (
     TrainingFolder,
     judge_card_line,
     judge_generation,
-    lr_at,
     object_weights,
+    optimizer_step,
     parse_stages,
     recon_card_line,
     world_images,
@@ -93,17 +93,12 @@ def train_vqvae(steps: int, batch_size: int, lr: float, seed: int, quiet: bool,
     start = time.perf_counter()
     bar = tqdm(range(steps), desc="vqvae", disable=quiet)
     for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr)
         images, _ = world_images(batch_size, seed, "train", start=step * batch_size)  # [B, 3, 32, 32]
         recon, quant_loss = model(images)
         l1 = (recon - images).abs().mean()
         l2 = (object_weights(images, object_weight) * (recon - images) ** 2).mean()
         loss = l2 + l1 + gradient_loss(recon, images) + quant_loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, loss, step, steps, lr)
         if restart_every and step % restart_every == restart_every - 1 and step < 0.8 * steps:
             probe, _ = world_images(4 * batch_size, seed + 1, "train", start=step * 4 * batch_size)
             with torch.no_grad():
@@ -174,18 +169,13 @@ def fit_var(model: VARTransformer, codes: torch.Tensor, labels: torch.Tensor, vq
     start = time.perf_counter()
     bar = tqdm(range(steps), desc=desc, disable=quiet)
     for step in bar:
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, steps, lr)
         rows = torch.randint(0, codes.shape[0], (batch_size,), generator=gen)
         code = codes[rows].long()  # [B, L]
         with torch.no_grad():
             inputs = vqvae.quantize.teacher_inputs([code[:, b:e] for b, e in bounds])  # [B, L - 1, Cvae]
         label = drop_labels(labels[rows], model.config.cond_drop_rate, null, gen)
         value = forward(model, code, label, inputs)
-        opt.zero_grad(set_to_none=True)
-        value.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        optimizer_step(opt, value, step, steps, lr)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{value.item():.3f}")
     info = {"steps": steps, "batch_size": batch_size, "lr": lr, "final_loss": value.item(),
@@ -201,12 +191,14 @@ def train_var(kind: str, codes: torch.Tensor, labels: torch.Tensor, vqvae: VARVQ
                    compile_step=compile_step)
 
 
-def evaluate(pipe: CoDePipeline, which: str, per_class: int, seed: int) -> dict:
-    """Judge accuracy and world-FID at the pipelines' default sampling settings; which: large, small or code."""
+def evaluate(pipe: CoDePipeline, which: str, per_class: int, seed: int, draft_steps: int | None = None) -> dict:
+    """Judge accuracy and world-FID at the pipelines' default sampling settings; which: large, small or code (at
+    `draft_steps`, default the pipeline's default split)."""
     call = pipe if which == "code" else pipe.as_var_pipeline(COMPONENT[which])
     call.set_progress_bar_config(disable=True)
-    return judge_generation(lambda labels, gens: call(class_labels=labels, generator=gens, output_type="pt").images,
-                            per_class, seed)
+    split = {"draft_steps": draft_steps} if which == "code" else {}
+    return judge_generation(lambda labels, gens: call(class_labels=labels, generator=gens, output_type="pt",
+                                                      **split).images, per_class, seed)
 
 
 # ----------------------------------------------------------------------------------------------------- run

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from image_ar.var.code import CoDePipeline, default_draft_steps
-from image_ar.var.train import encode_world, fit_var
+from image_ar.var.train import encode_world, evaluate, fit_var
 from image_ar.var.transformer import VARTransformer
-from image_ar.world_training import judge_generation, write_info
+from image_ar.world_training import write_info
 from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
 from mmspec.errors import InputError, check
 
@@ -78,12 +78,6 @@ def distillation(teacher: VARTransformer, mask: torch.Tensor):
     return loss
 
 
-def evaluate_code(pipe: CoDePipeline, draft_steps: int, per_class: int, seed: int) -> dict:
-    pipe.set_progress_bar_config(disable=True)
-    return judge_generation(lambda labels, gens: pipe(class_labels=labels, generator=gens, draft_steps=draft_steps,
-                                                      output_type="pt").images, per_class, seed)
-
-
 def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     source, out = Path(args.pipeline), Path(args.out)
@@ -98,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     args.draft_steps = n  # the card's command names the split it was tuned for
     vqvae = pipe.vqvae.eval().requires_grad_(False)
     info = {"machine": machine_summary(), "source": str(source), "draft_steps": n,
-            "before": evaluate_code(pipe, n, args.eval_images_per_class, args.seed)}
+            "before": evaluate(pipe, "code", args.eval_images_per_class, args.seed, n)}
 
     cache = Path(args.work_dir) / f"codes-{args.num_train_images}-seed{args.seed}-{source.name}.pt"
     if not cache.is_file():
@@ -116,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
                                  loss=distillation(teacher, scale_mask(small, 0, n_scales)), **common)
     _, info["refine"] = fit_var(small, steps=args.refine_steps, desc="small (distil, scales >= N)",
                                 loss=distillation(teacher, scale_mask(small, n, n_scales)), **common)
-    info["after"] = evaluate_code(pipe, n, args.eval_images_per_class, args.seed)
+    info["after"] = evaluate(pipe, "code", args.eval_images_per_class, args.seed, n)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with atomic_output_dir(out) as tmp:

@@ -42,8 +42,9 @@ class LiveTensorBytes(TorchDispatchMode):
 
     def _free(self, key: int, nbytes: int) -> None:
         with self._lock:
-            self._tracked.discard(key)
-            self.live -= nbytes
+            if key in self._tracked:  # a storage of an earlier window (cleared by restart) is not this window's
+                self._tracked.discard(key)
+                self.live -= nbytes
 
     def _track(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()

@@ -39,7 +39,6 @@ from mmspec.cli.jobs import (
     done_records,
     merge_manifests,
     read_job_file,
-    read_manifest,
     row_seed,
     work_items,
 )
@@ -283,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
 def _finish(args: argparse.Namespace, out: Path, rows: list[JobRow], items: list[WorkItem], bad: list[str],
             done: set, options: dict, seconds: float) -> int:
     """Main process: merge the manifests, write stats.json (and grid.png for small runs), print a summary."""
-    total = merge_manifests(out, [it.key for it in items])
+    records = merge_manifests(out, [it.key for it in items])
     per_rank = []
     for path in sorted(out.glob(".stats.rank*.json")):
         per_rank.append(json.loads(path.read_text()))
@@ -292,7 +291,6 @@ def _finish(args: argparse.Namespace, out: Path, rows: list[JobRow], items: list
     for part in per_rank:
         stats = stats + SpecStats.from_dict(part["stats"])
     made = sum(p["made"] for p in per_rank)
-    records = read_manifest(out / MANIFEST)
     if len(items) <= GRID_LIMIT:
         import PIL.Image
 
@@ -307,7 +305,7 @@ def _finish(args: argparse.Namespace, out: Path, rows: list[JobRow], items: list
         "family": args.family, "method": args.method, "method_kwargs": options["method_kwargs"],
         "model": args.model or "embedded default", "job": args.job, "seed": args.seed, "rows": len(rows),
         "num_images": len(items), "made_this_run": made, "already_done": len(set(done) & {it.key for it in items}),
-        "manifest_records": total, "processes": len(per_rank), "max_batch": args.max_batch,
+        "manifest_records": len(records), "processes": len(per_rank), "max_batch": args.max_batch,
         "oom_backoffs": sum(p["backoffs"] for p in per_rank), "skipped_bad_rows": bad,
         "sampling": {k: options[k] for k in ("guidance_scale", "temperature", "top_k", "top_p")},
         "wall_time": seconds, "images_per_second": made / seconds if seconds > 0 else 0.0,

@@ -200,9 +200,9 @@ class ManifestWriter:
         self._file.close()
 
 
-def merge_manifests(out: Path, order: list[tuple[str, int]]) -> int:
+def merge_manifests(out: Path, order: list[tuple[str, int]]) -> list[dict]:
     """Fold every manifest file into one `manifest.jsonl` (one record per image, in job order; images not in the
-    job go last), written atomically; the shards are removed. Returns the number of records."""
+    job go last), written atomically; the shards are removed. Returns the merged records, in that order."""
     records: dict[tuple[str, int], dict] = {}
     for path in manifest_files(out):
         for record in read_manifest(path):
@@ -213,4 +213,4 @@ def merge_manifests(out: Path, order: list[tuple[str, int]]) -> int:
     for path in manifest_files(out):
         if path.name != MANIFEST:
             path.unlink()
-    return len(keys)
+    return [records[k] for k in keys]
