@@ -1,4 +1,2 @@
-"""Continuous-token AR image models: MAR and CSpD continuous speculative decoding.
-
-Not implemented yet: see the project's issues. The shared machinery these pipelines use lives in `mmspec`.
-"""
+"""Continuous-token AR image models: MAR (`continuous.mar`) and CSpD continuous speculative decoding. The
+shared machinery these pipelines use (the CSpD acceptance rule, stats, pipeline I/O) lives in `mmspec`."""

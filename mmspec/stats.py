@@ -55,7 +55,7 @@ class SpecStats:
             "num_drafts": (a * (result.num_drafted > 0)).sum(),
             "num_draft_tokens": drafted.sum(),
             "num_accepted_tokens": (acc * a).sum(),
-            "num_emitted_tokens": ((acc + 1) * a).sum(),
+            "num_emitted_tokens": (result.num_emitted * a).sum(),
             "num_verify_rows": a.sum(),
         }
         for key, value in counts.items():
@@ -72,7 +72,7 @@ class SpecStats:
             _grow(self._drafted_pos, k) + _grow(drafted_pos, self._drafted_pos.shape[0])
         self._hist = hist if self._hist is None else _grow(self._hist, k + 1) + _grow(hist, self._hist.shape[0])
         if keep_per_row:
-            self._per_row.append(((acc + 1) * a, active.clone()))
+            self._per_row.append((result.num_emitted * a, active.clone()))
 
     def add_extra(self, key: str, value: float) -> None:
         self.extra[key] = self.extra.get(key, 0) + value

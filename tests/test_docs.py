@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ["README.md", "docs/verify.md", "docs/var.md"]
+DOCS = ["README.md", "docs/verify.md", "docs/var.md", "docs/mar.md"]
 
 
 def python_blocks(path: Path) -> list[str]:

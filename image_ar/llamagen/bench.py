@@ -5,7 +5,7 @@ Inputs: `num_samples` class labels cycling through the classes. Methods: every m
 (seed, sample id), so a sample's randomness does not depend on its batch. Quality: judge class accuracy and
 world-FID (against held-out real world images; compare figures with equal sample counts), plus token exactness
 versus vanilla for lossless methods at temperature 0. `max_new_tokens` does not apply: an image is always
-`block_size` tokens. Family options: see `image_ar.bench_common`.
+`block_size` tokens. Family options: see `mmspec.bench.image_family`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from image_ar.bench_common import class_inputs, image_options, image_outputs, image_quality, sample_generators
 from image_ar.llamagen.generate import DEFAULTS, load
 from image_ar.llamagen.methods import available_methods, is_lossless, method_parameters
+from mmspec.bench.image_family import class_inputs, image_options, image_outputs, image_quality, sample_generators
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
 
 

@@ -26,7 +26,10 @@ from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.pipeline import LlamaGenPipeline
 from image_ar.llamagen.vq import LlamaGenVQ
 from image_ar.llamagen.vq_train import VQLossWeights, vq_loss
-from image_ar.world_training import (
+from mmspec.data import NUM_CLASSES
+from mmspec.data.artifacts import ASSETS_DIR, explicit_command
+from mmspec.errors import check
+from mmspec.world_training import (
     TrainingFolder,
     judge_card_line,
     judge_generation,
@@ -36,9 +39,6 @@ from image_ar.world_training import (
     recon_card_line,
     world_images,
 )
-from mmspec.data import NUM_CLASSES
-from mmspec.data.artifacts import ASSETS_DIR, explicit_command
-from mmspec.errors import check
 
 STAGES = ("vq", "target", "draft", "eval")
 WORLD_VQ = dict(codebook_size=512, codebook_embed_dim=8, encoder_ch_mult=(1, 2, 2), decoder_ch_mult=(1, 2, 2),

@@ -87,7 +87,7 @@ def lr_at(step: int, total: int, base: float, warmup: float) -> float:
 def world_sequences(pipe: LlamaGenPipeline, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """World images tokenized by the pipeline's VQ: tokens [n, block_size] int16, labels [n]."""
     from image_ar.llamagen.train import tokenize
-    from image_ar.world_training import IMAGE_SIZE
+    from mmspec.world_training import IMAGE_SIZE
 
     target = pipe.transformer
     grid = math.isqrt(target.config.block_size)
@@ -224,8 +224,8 @@ def train_drafter(target: LlamaGenGPT, ids: torch.Tensor, labels: torch.Tensor, 
 # -------------------------------------------------------------------------------------------------- measure
 def is_world_pipeline(pipe: LlamaGenPipeline) -> bool:
     """True when the pipeline makes world images (32x32, the world's classes), which the world judge can score."""
-    from image_ar.world_training import IMAGE_SIZE
     from mmspec.data import NUM_CLASSES
+    from mmspec.world_training import IMAGE_SIZE
 
     target = pipe.transformer.config
     size = math.isqrt(target.block_size) * pipe.vqvae.downsample_factor

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from image_ar.llamagen.vq import LlamaGenVQOutput, VQLosses
 from mmspec.errors import InputError, check, check_nonnegative
+from mmspec.world_training import gradient_loss
 
 __all__ = ["VQLossWeights", "gradient_loss", "vq_loss"]
 
@@ -49,13 +50,6 @@ class VQLossWeights:
             check(isinstance(value, (int, float)) and not isinstance(value, bool),
                   f"VQLossWeights.{field.name} must be a number, got {value!r}.")
             check_nonnegative(f"VQLossWeights.{field.name}", value)
-
-
-def gradient_loss(reconstruction: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
-    """Mean L1 distance between the finite differences along W and along H of the two [B, C, H, W] tensors."""
-    dx = (reconstruction[..., :, 1:] - reconstruction[..., :, :-1]) - (images[..., :, 1:] - images[..., :, :-1])
-    dy = (reconstruction[..., 1:, :] - reconstruction[..., :-1, :]) - (images[..., 1:, :] - images[..., :-1, :])
-    return 0.5 * (dx.abs().mean() + dy.abs().mean())  # [] (dx [B, C, H, W-1], dy [B, C, H-1, W])
 
 
 def vq_loss(

@@ -3,7 +3,7 @@ the large model makes; default all but the last two) on the embedded default or 
 
 A table over every split: `--methods vanilla,code:draft_steps=0,code:draft_steps=1,...` (0 = the small model
 alone; S = the large model alone through CoDe's code path). Inputs, generators, options and quality (judge class
-accuracy, world-FID) as the llamagen family (`image_ar.bench_common`); at temperature 0 every configuration also
+accuracy, world-FID) as the llamagen family (`mmspec.bench.image_family`); at temperature 0 every configuration also
 reports token exactness vs vanilla (1.0 for CoDe with draft_steps = S). "target fwd" counts the large model's
 forwards and "draft fwd" the small model's; the scales differ in size, so the speed-up column (wall-clock), not
 the forward count, is CoDe's figure. For the peak memory of the tensors a run allocates (KV caches, activations;
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from image_ar.bench_common import class_inputs, image_options, image_outputs, image_quality, sample_generators
 from image_ar.var.generate import DEFAULTS, forward_stats, load, method_pipeline
+from mmspec.bench.image_family import class_inputs, image_options, image_outputs, image_quality, sample_generators
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
 
 

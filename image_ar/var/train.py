@@ -27,12 +27,17 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from image_ar.llamagen.vq_train import gradient_loss
 from image_ar.var.code import CoDePipeline, default_draft_steps
 from image_ar.var.transformer import VARTransformer
 from image_ar.var.vqvae import VARVQVAE
-from image_ar.world_training import (
+from mmspec.data import NUM_CLASSES
+from mmspec.data.artifacts import ASSETS_DIR, explicit_command
+from mmspec.errors import check
+from mmspec.world_training import (
     TrainingFolder,
+    card_head,
+    drop_labels,
+    gradient_loss,
     judge_card_line,
     judge_generation,
     object_weights,
@@ -41,9 +46,6 @@ from image_ar.world_training import (
     recon_card_line,
     world_images,
 )
-from mmspec.data import NUM_CLASSES
-from mmspec.data.artifacts import ASSETS_DIR, explicit_command
-from mmspec.errors import check
 
 STAGES = ("vqvae", "large", "small", "eval")
 WORLD_PATCH_NUMS = (1, 2, 3, 4, 5, 6, 8)
@@ -141,12 +143,6 @@ def world_var(kind: str) -> VARTransformer:
     return VARTransformer(**WORLD_VAR_COMMON, **WORLD_VAR[kind])
 
 
-def drop_labels(labels: torch.Tensor, rate: float, null_class: int, generator: torch.Generator) -> torch.Tensor:
-    """labels [B] with each replaced by the null class with probability `rate` (CFG training)."""
-    drop = torch.rand(labels.shape[0], generator=generator) < rate
-    return torch.where(drop, torch.full_like(labels, null_class), labels)
-
-
 def cross_entropy_loss(model: VARTransformer, code: torch.Tensor, labels: torch.Tensor,
                        inputs: torch.Tensor) -> torch.Tensor:
     """Next-scale cross-entropy over every position of every scale (uniform weights, as the official trainer)."""
@@ -205,23 +201,14 @@ def evaluate(pipe: CoDePipeline, which: str, per_class: int, seed: int, draft_st
 def _card(command: str, info: dict) -> str:
     vq, ev = info.get("vqvae", {}), info.get("eval", {})
     n_scales = len(WORLD_PATCH_NUMS)
-    lines = [
-        "# Embedded VAR default (world)",
-        "",
+    lines = card_head("Embedded VAR default (world)", [
         "A multi-scale VQVAE and two class-conditional VAR transformers trained independently on mmspec's procedural",
         f"world (16 classes, 32x32 images, scales {WORLD_PATCH_NUMS} = 155 tokens): the large one is CoDe's drafter,",
         "the small one its refiner (training-free CoDe). `CoDePipeline.from_pretrained(folder)` loads all three;",
-        "`.as_var_pipeline('drafter')` is the large model alone (vanilla VAR). Made by:",
-        "",
-        f"    {command}",
-        "",
-        f"Machine: {info.get('machine', '')}.",
-        "",
-        "| component | architecture | training | time |",
-        "|---|---|---|---|",
-        f"| vqvae | VARVQVAE {json.dumps(WORLD_VQVAE)} | {vq.get('steps')} steps x {vq.get('batch_size')} images | "
-        f"{vq.get('seconds', 0):.0f} s |",
-    ]
+        "`.as_var_pipeline('drafter')` is the large model alone (vanilla VAR). Made by:"], command,
+        info.get("machine", ""))
+    lines.append(f"| vqvae | VARVQVAE {json.dumps(WORLD_VQVAE)} | {vq.get('steps')} steps x {vq.get('batch_size')} "
+                 f"images | {vq.get('seconds', 0):.0f} s |")
     for kind in ("large", "small"):
         t = info.get(kind, {})
         lines.append(f"| {COMPONENT[kind]} ({kind}) | VARTransformer {json.dumps(WORLD_VAR[kind])}, "

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from image_ar.var.code import CoDePipeline, default_draft_steps
 from image_ar.var.train import encode_world, evaluate, fit_var
 from image_ar.var.transformer import VARTransformer
-from image_ar.world_training import write_info
 from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
 from mmspec.errors import InputError, check
+from mmspec.world_training import write_info
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

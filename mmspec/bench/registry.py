@@ -125,6 +125,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "toy": "mmspec.bench.toy:toy_family",
     "llamagen": "image_ar.llamagen.bench:llamagen_family",
     "var": "image_ar.var.bench:var_family",
+    "mar": "continuous.mar.bench:mar_family",
 }
 
 _FAMILIES: dict[str, FamilyFactory] = {}

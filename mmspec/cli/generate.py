@@ -45,7 +45,8 @@ from mmspec.cli.jobs import (
 from mmspec.errors import InputError, check
 from mmspec.stats import SpecStats
 
-GENERATE_FAMILIES = {"llamagen": "image_ar.llamagen.generate", "var": "image_ar.var.generate"}
+GENERATE_FAMILIES = {"llamagen": "image_ar.llamagen.generate", "var": "image_ar.var.generate",
+                     "mar": "continuous.mar.generate"}
 GRID_LIMIT = 256  # images; larger runs get no grid.png
 
 

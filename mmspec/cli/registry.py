@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 CONVERT_COMMANDS: dict[str, tuple[str, str]] = {
     "llamagen": ("image_ar.llamagen.convert_pipeline", "official LlamaGen GPT + VQ files -> a pipeline folder"),
     "var": ("image_ar.var.convert_pipeline", "official VAR transformer(s) + VQVAE files -> a VAR or CoDe pipeline"),
+    "mar": ("continuous.mar.convert_pipeline", "official MAR checkpoint(s) + kl16.ckpt -> a MAR or CSpD pipeline"),
 }
 
 # `mmspec train <name>`: name -> (module, one-line help)
@@ -28,4 +29,5 @@ TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
     "llamagen-drafter": ("image_ar.llamagen.train_eagle", "train an EAGLE drafter (LANTERN recipe) for LlamaGen"),
     "var": ("image_ar.var.train", "train the embedded VAR default: multi-scale VQVAE, large and small VAR (CoDe)"),
     "var-code": ("image_ar.var.train_code", "CoDe fine-tuning of a VAR pair: large on its scales, small distilled"),
+    "mar": ("continuous.mar.train", "train the embedded MAR default: KL VAE, target MAR, draft MAR (CSpD)"),
 }

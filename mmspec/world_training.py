@@ -1,5 +1,6 @@
-"""Pieces shared by the image families' `mmspec train` commands on the procedural world: the learning-rate
-schedule, batches of world images, the object-weighted reconstruction weights and the atomic `training.json`.
+"""Pieces shared by the image families' `mmspec train` commands on the procedural world (LlamaGen, VAR, MAR): the
+learning-rate schedule, batches of world images, the reconstruction losses' weights and edge term, CFG label
+dropping, the optimiser step, the staged output folder with its atomic `training.json`, and the judge's verdict.
 
     images, labels = world_images(64, seed=0, split="train", start=0)   # [64, 3, 32, 32] in [-1, 1], [64]
     loss = (object_weights(images, 10.0) * (recon - images) ** 2).mean()
@@ -42,6 +43,19 @@ def object_weights(images: torch.Tensor, strength: float) -> torch.Tensor:
     padded = F.pad(images, (3, 3, 3, 3), mode="replicate")
     contrast = (images - F.avg_pool2d(padded, 7, stride=1)).abs().mean(1, keepdim=True)
     return 1 + strength * contrast / contrast.amax((2, 3), keepdim=True).clamp_min(1e-6)
+
+
+def gradient_loss(reconstruction: torch.Tensor, images: torch.Tensor) -> torch.Tensor:
+    """Mean L1 distance between the finite differences along W and along H of the two [B, C, H, W] tensors."""
+    dx = (reconstruction[..., :, 1:] - reconstruction[..., :, :-1]) - (images[..., :, 1:] - images[..., :, :-1])
+    dy = (reconstruction[..., 1:, :] - reconstruction[..., :-1, :]) - (images[..., 1:, :] - images[..., :-1, :])
+    return 0.5 * (dx.abs().mean() + dy.abs().mean())  # [] (dx [B, C, H, W-1], dy [B, C, H-1, W])
+
+
+def drop_labels(labels: torch.Tensor, rate: float, null_class: int, generator: torch.Generator) -> torch.Tensor:
+    """labels [B] with each replaced by the null class with probability `rate` (CFG training)."""
+    drop = torch.rand(labels.shape[0], generator=generator) < rate
+    return torch.where(drop, torch.full_like(labels, null_class), labels)
 
 
 def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, step: int, total_steps: int, base_lr: float,
@@ -108,11 +122,19 @@ class TrainingFolder:
         write_info(self.info_path, self.info)
 
 
-def judge_card_line(name: str, figures: dict) -> str:
-    """A card's line for `judge_generation` figures at the pipelines' default sampling settings."""
+def card_head(title: str, intro: list[str], command: str, machine: str) -> list[str]:
+    """The first lines of an embedded default's card: title, what it is, the command that made it, the machine,
+    and the header of the components table (| component | architecture | training | time |)."""
+    return [f"# {title}", "", *intro, "", f"    {command}", "", f"Machine: {machine}.", "",
+            "| component | architecture | training | time |", "|---|---|---|---|"]
+
+
+def judge_card_line(name: str, figures: dict,
+                    settings: str = "guidance 4.0, temperature 1.0, no top-k/top-p") -> str:
+    """A card's line for `judge_generation` figures at the pipelines' default sampling `settings`."""
     from mmspec.data import NUM_CLASSES
 
-    return (f"- {name}, at the pipeline defaults (guidance 4.0, temperature 1.0, no top-k/top-p), {figures['n']} "
+    return (f"- {name}, at the pipeline defaults ({settings}), {figures['n']} "
             f"images ({figures['n'] // NUM_CLASSES} per class): judge class accuracy {figures['judge_accuracy']:.3f}, "
             f"world-FID {figures['world_fid']:.2f} (vs {figures['fid_reference_n']} held-out real images).")
 

@@ -1,0 +1,71 @@
+"""The `mar` bench family: vanilla MAR (`vanilla`, the target alone; param num_iter, default the token count: one
+token per step, CSpD's baseline; fewer iterations = the multi-token fast baseline) and CSpD (`cspd`, params gamma,
+prefill_ratio, align, criterion) on the embedded default or `--family-option model=PATH`.
+
+    mmspec bench --family mar --methods vanilla,vanilla:num_iter=16,cspd:gamma=8,cspd:gamma=8:align=false
+
+Inputs, generators, options and quality (judge class accuracy, world-FID) as the llamagen family
+(`mmspec.bench.image_family`; top_k / top_p do not apply). "target fwd" counts target MAR forwards (pre-filling and
+verification passes), "draft fwd" the draft's; the mean acceptance length and per-position acceptance are CSpD's
+windows. Sampling is at temperature > 0 (CSpD compares Gaussians); `--temperature` sets the diffusion temperature.
+`--family-option num_sampling_steps=N` sets the diffusion steps of every method (default 100, the official value):
+the diffusion head's sequential steps are a cost CSpD does not reduce, so this moves the balance it depends on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from continuous.mar.generate import DEFAULTS, call_options, load, method_pipeline, run_stats
+from mmspec.bench.image_family import class_inputs, image_options, image_outputs, image_quality, sample_generators
+from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
+from mmspec.errors import InputError
+
+BENCH_DEFAULTS = {**DEFAULTS, "top_k": 0, "top_p": 1.0}
+
+
+def _options(settings: BenchSettings) -> dict[str, Any]:
+    """The shared image options plus MAR's num_sampling_steps (diffusion steps of every method, default 100)."""
+    options = dict(settings.options)
+    steps = options.pop("num_sampling_steps", "100")
+    parsed = image_options(dataclasses.replace(settings, options=options), "mar", BENCH_DEFAULTS)
+    try:
+        parsed["num_sampling_steps"] = int(steps)
+    except ValueError:
+        raise InputError(f"--family-option num_sampling_steps must be an integer, got {steps!r}.") from None
+    return parsed
+
+
+def build(settings: BenchSettings):
+    return load(_options(settings)["model"], settings.device)
+
+
+def _runner(method: str):
+    def run(pipe, batch: Sequence[Sample], settings: BenchSettings, params: Mapping[str, Any]) -> MethodOutput:
+        o = _options(settings)
+        call, extra = method_pipeline(pipe, method, {k: v for k, v in params.items() if v is not None})
+        sampling = call_options({"guidance_scale": o["guidance_scale"], "temperature": settings.temperature})
+        out = call(class_labels=[int(s.data) for s in batch], generator=sample_generators(batch, settings),
+                   output_type="pt", num_sampling_steps=o["num_sampling_steps"], **sampling, **extra)
+        return MethodOutput(outputs=image_outputs(out.images, out.tokens, batch),
+                            new_tokens=[out.tokens.shape[1]] * len(batch), stats=run_stats(out))
+
+    return run
+
+
+def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list, settings: BenchSettings) -> dict:
+    return image_quality(outputs, vanilla, settings, _options(settings)["fid_reference"], exactness=False)
+
+
+def mar_family() -> Family:
+    methods = {"vanilla": Method(_runner("vanilla"), lossless=True, params={"num_iter": None},
+                                 description="the target MAR alone (num_iter default: one token per step)"),
+               "cspd": Method(_runner("cspd"), lossless=False,
+                              params={"gamma": None, "prefill_ratio": None, "align": None, "criterion": None},
+                              description="CSpD: draft MAR window of gamma tokens, one target pass verifies it")}
+    return Family(name="mar", model_id=lambda s: str(_options(s)["model"] or "embedded mar (world)"),
+                  build=build, inputs=class_inputs, methods=methods, quality=quality, primary_quality="class_accuracy",
+                  to_turn=lambda o: {"label": o["label"], "tokens_shape": list(o["tokens"].shape)},
+                  description="MAR class-conditional generation and CSpD (judge accuracy, world-FID)")

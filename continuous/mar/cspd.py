@@ -1,0 +1,183 @@
+"""`CSpDPipeline`: continuous speculative decoding for MAR (a diffusers `DiffusionPipeline`): a draft MAR proposes a
+window of gamma tokens, one per step along the image's order, and the target verifies the window in ONE pass.
+
+    pipe = CSpDPipeline(target=MARModel(...), draft=MARModel(...), vae=AutoencoderKL(...))
+    out = pipe(class_labels=[3, 7], gamma=8, prefill_ratio=0.05, generator=gens)
+    out.images, out.stats.draft_acceptance_rate, out.stats.extra["residual_fallbacks"]
+
+The loop (per batch, rows ragged): the target alone makes the first ceil(prefill_ratio x L) tokens (one per step,
+"pre-filling"); then, while a row has tokens left:
+1. draft: gamma MAR forwards; forward k sees the row's verified tokens and its own window tokens 0..k-1 and samples
+   window token k (the next position in the row's order) with the diffusion head;
+2. verify: ONE target forward whose encoder sees the tokens verified before the window and whose decoder predicts
+   every window position: window token k is conditioned on the verified prefix only, not on window tokens 0..k-1
+   (the paper's one-pass verification; this is why the rule is an approximation). The target's head denoises
+   all window tokens at once;
+3. accept (`mmspec.verify.cspd.CSpDRule`): the first rejected token is replaced by a residual sample, the rest of
+   the window is discarded.
+Both heads use the noise that vanilla MAR draws for the position (trajectory alignment, `align=True`); with
+`align=False` the draft uses noise of its own (the paper's ablation). The CFG scale of a token is the linear schedule's
+value for its place in the order (as vanilla MAR with num_iter = L). `as_mar_pipeline("target")` is vanilla MAR.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from diffusers import AutoencoderKL, DiffusionPipeline
+
+from continuous.mar.diffusion import Trajectory
+from continuous.mar.model import MARModel
+from continuous.mar.pipeline import (
+    MARPipeline,
+    MARRun,
+    cfg_value,
+    check_fits_vae,
+    draw_randomness,
+    finish_run,
+    prepare_run,
+    sample_at,
+)
+from mmspec.errors import check, check_positive_int
+from mmspec.stats import SpecStats
+from mmspec.verify.cspd import ContinuousRandomness, CSpDRule, GaussianPath
+
+
+def gaussian_path(traj: Trajectory, batch: int, temperature: float) -> GaussianPath:
+    """A window's trajectory ([B K] tokens) as the rule's view: log-variances include the temperature's 2 log t."""
+    shift = 2 * math.log(temperature)
+    log_var = traj.log_variances + shift  # [S, B K, C]
+    return GaussianPath(x0=traj.x0.unflatten(0, (batch, -1)),
+                        log_det_steps=log_var[1:].sum((0, 2)).unflatten(0, (batch, -1)),
+                        last_mean=traj.last_mean.unflatten(0, (batch, -1)),
+                        last_log_variance=log_var[0].unflatten(0, (batch, -1)))
+
+
+def scatter_tokens(tokens: torch.Tensor, known: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
+                   keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write values [B, n, C] at positions [B, n] where keep [B, n] and mark them known. Entries not kept go to a
+    scratch slot past the end, so repeated positions (a window padded past the last token) cannot clash."""
+    b, seq, c = tokens.shape
+    target = torch.where(keep, positions, seq)  # [B, n]
+    tokens = torch.cat([tokens, tokens.new_zeros(b, 1, c)], 1).scatter(
+        1, target.unsqueeze(-1).expand(-1, -1, c), values.to(tokens.dtype))[:, :seq]
+    known = torch.cat([known, known.new_zeros(b, 1)], 1).scatter(1, target, True)[:, :seq]
+    return tokens, known
+
+
+def draft_window(draft: MARModel, run: MARRun, noise: MARRun, tokens: torch.Tensor, known: torch.Tensor,
+                 positions: torch.Tensor, cfg: torch.Tensor, in_window: torch.Tensor) -> GaussianPath:
+    """gamma draft forwards: forward k sees the verified tokens and window tokens 0..k-1 and samples window token
+    k at positions[:, k] ([B, K]) with per-token cfg [B, K]; rows' windows end at in_window [B, K]."""
+    paths = []
+    for k in range(positions.shape[1]):
+        at = slice(k, k + 1)
+        traj = sample_at(draft, run, tokens, known, positions[:, at], cfg[:, at], noise_from=noise)
+        paths.append(traj)
+        tokens, known = scatter_tokens(tokens, known, positions[:, at], traj.x0.unsqueeze(1), in_window[:, at])
+    window = Trajectory(torch.stack([t.x0 for t in paths], 1).flatten(0, 1),  # [B K, C]
+                        torch.stack([t.log_variances for t in paths], 2).flatten(1, 2),  # [S, B K, C]
+                        torch.stack([t.last_mean for t in paths], 1).flatten(0, 1))  # [B K, C]
+    return gaussian_path(window, tokens.shape[0], run.temperature)
+
+
+def verify_window(target: MARModel, run: MARRun, tokens: torch.Tensor, known: torch.Tensor, positions: torch.Tensor,
+                  cfg: torch.Tensor) -> GaussianPath:
+    """ONE target forward: the encoder sees the verified tokens, the decoder predicts every window position
+    [B, K]; the head denoises all window tokens at once (the run's noise: aligned with the draft's)."""
+    return gaussian_path(sample_at(target, run, tokens, known, positions, cfg), tokens.shape[0], run.temperature)
+
+
+class CSpDPipeline(DiffusionPipeline):
+    """A target MAR, a draft MAR sharing its token grid and classes, and their KL VAE."""
+
+    model_cpu_offload_seq = "draft->target->vae"
+
+    def __init__(self, target: MARModel, draft: MARModel, vae: AutoencoderKL) -> None:
+        super().__init__()
+        check_fits_vae("target", target, vae)
+        check_fits_vae("draft", draft, vae)
+        check(target.seq_len == draft.seq_len and target.config.num_classes == draft.config.num_classes,
+              "the draft MAR must have the target's token grid and classes.")
+        check(target.config.timestep_spacing == draft.config.timestep_spacing,
+              "the draft and target MARs must use one timestep_spacing (trajectory alignment shares every step).")
+        self.register_modules(target=target, draft=draft, vae=vae)
+
+    def as_mar_pipeline(self, which: str = "target") -> MARPipeline:
+        """Vanilla MAR with the target or the draft model (same VAE)."""
+        check(which in ("target", "draft"), f"which must be 'target' or 'draft', got {which!r}.")
+        pipe = MARPipeline(transformer=getattr(self, which), vae=self.vae)
+        pipe.set_progress_bar_config(**getattr(self, "_progress_bar_config", {}))
+        return pipe
+
+    @torch.no_grad()
+    def __call__(self, class_labels: int | list[int] | torch.Tensor | None = None, gamma: int = 8,
+                 prefill_ratio: float = 0.05, align: bool = True, rule: CSpDRule | None = None,
+                 num_sampling_steps: int = 100, guidance_scale: float = 3.0, cfg_schedule: str = "linear",
+                 temperature: float = 1.0, num_images_per_prompt: int = 1,
+                 generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
+                 return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None):
+        """Generate images with CSpD. gamma: window size; prefill_ratio: share of tokens the target makes alone
+        first; align: trajectory alignment; rule: the acceptance rule (default the paper's `CSpDRule()`;
+        `CSpDRule.reference_code()` for the public code's variants). Other arguments as `MARPipeline` with
+        num_iter = the token count. out.stats: SpecStats (target / draft forwards, acceptance per window position,
+        extra: residual_samples, residual_fallbacks)."""
+        target, draft = self.target, self.draft
+        seq, channels = target.seq_len, target.token_channels
+        check_positive_int("gamma", gamma)
+        check(isinstance(prefill_ratio, (int, float)) and 0 <= prefill_ratio <= 1,
+              f"prefill_ratio must be in [0, 1], got {prefill_ratio!r}.")
+        check(isinstance(temperature, (int, float)) and temperature > 0,
+              f"CSpD compares the two heads' Gaussians, so temperature must be > 0, got {temperature!r}.")
+        rule = rule or CSpDRule()
+        run = prepare_run(target, class_labels, guidance_scale, cfg_schedule, temperature, num_sampling_steps,
+                          num_images_per_prompt, generator, output_type)
+        b, device = run.labels.shape[0], target.device
+        draft_noise = run
+        if not align:  # the draft's own noise, drawn after everything the target uses
+            _, x_start, step_noise = draw_randomness(generator, b, seq, num_sampling_steps, channels, device)
+            draft_noise = MARRun(**{**run.__dict__, "x_start": x_start.to(run.x_start.dtype),
+                                    "step_noise": step_noise.to(run.x_start.dtype)})
+        tokens = torch.zeros(b, seq, channels, device=device, dtype=target.dtype)
+        known = torch.zeros(b, seq, dtype=torch.bool, device=device)
+        done = torch.zeros(b, dtype=torch.long, device=device)  # [B] tokens verified per row
+        stats = SpecStats()
+        with self.progress_bar(total=seq) as bar:
+            for _ in range(math.ceil(prefill_ratio * seq)):  # pre-filling: the target alone, one token per step
+                positions = run.orders[:, done[0]].unsqueeze(1)  # [B, 1] (every row at the same place)
+                cfg = cfg_value(run, max(1, seq - int(done[0]) - 1), seq)
+                traj = sample_at(target, run, tokens, known, positions, cfg)
+                tokens, known = scatter_tokens(tokens, known, positions, traj.x0.unsqueeze(1),
+                                               torch.ones_like(positions, dtype=torch.bool))
+                done += 1
+                stats.num_target_forwards += 1
+                bar.update(1)
+            while bool((done < seq).any()):
+                active = done < seq
+                window = torch.minimum(torch.full_like(done, gamma), seq - done)  # [B] ragged window sizes
+                index = (done.unsqueeze(1) + torch.arange(gamma, device=device)).clamp_max(seq - 1)  # [B, K]
+                positions = run.orders.gather(1, index)  # [B, K] (past the end: repeats, never kept)
+                in_window = torch.arange(gamma, device=device) < window.unsqueeze(1)
+                cfg = torch.as_tensor(cfg_value(run, (seq - index - 1).clamp_min(1), seq), dtype=run.x_start.dtype,
+                                      device=device).expand(b, gamma)  # [B, K]
+                q = draft_window(draft, run, draft_noise, tokens, known, positions, cfg, in_window)  # 1. draft
+                stats.num_draft_forwards += gamma
+                p = verify_window(target, run, tokens, known, positions, cfg)  # 2. verify
+                stats.num_target_forwards += 1
+                # 3. accept
+                rand = ContinuousRandomness.draw(b, gamma, rule.max_residual_tries, channels, generator, device)
+                result = rule.verify(q, p, window * active, rand)
+                stats.record(result, active)
+                stats.add_extra("residual_samples", int(result.residual.sum()))
+                stats.add_extra("residual_fallbacks", int(result.fallback.sum()))
+                keep = torch.arange(gamma, device=device) < result.num_emitted.unsqueeze(1)  # [B, K]
+                tokens, known = scatter_tokens(tokens, known, positions, result.output_tokens.to(tokens.dtype), keep)
+                before = int(done.min())
+                done = done + result.num_emitted
+                bar.update(int(done.min()) - before)
+                if callback_on_step_end is not None:
+                    callback_on_step_end(self, stats.num_target_forwards, int(done.min()), {"tokens": tokens})
+        return finish_run(self, target, self.vae, tokens, output_type, return_dict, stats.num_target_forwards, stats)

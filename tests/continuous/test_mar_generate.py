@@ -1,0 +1,70 @@
+"""`mmspec generate --family mar` (vanilla and CSpD) and the `mar` bench family, on tiny models."""
+
+import json
+import os
+
+import pytest
+from mar_dummies import tiny_mar, tiny_vae
+
+from continuous.mar.cspd import CSpDPipeline
+from mmspec.bench import BenchSettings, run_bench
+from mmspec.cli import main
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A CSpD folder and a single-model MAR folder, with the world's 16 classes (the bench cycles through them)."""
+    pipe = CSpDPipeline(target=tiny_mar(2, num_classes=16), draft=tiny_mar(3, num_classes=16, embed_dim=16),
+                        vae=tiny_vae())
+    cspd_dir, mar_dir = tmp_path_factory.mktemp("cspd"), tmp_path_factory.mktemp("mar")
+    pipe.save_pretrained(cspd_dir)
+    pipe.as_mar_pipeline("target").save_pretrained(mar_dir)
+    return cspd_dir, mar_dir
+
+
+def generate(model, out, *extra):
+    return main(["generate", "--family", "mar", "--model", str(model), "--out", str(out), "--quiet", "--classes",
+                 "0,2", "--num-images", "2", "--method-arg", "num_sampling_steps=4", *extra])
+
+
+def test_generate_vanilla_and_cspd(folders, tmp_path):
+    cspd_dir, mar_dir = folders
+    assert generate(cspd_dir, tmp_path / "v") == 0
+    assert generate(mar_dir, tmp_path / "v2") == 0
+    for name in os.listdir(tmp_path / "v" / "images"):  # the CSpD folder's vanilla == the single-model folder
+        assert (tmp_path / "v" / "images" / name).read_bytes() == (tmp_path / "v2" / "images" / name).read_bytes()
+    assert generate(cspd_dir, tmp_path / "c", "--method", "cspd", "--method-arg", "gamma=3",
+                    "--method-arg", "criterion=reference_code") == 0
+    stats = json.loads((tmp_path / "c" / "stats.json").read_text())
+    assert stats["method_kwargs"] == {"num_sampling_steps": 4, "gamma": 3, "criterion": "reference_code"}
+    assert stats["stats"]["num_draft_forwards"] > 0 and "residual_fallbacks" in stats["stats"]["extra"]
+    assert sorted(os.listdir(tmp_path / "c" / "images")) == sorted(os.listdir(tmp_path / "v" / "images"))
+    assert len(os.listdir(tmp_path / "c" / "images")) == 4
+
+
+def test_generate_errors_are_clear(folders, tmp_path, capsys):
+    cspd_dir, mar_dir = folders
+    assert generate(mar_dir, tmp_path / "a", "--method", "cspd") == 2
+    assert "needs a CSpD folder" in capsys.readouterr().err
+    assert generate(cspd_dir, tmp_path / "b", "--top-k", "5") == 2
+    assert "--top-k does not apply" in capsys.readouterr().err
+    assert generate(cspd_dir, tmp_path / "c", "--method", "vanilla", "--method-arg", "gamma=2") == 2
+    assert "takes ['cfg_schedule', 'num_iter', 'num_sampling_steps'], got ['gamma']" in capsys.readouterr().err
+    assert generate(cspd_dir, tmp_path / "d", "--method", "cspd", "--method-arg", "criterion=magic") == 2
+    assert "criterion must be one of" in capsys.readouterr().err
+    assert generate(cspd_dir, tmp_path / "e", "--method", "cspd", "--temperature", "0") == 2
+    assert "temperature must be > 0" in capsys.readouterr().err
+
+
+def test_bench_family_mar(folders):
+    cspd_dir, _ = folders
+    settings = BenchSettings(num_samples=4, temperature=1.0,
+                             options={"model": str(cspd_dir), "fid_reference": "64", "num_sampling_steps": "4"})
+    methods = ["vanilla", "vanilla:num_iter=4", "cspd:gamma=2", "cspd:gamma=2:align=false"]
+    result = run_bench("mar", methods, batch_sizes=[2], repeats=1, warmup=0, settings=settings)
+    rows = {r.config.label: r for r in result.runs}
+    seq, batches = 16, 2
+    assert rows["vanilla"].nfe == batches * seq and rows["vanilla:num_iter=4"].nfe == batches * 4
+    assert rows["cspd:gamma=2"].stats.num_draft_forwards > 0
+    assert rows["cspd:gamma=2"].nfe <= batches * seq
+    assert 0.0 <= rows["cspd:gamma=2"].quality["class_accuracy"] <= 1.0 and "world_fid" in rows["vanilla"].quality

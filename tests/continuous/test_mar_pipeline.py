@@ -1,0 +1,158 @@
+"""MAR and CSpD pipelines on tiny models: the diffusion arithmetic samples the right distribution, the ragged
+encoder equals the per-row one, batch independence and seeding, CSpD's exact special cases (gamma 1 with the
+target as draft, full pre-filling) equal vanilla MAR, ragged windows fill every token, save/load, clear errors."""
+
+import math
+
+import pytest
+import torch
+from mar_dummies import generators, tiny_mar, tiny_vae
+
+from continuous.mar.cspd import CSpDPipeline
+from continuous.mar.diffusion import GaussianDiffusion, respaced_timesteps
+from continuous.mar.pipeline import MARPipeline, step_sizes
+from mmspec.errors import InputError
+from mmspec.verify.cspd import CSpDRule
+
+
+def test_respacing_is_the_official_even_spacing():
+    steps = respaced_timesteps(100)
+    assert steps[:3].tolist() == [0, 10, 20] and steps[-1].item() == 999 and len(steps) == 100
+
+
+@pytest.mark.parametrize("num_steps", [100, 1000])
+def test_sampling_with_the_exact_eps_recovers_a_gaussian(num_steps):
+    """x0 ~ N(m, s^2) has the exact eps predictor sqrt(1-ab) (x_t - sqrt(ab) m) / (ab s^2 + 1 - ab); DDPM sampling
+    with it (posterior variance, v = -1) must return N(m, s^2)."""
+    m, s = 0.7, 0.5
+    diffusion = GaussianDiffusion(num_steps)
+    alphas = diffusion.training_chain.alphas_cumprod.float()
+
+    def eps_fn(x, t, step):
+        ab = alphas[t].unsqueeze(-1)
+        eps = (1 - ab).sqrt() * (x - ab.sqrt() * m) / (ab * s * s + 1 - ab)
+        return torch.cat([eps, -torch.ones_like(x)], -1)
+
+    gen = torch.Generator().manual_seed(0)
+    n = 20_000
+    traj = diffusion.sample(eps_fn, torch.randn(n, 2, generator=gen), torch.randn(num_steps, n, 2, generator=gen))
+    assert traj.x0.mean().item() == pytest.approx(m, abs=0.02)
+    assert traj.x0.std().item() == pytest.approx(s, abs=0.02)
+    assert torch.equal(traj.x0, traj.last_mean) and traj.log_variances.shape == (num_steps, n, 2)
+
+
+def test_diffusion_loss_trains():
+    model = tiny_mar(0).train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(0)
+    tokens = 0.5 * torch.randn(8, model.seq_len, 16, generator=gen)
+    labels = torch.arange(8) % 5  # 4 = the null class
+    losses = []
+    for _ in range(30):
+        loss = model.training_loss(tokens, labels, gen)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert math.isfinite(losses[-1]) and sum(losses[-5:]) < sum(losses[:5])
+
+
+def test_ragged_encoder_equals_each_row_alone():
+    model = tiny_mar(1)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randn(3, model.seq_len, 16, generator=gen)
+    known = torch.zeros(3, model.seq_len, dtype=torch.bool)
+    known[0, :5], known[1, [1, 7, 9]], known[2, 2:12] = True, True, True
+    cond = model.condition(torch.tensor([0, 4, 2]))
+    z = model.predict(tokens, known, cond)
+    for b in range(3):
+        alone = model.predict(tokens[b:b + 1], known[b:b + 1], cond[b:b + 1])
+        torch.testing.assert_close(z[b:b + 1], alone, atol=1e-5, rtol=1e-5)
+
+
+def test_step_schedule_covers_every_token():
+    for num_iter in (1, 4, 16):
+        sizes = step_sizes(num_iter, 16)
+        assert sum(n for n, _ in sizes) == 16 and all(n >= 1 for n, _ in sizes) and len(sizes) == num_iter
+    assert [n for n, _ in step_sizes(16, 16)] == [1] * 16
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    p = CSpDPipeline(target=tiny_mar(2), draft=tiny_mar(3, embed_dim=16), vae=tiny_vae())
+    p.set_progress_bar_config(disable=True)
+    return p
+
+
+def test_vanilla_is_seeded_and_batch_independent(pipe):
+    mar = pipe.as_mar_pipeline("target")
+    kw = dict(num_sampling_steps=10, output_type="latent")
+    batch = mar(class_labels=[0, 1, 2], generator=generators(3), **kw).tokens
+    again = mar(class_labels=[0, 1, 2], generator=generators(3), **kw).tokens
+    alone = mar(class_labels=[2], generator=generators(1, offset=2), **kw).tokens
+    assert torch.equal(batch, again)
+    torch.testing.assert_close(batch[2:], alone, atol=1e-4, rtol=1e-4)
+    fewer = mar(class_labels=[0, 1, 2], generator=generators(3), num_iter=4, **kw)
+    assert fewer.num_forwards == 4 and fewer.tokens.abs().sum(-1).gt(0).all()
+    images = mar(class_labels=[0], generator=generators(1), num_sampling_steps=3, output_type="pt").images
+    assert images.shape == (1, 3, 16, 16) and 0 <= images.min() and images.max() <= 1
+
+
+def test_cspd_with_the_target_as_draft_and_gamma_1_is_vanilla_mar(pipe):
+    same = CSpDPipeline(target=pipe.target, draft=pipe.target, vae=pipe.vae)
+    same.set_progress_bar_config(disable=True)
+    kw = dict(class_labels=[0, 3], num_sampling_steps=10, output_type="latent")
+    vanilla = pipe.as_mar_pipeline("target")(generator=generators(2), **kw).tokens
+    out = same(generator=generators(2), gamma=1, **kw)
+    assert torch.equal(out.tokens, vanilla)
+    assert out.stats.draft_acceptance_rate == 1.0
+    # all pre-filled by the target: vanilla MAR whatever the draft
+    full = pipe(generator=generators(2), prefill_ratio=1.0, **kw)
+    assert torch.equal(full.tokens, vanilla) and full.stats.num_target_forwards == pipe.target.seq_len
+
+
+@pytest.mark.parametrize("rule", [CSpDRule(), CSpDRule.reference_code()], ids=["paper", "reference_code"])
+def test_cspd_ragged_windows_fill_every_token(pipe, rule):
+    seq = pipe.target.seq_len
+    out = pipe(class_labels=[0, 1, 2], generator=generators(3), gamma=3, num_sampling_steps=5, rule=rule,
+               output_type="latent")
+    assert torch.isfinite(out.tokens).all() and out.tokens.abs().sum(-1).gt(0).all()  # no token left unset
+    stats = out.stats
+    prefill = math.ceil(0.05 * seq)
+    assert stats.num_emitted_tokens == 3 * (seq - prefill)
+    assert stats.num_target_forwards == prefill + stats.num_draft_forwards // 3
+    again = pipe(class_labels=[0, 1, 2], generator=generators(3), gamma=3, num_sampling_steps=5, rule=rule,
+                 output_type="latent")
+    assert torch.equal(out.tokens, again.tokens)
+
+
+def test_alignment_changes_the_drafts_noise_only(pipe):
+    kw = dict(class_labels=[0, 1], gamma=2, num_sampling_steps=5, output_type="latent", prefill_ratio=0.0)
+    aligned, unaligned = pipe(generator=generators(2), **kw), pipe(generator=generators(2), align=False, **kw)
+    assert not torch.equal(aligned.tokens, unaligned.tokens)
+
+
+def test_save_and_load_round_trip(pipe, tmp_path):
+    pipe.save_pretrained(tmp_path)
+    loaded = CSpDPipeline.from_pretrained(tmp_path)
+    loaded.set_progress_bar_config(disable=True)
+    kw = dict(class_labels=[1], gamma=2, num_sampling_steps=4, output_type="latent")
+    assert torch.equal(loaded(generator=generators(1), **kw).tokens, pipe(generator=generators(1), **kw).tokens)
+
+
+def test_clear_errors(pipe):
+    mar = pipe.as_mar_pipeline("draft")
+    with pytest.raises(InputError, match="temperature must be > 0"):
+        pipe(class_labels=[0], temperature=0)
+    with pytest.raises(InputError, match="num_iter must be an integer in"):
+        mar(class_labels=[0], num_iter=99)
+    with pytest.raises(InputError, match="guidance_scale must be a number >= 1.0"):
+        mar(class_labels=[0], guidance_scale=0.5)
+    with pytest.raises(InputError, match="cfg_schedule"):
+        mar(class_labels=[0], cfg_schedule="cosine")
+    with pytest.raises(InputError, match="gamma"):
+        pipe(class_labels=[0], gamma=0)
+    with pytest.raises(InputError, match="token grid"):
+        CSpDPipeline(target=pipe.target, draft=tiny_mar(4, num_classes=7), vae=pipe.vae)
+    with pytest.raises(InputError, match="vae_stride"):
+        MARPipeline(transformer=tiny_mar(5, vae_stride=2, img_size=8), vae=pipe.vae)
