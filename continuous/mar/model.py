@@ -167,9 +167,8 @@ class MARModel(ModelMixin, ConfigMixin):
 
 
 def truncated_mask_rate(minimum: float, generator: torch.Generator | None = None) -> float:
-    """A masking rate from N(1, 0.25) truncated to [minimum, 1] (MAR's training distribution)."""
-    from scipy import stats
-
-    u = float(torch.rand((), generator=generator))
-    dist = stats.truncnorm((minimum - 1.0) / 0.25, 0, loc=1.0, scale=0.25)
-    return float(dist.ppf(u))
+    """A masking rate from N(1, 0.25) truncated to [minimum, 1] (MAR's training distribution), by inverting the
+    truncated CDF: 1 + 0.25 ndtri(ndtr(a) + u (ndtr(0) - ndtr(a))) with a = (minimum - 1) / 0.25."""
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    low = torch.special.ndtr(torch.tensor((minimum - 1.0) / 0.25, dtype=torch.float64))
+    return float(1.0 + 0.25 * torch.special.ndtri(low + u * (0.5 - low)))

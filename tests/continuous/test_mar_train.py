@@ -58,3 +58,14 @@ def test_timestep_spacings():
     assert respaced_timesteps(100)[-1].item() == 999
     with pytest.raises(InputError, match="timestep_spacing must be one of"):
         respaced_timesteps(10, spacing="trailing")
+
+
+def test_mask_rates_follow_the_truncated_normal():
+    from scipy import stats
+
+    from continuous.mar.model import truncated_mask_rate
+
+    gen = torch.Generator().manual_seed(0)
+    rates = [truncated_mask_rate(0.7, gen) for _ in range(2000)]
+    assert min(rates) >= 0.7 and max(rates) <= 1.0
+    assert stats.kstest(rates, stats.truncnorm(-1.2, 0, loc=1.0, scale=0.25).cdf).pvalue > 1e-3
