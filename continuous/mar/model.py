@@ -166,6 +166,13 @@ class MARModel(ModelMixin, ConfigMixin):
                                   masked.reshape(-1).float().repeat(mul), generator)
 
 
+def cosine_mask_rate(generator: torch.Generator | None = None) -> float:
+    """A masking rate cos(pi/2 u), u ~ U(0, 1) (MaskGIT's schedule): covers the context-rich late steps of
+    generation that MAR's truncated normal on [0.7, 1] leaves out."""
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    return float(torch.cos(torch.pi / 2 * u))
+
+
 def truncated_mask_rate(minimum: float, generator: torch.Generator | None = None) -> float:
     """A masking rate from N(1, 0.25) truncated to [minimum, 1] (MAR's training distribution), by inverting the
     truncated CDF: 1 + 0.25 ndtri(ndtr(a) + u (ndtr(0) - ndtr(a))) with a = (minimum - 1) / 0.25."""

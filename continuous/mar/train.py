@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from continuous.mar.model import MARModel
+from continuous.mar.model import MARModel, cosine_mask_rate
 from continuous.mar.vae import world_vae
 from mmspec.data import NUM_CLASSES
 from mmspec.data.artifacts import ASSETS_DIR, explicit_command
@@ -78,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mar-batch-size", type=int, default=32)
     parser.add_argument("--mar-lr", type=float, default=1e-3)
     parser.add_argument("--ema", type=float, default=0.999, help="EMA rate of the saved MAR weights")
+    parser.add_argument("--mask-rates", choices=("official", "cosine"), default="official",
+                        help="masking-rate distribution of MAR training: official (truncated normal on [0.7, 1]) or "
+                             "cosine (cos(pi/2 u), covers the context-rich late generation steps)")
     parser.add_argument("--checkpoint-every", type=int, default=500,
                         help="save a resumable training state in --work-dir every N MAR steps (0 = never)")
     parser.add_argument("--init-target", default=None,
@@ -149,10 +152,11 @@ def world_mar(kind: str) -> MARModel:
 
 def train_mar(kind: str, data: dict[str, torch.Tensor], steps: int, batch_size: int, lr: float, ema_rate: float,
               seed: int, quiet: bool, state_path: Path | None = None, checkpoint_every: int = 500,
-              init_from: Path | None = None) -> tuple[MARModel, dict]:
+              init_from: Path | None = None, mask_rates: str = "official") -> tuple[MARModel, dict]:
     """A world MAR of `kind` trained on posterior samples of the cached latents; returns its EMA copy. Resumes
     from state_path (model, EMA, optimiser, step, generator) when it exists and saves it every checkpoint_every
-    steps; init_from: a saved MARModel folder to start from (warm start: model and EMA) instead of fresh weights."""
+    steps; init_from: a saved MARModel folder to start from (warm start: model and EMA) instead of fresh weights;
+    mask_rates: "official" (truncated normal on [mask_ratio_min, 1]) or "cosine" (`cosine_mask_rate`)."""
     torch.manual_seed(seed)
     model = world_mar(kind).train()
     if init_from is not None:
@@ -177,12 +181,13 @@ def train_mar(kind: str, data: dict[str, torch.Tensor], steps: int, batch_size: 
         rows = torch.randint(0, means.shape[0], (batch_size,), generator=gen)
         tokens = means[rows] + stds[rows] * torch.randn(means[rows].shape, generator=gen)  # [B, L, C]
         label = drop_labels(labels[rows], model.config.label_drop_prob, null, gen)
-        loss = model.training_loss(tokens, label, gen)
+        rate = cosine_mask_rate(gen) if mask_rates == "cosine" else None
+        loss = model.training_loss(tokens, label, gen, mask_rate=rate)
         optimizer_step(opt, loss, step, steps, lr)
         with torch.no_grad():
-            rate = min(ema_rate, (1 + step) / (10 + step))  # warm-up of the EMA rate
+            decay = min(ema_rate, (1 + step) / (10 + step))  # warm-up of the EMA rate
             for p_ema, p in zip(ema.parameters(), model.parameters()):
-                p_ema.lerp_(p, 1 - rate)
+                p_ema.lerp_(p, 1 - decay)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
         if state_path is not None and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
@@ -192,7 +197,7 @@ def train_mar(kind: str, data: dict[str, torch.Tensor], steps: int, batch_size: 
             os.replace(state_path.with_suffix(".tmp"), state_path)
     info = {"steps": steps, "batch_size": batch_size, "lr": lr, "ema": ema_rate, "final_loss": loss.item(),
             "seconds": time.perf_counter() - start, "parameters": sum(p.numel() for p in model.parameters()),
-            "init_from": str(init_from) if init_from else None}
+            "init_from": str(init_from) if init_from else None, "mask_rates": mask_rates}
     if state_path is not None:
         state_path.unlink(missing_ok=True)
     return ema, info
@@ -261,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
         data = torch.load(cache, weights_only=True)
         previous = info.get(kind) if init is not None else None
         model, info[kind] = train_mar(kind, data, steps, args.mar_batch_size, args.mar_lr, args.ema, args.seed,
-                                      args.quiet, work / f"{kind}-state.pt", args.checkpoint_every, init)
+                                      args.quiet, work / f"{kind}-state.pt", args.checkpoint_every, init,
+                                      args.mask_rates)
         if previous:
             info[kind]["previous"] = previous
         folder.save(model, kind)
@@ -279,7 +285,8 @@ def run(args: argparse.Namespace) -> int:
         folder.record()
         command = explicit_command("mmspec train mar", args, [
             "out", "seed", "vae_steps", "vae_batch_size", "vae_lr", "kl_weight", "object_weight", "num_train_images",
-            "target_steps", "draft_steps", "mar_batch_size", "mar_lr", "ema", "eval_images_per_class", "threads"])
+            "target_steps", "draft_steps", "mar_batch_size", "mar_lr", "ema", "mask_rates", "eval_images_per_class",
+            "threads"])
         (out / "README.md").write_text(_card(command, info))
         print(json.dumps(info["eval"], indent=2))
     print(f"wrote {out}")

@@ -69,3 +69,13 @@ def test_mask_rates_follow_the_truncated_normal():
     rates = [truncated_mask_rate(0.7, gen) for _ in range(2000)]
     assert min(rates) >= 0.7 and max(rates) <= 1.0
     assert stats.kstest(rates, stats.truncnorm(-1.2, 0, loc=1.0, scale=0.25).cdf).pvalue > 1e-3
+
+
+def test_cosine_mask_rates_cover_the_late_generation_steps():
+    from continuous.mar.model import cosine_mask_rate
+
+    gen = torch.Generator().manual_seed(0)
+    rates = torch.tensor([cosine_mask_rate(gen) for _ in range(4000)])
+    assert rates.min() >= 0 and rates.max() <= 1
+    # P(rate < 0.3) = 1 - 2 acos(0.3) / pi ~ 0.194; the official truncated normal never goes below 0.7
+    assert abs((rates < 0.3).float().mean().item() - 0.194) < 0.03
