@@ -45,10 +45,13 @@ class MARModel(ModelMixin, ConfigMixin):
                  num_classes: int = 1000, buffer_size: int = 64, label_drop_prob: float = 0.1,
                  mask_ratio_min: float = 0.7, attn_dropout: float = 0.1, proj_dropout: float = 0.1,
                  diffloss_d: int = 6, diffloss_w: int = 1024, num_sampling_steps: int = 100,
-                 diffusion_batch_mul: int = 4, timestep_spacing: str = "linspace") -> None:
+                 diffusion_batch_mul: int = 4, timestep_spacing: str = "linspace",
+                 pos_embed_init: str = "normal") -> None:
         super().__init__()
         check(timestep_spacing in TIMESTEP_SPACINGS,
               f"timestep_spacing must be one of {TIMESTEP_SPACINGS}, got {timestep_spacing!r}.")
+        check(pos_embed_init in ("normal", "sincos"),
+              f"pos_embed_init must be 'normal' or 'sincos', got {pos_embed_init!r}.")
         check(img_size % (vae_stride * patch_size) == 0,
               f"img_size {img_size} must be a multiple of vae_stride x patch_size ({vae_stride * patch_size}).")
         dec_dim = decoder_embed_dim or embed_dim
@@ -76,6 +79,8 @@ class MARModel(ModelMixin, ConfigMixin):
         self.decoder_norm = nn.LayerNorm(dec_dim, eps=1e-6)
         self.diffusion_pos_embed_learned = nn.Parameter(torch.zeros(1, self.seq_len, dec_dim))
         self._initialize_weights()
+        if pos_embed_init == "sincos":
+            self._sincos_position_embeddings()
         self.diffloss = DiffLoss(self.token_channels, dec_dim, diffloss_w, diffloss_d, num_sampling_steps)
 
     def _initialize_weights(self) -> None:
@@ -90,6 +95,13 @@ class MARModel(ModelMixin, ConfigMixin):
             elif isinstance(m, nn.LayerNorm):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
+
+    @torch.no_grad()
+    def _sincos_position_embeddings(self) -> None:
+        """Start the three learned position embeddings from MAE's fixed 2D sin-cos table at the token positions
+        (buffer positions keep their normal init): spatial neighbourhoods are then visible from the first step."""
+        for param in (self.encoder_pos_embed_learned, self.decoder_pos_embed_learned, self.diffusion_pos_embed_learned):
+            param[0, -self.seq_len:] = sincos_2d(param.shape[-1], self.seq_side).to(param.dtype)
 
     # -------------------------------------------------------------------------------------------- tokens
     def patchify(self, latents: torch.Tensor) -> torch.Tensor:
@@ -164,6 +176,20 @@ class MARModel(ModelMixin, ConfigMixin):
         mul = self.config.diffusion_batch_mul
         return self.diffloss.loss(tokens.reshape(b * seq, -1).repeat(mul, 1), z.reshape(b * seq, -1).repeat(mul, 1),
                                   masked.reshape(-1).float().repeat(mul), generator)
+
+
+def sincos_2d(dim: int, side: int) -> torch.Tensor:
+    """MAE's 2D sin-cos position table [side^2, dim] (half the channels for rows, half for columns)."""
+    quarter = dim // 4
+    omega = 1.0 / 10000 ** (torch.arange(quarter, dtype=torch.float64) / quarter)  # [dim/4]
+    grid = torch.arange(side, dtype=torch.float64)
+    rows, cols = torch.meshgrid(grid, grid, indexing="ij")
+    parts = []
+    for coord in (rows.flatten(), cols.flatten()):
+        angles = coord[:, None] * omega[None]  # [L, dim/4]
+        parts += [torch.sin(angles), torch.cos(angles)]
+    table = torch.cat(parts, 1)  # [L, 4 (dim/4)]
+    return torch.nn.functional.pad(table, (0, dim - table.shape[1])).float()
 
 
 def cosine_mask_rate(generator: torch.Generator | None = None) -> float:

@@ -79,3 +79,16 @@ def test_cosine_mask_rates_cover_the_late_generation_steps():
     assert rates.min() >= 0 and rates.max() <= 1
     # P(rate < 0.3) = 1 - 2 acos(0.3) / pi ~ 0.194; the official truncated normal never goes below 0.7
     assert abs((rates < 0.3).float().mean().item() - 0.194) < 0.03
+
+
+def test_sincos_position_init_gives_every_token_a_distinct_position():
+    from mar_dummies import tiny_mar
+
+    from continuous.mar.model import sincos_2d
+
+    table = sincos_2d(32, 4)  # [16, 32]
+    assert table.shape == (16, 32) and torch.cdist(table, table).add(torch.eye(16)).min() > 0.1
+    model = tiny_mar(0, pos_embed_init="sincos")
+    assert torch.equal(model.decoder_pos_embed_learned[0, -16:], table)
+    assert torch.equal(model.diffusion_pos_embed_learned[0], table)
+    assert tiny_mar(0).encoder_pos_embed_learned.std() < 0.05  # the official normal(0.02) init by default
