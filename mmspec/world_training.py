@@ -8,8 +8,11 @@ dropping, the optimiser step, the staged output folder with its atomic `training
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,7 +20,7 @@ import torch.nn.functional as F
 
 from mmspec.bench.files import atomic_write_text
 from mmspec.data import generate_batch
-from mmspec.data.artifacts import atomic_output_dir, machine_summary
+from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, machine_summary
 from mmspec.errors import check
 
 IMAGE_SIZE = 32  # world images are 32x32
@@ -91,6 +94,39 @@ def judge_generation(generate, per_class: int, seed: int, chunk: int = 64) -> di
     reference = world_reference_stats(n=2000, seed=seed, image_size=IMAGE_SIZE)
     return {"n": len(labels), "judge_accuracy": class_accuracy(images, labels),
             "world_fid": world_fid(images, reference).fid, "fid_reference_n": reference.n}
+
+
+def add_staged_arguments(parser: argparse.ArgumentParser, name: str, stages: tuple[str, ...],
+                         work_dir_help: str) -> None:
+    """The options every staged world trainer starts with: --out (default assets/NAME), --work-dir
+    (runs/NAME-world), --stages, --force, --seed."""
+    parser.add_argument("--out", default=str(ASSETS_DIR / name), help="pipeline folder to write")
+    parser.add_argument("--work-dir", default=f"runs/{name}-world", help=work_dir_help)
+    parser.add_argument("--stages", default=",".join(stages), help=f"comma-separated subset of {','.join(stages)}")
+    parser.add_argument("--force", action="store_true", help="retrain stages whose output already exists")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    """--threads and --quiet."""
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+def open_training(args: argparse.Namespace, allowed: tuple[str, ...]) -> tuple[list[str], TrainingFolder, Path]:
+    """A staged trainer's start: its checked --stages, torch's thread count, the --out folder and the --work-dir."""
+    stages = parse_stages(args.stages, allowed)
+    torch.set_num_threads(args.threads)
+    work = Path(args.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    return stages, TrainingFolder(args.out, args.force), work
+
+
+def cached_tensors(path: Path, refresh: bool, make: Callable[[], dict]) -> dict:
+    """The tensors saved at `path`; make() them and save them first when the file is missing or `refresh`."""
+    if refresh or not path.is_file():
+        torch.save(make(), path)
+    return torch.load(path, weights_only=True)
 
 
 def parse_stages(text: str, allowed: tuple[str, ...]) -> list[str]:

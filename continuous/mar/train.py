@@ -38,18 +38,20 @@ from tqdm.auto import tqdm
 from continuous.mar.model import MARModel, cosine_mask_rate
 from continuous.mar.vae import world_vae
 from mmspec.data import NUM_CLASSES
-from mmspec.data.artifacts import ASSETS_DIR, explicit_command
+from mmspec.data.artifacts import explicit_command
 from mmspec.errors import check
 from mmspec.world_training import (
-    TrainingFolder,
+    add_runtime_arguments,
+    add_staged_arguments,
+    cached_tensors,
     card_head,
     drop_labels,
     gradient_loss,
     judge_card_line,
     judge_generation,
     object_weights,
+    open_training,
     optimizer_step,
-    parse_stages,
     world_images,
 )
 
@@ -65,11 +67,7 @@ WORLD_MAR = {"target": dict(embed_dim=128, num_heads=4, encoder_depth=3, decoder
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default=str(ASSETS_DIR / "mar"), help="pipeline folder to write")
-    parser.add_argument("--work-dir", default="runs/mar-world", help="scratch folder (latent cache)")
-    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
-    parser.add_argument("--force", action="store_true", help="retrain stages whose output already exists")
-    parser.add_argument("--seed", type=int, default=0)
+    add_staged_arguments(parser, "mar", STAGES, "scratch folder (latent cache, resumable training states)")
     parser.add_argument("--vae-steps", type=int, default=800)
     parser.add_argument("--vae-batch-size", type=int, default=64)
     parser.add_argument("--vae-lr", type=float, default=1e-3)
@@ -91,8 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="warm-start the target from this MAR folder (e.g. OUT/target) and retrain it for "
                              "--target-steps more steps")
     parser.add_argument("--eval-images-per-class", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_runtime_arguments(parser)
 
 
 # ----------------------------------------------------------------------------------------------------- VAE
@@ -244,11 +241,8 @@ def _card(command: str, info: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    stages = parse_stages(args.stages, STAGES)
-    torch.set_num_threads(args.threads)
-    folder = TrainingFolder(args.out, args.force)
-    out, info, work = folder.out, folder.info, Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
+    stages, folder, work = open_training(args, STAGES)
+    out, info = folder.out, folder.info
     from diffusers import AutoencoderKL
 
     if "vae" in stages and not folder.done("vae"):
@@ -260,14 +254,12 @@ def run(args: argparse.Namespace) -> int:
     check((out / "vae" / "config.json").is_file(), f"no VAE in {out}/vae: run the 'vae' stage first.")
     vae = AutoencoderKL.from_pretrained(out / "vae").eval().requires_grad_(False)
 
-    cache = work / f"latents-{args.num_train_images}-seed{args.seed}.pt"
+    cache, data = work / f"latents-{args.num_train_images}-seed{args.seed}.pt", None
     for kind, steps in (("target", args.target_steps), ("draft", args.draft_steps)):
         init = Path(args.init_target) if kind == "target" and args.init_target else None
         if kind not in stages or (folder.done(kind) and init is None):
             continue
-        if not cache.is_file() or args.force:
-            torch.save(encode_world(vae, args.num_train_images, args.seed), cache)
-        data = torch.load(cache, weights_only=True)
+        data = data or cached_tensors(cache, args.force, lambda: encode_world(vae, args.num_train_images, args.seed))
         previous = info.get(kind) if init is not None else None
         model, info[kind] = train_mar(kind, data, steps, args.mar_batch_size, args.mar_lr, args.ema, args.seed,
                                       args.quiet, work / f"{kind}-state.pt", args.checkpoint_every, init,

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -27,15 +25,17 @@ from image_ar.llamagen.pipeline import LlamaGenPipeline
 from image_ar.llamagen.vq import LlamaGenVQ
 from image_ar.llamagen.vq_train import VQLossWeights, vq_loss
 from mmspec.data import NUM_CLASSES
-from mmspec.data.artifacts import ASSETS_DIR, explicit_command
+from mmspec.data.artifacts import explicit_command
 from mmspec.errors import check
 from mmspec.world_training import (
-    TrainingFolder,
+    add_runtime_arguments,
+    add_staged_arguments,
+    cached_tensors,
     judge_card_line,
     judge_generation,
     object_weights,
+    open_training,
     optimizer_step,
-    parse_stages,
     recon_card_line,
     world_images,
 )
@@ -49,11 +49,7 @@ WORLD_GPT = {"target": dict(dim=192, n_layer=8, n_head=6), "draft": dict(dim=96,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default=str(ASSETS_DIR / "llamagen"), help="pipeline folder to write")
-    parser.add_argument("--work-dir", default="runs/llamagen-world", help="scratch folder (token cache)")
-    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
-    parser.add_argument("--force", action="store_true", help="retrain stages whose output already exists")
-    parser.add_argument("--seed", type=int, default=0)
+    add_staged_arguments(parser, "llamagen", STAGES, "scratch folder (token cache)")
     parser.add_argument("--vq-steps", type=int, default=1500)
     parser.add_argument("--object-weight", type=float, default=10.0,
                         help="extra weight of high-contrast (object) pixels in the VQ's L2 loss; small shapes are a "
@@ -66,9 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpt-batch-size", type=int, default=64)
     parser.add_argument("--gpt-lr", type=float, default=1e-3)
     parser.add_argument("--eval-images-per-class", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
     parser.add_argument("--no-compile", action="store_true", help="do not torch.compile the GPT training step")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_runtime_arguments(parser)
 
 
 # ------------------------------------------------------------------------------------------------------ VQ
@@ -194,11 +189,8 @@ def _card(command: str, info: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    stages = parse_stages(args.stages, STAGES)
-    torch.set_num_threads(args.threads)
-    folder = TrainingFolder(args.out, args.force)
-    out, info, work = folder.out, folder.info, Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
+    stages, folder, work = open_training(args, STAGES)
+    out, info = folder.out, folder.info
 
     if "vq" in stages and not folder.done("vqvae"):
         vq, info["vq"] = train_vq(args.vq_steps, args.vq_batch_size, args.vq_lr, args.seed, args.quiet,
@@ -209,15 +201,13 @@ def run(args: argparse.Namespace) -> int:
     check((out / "vqvae" / "config.json").is_file(), f"no VQ tokenizer in {out}/vqvae: run the 'vq' stage first.")
     vq = LlamaGenVQ.from_pretrained(out / "vqvae").eval()
 
-    cache = work / f"tokens-{args.num_train_images}-seed{args.seed}.pt"
+    cache, data = work / f"tokens-{args.num_train_images}-seed{args.seed}.pt", None
     for kind, component, steps in (("target", "transformer", args.target_steps),
                                    ("draft", "draft_transformer", args.draft_steps)):
         if kind not in stages or folder.done(component):
             continue
-        if not cache.is_file() or args.force:
-            ids, labels = tokenize(vq, args.num_train_images, args.seed)
-            torch.save({"ids": ids, "labels": labels}, cache)
-        data = torch.load(cache, weights_only=True)
+        data = data or cached_tensors(cache, args.force, lambda: dict(zip(
+            ("ids", "labels"), tokenize(vq, args.num_train_images, args.seed))))
         model, info[kind] = train_gpt(kind, data["ids"], data["labels"], vq.config.codebook_size, steps,
                                       args.gpt_batch_size, args.gpt_lr, args.seed, args.quiet, not args.no_compile)
         folder.save(model, component)

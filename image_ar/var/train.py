@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -31,18 +29,20 @@ from image_ar.var.code import CoDePipeline, default_draft_steps
 from image_ar.var.transformer import VARTransformer
 from image_ar.var.vqvae import VARVQVAE
 from mmspec.data import NUM_CLASSES
-from mmspec.data.artifacts import ASSETS_DIR, explicit_command
+from mmspec.data.artifacts import explicit_command
 from mmspec.errors import check
 from mmspec.world_training import (
-    TrainingFolder,
+    add_runtime_arguments,
+    add_staged_arguments,
+    cached_tensors,
     card_head,
     drop_labels,
     gradient_loss,
     judge_card_line,
     judge_generation,
     object_weights,
+    open_training,
     optimizer_step,
-    parse_stages,
     recon_card_line,
     world_images,
 )
@@ -60,11 +60,7 @@ COMPONENT = {"large": "drafter", "small": "refiner"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default=str(ASSETS_DIR / "var"), help="pipeline folder to write")
-    parser.add_argument("--work-dir", default="runs/var-world", help="scratch folder (code-pyramid cache)")
-    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
-    parser.add_argument("--force", action="store_true", help="retrain stages whose output already exists")
-    parser.add_argument("--seed", type=int, default=0)
+    add_staged_arguments(parser, "var", STAGES, "scratch folder (code-pyramid cache)")
     parser.add_argument("--vqvae-steps", type=int, default=1500)
     parser.add_argument("--vqvae-batch-size", type=int, default=64)
     parser.add_argument("--vqvae-lr", type=float, default=1e-3)
@@ -79,9 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--var-batch-size", type=int, default=32)
     parser.add_argument("--var-lr", type=float, default=1e-3)
     parser.add_argument("--eval-images-per-class", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
     parser.add_argument("--no-compile", action="store_true", help="do not torch.compile the VAR training step")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_runtime_arguments(parser)
 
 
 # --------------------------------------------------------------------------------------------------- VQVAE
@@ -226,11 +221,8 @@ def _card(command: str, info: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    stages = parse_stages(args.stages, STAGES)
-    torch.set_num_threads(args.threads)
-    folder = TrainingFolder(args.out, args.force)
-    out, info, work = folder.out, folder.info, Path(args.work_dir)
-    work.mkdir(parents=True, exist_ok=True)
+    stages, folder, work = open_training(args, STAGES)
+    out, info = folder.out, folder.info
 
     if "vqvae" in stages and not folder.done("vqvae"):
         vqvae, info["vqvae"] = train_vqvae(args.vqvae_steps, args.vqvae_batch_size, args.vqvae_lr, args.seed,
@@ -241,14 +233,12 @@ def run(args: argparse.Namespace) -> int:
     check((out / "vqvae" / "config.json").is_file(), f"no VQVAE in {out}/vqvae: run the 'vqvae' stage first.")
     vqvae = VARVQVAE.from_pretrained(out / "vqvae").eval().requires_grad_(False)
 
-    cache = work / f"codes-{args.num_train_images}-seed{args.seed}.pt"
+    cache, data = work / f"codes-{args.num_train_images}-seed{args.seed}.pt", None
     for kind, steps in (("large", args.large_steps), ("small", args.small_steps)):
         if kind not in stages or folder.done(COMPONENT[kind]):
             continue
-        if not cache.is_file() or args.force:
-            codes, labels = encode_world(vqvae, args.num_train_images, args.seed)
-            torch.save({"codes": codes, "labels": labels}, cache)
-        data = torch.load(cache, weights_only=True)
+        data = data or cached_tensors(cache, args.force, lambda: dict(zip(
+            ("codes", "labels"), encode_world(vqvae, args.num_train_images, args.seed))))
         model, info[kind] = train_var(kind, data["codes"], data["labels"], vqvae, steps, args.var_batch_size,
                                       args.var_lr, args.seed, args.quiet, not args.no_compile)
         folder.save(model, COMPONENT[kind])
