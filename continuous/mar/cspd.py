@@ -40,6 +40,7 @@ from continuous.mar.pipeline import (
     finish_run,
     prepare_run,
     sample_at,
+    scatter_tokens,
 )
 from mmspec.errors import check, check_positive_int
 from mmspec.stats import SpecStats
@@ -54,18 +55,6 @@ def gaussian_path(traj: Trajectory, batch: int, temperature: float) -> GaussianP
                         log_det_steps=log_var[1:].sum((0, 2)).unflatten(0, (batch, -1)),
                         last_mean=traj.last_mean.unflatten(0, (batch, -1)),
                         last_log_variance=log_var[0].unflatten(0, (batch, -1)))
-
-
-def scatter_tokens(tokens: torch.Tensor, known: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
-                   keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Write values [B, n, C] at positions [B, n] where keep [B, n] and mark them known. Entries not kept go to a
-    scratch slot past the end, so repeated positions (a window padded past the last token) cannot clash."""
-    b, seq, c = tokens.shape
-    target = torch.where(keep, positions, seq)  # [B, n]
-    tokens = torch.cat([tokens, tokens.new_zeros(b, 1, c)], 1).scatter(
-        1, target.unsqueeze(-1).expand(-1, -1, c), values.to(tokens.dtype))[:, :seq]
-    known = torch.cat([known, known.new_zeros(b, 1)], 1).scatter(1, target, True)[:, :seq]
-    return tokens, known
 
 
 def draft_window(draft: MARModel, run: MARRun, noise: MARRun, tokens: torch.Tensor, known: torch.Tensor,
@@ -150,8 +139,7 @@ class CSpDPipeline(DiffusionPipeline):
                 positions = run.orders[:, done[0]].unsqueeze(1)  # [B, 1] (every row at the same place)
                 cfg = cfg_value(run, max(1, seq - int(done[0]) - 1), seq)
                 traj = sample_at(target, run, tokens, known, positions, cfg)
-                tokens, known = scatter_tokens(tokens, known, positions, traj.x0.unsqueeze(1),
-                                               torch.ones_like(positions, dtype=torch.bool))
+                tokens, known = scatter_tokens(tokens, known, positions, traj.x0.unsqueeze(1))
                 done += 1
                 stats.num_target_forwards += 1
                 bar.update(1)
@@ -169,7 +157,7 @@ class CSpDPipeline(DiffusionPipeline):
                 stats.num_target_forwards += 1
                 # 3. accept
                 rand = ContinuousRandomness.draw(b, gamma, rule.max_residual_tries, channels, generator, device)
-                result = rule.verify(q, p, window * active, rand)
+                result = rule.verify(q, p, window, rand)  # finished rows: window 0
                 stats.record(result, active)
                 stats.add_extra("residual_samples", int(result.residual.sum()))
                 stats.add_extra("residual_fallbacks", int(result.fallback.sum()))

@@ -146,6 +146,21 @@ def sample_at(model: MARModel, run: MARRun, tokens: torch.Tensor, known: torch.T
                                  timestep_spacing=model.config.timestep_spacing)
 
 
+def scatter_tokens(tokens: torch.Tensor, known: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
+                   keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Commit values [B, n, C] at positions [B, n] (where keep [B, n], or all) and mark them known. Entries not kept
+    go to a scratch slot past the end, so repeated positions (a window padded past the last token) cannot clash."""
+    b, seq, c = tokens.shape
+    if keep is None:
+        return (tokens.scatter(1, positions.unsqueeze(-1).expand(-1, -1, c), values.to(tokens.dtype)),
+                known.scatter(1, positions, True))
+    target = torch.where(keep, positions, seq)  # [B, n]
+    tokens = torch.cat([tokens, tokens.new_zeros(b, 1, c)], 1).scatter(
+        1, target.unsqueeze(-1).expand(-1, -1, c), values.to(tokens.dtype))[:, :seq]
+    known = torch.cat([known, known.new_zeros(b, 1)], 1).scatter(1, target, True)[:, :seq]
+    return tokens, known
+
+
 def finish_run(pipe: DiffusionPipeline, model: MARModel, vae: AutoencoderKL, tokens: torch.Tensor, output_type: str,
                return_dict: bool, num_forwards: int, stats: Any = None):
     """Decode the tokens into the requested output (tokens only for "latent")."""
@@ -202,9 +217,7 @@ class MARPipeline(DiffusionPipeline):
             for step, (count, after) in enumerate(step_sizes(num_iter, seq)):
                 positions = run.orders[:, done:done + count]  # [B, n]
                 traj = sample_at(model, run, tokens, known, positions, cfg_value(run, after, seq))
-                tokens = tokens.scatter(1, positions.unsqueeze(-1).expand(-1, -1, tokens.shape[-1]),
-                                        traj.x0.reshape(b, count, -1))
-                known = known.scatter(1, positions, True)
+                tokens, known = scatter_tokens(tokens, known, positions, traj.x0.reshape(b, count, -1))
                 done += count
                 bar.update(1)
                 if callback_on_step_end is not None:
