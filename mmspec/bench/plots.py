@@ -74,8 +74,9 @@ def plot_speedup_vs_quality(rows: Sequence[Mapping[str, Any]], quality_key: str 
     return _save(fig, path)
 
 
-def plot_per_position(rows: Sequence[Mapping[str, Any]], title: str, path: Path) -> Path:
-    """Per-position acceptance rate, one line per drafting method."""
+def per_position_figure(rows: Sequence[Mapping[str, Any]], title: str):
+    """A matplotlib figure of the per-position acceptance rate, one line per drafting method (rows: dicts with
+    "method" and "per_position_acceptance_rate"); the caller closes or saves it."""
     fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
     drawn = 0
     for r in rows:
@@ -92,7 +93,12 @@ def plot_per_position(rows: Sequence[Mapping[str, Any]], title: str, path: Path)
     ax.set_xlabel("draft position (1 = first drafted token; trees: depth)")
     ax.set_ylabel("acceptance rate")
     ax.set_title(title, fontsize=9)
-    return _save(fig, path)
+    return fig
+
+
+def plot_per_position(rows: Sequence[Mapping[str, Any]], title: str, path: Path) -> Path:
+    """Per-position acceptance rate, one line per drafting method, saved as a PNG."""
+    return _save(per_position_figure(rows, title), path)
 
 
 def plot_histograms(rows: Sequence[Mapping[str, Any]], title: str, path: Path) -> Path:

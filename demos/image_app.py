@@ -1,0 +1,265 @@
+"""Gradio demo: a speculative (or collaborative) decoding method next to vanilla decoding, for the image families.
+
+    python demos/image_app.py                                    # embedded defaults, http://127.0.0.1:7860
+    python demos/image_app.py --model var=/data/var-code --port 7861   # a real checkpoint folder for one family
+
+Pick a family (llamagen, var, mar), a method, a class and sampling settings; both runs use the same seeds. The
+app shows the two image grids, wall times, the speed-up, step compression (vanilla's target forwards / the
+method's), the mean acceptance length and a per-position acceptance plot. Pipelines are the `mmspec generate`
+family adapters (`mmspec.cli.generate.GENERATE_FAMILIES`), loaded lazily once per family; their tqdm bars
+feed the page's progress bar (`gr.Progress(track_tqdm=True)`). Requests wait in a queue that runs
+`--concurrency` of them at a time. Bad input (empty class, absurd sizes, unknown method parameters) comes back
+as a message in the page, not a traceback. No network access: analytics off, system fonts, no share link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+import torch  # noqa: E402
+
+if __package__ in (None, ""):  # `python demos/image_app.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mmspec.bench.plots import per_position_figure  # noqa: E402
+from mmspec.cli.family_io import resolve_class, world_class_names  # noqa: E402
+from mmspec.cli.generate import GENERATE_FAMILIES, make_grid, parse_method_args  # noqa: E402
+from mmspec.errors import InputError, check  # noqa: E402
+
+DEFAULT_METHOD = {"llamagen": "sjd", "var": "code", "mar": "cspd"}
+MAX_IMAGES = 16
+LIMITS = {"guidance_scale": (0.0, 50.0), "temperature": (0.0, 10.0), "top_p": (0.0, 1.0)}
+TILE = 128  # pixels per displayed image (world images are 32 px: upscaled with nearest neighbours)
+
+
+class ModelStore:
+    """Family adapters and their pipelines, loaded on first use (one lock: a pipeline is loaded once)."""
+
+    def __init__(self, models: dict[str, str] | None = None, device: str = "cpu") -> None:
+        unknown = set(models or {}) - set(GENERATE_FAMILIES)
+        check(not unknown, f"--model for unknown famil(ies) {sorted(unknown)}; known: {sorted(GENERATE_FAMILIES)}.")
+        self.models, self.device = dict(models or {}), device
+        self._pipes: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def adapter(family: str):
+        check(family in GENERATE_FAMILIES, f"unknown family {family!r}; pick one of {sorted(GENERATE_FAMILIES)}.")
+        return importlib.import_module(GENERATE_FAMILIES[family])
+
+    def pipeline(self, family: str):
+        with self._lock:
+            if family not in self._pipes:
+                pipe = self.adapter(family).load(self.models.get(family), self.device)
+                pipe.set_progress_bar_config(disable=False, leave=False)  # tqdm -> the page's progress bar
+                self._pipes[family] = pipe
+            return self._pipes[family]
+
+
+def speculative_methods(family: str) -> list[str]:
+    return [m for m in ModelStore.adapter(family).METHODS if m != "vanilla"]
+
+
+def sampling_options(family: str, guidance_scale: float, temperature: float, top_k: int, top_p: float) -> dict:
+    """The adapter's sampling options, validated; top-k 0 and top-p 1 mean 'off' (MAR has neither)."""
+    for name, value in (("guidance_scale", guidance_scale), ("temperature", temperature), ("top_p", top_p)):
+        low, high = LIMITS[name]
+        check(isinstance(value, (int, float)) and low <= value <= high,
+              f"{name.replace('_', ' ')} must be between {low:g} and {high:g}, got {value!r}.")
+    check(isinstance(top_k, (int, float)) and top_k >= 0 and int(top_k) == top_k,
+          f"top-k must be a whole number >= 0 (0 = off), got {top_k!r}.")
+    check(top_p > 0, "top-p must be > 0 (1 = off).")
+    adapter = ModelStore.adapter(family)
+    options = {**adapter.DEFAULTS, "guidance_scale": float(guidance_scale), "temperature": float(temperature)}
+    if family == "mar":
+        check(top_k == 0 and top_p == 1, "MAR samples continuous tokens: set top-k to 0 and top-p to 1 (off).")
+    else:
+        options.update(top_k=int(top_k), top_p=float(top_p))
+    return options
+
+
+def parse_method_text(text: str) -> dict:
+    """'gamma=4, align=false' -> {"gamma": 4, "align": False}."""
+    items = [part.strip() for part in (text or "").replace("\n", ",").split(",") if part.strip()]
+    return parse_method_args(items)
+
+
+def vanilla_kwargs(family: str, method_kwargs: dict) -> dict:
+    """The method parameters vanilla decoding shares with the method (MAR: num_sampling_steps, cfg_schedule)."""
+    shared = getattr(ModelStore.adapter(family), "PARAMS", {}).get("vanilla", set()) - {"num_iter"}
+    return {k: v for k, v in method_kwargs.items() if k in shared}
+
+
+def display_grid(images: list):
+    import PIL.Image
+
+    grid = make_grid([im.convert("RGB") for im in images], columns=min(len(images), 4))
+    scale = max(1, TILE // images[0].size[0])
+    return grid.resize((grid.width * scale, grid.height * scale), PIL.Image.NEAREST)
+
+
+def timed_generate(adapter, pipe, labels: list[int], seed: int, options: dict):
+    generators = [torch.Generator().manual_seed(seed + i) for i in range(len(labels))]
+    start = time.perf_counter()
+    images, stats = adapter.generate(pipe, labels, generators, options)
+    return images, stats, time.perf_counter() - start
+
+
+def compare(store: ModelStore, family: str, method: str, class_text: str, method_text: str, num_images: int,
+            guidance_scale: float, temperature: float, top_k: int, top_p: float, seed: int) -> dict:
+    """Vanilla and `method` on the same class and seeds; the grids, a stats dict and the per-position figure.
+    Raises InputError for bad input (before any generation where it can be told in advance)."""
+    adapter = ModelStore.adapter(family)
+    check(method in speculative_methods(family),
+          f"unknown method {method!r} for {family}; pick one of {', '.join(speculative_methods(family))}.")
+    check(class_text is not None and str(class_text).strip(),
+          "pick a class (a name such as 'red circle' or a class id).")
+    check(isinstance(num_images, (int, float)) and int(num_images) == num_images and 1 <= num_images <= MAX_IMAGES,
+          f"number of images must be a whole number from 1 to {MAX_IMAGES}, got {num_images!r}.")
+    check(isinstance(seed, (int, float)) and int(seed) == seed and 0 <= seed < 2**31,
+          f"seed must be a whole number in [0, 2^31), got {seed!r}.")
+    method_kwargs = parse_method_text(method_text)
+    options = sampling_options(family, guidance_scale, temperature, top_k, top_p)
+    pipe = store.pipeline(family)
+    label = resolve_class(str(class_text).strip(), adapter.num_classes(pipe))
+    labels, seed = [label] * int(num_images), int(seed)
+
+    base, base_stats, base_time = timed_generate(
+        adapter, pipe, labels, seed, {**options, "method": "vanilla", "method_kwargs": vanilla_kwargs(family,
+                                                                                                   method_kwargs)})
+    spec, spec_stats, spec_time = timed_generate(
+        adapter, pipe, labels, seed, {**options, "method": method, "method_kwargs": method_kwargs})
+    drafted = spec_stats.num_drafts > 0
+    stats = {
+        "family": family, "method": method, "method_kwargs": method_kwargs, "class": label,
+        "num_images": len(labels), "seed": seed,
+        "vanilla_seconds": round(base_time, 3), "method_seconds": round(spec_time, 3),
+        "speedup": round(base_time / spec_time, 3) if spec_time > 0 else None,
+        "vanilla_target_forwards": base_stats.num_target_forwards,
+        "method_target_forwards": spec_stats.num_target_forwards,
+        "method_draft_forwards": spec_stats.num_draft_forwards,
+        "step_compression": (round(base_stats.num_target_forwards / spec_stats.num_target_forwards, 3)
+                             if spec_stats.num_target_forwards else None),
+        "mean_acceptance_length": round(spec_stats.mean_acceptance_length, 3) if drafted else None,
+        "draft_acceptance_rate": round(spec_stats.draft_acceptance_rate, 3) if drafted else None,
+        "per_position_acceptance_rate": [round(r, 3) for r in spec_stats.per_position_acceptance_rate],
+        "extra": dict(spec_stats.extra),
+    }
+    figure = per_position_figure([{"method": method, "per_position_acceptance_rate":
+                                   stats["per_position_acceptance_rate"]}],
+                                 f"{family} / {method}: per-position acceptance ({len(labels)} images)")
+    return {"vanilla": display_grid(base), "method": display_grid(spec), "stats": stats, "figure": figure}
+
+
+def summary_markdown(stats: dict) -> str:
+    def fmt(value, suffix=""):
+        return "n/a" if value is None else f"{value}{suffix}"
+
+    return (f"**{stats['method']}**: {stats['method_seconds']:.2f} s vs vanilla {stats['vanilla_seconds']:.2f} s "
+            f"(speed-up {fmt(stats['speedup'], 'x')}) · step compression {fmt(stats['step_compression'], 'x')} "
+            f"({stats['vanilla_target_forwards']} → {stats['method_target_forwards']} target forwards) · "
+            f"mean acceptance length {fmt(stats['mean_acceptance_length'])} · draft acceptance rate "
+            f"{fmt(stats['draft_acceptance_rate'])}")
+
+
+def build_app(store: ModelStore | None = None, family: str = "llamagen", concurrency: int = 1,
+              max_queue: int = 16) -> gr.Blocks:
+    """The Blocks app (queued; call `.launch()`); `store` defaults to the embedded models on the CPU."""
+    store = store or ModelStore()
+    check(family in GENERATE_FAMILIES, f"unknown family {family!r}; pick one of {sorted(GENERATE_FAMILIES)}.")
+    names = world_class_names(16) or []
+
+    def run(family, method, class_text, method_text, num_images, guidance_scale, temperature, top_k, top_p, seed,
+            progress=gr.Progress(track_tqdm=True)):  # noqa: B008  (gradio finds the tracker by this default)
+        progress(0, desc="vanilla, then the method")
+        try:
+            result = compare(store, family, method, class_text, method_text, num_images, guidance_scale,
+                             temperature, top_k, top_p, seed)
+        except InputError as err:
+            raise gr.Error(str(err), print_exception=False) from None
+        return (result["vanilla"], result["method"], summary_markdown(result["stats"]), result["stats"],
+                result["figure"])
+
+    def methods_for(family):
+        return gr.Dropdown(choices=speculative_methods(family), value=DEFAULT_METHOD[family])
+
+    with gr.Blocks(title="mmspec: speculative image generation", analytics_enabled=False) as app:
+        gr.Markdown("# mmspec: speculative vs vanilla image generation\nSame class, same seeds; the method's "
+                    "images on the right. World images are 32 px, shown enlarged.")
+        with gr.Row():
+            family_box = gr.Dropdown(sorted(GENERATE_FAMILIES), value=family, label="family")
+            method_box = gr.Dropdown(speculative_methods(family), value=DEFAULT_METHOD[family], label="method")
+            class_box = gr.Dropdown(names, value=names[0] if names else None, allow_custom_value=True,
+                                    label="class (name or id)")
+            method_args = gr.Textbox(label="method parameters", placeholder="e.g. gamma=4, align=false")
+        with gr.Row():
+            num_images = gr.Slider(1, MAX_IMAGES, value=4, step=1, label="images")
+            guidance = gr.Number(value=ModelStore.adapter(family).DEFAULTS["guidance_scale"], label="CFG scale")
+            temperature = gr.Number(value=1.0, label="temperature")
+            top_k = gr.Number(value=0, precision=0, label="top-k (0 = off)")
+            top_p = gr.Number(value=1.0, label="top-p (1 = off)")
+            seed = gr.Number(value=0, precision=0, label="seed")
+        button = gr.Button("Generate", variant="primary")
+        with gr.Row():
+            vanilla_image = gr.Image(label="vanilla (same seeds)", type="pil", format="png", elem_id="vanilla-image")
+            method_image = gr.Image(label="method (same seeds)", type="pil", format="png",
+                                    elem_id="method-image")
+        summary = gr.Markdown(elem_id="summary")
+        with gr.Row():
+            plot = gr.Plot(label="per-position acceptance rate", show_label=False)
+            stats = gr.JSON(label="stats")
+        family_box.change(methods_for, family_box, method_box)
+        family_box.change(lambda f: ModelStore.adapter(f).DEFAULTS["guidance_scale"], family_box, guidance)
+        button.click(run, [family_box, method_box, class_box, method_args, num_images, guidance, temperature, top_k,
+                           top_p, seed], [vanilla_image, method_image, summary, stats, plot], api_name="generate")
+    return app.queue(default_concurrency_limit=concurrency, max_size=max_queue)
+
+
+THEME_FONTS = ["ui-sans-serif", "system-ui", "sans-serif"]  # local fonts: the page loads nothing from outside
+
+
+def launch(app: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, **kwargs):
+    theme = gr.themes.Default(font=THEME_FONTS, font_mono=["ui-monospace", "monospace"])
+    return app.launch(server_name=host, server_port=port, share=False, theme=theme, **kwargs)
+
+
+def parse_models(items: list[str]) -> dict[str, str]:
+    models = {}
+    for item in items:
+        check("=" in item, f"--model must look like FAMILY=PATH (e.g. var=/data/var-code), got {item!r}.")
+        family, path = item.split("=", 1)
+        models[family.strip()] = path.strip()
+    return models
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", action="append", default=[], metavar="FAMILY=PATH",
+                        help="a pipeline folder for a family (default: the embedded asset); repeatable")
+    parser.add_argument("--family", default="llamagen", choices=sorted(GENERATE_FAMILIES), help="family shown first")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=7860)
+    parser.add_argument("--concurrency", type=int, default=1, help="requests generated at the same time")
+    parser.add_argument("--max-queue", type=int, default=16, help="requests waiting at most")
+    args = parser.parse_args(argv)
+    try:
+        store = ModelStore(parse_models(args.model), args.device)
+        app = build_app(store, args.family, args.concurrency, args.max_queue)
+    except InputError as err:
+        parser.error(str(err))
+    launch(app, args.host, args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,157 @@
+"""The image demo app (demos/image_app.py) on the embedded LlamaGen and VAR defaults: the comparison logic, its input
+checks, the served app driven by gradio_client (result, progress updates, error messages) and, marked `browser`,
+a real headless Chromium that clicks Generate and screenshots the result."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+gr = pytest.importorskip("gradio", reason="the demo extra (pip install -e '.[demo]') is not installed")
+
+from demos.image_app import ModelStore, build_app, compare, launch, main, parse_method_text  # noqa: E402
+from mmspec.errors import InputError  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def store() -> ModelStore:
+    return ModelStore()
+
+
+def test_greedy_speculative_equals_greedy_vanilla_side_by_side(store):
+    result = compare(store, "llamagen", "sjd", "red circle", "", 2, 4.0, 0.0, 0, 1.0, 3)
+    stats = result["stats"]
+    assert np.array_equal(np.asarray(result["vanilla"]), np.asarray(result["method"]))  # SJD is lossless
+    assert result["vanilla"].size == (2 * 128, 128)  # two 32 px images, shown at 128 px
+    assert stats["vanilla_target_forwards"] == 64  # one per token of the 8x8 grid (batched rows share forwards)
+    assert stats["method_target_forwards"] < 64
+    assert stats["step_compression"] == pytest.approx(64 / stats["method_target_forwards"], abs=1e-3)
+    assert stats["mean_acceptance_length"] > 1.0
+    assert len(stats["per_position_acceptance_rate"]) >= 1
+    assert result["figure"].axes[0].lines  # the per-position curve is drawn
+
+
+def test_sampling_run_and_var_code(store):
+    result = compare(store, "var", "code", "3", "draft_steps=5", 2, 4.0, 1.0, 0, 1.0, 0)
+    stats = result["stats"]
+    assert stats["method_kwargs"] == {"draft_steps": 5}
+    assert stats["method_target_forwards"] == 5 and stats["vanilla_target_forwards"] == 7
+    assert stats["mean_acceptance_length"] is None  # CoDe drafts no tokens to accept
+    assert stats["vanilla_seconds"] > 0 and stats["method_seconds"] > 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"class_text": "  "}, "pick a class"),
+    ({"class_text": "purple elephant"}, "unknown class"),
+    ({"num_images": 100000}, "number of images"),
+    ({"num_images": 2.5}, "number of images"),
+    ({"guidance_scale": 1e9}, "guidance scale"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_k": -3}, "top-k"),
+    ({"top_p": 0}, "top-p"),
+    ({"seed": -1}, "seed"),
+    ({"method": "eagle-9000"}, "unknown method"),
+    ({"method_text": "gamma"}, "KEY=VALUE"),
+    ({"method_text": "window=0"}, "window"),
+])
+def test_bad_input_is_a_clear_message(store, kwargs, message):
+    args = {"family": "llamagen", "method": "sjd", "class_text": "red circle", "method_text": "", "num_images": 1,
+            "guidance_scale": 4.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "seed": 0, **kwargs}
+    with pytest.raises(InputError, match=message):
+        compare(store, **args)
+
+
+def test_mar_rejects_top_k_before_loading(store):
+    with pytest.raises(InputError, match="MAR samples continuous tokens"):
+        compare(store, "mar", "cspd", "red circle", "", 1, 3.0, 1.0, 5, 1.0, 0)
+
+
+def test_method_text_and_command_line():
+    assert parse_method_text("gamma=4, align=false\nprefill_ratio=0.1") == {"gamma": 4, "align": False,
+                                                                            "prefill_ratio": 0.1}
+    with pytest.raises(SystemExit):
+        main(["--model", "nofamily=/tmp/x"])
+    with pytest.raises(SystemExit):
+        main(["--model", "no-equals-sign"])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(store):
+    app = build_app(store, concurrency=1)
+    launch(app, port=free_port(), prevent_thread_lock=True, quiet=True)
+    yield app.local_url
+    app.close()
+
+
+def test_served_app_with_gradio_client(served):
+    from gradio_client import Client
+
+    client = Client(served, verbose=False)
+    job = client.submit("llamagen", "sjd", "blue cross", "", 4, 4.0, 1.0, 0, 1.0, 1, api_name="/generate")
+    progress = []
+    while not job.done():
+        update = job.status()
+        if update.progress_data:
+            progress.extend(update.progress_data)
+        time.sleep(0.01)
+    vanilla_path, method_path, summary, stats, _plot = job.result()
+    assert progress, "no progress updates reached the client"
+    print("DEBUG", progress[:3], len(progress))
+    assert all(0 <= (p.progress or 0) <= 1 or p.index is not None for p in progress)
+    assert Path(vanilla_path).is_file() and Path(method_path).is_file()
+    assert stats["family"] == "llamagen" and stats["num_images"] == 4 and stats["class"] == 14
+    assert "step compression" in summary and "mean acceptance length" in summary
+
+    with pytest.raises(Exception, match="pick a class"):
+        client.predict("llamagen", "sjd", "", "", 1, 4.0, 1.0, 0, 1.0, 0, api_name="/generate")
+    with pytest.raises(Exception, match="maximum value 16|number of images"):  # the slider checks first
+        client.predict("llamagen", "sjd", "red circle", "", 5000, 4.0, 1.0, 0, 1.0, 0, api_name="/generate")
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.browser
+def test_real_browser_generates_and_shows_stats(served, tmp_path):
+    if CHROMIUM is None or not _has_playwright():
+        if os.environ.get("MMSPEC_REQUIRE_BROWSER"):
+            pytest.fail("browser tests required (MMSPEC_REQUIRE_BROWSER) but chromium or playwright is missing")
+        pytest.skip("needs Debian's chromium and the playwright package (.ci/run installs both)")
+    from playwright.sync_api import expect, sync_playwright
+
+    shot = Path(os.environ.get("MMSPEC_SCREENSHOT_DIR", tmp_path)) / "image_app.png"
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 1100})
+        page.goto(served)
+        page.get_by_role("button", name="Generate").click()
+        expect(page.locator("#summary")).to_contain_text("step compression", timeout=120_000)
+        expect(page.locator("#method-image img")).to_be_visible()
+        expect(page.locator("#vanilla-image img")).to_be_visible()
+        page.screenshot(path=str(shot), full_page=True)
+        # a bad request shows a message in the page
+        page.get_by_label("class (name or id)").fill("purple elephant")
+        page.get_by_role("button", name="Generate").click()
+        expect(page.get_by_text("unknown class", exact=False).first).to_be_visible(timeout=60_000)
+        browser.close()
+    assert shot.stat().st_size > 10_000
+
+
+def _has_playwright() -> bool:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return False
+    return True
