@@ -1,0 +1,140 @@
+"""`vlm.target`: the LLaVA target through mmspec's cache and loop equals transformers' own forward, token for
+token in greedy decoding, for ragged batches (tiny random models built from configs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+from mmspec.errors import InputError
+from mmspec.lm import LMTarget, NoDrafter
+from mmspec.loop import generate
+from mmspec.sampling import SamplingParams
+from vlm.target import LlavaCachedLM, VLMInputs, prefill_vlm
+
+IMAGE_TOKEN, IMAGE_SEQ, VOCAB = 4, 16, 99
+
+
+def tiny_llava(strategy: str = "default", seed: int = 0) -> LlavaForConditionalGeneration:
+    torch.manual_seed(seed)
+    patches = 17 if strategy == "full" else 16
+    cfg = LlavaConfig(
+        vision_config=CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                                       num_hidden_layers=2, num_attention_heads=2),
+        text_config=LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
+        image_token_index=IMAGE_TOKEN, image_seq_length=patches, vision_feature_select_strategy=strategy,
+        vision_feature_layer=-2)
+    return LlavaForConditionalGeneration(cfg).eval()
+
+
+def prompt(text_before: list[int], text_after: list[int], n_image: int) -> list[int]:
+    return [1] + text_before + [IMAGE_TOKEN] * n_image + text_after
+
+
+def batch(rows: list[list[int]], pixel_values: torch.Tensor) -> VLMInputs:
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+    return VLMInputs(ids, mask, pixel_values)
+
+
+def reference_greedy(model, row: list[int], pixels: torch.Tensor, steps: int) -> list[int]:
+    """transformers' own forward with its own cache, one token at a time (the image only in the prompt, so a
+    generated `<image>` id is an ordinary token, as in our loop)."""
+    out = []
+    with torch.no_grad():
+        step = model(input_ids=torch.tensor([row]), pixel_values=pixels, use_cache=True)
+        for _ in range(steps):
+            token = int(step.logits[:, -1].argmax(-1))
+            out.append(token)
+            step = model(input_ids=torch.tensor([[token]]), past_key_values=step.past_key_values, use_cache=True)
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["default", "full"])
+def test_prefill_logits_match_transformers(strategy):
+    model = tiny_llava(strategy)
+    n = 16 if strategy == "default" else 17
+    rows = [prompt([7, 8], [9, 10, 11], n), prompt([12], [13], n)]
+    pixels = torch.rand(2, 3, 32, 32)
+    lm = LlavaCachedLM(model)
+    cache, first = prefill_vlm(lm, batch(rows, pixels), extra_capacity=4)
+    assert cache.lengths.tolist() == [len(r) for r in rows]
+    with torch.no_grad():
+        for i, r in enumerate(rows):
+            ref = model(input_ids=torch.tensor([r]), pixel_values=pixels[i: i + 1]).logits  # [1, P, V]
+            torch.testing.assert_close(first[i, 0], ref[0, -1].float(), atol=1e-5, rtol=1e-5)
+            ours = lm.model.lm_head(lm.last_hidden[i: i + 1, : len(r)]).float()
+            torch.testing.assert_close(ours, ref.float(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_greedy_loop_equals_transformers_greedy(batch_size):
+    model = tiny_llava()
+    rows = [prompt([7, 8, 20], [9], 16), prompt([12], [13, 30, 31, 32], 16), prompt([], [5], 16)][:batch_size]
+    pixels = torch.rand(batch_size, 3, 32, 32)
+    steps = 10
+    target = LMTarget(LlavaCachedLM(model), SamplingParams(temperature=0.0), max_new_tokens=steps,
+                      prefill_fn=prefill_vlm)
+    out = generate(target, NoDrafter(), "greedy", batch(rows, pixels), batch_size=batch_size, max_new_tokens=steps)
+    assert out.stats.num_target_forwards == steps
+    for i, r in enumerate(rows):
+        assert out.tokens[i].tolist() == reference_greedy(model, r, pixels[i: i + 1], steps)
+
+
+def test_eos_stops_rows_independently():
+    model = tiny_llava(seed=3)
+    rows = [prompt([7], [9], 16), prompt([12, 14], [13], 16)]
+    pixels = torch.rand(2, 3, 32, 32)
+    free = [reference_greedy(model, r, pixels[i: i + 1], 8) for i, r in enumerate(rows)]
+    eos = free[0][2]  # row 0 stops at its third token
+    target = LMTarget(LlavaCachedLM(model), SamplingParams(temperature=0.0), max_new_tokens=8, prefill_fn=prefill_vlm)
+    out = generate(target, NoDrafter(), "greedy", batch(rows, pixels), batch_size=2, max_new_tokens=8,
+                   eos_token_id=eos)
+    assert out.tokens[0, : out.num_generated[0]].tolist() == free[0][: free[0].index(eos) + 1]
+    stop1 = free[1].index(eos) + 1 if eos in free[1] else 8
+    assert out.tokens[1, : out.num_generated[1]].tolist() == free[1][:stop1]
+
+
+def test_bad_inputs_are_clear_errors():
+    lm = LlavaCachedLM(tiny_llava())
+    with pytest.raises(InputError, match="right-padded"):
+        VLMInputs(torch.tensor([[0, 1, 5]]), torch.tensor([[0, 1, 1]]))
+    with pytest.raises(InputError, match="<image> tokens"):
+        prefill_vlm(lm, batch([prompt([7], [8], 10)], torch.rand(1, 3, 32, 32)), 4)
+    with pytest.raises(InputError, match="no pixel_values"):
+        prefill_vlm(lm, batch([prompt([7], [8], 16)], None), 4)
+    with pytest.raises(InputError, match="LlavaForConditionalGeneration"):
+        LlavaCachedLM(torch.nn.Linear(2, 2))
+
+
+def test_tree_verification_scores_every_path_like_transformers():
+    """One verify forward over a draft tree (root = last token, two branches) gives at each node the logits
+    transformers computes for the root-to-node path appended to the prompt."""
+    from mmspec.tree import DraftTree
+
+    model = tiny_llava(seed=1)
+    rows = [prompt([7, 8], [9], 16), prompt([12], [13, 14, 15], 16)]
+    pixels = torch.rand(2, 3, 32, 32)
+    lm = LlavaCachedLM(model)
+    target = LMTarget(lm, SamplingParams(temperature=1.0), max_new_tokens=8, prefill_fn=prefill_vlm)
+    target.prefill(batch(rows, pixels))
+    # nodes: 0 root (token 21), 1 -> child of 0, 2 -> child of 0, 3 -> child of 1 (tokens per row)
+    tokens = torch.tensor([[21, 30, 31, 32], [22, 40, 41, 42]])
+    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 0, 1]])
+    depths = torch.tensor([[0, 1, 1, 2], [0, 1, 1, 2]])
+    tree = DraftTree(tokens, parents, depths, torch.ones(2, 4, dtype=torch.bool), max_depth=2, max_children=2)
+    runner = target.runner
+    slots = runner.slots(4)
+    logits = runner.forward(tokens, tree.position_ids(runner.lengths), slots, tree_mask=tree.attention_mask())
+    paths = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3]}
+    with torch.no_grad():
+        for b, r in enumerate(rows):
+            for node, path in paths.items():
+                seq = torch.tensor([r + tokens[b, path].tolist()])
+                ref = model(input_ids=seq, pixel_values=pixels[b: b + 1]).logits[0, -1].float()
+                torch.testing.assert_close(logits[b, node], ref, atol=1e-5, rtol=1e-5)

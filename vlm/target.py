@@ -1,0 +1,165 @@
+"""A transformers LLaVA (`LlavaForConditionalGeneration`: vision tower + projector + Llama) as the loop's target.
+
+`LlavaCachedLM` implements `mmspec.lm.CachedLM` over the model's own weights: it runs the Llama decoder layers
+with mmspec's `StaticKVCache` and attention backends, so tree verification (one forward over all draft nodes
+under a tree mask), chain rollback and tree-path compaction work the same as for the image families. Nothing is
+copied: the modules are the model's (a real LLaVA-1.5 checkpoint loaded with `from_pretrained` works the same).
+
+Prompts are ragged: rows are RIGHT-padded, and prefill commits each row's own length, so a row's cache holds
+exactly its prompt and generated tokens sit at their true positions (`slots == positions`); padded entries lie
+beyond the row's length, invisible, and are overwritten by the first generated tokens.
+
+    lm = LlavaCachedLM(model)
+    inputs = VLMInputs(input_ids, attention_mask, pixel_values)       # right padding
+    target = LMTarget(lm, SamplingParams(temperature=0.0), max_new_tokens=64, prefill_fn=prefill_vlm)
+    out = generate(target, NoDrafter(), "greedy", inputs, batch_size=B, max_new_tokens=64, eos_token_id=eos)
+
+`last_hidden` [B, S, H] after each forward is the post-norm hidden state that feeds the LM head (EAGLE's
+feature f_t). Image features follow transformers' LLaVA: the vision tower's hidden state at
+`vision_feature_layer`, the CLS token dropped for the "default" strategy, then the projector; they replace the
+`<image>` placeholder embeddings in order, and a count mismatch is an InputError.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mmspec.attention import attend
+from mmspec.cache import StaticKVCache
+from mmspec.errors import InputError, check
+
+
+@dataclass
+class VLMInputs:
+    """A batch of prompts: input_ids, attention_mask [B, P] (right padding: 1 = real token), pixel_values
+    [N, 3, H, W] for the N `<image>` runs in row order (None for text-only prompts)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    pixel_values: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        ids, mask = self.input_ids, self.attention_mask
+        check(isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[1] >= 1 and not ids.is_floating_point(),
+              f"input_ids must be an integer tensor [B, P], got {list(getattr(ids, 'shape', []))}.")
+        check(isinstance(mask, torch.Tensor) and mask.shape == ids.shape,
+              f"attention_mask must match input_ids {list(ids.shape)}, got {list(getattr(mask, 'shape', []))}.")
+        real = mask.bool()
+        lengths = real.sum(-1)
+        check(bool((lengths >= 1).all()), "every prompt needs at least one real token.")
+        right_padded = torch.arange(ids.shape[1], device=ids.device) < lengths.unsqueeze(-1)
+        check(bool((right_padded == real).all()),
+              "prompts must be right-padded (real tokens first); tokenize with padding_side='right'.")
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.attention_mask.long().sum(-1)  # [B]
+
+
+class LlavaCachedLM:
+    """A `LlavaForConditionalGeneration` with a static KV cache: `forward_cached` (token steps) and
+    `forward_embeds` (prefill from merged embeddings); logits in float32, `last_hidden` kept."""
+
+    def __init__(self, model, attention_backend: str | None = None) -> None:
+        inner = getattr(model, "model", None)
+        check(inner is not None and hasattr(inner, "language_model") and hasattr(model, "lm_head"),
+              f"expected a transformers LlavaForConditionalGeneration, got {type(model).__name__}.")
+        self.model, self.backend = model, attention_backend
+        self.text = inner.language_model
+        cfg = model.config.text_config
+        self.num_layers, self.num_heads = cfg.num_hidden_layers, cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size = cfg.vocab_size
+        self.image_token_id = model.config.image_token_index
+        self.last_hidden: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
+        w = self.model.lm_head.weight
+        return StaticKVCache(self.num_layers, batch_size, self.num_kv_heads, capacity, self.head_dim, w.dtype,
+                             w.device)
+
+    # ------------------------------------------------------------------------------------------- inputs
+    @torch.no_grad()
+    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """[N, 3, H, W] -> projected features [N, T_img, H_text] (transformers' LLaVA selection)."""
+        cfg = self.model.config
+        vision = self.model.model.vision_tower(pixel_values.to(self.device, self.model.lm_head.weight.dtype),
+                                              output_hidden_states=True)
+        layer = cfg.vision_feature_layer
+        layers = [layer] if isinstance(layer, int) else list(layer)
+        selected = [vision.hidden_states[i] for i in layers]  # each [N, 1 + patches, Hv]
+        if cfg.vision_feature_select_strategy == "default":
+            selected = [h[:, 1:] for h in selected]  # drop CLS
+        return self.model.model.multi_modal_projector(torch.cat(selected, dim=-1))
+
+    @torch.no_grad()
+    def embed_inputs(self, inputs: VLMInputs) -> torch.Tensor:
+        """Token embeddings [B, P, H] with every `<image>` placeholder replaced by an image feature, in order."""
+        ids = inputs.input_ids.to(self.device)
+        embeds = self.text.embed_tokens(ids)  # [B, P, H]
+        is_image = ids == self.image_token_id  # [B, P]
+        n_slots = int(is_image.sum())
+        if inputs.pixel_values is None:
+            check(n_slots == 0, f"the prompts hold {n_slots} <image> tokens but no pixel_values were given.")
+            return embeds
+        features = self.image_features(inputs.pixel_values)  # [N, T_img, H]
+        if features.shape[0] * features.shape[1] != n_slots:
+            raise InputError(f"{features.shape[0]} image(s) give {features.shape[0] * features.shape[1]} feature "
+                             f"tokens but the prompts hold {n_slots} <image> tokens; let the processor expand "
+                             f"<image> ({features.shape[1]} tokens per image).")
+        return embeds.masked_scatter(is_image.unsqueeze(-1), features.reshape(-1, features.shape[-1]).to(embeds))
+
+    # -------------------------------------------------------------------------------------------- steps
+    def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
+                       slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """tokens, positions, slots [B, S]; mask [B, S, T]. Writes K/V at `slots`; returns logits [B, S, V]."""
+        return self.forward_embeds(self.text.embed_tokens(tokens.to(self.device)), positions, cache, slots, mask)
+
+    @torch.no_grad()
+    def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """Input embeddings x [B, S, H] at `positions` [B, S]; K/V written at `slots`; logits [B, S, V] float32."""
+        b, s, _ = x.shape
+        positions = positions.expand(b, s).to(x.device)
+        cos, sin = self.text.rotary_emb(x, positions)  # [B, S, D] each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, D]
+        for i, layer in enumerate(self.text.layers[: self.num_layers]):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, S, D]
+            k = attn.k_proj(h).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+            v = attn.v_proj(h).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            keys, values = cache.write(i, slots.expand(b, s), k, v)  # [B, Hkv, T, D]
+            out = attend(q, keys, values, mask, backend=self.backend, scale=attn.scaling)  # [B, Hq, S, D]
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        self.last_hidden = self.text.norm(x)  # [B, S, H]
+        return self.model.lm_head(self.last_hidden).float()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def prefill_vlm(model: LlavaCachedLM, inputs: VLMInputs, extra_capacity: int) -> tuple[StaticKVCache, torch.Tensor]:
+    """`LMTarget`'s prefill for VLM prompts: embed (images merged), run the right-padded batch causally, commit
+    each row's own length; returns (cache, logits for each row's first new token [B, 1, V])."""
+    check(isinstance(inputs, VLMInputs), f"VLM targets take VLMInputs, got {type(inputs).__name__}.")
+    embeds = model.embed_inputs(inputs)  # [B, P, H]
+    b, p, _ = embeds.shape
+    cache = model.new_cache(b, p + extra_capacity)
+    slots = cache.slots(p)  # [B, P] == positions (right padding)
+    logits = model.forward_embeds(embeds, slots, cache, slots, cache.attention_mask(slots))  # [B, P, V]
+    lengths = inputs.lengths.to(cache.device)  # [B]
+    cache.commit_chain(lengths)
+    last = (lengths - 1).view(b, 1, 1)  # model.last_hidden keeps every prompt position [B, P, H] (drafters)
+    return cache, logits.gather(1, last.expand(-1, -1, logits.shape[-1]))  # [B, 1, V]
