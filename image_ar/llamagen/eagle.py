@@ -19,20 +19,9 @@ information reaches the drafter through f_0). Classifier-free guidance: the draf
 conditional and unconditional halves each with their own target features and the same tokens, and combines
 its own logits (`uncond + scale * (cond - uncond)`, `mmspec.lm.GuidedRunner`) before ranking children.
 
-The loop drafter (`EagleTreeDrafter`) builds EAGLE-2 dynamic trees with `mmspec.tree.expand_eagle2`. Feature
-bookkeeping, per row (n = tokens already committed by the target, root = img_n = `state.last_token`):
-
-- pending pairs: (f_j, img_j) for the tokens the drafter has not yet run with TRUE target features; they end
-  with the root's pair (f_n, img_n). After prefill there is one, (f_0 = prefill `last_hidden[:, -1]`, img_0).
-- propose: run the pending pairs at slots `lengths + [0, W)` (W = depth + 1; unused columns are scratch); the
-  output at the root's pair, h_n, scores the root's children (depth-1 candidates). A candidate x with parent
-  node u runs as the pair (drafter output of u, x) at position root + depth(x) and at pool slot root + id(x)
-  with tree attention (`mmspec.lm.CandidatePool`); its output scores x's children.
-- observe: the target's verify forward left `last_hidden` [R, N, dim] at every tree node; the feature at node
-  u predicts u's child. With accepted path root = u_0, u_1..u_k and final (recovered/bonus) token y, the new
-  pending pairs are (H[u_0], tok(u_1)), .., (H[u_{k-1}], tok(u_k)), (H[u_k], y): features at
-  `accepted_nodes[:, :k+1]`, tokens `output_tokens[:, :k+1]`, both CFG halves. The old pending pairs are
-  committed to the drafter's cache (they ran with true features); tree entries are dropped (overwritten).
+The loop drafter (`EagleTreeDrafter`) is `mmspec.feature_drafter.FeatureTreeDrafter` (EAGLE-2 dynamic trees and
+the feature bookkeeping, shared with the VLM drafters) with LlamaGen's start: after prefill the one pending pair
+is (f_0 = prefill `last_hidden[:, -1]`, img_0), with the same tokens in both CFG halves.
 """
 
 from __future__ import annotations
@@ -48,11 +37,9 @@ from image_ar.llamagen.gpt import LlamaGenGPT, TransformerBlock, causal_mask, ff
 from image_ar.llamagen.rope import RopePositions, grid_size_of, rope_table_2d
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check, check_positive_int
-from mmspec.lm import CandidatePool, GuidedRunner, PendingTokens
+from mmspec.feature_drafter import FeatureTreeDrafter, PendingPairs
 from mmspec.loop import DecodeState
-from mmspec.sampling import SamplingParams, process_logits
-from mmspec.tree import DraftTree, expand_eagle2
-from mmspec.verify import VerifyResult
+from mmspec.sampling import SamplingParams
 
 # EAGLE-2 tree defaults for the 64-token world images (LANTERN's LlamaGen setting is top_k 10, depth 4, total 59)
 DEFAULT_TOP_K = 10
@@ -190,128 +177,26 @@ class LlamaGenEagleDrafter(RopePositions, ModelMixin, ConfigMixin):
 
 
 # ---------------------------------------------------------------------------------------------- loop drafter
-class _PendingPairs(PendingTokens):
-    """Pending (feature, token) pairs: `PendingTokens` plus their target features [R, W, dim] (R = 2B with CFG)."""
-
-    def __init__(self, last_token: torch.Tensor, features: torch.Tensor, width: int):
-        super().__init__(last_token, width)
-        self.features = features.new_zeros(features.shape[0], width, features.shape[-1])  # [R, W, dim]
-        self.features[:, 0] = features
-
-    def set_pairs(self, tokens: torch.Tensor, count: torch.Tensor, rows: torch.Tensor, features: torch.Tensor,
-                  feature_rows: torch.Tensor) -> None:
-        """rows [B] / feature_rows [R] bool take tokens [B, <=W], count [B] and features [R, <=W, dim]."""
-        self.set(tokens, count, rows)
-        padded = torch.zeros_like(self.features)
-        padded[:, : features.shape[1]] = features
-        self.features = torch.where(feature_rows[:, None, None], padded, self.features)
-
-
-def gather_nodes(values: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
-    """values [R, N, D] at node indices nodes [R, P] (-1 padding reads node 0) -> [R, P, D]."""
-    index = nodes.clamp_min(0).unsqueeze(-1).expand(-1, -1, values.shape[-1])  # [R, P, D]
-    return values.gather(1, index)
-
-
-def check_tree_params(top_k: int, depth: int, total_tokens: int) -> int:
-    """Validate the EAGLE-2 tree size; return the candidate pool size 1 + top_k + (depth - 1) * top_k^2."""
-    for name, value in (("top_k", top_k), ("depth", depth)):
-        check_positive_int(name, value)
-    check_positive_int("total_tokens", total_tokens, minimum=2)
-    pool = 1 + top_k + (depth - 1) * top_k * top_k
-    check(total_tokens <= pool, f"total_tokens={total_tokens} exceeds the {pool} nodes depth={depth}, "
-                                f"top_k={top_k} can create; lower total_tokens or raise depth/top_k.")
-    return pool
-
-
-class EagleTreeDrafter:
-    """The loop's drafter: EAGLE-2 dynamic trees from a `LlamaGenEagleDrafter` over the target's features.
+class EagleTreeDrafter(FeatureTreeDrafter):
+    """The loop's drafter: EAGLE-2 dynamic trees from a `LlamaGenEagleDrafter` over the target's features
+    (`mmspec.feature_drafter.FeatureTreeDrafter`; drafter element j at position cls_token_num + j).
 
     `params` are the target's sampling settings: at temperature > 0 the drafter ranks children by log-probs of
     its CFG-combined logits after the same temperature / top-k / top-p processing (LANTERN), at temperature 0 by
-    the raw log-softmax. Children are deterministic top-k, so lossless verification accepts a child c with
-    probability p(c) (`mmspec.verify`). Reads the target's features from `target.last_hidden` (see the module
-    docstring for the bookkeeping).
+    the raw log-softmax. The drafter's cache holds image elements only; the condition reaches it through f_0.
     """
 
     def __init__(self, drafter: LlamaGenEagleDrafter, target: LlamaGenGPT, params: SamplingParams, *,
                  top_k: int = DEFAULT_TOP_K, depth: int = DEFAULT_DEPTH, total_tokens: int = DEFAULT_TOTAL_TOKENS,
                  guidance_scale: float | torch.Tensor | None = None):
-        self.max_pool = check_tree_params(top_k, depth, total_tokens)
-        self.drafter = drafter.attach(target)
-        self.target = target
-        self.params = params
-        self.top_k, self.depth, self.total = top_k, depth, total_tokens
-        self.width = depth + 1  # pending pairs: at most depth accepted drafts + the final token
-        self.runner = GuidedRunner(drafter, guidance_scale)
-
-    @property
-    def forwards(self) -> int:
-        return self.runner.forwards
-
-    def _target_features(self, rows: int, positions: int, when: str) -> torch.Tensor:
-        """The target's `last_hidden` [R, positions, dim], checked to come from the forward we expect."""
-        h = self.target.last_hidden
-        ok = h is not None and h.dim() == 3 and tuple(h.shape[:2]) == (rows, positions)
-        if not ok:
-            raise InputError(f"the eagle drafter reads the target's features of its {when} from "
-                             f"transformer.last_hidden, expected [{rows}, {positions}, dim], got "
-                             f"{None if h is None else list(h.shape)}; run it with the pipeline's own target.")
-        return h
-
-    def _log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """CFG-combined drafter logits [..., V] -> log-probs used to rank children [..., V]."""
-        if not self.params.greedy:
-            logits = process_logits(logits, self.params.temperature, self.params.top_k, self.params.top_p)
-        return torch.log_softmax(logits.float(), dim=-1)
+        super().__init__(drafter.attach(target), target, params, top_k=top_k, depth=depth,
+                         total_tokens=total_tokens, position_offset=drafter.cls_token_num,
+                         guidance_scale=guidance_scale)
+        self.drafter = drafter
 
     def begin(self, inputs: Any, state: DecodeState) -> None:
         rows = state.batch_size * (2 if self.runner.uses_cfg else 1)
-        prefill = self._target_features(rows, self.target.config.cls_token_num, "prefill")  # [R, C, dim]
+        prefill = self.target_features(rows, self.target.config.cls_token_num, "prefill")  # [R, C, dim]
         capacity = self.drafter.block_size + self.width + self.max_pool
         self.runner.cache = self.drafter.new_cache(rows, capacity)
-        self.pending = _PendingPairs(state.last_token, prefill[:, -1], self.width)  # (f_0, img_0)
-
-    def run_pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run the pending pairs (not committed). Returns the root's CFG-combined logits [B, V], the drafter's
-        output feature at the root's pair [R, dim] (h_n: the predicted f_{n+1}) and the root's slot [B]."""
-        runner, pending = self.runner, self.pending
-        slots = runner.slots(self.width)  # [B, W]; columns past a row's count are scratch
-        positions = slots + self.drafter.cls_token_num  # [B, W] element j sits at position C + j
-        logits = runner.forward(pending.tokens, positions, slots, features=pending.features)  # [B, W, V]
-        last = pending.count - 1  # [B] the root's pair
-        batch = torch.arange(slots.shape[0], device=slots.device)
-        root_hidden = gather_nodes(self.drafter.last_hidden, runner.rows(last).unsqueeze(-1))[:, 0]  # [R, dim]
-        return logits[batch, last], root_hidden, slots[batch, last]
-
-    def propose(self, state: DecodeState) -> DraftTree:
-        runner, drafter = self.runner, self.drafter
-        c = drafter.cls_token_num
-        root_logits, root_hidden, root_slot = self.run_pending()  # [B, V], [R, dim], [B]
-        pool = CandidatePool(root_slot, self.max_pool, runner.cache.capacity)
-        pool_features = root_hidden.new_zeros(root_hidden.shape[0], self.max_pool, root_hidden.shape[-1])  # [R,P,dim]
-        pool_features[:, 0] = root_hidden
-
-        def score(tokens: torch.Tensor, ids: torch.Tensor, parent_ids: torch.Tensor, depth: int) -> torch.Tensor:
-            if depth == 0:
-                return self._log_probs(root_logits).unsqueeze(1)  # [B, 1, V]
-            mask = pool.mask(ids, parent_ids)  # [B, F, T]
-            features = gather_nodes(pool_features, runner.rows(parent_ids))  # [R, F, dim] the parents' outputs
-            positions = (root_slot + c + depth).unsqueeze(-1).expand_as(ids)  # [B, F]
-            out = runner.forward(tokens, positions, pool.slots(ids), mask=mask, features=features)  # [B, F, V]
-            index = runner.rows(ids).unsqueeze(-1).expand(-1, -1, pool_features.shape[-1])  # [R, F, dim]
-            pool_features.scatter_(1, index, drafter.last_hidden)
-            return self._log_probs(out)
-
-        return expand_eagle2(state.last_token, score, top_k=self.top_k, depth=self.depth, total_tokens=self.total)
-
-    def observe(self, state: DecodeState, draft: DraftTree, result: VerifyResult, active: torch.Tensor,
-                target_probs: torch.Tensor) -> None:
-        runner = self.runner
-        runner.commit_chain(self.pending.count * active)  # the pending pairs ran with true target features
-        rows = runner.cache.batch_size
-        verify = self._target_features(rows, draft.num_nodes, "verify forward")  # [R, N, dim]
-        path = result.accepted_nodes[:, : self.width]  # [B, <=W] root first, -1 padded
-        features = gather_nodes(verify, runner.rows(path))  # [R, <=W, dim] H[u_0], .., H[u_k]
-        tokens = result.output_tokens[:, : self.width]  # [B, <=W] tok(u_1), .., tok(u_k), y
-        self.pending.set_pairs(tokens, result.num_accepted + 1, active, features, runner.rows(active))
+        self.pending = PendingPairs(state.last_token, prefill[:, -1], self.width)  # (f_0, img_0)

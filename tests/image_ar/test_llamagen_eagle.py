@@ -131,7 +131,7 @@ def test_tree_candidates_are_scored_like_a_chain_along_their_path(trained, monke
     """A candidate's drafter output equals an uncached drafter forward over the true pairs of the prefix followed
     by the pairs (parent's drafter output, token) along its tree path: pool slots, tree attention, positions and
     parent features are right, for both CFG halves."""
-    import image_ar.llamagen.eagle as eagle_module
+    import mmspec.feature_drafter as eagle_module  # the shared EAGLE-2 tree drafting
 
     calls, expand = [], eagle_module.expand_eagle2
 

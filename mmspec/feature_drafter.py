@@ -1,0 +1,157 @@
+"""EAGLE-2 tree drafting with a feature drafter: the loop drafter shared by every family whose drafter reads the
+target's hidden states (LlamaGen's EAGLE/LANTERN drafter, the VLM drafters).
+
+A feature drafter model pairs a token with a target feature: element j of its sequence is the pair
+(f_j, tok_j), where f_j is the target's final normed hidden state at the position that PREDICTS tok_j, and its
+output h_j regresses f_{j+1}. The model provides `new_cache(rows, capacity)`, `forward_cached(tokens,
+positions, cache, slots, mask, features=...)` returning logits [R, S, V], and `last_hidden` [R, S, dim] (its
+output features). The target exposes `last_hidden` [R, N, dim] after each forward.
+
+Feature bookkeeping, per row (n = tokens committed by the target, root = tok_n = `state.last_token`):
+
+- pending pairs: (f_j, tok_j) for the tokens the drafter has not yet run with TRUE target features; they end
+  with the root's pair (f_n, tok_n). A family's `begin` fills the drafter's cache with what comes before (the
+  prompt's pairs for a VLM, nothing for LlamaGen) and sets the first pending pair.
+- propose: run the pending pairs at slots `lengths + [0, W)` (W = depth + 1; unused columns are scratch), at
+  positions `slot + position_offset`; the output at the root's pair, h_n, scores the root's children. A
+  candidate x with parent node u runs as the pair (drafter output of u, x) at position root + depth(x) and at
+  pool slot root + id(x) with tree attention (`mmspec.lm.CandidatePool`); its output scores x's children.
+- observe: the target's verify forward left `last_hidden` [R, N, dim] at every tree node; the feature at node
+  u predicts u's child. With accepted path root = u_0, u_1..u_k and final (recovered / bonus) token y, the new
+  pending pairs are (H[u_0], tok(u_1)), .., (H[u_{k-1}], tok(u_k)), (H[u_k], y). The old pending pairs are
+  committed to the drafter's cache (they ran with true features); tree entries are dropped (overwritten).
+
+Children are deterministic top-k of the drafter's log-probs after the target's sampling processing (temperature,
+top-k, top-p; raw log-softmax when greedy), so lossless verification accepts a child c with probability p(c).
+Classifier-free guidance (`guidance_scale`): the drafter runs 2B rows and combines its logits like the target
+(`mmspec.lm.GuidedRunner`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmspec.errors import InputError, check, check_positive_int
+from mmspec.lm import CandidatePool, GuidedRunner, PendingTokens
+from mmspec.loop import DecodeState
+from mmspec.sampling import SamplingParams, process_logits
+from mmspec.tree import DraftTree, expand_eagle2
+from mmspec.verify import VerifyResult
+
+
+class PendingPairs(PendingTokens):
+    """Pending (feature, token) pairs: `PendingTokens` plus their target features [R, W, dim] (R = 2B with CFG)."""
+
+    def __init__(self, last_token: torch.Tensor, features: torch.Tensor, width: int):
+        super().__init__(last_token, width)
+        self.features = features.new_zeros(features.shape[0], width, features.shape[-1])  # [R, W, dim]
+        self.features[:, 0] = features
+
+    def set_pairs(self, tokens: torch.Tensor, count: torch.Tensor, rows: torch.Tensor, features: torch.Tensor,
+                  feature_rows: torch.Tensor) -> None:
+        """rows [B] / feature_rows [R] bool take tokens [B, <=W], count [B] and features [R, <=W, dim]."""
+        self.set(tokens, count, rows)
+        padded = torch.zeros_like(self.features)
+        padded[:, : features.shape[1]] = features
+        self.features = torch.where(feature_rows[:, None, None], padded, self.features)
+
+
+def gather_nodes(values: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
+    """values [R, N, D] at node indices nodes [R, P] (-1 padding reads node 0) -> [R, P, D]."""
+    index = nodes.clamp_min(0).unsqueeze(-1).expand(-1, -1, values.shape[-1])  # [R, P, D]
+    return values.gather(1, index)
+
+
+def check_tree_params(top_k: int, depth: int, total_tokens: int) -> int:
+    """Validate the EAGLE-2 tree size; return the candidate pool size 1 + top_k + (depth - 1) * top_k^2."""
+    for name, value in (("top_k", top_k), ("depth", depth)):
+        check_positive_int(name, value)
+    check_positive_int("total_tokens", total_tokens, minimum=2)
+    pool = 1 + top_k + (depth - 1) * top_k * top_k
+    check(total_tokens <= pool, f"total_tokens={total_tokens} exceeds the {pool} nodes depth={depth}, "
+                                f"top_k={top_k} can create; lower total_tokens or raise depth/top_k.")
+    return pool
+
+
+class FeatureTreeDrafter:
+    """The loop's drafter: EAGLE-2 dynamic trees from a feature drafter model over the target's features (see the
+    module docstring). Families subclass it and implement `begin(inputs, state)`, which makes the drafter's cache
+    (`self.runner.cache`) and the first pending pairs (`self.pending`)."""
+
+    def __init__(self, model, target, params: SamplingParams, *, top_k: int, depth: int, total_tokens: int,
+                 position_offset: int, guidance_scale: float | torch.Tensor | None = None):
+        self.max_pool = check_tree_params(top_k, depth, total_tokens)
+        self.model, self.target, self.params = model, target, params
+        self.top_k, self.depth, self.total = top_k, depth, total_tokens
+        self.position_offset = position_offset  # drafter element at cache slot j sits at position j + offset
+        self.width = depth + 1  # pending pairs: at most depth accepted drafts + the final token
+        self.runner = GuidedRunner(model, guidance_scale)
+        self.pending: PendingPairs | None = None
+
+    @property
+    def forwards(self) -> int:
+        return self.runner.forwards
+
+    def begin(self, inputs: Any, state: DecodeState) -> None:
+        raise NotImplementedError
+
+    def target_features(self, rows: int, positions: int, when: str) -> torch.Tensor:
+        """The target's `last_hidden` [R, positions, dim], checked to come from the forward we expect."""
+        h = getattr(self.target, "last_hidden", None)
+        ok = h is not None and h.dim() == 3 and tuple(h.shape[:2]) == (rows, positions)
+        if not ok:
+            raise InputError(f"the feature drafter reads the target's features of its {when} from the target's "
+                             f"last_hidden, expected [{rows}, {positions}, dim], got "
+                             f"{None if h is None else list(h.shape)}; run it with the pipeline's own target.")
+        return h
+
+    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """CFG-combined drafter logits [..., V] -> log-probs used to rank children [..., V]."""
+        if not self.params.greedy:
+            logits = process_logits(logits, self.params.temperature, self.params.top_k, self.params.top_p)
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    def run_pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run the pending pairs (not committed). Returns the root's CFG-combined logits [B, V], the drafter's
+        output feature at the root's pair [R, dim] (h_n: the predicted f_{n+1}) and the root's slot [B]."""
+        runner, pending = self.runner, self.pending
+        slots = runner.slots(self.width)  # [B, W]; columns past a row's count are scratch
+        positions = slots + self.position_offset  # [B, W]
+        logits = runner.forward(pending.tokens, positions, slots, features=pending.features)  # [B, W, V]
+        last = pending.count - 1  # [B] the root's pair
+        batch = torch.arange(slots.shape[0], device=slots.device)
+        root_hidden = gather_nodes(self.model.last_hidden, runner.rows(last).unsqueeze(-1))[:, 0]  # [R, dim]
+        return logits[batch, last], root_hidden, slots[batch, last]
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        runner, model = self.runner, self.model
+        root_logits, root_hidden, root_slot = self.run_pending()  # [B, V], [R, dim], [B]
+        pool = CandidatePool(root_slot, self.max_pool, runner.cache.capacity)
+        pool_features = root_hidden.new_zeros(root_hidden.shape[0], self.max_pool, root_hidden.shape[-1])  # [R,P,dim]
+        pool_features[:, 0] = root_hidden
+
+        def score(tokens: torch.Tensor, ids: torch.Tensor, parent_ids: torch.Tensor, depth: int) -> torch.Tensor:
+            if depth == 0:
+                return self.log_probs(root_logits).unsqueeze(1)  # [B, 1, V]
+            mask = pool.mask(ids, parent_ids)  # [B, F, T]
+            features = gather_nodes(pool_features, runner.rows(parent_ids))  # [R, F, dim] the parents' outputs
+            positions = (root_slot + self.position_offset + depth).unsqueeze(-1).expand_as(ids)  # [B, F]
+            out = runner.forward(tokens, positions, pool.slots(ids), mask=mask, features=features)  # [B, F, V]
+            index = runner.rows(ids).unsqueeze(-1).expand(-1, -1, pool_features.shape[-1])  # [R, F, dim]
+            pool_features.scatter_(1, index, model.last_hidden)
+            return self.log_probs(out)
+
+        return expand_eagle2(state.last_token, score, top_k=self.top_k, depth=self.depth, total_tokens=self.total)
+
+    def observe(self, state: DecodeState, draft: DraftTree, result: VerifyResult, active: torch.Tensor,
+                target_probs: torch.Tensor) -> None:
+        runner = self.runner
+        runner.commit_chain(self.pending.count * active)  # the pending pairs ran with true target features
+        rows = runner.cache.batch_size
+        verify = self.target_features(rows, draft.num_nodes, "verify forward")  # [R, N, dim]
+        path = result.accepted_nodes[:, : self.width]  # [B, <=W] root first, -1 padded
+        features = gather_nodes(verify, runner.rows(path))  # [R, <=W, dim] H[u_0], .., H[u_k]
+        tokens = result.output_tokens[:, : self.width]  # [B, <=W] tok(u_1), .., tok(u_k), y
+        self.pending.set_pairs(tokens, result.num_accepted + 1, active, features, runner.rows(active))
