@@ -74,7 +74,8 @@ class LlavaCachedLM:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = cfg.vocab_size
         self.image_token_id = model.config.image_token_index
-        self.last_hidden: torch.Tensor | None = None
+        self.last_hidden: torch.Tensor | None = None  # [B, S, H] post-norm features of the last forward
+        self.prompt_embeds: torch.Tensor | None = None  # [B, P, H] merged input embeddings of the last prefill
 
     @property
     def device(self) -> torch.device:
@@ -116,6 +117,7 @@ class LlavaCachedLM:
                              f"<image> ({features.shape[1]} tokens per image).")
         return embeds.masked_scatter(is_image.unsqueeze(-1), features.reshape(-1, features.shape[-1]).to(embeds))
 
+
     # -------------------------------------------------------------------------------------------- steps
     def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -126,23 +128,39 @@ class LlavaCachedLM:
     def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
         """Input embeddings x [B, S, H] at `positions` [B, S]; K/V written at `slots`; logits [B, S, V] float32."""
-        b, s, _ = x.shape
-        positions = positions.expand(b, s).to(x.device)
-        cos, sin = self.text.rotary_emb(x, positions)  # [B, S, D] each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, D]
-        for i, layer in enumerate(self.text.layers[: self.num_layers]):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # [B, Hq, S, D]
-            k = attn.k_proj(h).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
-            v = attn.v_proj(h).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-            keys, values = cache.write(i, slots.expand(b, s), k, v)  # [B, Hkv, T, D]
-            out = attend(q, keys, values, mask, backend=self.backend, scale=attn.scaling)  # [B, Hq, S, D]
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = run_llama_layers(self.text.layers[: self.num_layers], self.text.rotary_emb, x, positions, mask,
+                             cache=cache, slots=slots, backend=self.backend)
         self.last_hidden = self.text.norm(x)  # [B, S, H]
         return self.model.lm_head(self.last_hidden).float()
+
+
+def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, *,
+                     cache: StaticKVCache | None = None, slots: torch.Tensor | None = None,
+                     first_layer_index: int = 0, backend: str | None = None) -> torch.Tensor:
+    """transformers Llama decoder layers (`LlamaDecoderLayer`: their projections, norms, MLPs; RoPE from `rotary`,
+    a `LlamaRotaryEmbedding`) over x [B, S, H] at positions [B, S] through mmspec's attention. With a cache,
+    layer i writes its K/V at `slots` [B, S] (cache layer first_layer_index + i) and mask [B, S, T] covers the
+    cache; without one, mask [B, S, S] covers x itself (training). Returns the last layer's output (no final
+    norm) [B, S, H]. Autograd flows when called outside no_grad."""
+    b, s, _ = x.shape
+    positions = positions.expand(b, s).to(x.device)
+    cos, sin = rotary(x, positions)  # [B, S, D] each
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, D]
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        num_heads = attn.q_proj.out_features // attn.head_dim
+        num_kv_heads = attn.k_proj.out_features // attn.head_dim
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(b, s, num_heads, attn.head_dim).transpose(1, 2)  # [B, Hq, S, D]
+        k = attn.k_proj(h).view(b, s, num_kv_heads, attn.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+        v = attn.v_proj(h).view(b, s, num_kv_heads, attn.head_dim).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.write(first_layer_index + i, slots.expand(b, s), k, v)  # [B, Hkv, T, D]
+        out = attend(q, k, v, mask, backend=backend, scale=attn.scaling)  # [B, Hq, S, D]
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, num_heads * attn.head_dim))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return x
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -155,6 +173,7 @@ def prefill_vlm(model: LlavaCachedLM, inputs: VLMInputs, extra_capacity: int) ->
     each row's own length; returns (cache, logits for each row's first new token [B, 1, V])."""
     check(isinstance(inputs, VLMInputs), f"VLM targets take VLMInputs, got {type(inputs).__name__}.")
     embeds = model.embed_inputs(inputs)  # [B, P, H]
+    model.prompt_embeds = embeds  # drafters that read the target's input embeddings (EagleVLM) take them here
     b, p, _ = embeds.shape
     cache = model.new_cache(b, p + extra_capacity)
     slots = cache.slots(p)  # [B, P] == positions (right padding)

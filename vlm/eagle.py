@@ -1,0 +1,183 @@
+"""EagleVLM: the EAGLE feature drafter over a LLaVA target's full sequence (SpecVLM's baseline), and its loop
+drafter (EAGLE-2 dynamic trees, `mmspec.feature_drafter.FeatureTreeDrafter`).
+
+The model (`VLMEagleDrafter`, from the facts of EAGLE's `cnets.py` and SpecVLM's EagleVLM):
+
+    x_i = fc([e_i ; f_{i-1}])        # [B, S, 2H] -> [B, S, H]; fc has a bias
+    h_i = one Llama decoder layer(x_i) at the target's position i (RoPE as the target's text model)
+    logits_i = lm_head(h_i)          # the target's frozen head, no final norm (EAGLE)
+
+e_i is the target's INPUT embedding at position i: the token embedding for text, the projected image feature
+for an image position (EagleVLM drafts over the full multimodal sequence), and f_{i-1} the target's final
+normed hidden state at the previous position (`LlavaCachedLM.last_hidden`), the one that predicts token i.
+h_i regresses f_i. The decoder layer is a transformers `LlamaDecoderLayer`; `input_norm=True` (the default)
+keeps its input RMSNorm, which SpecVLM found stabilises EagleVLM training; `input_norm=False` is EAGLE's
+original layer without it. The embeddings and the head are the target's, shared by `attach` (never saved).
+
+Sequence layout: drafter element j sits at cache slot j and position j + 1 (the pair (f_j, e_{j+1})). After the
+target's prefill of a prompt of P_b tokens, `begin` runs the prompt's P_b - 1 pairs at slots 0..P_b - 2 (rows
+ragged, each commits its own count) and the first pending pair is (f_{P_b - 1}, first generated token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.modeling_utils import ModelMixin
+from torch import nn
+
+from mmspec.cache import StaticKVCache
+from mmspec.errors import InputError, check
+from mmspec.feature_drafter import FeatureTreeDrafter, PendingPairs
+from mmspec.loop import DecodeState
+from mmspec.sampling import SamplingParams
+from vlm.target import LlavaCachedLM, VLMInputs, run_llama_layers
+
+# EAGLE-2 tree defaults (SpecVLM: top_k 10, total 60, depth 7; smaller trees suit the world's CPU runs)
+DEFAULT_TOP_K = 8
+DEFAULT_DEPTH = 5
+DEFAULT_TOTAL_TOKENS = 40
+
+
+class VLMEagleDrafter(ModelMixin, ConfigMixin):
+    """EAGLE feature drafter over a LLaVA target (see the module docstring). `for_target(lm)` builds one shaped
+    like the target's text model; a loaded one must be `attach`ed to the target before use."""
+
+    @register_to_config
+    def __init__(self, hidden_size: int = 4096, num_attention_heads: int = 32, num_key_value_heads: int | None = None,
+                 intermediate_size: int = 11008, rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
+                 max_position_embeddings: int = 4096, vocab_size: int = 32064, input_norm: bool = True,
+                 fc_bias: bool = True, attention_backend: str | None = None) -> None:
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+        text = LlamaConfig(hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                           num_key_value_heads=num_key_value_heads or num_attention_heads,
+                           intermediate_size=intermediate_size, rms_norm_eps=rms_norm_eps, rope_theta=rope_theta,
+                           max_position_embeddings=max_position_embeddings, vocab_size=vocab_size,
+                           num_hidden_layers=1)
+        self.hidden_size, self.vocab_size, self.attention_backend = hidden_size, vocab_size, attention_backend
+        self.fc = nn.Linear(2 * hidden_size, hidden_size, bias=fc_bias)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(text, layer_idx=0)])
+        if not input_norm:  # EAGLE's original first layer reads fc's output without an input norm
+            self.layers[0].input_layernorm = nn.Identity()
+        self.rotary_emb = LlamaRotaryEmbedding(text)
+        self.last_hidden: torch.Tensor | None = None  # [R, S, H] output features of the last forward_cached
+
+    # ------------------------------------------------------------------------------------------ target
+    @classmethod
+    def for_target(cls, target: LlavaCachedLM, **overrides: Any) -> VLMEagleDrafter:
+        """A fresh drafter shaped like the target's text model, attached to it."""
+        c = target.model.config.text_config
+        config = dict(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
+                      num_key_value_heads=getattr(c, "num_key_value_heads", None),
+                      intermediate_size=c.intermediate_size, rms_norm_eps=c.rms_norm_eps,
+                      rope_theta=_rope_theta(c), max_position_embeddings=c.max_position_embeddings,
+                      vocab_size=c.vocab_size)
+        drafter = cls(**{**config, **overrides})
+        w = target.model.lm_head.weight
+        return drafter.to(device=w.device, dtype=w.dtype).attach(target)
+
+    def attach(self, target: LlavaCachedLM) -> VLMEagleDrafter:
+        """Share the target's token embeddings and LM head (plain attributes: not saved); returns self."""
+        check(isinstance(target, LlavaCachedLM), f"attach needs a LlavaCachedLM target, got {type(target).__name__}.")
+        c = target.model.config.text_config
+        bad = [f"{name}: drafter {getattr(self.config, name)!r} vs target {value!r}"
+               for name, value in (("hidden_size", c.hidden_size), ("vocab_size", c.vocab_size))
+               if getattr(self.config, name) != value]
+        if bad:
+            raise InputError("this VLM drafter was made for another target (" + "; ".join(bad) + "); train one for "
+                             "this target with `mmspec train vlm-drafter`.")
+        self.__dict__["_target"] = target
+        return self
+
+    @property
+    def target(self) -> LlavaCachedLM:
+        target = self.__dict__.get("_target")
+        if target is None:
+            raise InputError("the VLM drafter is not attached to its target; call drafter.attach(target).")
+        return target
+
+    # ------------------------------------------------------------------------------------------ forward
+    def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """fc([embeds ; features]): [R, S, H] each -> [R, S, H]."""
+        check(features.shape == embeds.shape and features.shape[-1] == self.hidden_size,
+              f"features must be target features {list(embeds.shape)}, got {list(features.shape)}.")
+        dtype = self.fc.weight.dtype
+        return self.fc(torch.cat([embeds.to(dtype), features.to(dtype)], dim=-1))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's LM head on drafter features [..., H] -> float32 logits [..., V]."""
+        return self.target.model.lm_head(hidden).float()
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor | None = None,
+                ) -> torch.Tensor:
+        """Teacher-forced training forward over pairs (embeds e_{1..S} [R, S, H], features f_{0..S-1} [R, S, H])
+        with causal attention at positions 1..S (default). Returns the predicted features h [R, S, H]."""
+        s = embeds.shape[1]
+        if positions is None:
+            positions = torch.arange(1, s + 1, device=embeds.device).unsqueeze(0)  # [1, S]
+        mask = torch.ones(s, s, dtype=torch.bool, device=embeds.device).tril().unsqueeze(0)  # [1, S, S]
+        x = self.fuse(embeds, features)
+        return run_llama_layers(self.layers, self.rotary_emb, x, positions, mask.expand(embeds.shape[0], -1, -1),
+                                backend=self.attention_backend)
+
+    def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
+        attn = self.layers[0].self_attn
+        w = self.fc.weight
+        return StaticKVCache(1, batch_size, attn.k_proj.out_features // attn.head_dim, capacity, attn.head_dim,
+                             w.dtype, w.device)
+
+    @torch.no_grad()
+    def forward_cached(self, tokens: torch.Tensor | None, positions: torch.Tensor, cache: StaticKVCache,
+                       slots: torch.Tensor, mask: torch.Tensor, *, features: torch.Tensor,
+                       embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Pairs (tokens [R, S] or their input embeddings `embeds` [R, S, H], features [R, S, H]) at positions
+        [R, S], written to cache slots [R, S], attending through mask [R, S, T]. Returns logits [R, S, V] and sets
+        `last_hidden` [R, S, H]."""
+        if embeds is None:
+            embeds = self.target.text.embed_tokens(tokens)
+        x = run_llama_layers(self.layers, self.rotary_emb, self.fuse(embeds, features), positions, mask,
+                             cache=cache, slots=slots, backend=self.attention_backend)
+        self.last_hidden = x.detach()
+        return self.head(x)
+
+
+def _rope_theta(text_config) -> float:
+    theta = getattr(text_config, "rope_theta", None)
+    if theta is None:  # transformers >= 5 keeps it in rope_parameters
+        theta = (getattr(text_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return float(theta)
+
+
+# ---------------------------------------------------------------------------------------------- loop drafter
+class VLMEagleTreeDrafter(FeatureTreeDrafter):
+    """EAGLE-2 dynamic trees from a `VLMEagleDrafter` over a `LlavaCachedLM` target (drafter element j at
+    position j + 1). `begin` runs the prompt's pairs from the target's prefill (its merged input embeddings and
+    features), ragged per row."""
+
+    def __init__(self, drafter: VLMEagleDrafter, target: LlavaCachedLM, params: SamplingParams, *,
+                 top_k: int = DEFAULT_TOP_K, depth: int = DEFAULT_DEPTH, total_tokens: int = DEFAULT_TOTAL_TOKENS):
+        super().__init__(drafter.attach(target), target, params, top_k=top_k, depth=depth,
+                         total_tokens=total_tokens, position_offset=1)
+        self.drafter = drafter
+
+    def begin(self, inputs: VLMInputs, state: DecodeState) -> None:
+        target, drafter = self.target, self.drafter
+        lengths = inputs.lengths.to(state.done.device)  # [B]
+        b, p = inputs.input_ids.shape
+        features = self.target_features(b, p, "prefill")  # [B, P, H]
+        embeds = target.prompt_embeds  # [B, P, H]
+        check(embeds is not None and embeds.shape[:2] == (b, p), "run the target's prefill (prefill_vlm) first.")
+        capacity = p + state.max_new_tokens + self.width + self.max_pool
+        cache = drafter.new_cache(b, capacity)
+        self.runner.cache = cache
+        if p > 1:  # the prompt's pairs (f_j, e_{j+1}), j < P_b - 1
+            slots = cache.slots(p - 1)  # [B, P-1]
+            self.runner.forward(None, slots + 1, slots, features=features[:, :-1], embeds=embeds[:, 1:])
+            self.runner.commit_chain(lengths - 1)
+        last = (lengths - 1).view(b, 1, 1).expand(-1, -1, features.shape[-1])
+        self.pending = PendingPairs(state.last_token, features.gather(1, last)[:, 0], self.width)
