@@ -79,7 +79,8 @@ class VLMEagleDrafter(ModelMixin, ConfigMixin):
                       vocab_size=c.vocab_size)
         drafter = cls(**{**config, **overrides})
         w = target.model.lm_head.weight
-        return drafter.to(device=w.device, dtype=w.dtype).attach(target)
+        drafter = drafter.to(w.device) if w.dtype == drafter.dtype else drafter.to(device=w.device, dtype=w.dtype)
+        return drafter.attach(target)
 
     def attach(self, target: LlavaCachedLM) -> VLMEagleDrafter:
         """Share the target's token embeddings and LM head (plain attributes: not saved); returns self."""

@@ -1,0 +1,120 @@
+"""`SpeculativeVLM` on a tiny world LLaVA and an untrained EagleVLM drafter: batched answers equal vanilla's at
+temperature 0, the drafted distribution equals the target's at temperature 1 (chi-square), rounds and streaming
+add up to the answers, folders round-trip, and bad input is a clear error."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats as scipy_stats
+from transformers import LlavaForConditionalGeneration
+
+from mmspec.data import generate_batch
+from mmspec.errors import InputError
+from vlm.eagle import VLMEagleDrafter
+from vlm.pipeline import SpeculativeVLM
+from vlm.target import LlavaCachedLM
+from vlm.world import world_llava_config, world_processor
+
+TINY = dict(vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+            text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2))
+
+
+@pytest.fixture(scope="module")
+def vlm() -> SpeculativeVLM:
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(world_llava_config(**TINY)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)  # a peaked next-token distribution (random tiny models are near uniform)
+    drafter = VLMEagleDrafter.for_target(LlavaCachedLM(model))
+    return SpeculativeVLM(model, world_processor(), drafter)
+
+
+def world_images(n: int) -> list[torch.Tensor]:
+    return list(generate_batch(n, seed=0, split="test").images)
+
+
+QUESTIONS = ["What color is the object?", "Describe the image. Answer in detail.", "How many objects are there?"]
+
+
+def test_greedy_answers_equal_vanilla_and_rounds_add_up(vlm):
+    images = world_images(3)
+    streamed = {i: "" for i in range(3)}
+
+    def stream(row, text):
+        streamed[row] += text
+
+    spec = vlm.generate(images, QUESTIONS, max_new_tokens=12, batch_size=2, tree=(3, 3, 8), stream=stream)
+    vanilla = vlm.generate(images, QUESTIONS, max_new_tokens=12, batch_size=3, use_drafter=False)
+    assert spec.token_ids == vanilla.token_ids and spec.texts == vanilla.texts
+    assert spec.stats.num_drafts > 0 and vanilla.stats.num_drafts == 0
+    for row in range(3):
+        assert [t for r in spec.rounds[row] for t in r] == spec.token_ids[row]
+        assert len(spec.rounds[row][0]) == 1  # the prefill's token
+    tok = vlm.processor.tokenizer
+    for row in range(3):  # streamed pieces decode to the answer (up to the tokenizer's word-start spaces)
+        answer = tok.decode(spec.token_ids[row], skip_special_tokens=True)
+        assert streamed[row].replace(" ", "") == answer.replace(" ", "")
+
+
+def test_sampled_second_token_follows_the_target_distribution(vlm):
+    """300 rows sample three tokens with EAGLE trees (the second is the first one drafted); its counts, grouped
+    by the first token, fit the target's own conditional distributions (pooled chi-square; bins with small
+    expectations merged)."""
+    n = 300
+    image = world_images(1)[0]
+    gen = torch.Generator().manual_seed(1)
+    out = vlm.generate([image] * n, ["What color is the object?"] * n, max_new_tokens=3, temperature=1.0,
+                       batch_size=n, tree=(2, 4, 8), generator=gen)
+    pairs = [ids[:2] for ids in out.token_ids if len(ids) >= 2]
+    assert out.stats.num_drafts > 0 and len(pairs) > n // 2
+    inputs = vlm.encode([image], ["What color is the object?"])
+    chi2, dof = 0.0, 0
+    for first in sorted({p[0] for p in pairs}):
+        seconds = [p[1] for p in pairs if p[0] == first]
+        if len(seconds) < 20:
+            continue
+        ids = torch.cat([inputs.input_ids, torch.tensor([[first]])], dim=1)
+        with torch.no_grad():
+            logits = vlm.model(input_ids=ids, pixel_values=inputs.pixel_values).logits[0, -1]
+        probs = torch.softmax(logits.double(), -1).numpy()
+        counts = np.bincount(seconds, minlength=probs.shape[0])
+        expected = probs * len(seconds)
+        big = expected >= 5
+        obs = np.append(counts[big], counts[~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        keep = exp > 0
+        chi2 += float((((obs - exp) ** 2)[keep] / exp[keep]).sum())
+        dof += int(keep.sum()) - 1
+    assert dof >= 2
+    assert scipy_stats.chi2.sf(chi2, dof) > 1e-3, (chi2, dof)
+
+
+def test_folder_round_trip(vlm, tmp_path):
+    vlm.model.save_pretrained(tmp_path)
+    vlm.processor.save_pretrained(tmp_path)
+    vlm.drafter.save_pretrained(tmp_path / "drafters" / "eagle")
+    again = SpeculativeVLM.from_pretrained(tmp_path, drafter="eagle")
+    images = world_images(2)
+    a = vlm.generate(images, QUESTIONS[:2], max_new_tokens=6, tree=(3, 3, 8))
+    b = again.generate(images, QUESTIONS[:2], max_new_tokens=6, tree=(3, 3, 8))
+    assert a.token_ids == b.token_ids and a.stats.num_drafts == b.stats.num_drafts
+
+
+def test_bad_input(vlm, tmp_path):
+    with pytest.raises(InputError, match="one image per prompt"):
+        vlm.generate(world_images(2), QUESTIONS[:1])
+    with pytest.raises(InputError, match="non-empty"):
+        vlm.generate(world_images(1), ["  "])
+    with pytest.raises(InputError, match="tree must be"):
+        vlm.generate(world_images(1), QUESTIONS[:1], tree=(3, 3))
+    with pytest.raises(InputError, match="no VLM target"):
+        SpeculativeVLM.from_pretrained(tmp_path)
+    from vlm.pipeline import load_drafter
+
+    with pytest.raises(InputError, match="unknown drafter kind"):
+        load_drafter(tmp_path, "medusa")
+    with pytest.raises(InputError, match="no eagle drafter"):
+        load_drafter(tmp_path, "eagle")

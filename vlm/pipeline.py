@@ -1,0 +1,180 @@
+"""`SpeculativeVLM`: batched generation from a LLaVA target with or without a speculative drafter.
+
+    vlm = SpeculativeVLM.from_pretrained("assets/vlm", drafter="eagle")        # or a converted llava-hf folder
+    out = vlm.generate(images, ["What color is the object? Answer in detail."] * len(images), max_new_tokens=96)
+    out.texts, out.stats.mean_acceptance_length, out.rounds[0]                 # rounds: tokens per draft round
+
+Prompts without `<image>` are wrapped in LLaVA-1.5's conversation format (`vlm.world.build_prompt`: "USER:
+<image>\\n{prompt} ASSISTANT:"); prompts that contain `<image>` are used as given. Rows are right-padded and
+generated together in batches of `batch_size` (transformers' own assisted generation refuses batches > 1).
+Verification is the core's: `lossless` tree verification (greedy at temperature 0, exact rejection sampling
+otherwise), so the texts are what the target alone would produce (token for token at temperature 0, in
+distribution otherwise). `stream(row, text)` is called after every draft-verify round with each row's newly
+committed text; `rounds[i]` lists row i's tokens grouped by the round that committed them (a UI can colour them).
+
+Folder layout: the target (a `LlavaForConditionalGeneration` folder with its processor) at the root, drafters in
+`drafters/<kind>/` (`mmspec train vlm-drafter --kind eagle --target DIR`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mmspec.errors import InputError, check, check_positive_int
+from mmspec.lm import LMTarget, NoDrafter
+from mmspec.loop import generate
+from mmspec.sampling import SamplingParams
+from mmspec.stats import SpecStats
+from vlm.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, VLMEagleDrafter, VLMEagleTreeDrafter
+from vlm.target import LlavaCachedLM, VLMInputs, prefill_vlm
+from vlm.world import build_prompt
+
+DRAFTER_KINDS = {"eagle": VLMEagleDrafter}
+
+
+@dataclass
+class VLMOutput:
+    texts: list[str]
+    token_ids: list[list[int]]  # per row, generated tokens (the final <eos> included when reached)
+    rounds: list[list[list[int]]] = field(default_factory=list)  # per row: tokens committed by each round
+    stats: SpecStats = field(default_factory=SpecStats)
+
+
+def load_drafter(folder: str | Path, kind: str):
+    """A drafter of `kind` saved in `folder` (not yet attached to a target)."""
+    check(kind in DRAFTER_KINDS, f"unknown drafter kind {kind!r}; available: {', '.join(DRAFTER_KINDS)}.")
+    folder = Path(folder)
+    check((folder / "config.json").is_file(),
+          f"no {kind} drafter in {folder} (config.json missing); train one with "
+          f"`mmspec train vlm-drafter --kind {kind} --target TARGET_DIR`.")
+    return DRAFTER_KINDS[kind].from_pretrained(folder)
+
+
+class SpeculativeVLM:
+    """A LLaVA target (transformers model + processor) and an optional drafter; see the module docstring."""
+
+    def __init__(self, target, processor, drafter=None, *, attention_backend: str | None = None) -> None:
+        self.model = target.eval()
+        self.processor = processor
+        self.lm = LlavaCachedLM(self.model, attention_backend)
+        self.drafter = None if drafter is None else drafter.eval().attach(self.lm)
+
+    @classmethod
+    def from_pretrained(cls, folder: str | Path, drafter: str | None = None, *, drafter_path: str | Path | None = None,
+                        device: str = "cpu", attention_backend: str | None = None) -> SpeculativeVLM:
+        """The target in `folder` (and its processor); `drafter` a kind from `folder/drafters/<kind>` or from
+        `drafter_path`. Local files only."""
+        from transformers import LlavaForConditionalGeneration, LlavaProcessor
+        from transformers.utils import logging as hf_logging
+
+        folder = Path(folder)
+        check((folder / "config.json").is_file() and (folder / "processor_config.json").is_file(),
+              f"no VLM target in {folder}: expected a LlavaForConditionalGeneration folder with its processor "
+              f"(made by `mmspec train vlm --out {folder}` or transformers' save_pretrained).")
+        hf_logging.disable_progress_bar()
+        try:
+            model = LlavaForConditionalGeneration.from_pretrained(str(folder), local_files_only=True)
+            processor = LlavaProcessor.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise InputError(f"could not load the VLM target in {folder}: {str(err).splitlines()[0]}") from None
+        finally:
+            hf_logging.enable_progress_bar()
+        draft = None
+        if drafter is not None:
+            draft = load_drafter(drafter_path or folder / "drafters" / drafter, drafter)
+        vlm = cls(model.to(device), processor, draft, attention_backend=attention_backend)
+        if vlm.drafter is not None:
+            vlm.drafter.to(device)
+        return vlm
+
+    # --------------------------------------------------------------------------------------------- inputs
+    def prompt_text(self, prompt: str) -> str:
+        check(isinstance(prompt, str) and prompt.strip(), "every prompt must be a non-empty string.")
+        return prompt if "<image>" in prompt else build_prompt(prompt.strip(), long=False)
+
+    def encode(self, images: Sequence, prompts: Sequence[str]) -> VLMInputs:
+        """Right-padded VLMInputs for images (PIL images, uint8 [3, H, W] tensors or arrays) and prompts."""
+        check(len(images) == len(prompts), f"{len(images)} images for {len(prompts)} prompts; give one image "
+                                           "per prompt.")
+        tok = self.processor.tokenizer
+        side = tok.padding_side
+        tok.padding_side = "right"
+        try:
+            enc = self.processor(images=list(images), text=[self.prompt_text(p) for p in prompts],
+                                 return_tensors="pt", padding=True)
+        finally:
+            tok.padding_side = side
+        return VLMInputs(enc["input_ids"], enc["attention_mask"], enc["pixel_values"])
+
+    # ------------------------------------------------------------------------------------------- generate
+    @torch.no_grad()
+    def generate(self, images: Sequence, prompts: Sequence[str], max_new_tokens: int = 128,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
+                 tree: tuple[int, int, int] = (DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS),
+                 batch_size: int = 8, generator: torch.Generator | None = None, use_drafter: bool = True,
+                 stream: Callable[[int, str], None] | None = None) -> VLMOutput:
+        """Answers for (image, prompt) pairs; `tree` = (depth, top_k, total_tokens) of the EAGLE-2 draft tree;
+        `use_drafter=False` decodes with the target alone (vanilla)."""
+        check(len(images) == len(prompts), f"{len(images)} images for {len(prompts)} prompts; give one image "
+                                           "per prompt.")
+        check(len(prompts) > 0, "no prompts given.")
+        check_positive_int("max_new_tokens", max_new_tokens)
+        check_positive_int("batch_size", batch_size)
+        check(isinstance(tree, (tuple, list)) and len(tree) == 3,
+              f"tree must be (depth, top_k, total_tokens), got {tree!r}.")
+        params = SamplingParams(temperature, top_k, top_p)
+        eos = self.processor.tokenizer.eos_token_id
+        out = VLMOutput([], [], [], SpecStats())
+        for start in range(0, len(prompts), batch_size):
+            rows = range(start, min(start + batch_size, len(prompts)))
+            inputs = self.encode([images[i] for i in rows], [prompts[i] for i in rows])
+            part = self._generate_batch(inputs, params, max_new_tokens, tree, generator, use_drafter, eos,
+                                        stream, start)
+            for field_name in ("texts", "token_ids", "rounds"):
+                getattr(out, field_name).extend(getattr(part, field_name))
+            out.stats = out.stats + part.stats
+        return out
+
+    def _generate_batch(self, inputs: VLMInputs, params: SamplingParams, max_new_tokens: int, tree, generator,
+                        use_drafter: bool, eos: int | None, stream, first_row: int) -> VLMOutput:
+        depth, top_k, total = tree
+        b = inputs.input_ids.shape[0]
+        target = LMTarget(self.lm, params, max_new_tokens, max_draft_nodes=total, prefill_fn=prefill_vlm)
+        if use_drafter and self.drafter is not None:
+            drafter = VLMEagleTreeDrafter(self.drafter, self.lm, params, top_k=top_k, depth=depth,
+                                          total_tokens=total)
+        else:
+            drafter = NoDrafter()
+        rounds: list[list[list[int]]] = [[] for _ in range(b)]  # per row: the tokens of each round
+        seen = [0] * b
+        tok = self.processor.tokenizer
+
+        def take(tokens: torch.Tensor, counts: torch.Tensor) -> None:
+            """Move each row's newly committed tokens into `rounds` (the prefill's token is its own round)."""
+            for row in range(b):
+                new = tokens[row, seen[row]: int(counts[row])].tolist()
+                if not new:
+                    continue
+                if seen[row] == 0:
+                    rounds[row].append(new[:1])
+                    new = new[1:]
+                if new:
+                    rounds[row].append(new)
+                if stream is not None:
+                    stream(first_row + row, tok.decode(tokens[row, seen[row]: int(counts[row])].tolist(),
+                                                       skip_special_tokens=True))
+                seen[row] = int(counts[row])
+
+        def record(state, draft, result) -> None:
+            take(state.output.cpu(), state.num_generated.cpu())
+
+        result = generate(target, drafter, "lossless", inputs, batch_size=b, max_new_tokens=max_new_tokens,
+                          generator=generator, eos_token_id=eos, device=self.lm.device, callback=record)
+        take(result.tokens.cpu(), result.num_generated.cpu())  # rows that ended at the prefill's token
+        ids = [result.tokens[row, : int(result.num_generated[row])].tolist() for row in range(b)]
+        texts = [tok.decode(row, skip_special_tokens=True).strip() for row in ids]
+        return VLMOutput(texts, ids, rounds, result.stats)
