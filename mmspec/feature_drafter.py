@@ -29,6 +29,7 @@ Classifier-free guidance (`guidance_scale`): the drafter runs 2B rows and combin
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -56,6 +57,28 @@ class PendingPairs(PendingTokens):
         padded = torch.zeros_like(self.features)
         padded[:, : features.shape[1]] = features
         self.features = torch.where(feature_rows[:, None, None], padded, self.features)
+
+
+def feature_drafter_loss(pred: torch.Tensor, next_features: torch.Tensor, next_logits: torch.Tensor,
+                         head: Callable[[torch.Tensor], torch.Tensor], p_weight: float = 0.1,
+                         mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    """EAGLE's training loss for a feature drafter:
+
+        loss = SmoothL1(h_i, f_{i+1}) + p_weight * CE(softmax(target logits_{i+1}), log_softmax(head(h_i)))
+
+    pred h [B, S, H], next_features f [B, S, H], next_logits [B, S, V] (the target's logits at those
+    features), head: the target's LM head on drafter features; mask [B, S] bool selects the positions that count
+    (all when None). Returns (loss, feature SmoothL1, soft CE, top-1 agreement of the drafter's and the target's
+    next token); the last three detached."""
+    keep = torch.ones(pred.shape[:2], dtype=torch.bool, device=pred.device) if mask is None else mask
+    weight = keep.float() / keep.float().sum().clamp_min(1.0)  # [B, S]
+    vloss = (torch.nn.functional.smooth_l1_loss(pred.float(), next_features.float(), reduction="none").mean(-1)
+             * weight).sum()
+    logp = torch.log_softmax(head(pred).float(), dim=-1)  # [B, S, V]
+    target_logits = next_logits.float()
+    ploss = (-(torch.softmax(target_logits, dim=-1) * logp).sum(-1) * weight).sum()
+    agree = ((logp.argmax(-1) == target_logits.argmax(-1)).float() * weight).sum()
+    return vloss + p_weight * ploss, vloss.detach(), ploss.detach(), agree.detach()
 
 
 def gather_nodes(values: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from image_ar.llamagen.eagle import LlamaGenEagleDrafter
@@ -41,6 +40,7 @@ from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.pipeline import LlamaGenPipeline
 from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
 from mmspec.errors import InputError, check, check_positive_int
+from mmspec.feature_drafter import feature_drafter_loss
 
 COMPONENT = "eagle_drafter"
 COMPONENT_ENTRY = ["image_ar.llamagen.eagle", "LlamaGenEagleDrafter"]
@@ -151,12 +151,7 @@ def drafter_loss(drafter: LlamaGenEagleDrafter, features: torch.Tensor, logits: 
     soft CE, top-1 agreement of the drafter's and the target's next token), the last three detached.
     """
     pred = drafter(features[:, :-1] + noise, idx[:, :-1])  # [B, T-1, dim]
-    vloss = F.smooth_l1_loss(pred.float(), features[:, 1:].float())
-    logp = torch.log_softmax(drafter.head(pred), dim=-1)  # [B, T-1, V]
-    target_logits = logits[:, 1:].float()  # [B, T-1, V]
-    ploss = -(torch.softmax(target_logits, dim=-1) * logp).sum(-1).mean()
-    agree = (logp.argmax(-1) == target_logits.argmax(-1)).float().mean()
-    return vloss + p_weight * ploss, vloss.detach(), ploss.detach(), agree.detach()
+    return feature_drafter_loss(pred, features[:, 1:], logits[:, 1:], drafter.head, p_weight)
 
 
 def _save_checkpoint(path: Path, state: dict) -> None:

@@ -1,0 +1,56 @@
+"""`mmspec train vlm-drafter` end to end on a tiny saved world LLaVA: target answers, EagleVLM training (its
+feature loss falls), evaluation (greedy EagleVLM == the target alone), the folder the pipeline loads, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import LlavaForConditionalGeneration
+
+from mmspec.cli import main
+from vlm.pipeline import SpeculativeVLM
+from vlm.world import world_llava_config, world_processor
+
+TINY = dict(vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+            text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2))
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vlm-target")
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(world_llava_config(**TINY)).save_pretrained(folder)
+    world_processor().save_pretrained(folder)
+    return folder
+
+
+def train(target_dir, work, *extra: str) -> int:
+    return main(["train", "vlm-drafter", "--target", str(target_dir), "--work-dir", str(work), "--num-train", "12",
+                 "--answer-max-tokens", "8", "--batch-size", "4", "--eval-prompts", "3", "--quiet", *extra])
+
+
+def test_train_eagle_end_to_end(target_dir, tmp_path):
+    assert train(target_dir, tmp_path / "work", "--steps", "60", "--lr", "3e-3") == 0
+    out = target_dir / "drafters" / "eagle"
+    info = json.loads((out / "training.json").read_text())
+    assert info["eval"]["greedy_equal_to_vanilla"] is True
+    assert info["eval"]["mean_acceptance_length"] >= 1.0
+    assert info["drafter"]["final_feature_smoothl1"] < info["drafter"]["first_feature_smoothl1"]
+    assert (out / "README.md").read_text().startswith("# VLM drafter (eagle)")
+    vlm = SpeculativeVLM.from_pretrained(target_dir, drafter="eagle")
+    assert vlm.drafter is not None
+
+
+def test_checkpoint_state_and_errors(target_dir, tmp_path):
+    out = tmp_path / "drafter"
+    assert train(target_dir, tmp_path / "work", "--steps", "4", "--checkpoint-every", "2", "--out", str(out),
+                 "--stages", "data,drafter") == 0
+    state = torch.load(tmp_path / "work" / "eagle-state.pt", weights_only=True)
+    assert state["step"] == 2
+    with pytest.raises(SystemExit, match="2"):
+        main(["train", "vlm-drafter", "--kind", "medusa"])
+    assert main(["train", "vlm-drafter", "--target", str(target_dir), "--stages", "nope"]) != 0
+    assert main(["train", "vlm-drafter", "--target", str(tmp_path / "missing")]) != 0

@@ -1,0 +1,232 @@
+"""`mmspec train vlm-drafter`: train a VLM drafter for a LLaVA target on the target's own long answers.
+
+    mmspec train vlm-drafter --kind eagle --target assets/vlm          # writes assets/vlm/drafters/eagle
+
+Stages (a rerun skips finished ones unless --force):
+1. `data`: the target answers --num-train world questions (train split, the long-answer prompt, greedy,
+   up to --answer-max-tokens tokens): drafters learn the target's own outputs, as ViSpec and SpecVLM prescribe
+   (a drafter trained on reference texts drafts what the target would not say). Cached in --work-dir.
+2. `drafter` (`--kind eagle`, EagleVLM): each step runs the frozen target over a batch of (prompt + answer)
+   sequences (`vlm.target.prefill_vlm`: merged input embeddings e and final normed features f) and trains the
+   drafter on the pairs (e_{i+1}, f_i + noise) to predict f_{i+1}, with EAGLE's loss
+   `SmoothL1 + --p-weight * soft CE` (`mmspec.feature_drafter.feature_drafter_loss`) on the positions that draft
+   answer tokens. Uniform feature noise of width --noise (EAGLE's 0.2), AdamW (0.9, 0.95), the world trainers'
+   schedule, gradients clipped at 0.5 (EAGLE). Resumable state in --work-dir every --checkpoint-every steps.
+3. `eval`: on held-out test scenes, greedy EagleVLM vs the target alone (`SpeculativeVLM`): token-for-token
+   equality, mean acceptance length, step compression; written to training.json and the card README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
+from mmspec.errors import check, check_positive_int
+from mmspec.feature_drafter import feature_drafter_loss
+from mmspec.world_training import card_head, optimizer_step, write_info
+from vlm.eagle import VLMEagleDrafter
+from vlm.pipeline import DRAFTER_KINDS, SpeculativeVLM
+from vlm.target import VLMInputs, prefill_vlm
+from vlm.world import world_vqa_examples
+
+STAGES = ("data", "drafter", "eval")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--kind", default="eagle", choices=sorted(DRAFTER_KINDS), help="drafter method")
+    parser.add_argument("--target", default=str(ASSETS_DIR / "vlm"), help="the target's folder (mmspec train vlm)")
+    parser.add_argument("--out", default=None, help="drafter folder (default: TARGET/drafters/KIND)")
+    parser.add_argument("--work-dir", default="runs/vlm-drafter", help="scratch: answer cache, resumable state")
+    parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
+    parser.add_argument("--force", action="store_true", help="redo finished stages")
+    parser.add_argument("--num-train", type=int, default=2000, help="target-answered training questions")
+    parser.add_argument("--answer-max-tokens", type=int, default=96)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise on input features")
+    parser.add_argument("--p-weight", type=float, default=0.1, help="weight of the soft cross-entropy")
+    parser.add_argument("--no-input-norm", action="store_true",
+                        help="EAGLE's original layer without an input norm (default: SpecVLM's input norm)")
+    parser.add_argument("--checkpoint-every", type=int, default=500)
+    parser.add_argument("--eval-prompts", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+
+
+# ------------------------------------------------------------------------------------------------------ data
+def target_answers(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int, quiet: bool) -> dict[str, torch.Tensor]:
+    """The target's greedy long answers to n train-split questions: right-padded prompt + answer ids [n, T],
+    lengths [n], prompt lengths [n], images uint8 [n, 3, H, W]."""
+    examples = world_vqa_examples("train", n, seed=seed, long_fraction=1.0)
+    rows, prompt_lengths = [], []
+    bar = tqdm(total=n, desc="target answers", disable=quiet)
+    for start in range(0, n, 64):
+        chunk = examples[start:start + 64]
+        out = vlm.generate([ex.image for ex in chunk], [ex.prompt for ex in chunk], max_new_tokens=max_tokens,
+                           batch_size=64, use_drafter=False)
+        inputs = vlm.encode([ex.image for ex in chunk], [ex.prompt for ex in chunk])
+        for row, answer in enumerate(out.token_ids):
+            length = int(inputs.lengths[row])
+            rows.append(inputs.input_ids[row, :length].tolist() + answer)
+            prompt_lengths.append(length)
+        bar.update(len(chunk))
+    bar.close()
+    width = max(len(r) for r in rows)
+    ids = torch.full((n, width), vlm.processor.tokenizer.pad_token_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, : len(r)] = torch.tensor(r)
+    return {"ids": ids, "lengths": torch.tensor([len(r) for r in rows]), "prompt_lengths": torch.tensor(prompt_lengths),
+            "images": torch.stack([ex.image for ex in examples])}
+
+
+def answer_cache(vlm: SpeculativeVLM, args: argparse.Namespace, work: Path) -> dict[str, torch.Tensor]:
+    path = work / f"answers-{args.num_train}-seed{args.seed}-max{args.answer_max_tokens}.pt"
+    if path.is_file() and not args.force:
+        return torch.load(path, weights_only=True)
+    data = target_answers(vlm, args.num_train, args.seed, args.answer_max_tokens, args.quiet)
+    work.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path.with_suffix(".tmp"))
+    os.replace(path.with_suffix(".tmp"), path)
+    return data
+
+
+# --------------------------------------------------------------------------------------------------- training
+def training_batch(vlm: SpeculativeVLM, data: dict, rows: torch.Tensor) -> tuple[VLMInputs, torch.Tensor]:
+    """VLMInputs of the chosen sequences (trimmed to their longest) and the loss mask of their pairs [B, T-1]:
+    pair i (position i + 1) counts when it predicts an answer token (i + 2 >= prompt length) inside the row."""
+    lengths, prompt_lengths = data["lengths"][rows], data["prompt_lengths"][rows]
+    width = int(lengths.max())
+    ids = data["ids"][rows, :width]
+    mask = torch.arange(width) < lengths.unsqueeze(-1)
+    pixels = vlm.processor.image_processor(list(data["images"][rows]), return_tensors="pt")["pixel_values"]
+    pair = torch.arange(width - 1)
+    loss_mask = (pair + 2 >= prompt_lengths.unsqueeze(-1)) & (pair + 1 < lengths.unsqueeze(-1))  # [B, T-1]
+    return VLMInputs(ids, mask.long(), pixels), loss_mask
+
+
+def train_eagle(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, work: Path) -> tuple[VLMEagleDrafter, dict]:
+    torch.manual_seed(args.seed)
+    lm = vlm.lm
+    drafter = VLMEagleDrafter.for_target(lm, input_norm=not args.no_input_norm).train()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(args.seed)
+    state_path = work / f"{args.kind}-state.pt"
+    first, seconds, history = 0, 0.0, []
+    if state_path.is_file() and not args.force:
+        state = torch.load(state_path, weights_only=True)
+        check(state["steps"] == args.steps and state["batch_size"] == args.batch_size,
+              f"{state_path} was made with --steps {state['steps']} --batch-size {state['batch_size']}; rerun with "
+              "those, or pass --force to start over.")
+        drafter.load_state_dict(state["drafter"])
+        opt.load_state_dict(state["optimizer"])
+        gen.set_state(state["generator"])
+        first, seconds, history = state["step"], state["seconds"], state["history"]
+    start = time.perf_counter() - seconds
+    bar = tqdm(range(first, args.steps), desc=f"{args.kind} drafter", initial=first, total=args.steps,
+               disable=args.quiet)
+    for step in bar:
+        rows = torch.randint(0, data["ids"].shape[0], (args.batch_size,), generator=gen)
+        inputs, loss_mask = training_batch(vlm, data, rows)
+        with torch.no_grad():
+            prefill_vlm(lm, inputs, extra_capacity=1)
+            features, embeds = lm.last_hidden, lm.prompt_embeds  # [B, T, H]
+            next_logits = lm.model.lm_head(features[:, 1:]).float()  # [B, T-1, V]
+        noise = (torch.rand(features[:, :-1].shape, generator=gen) - 0.5) * args.noise
+        pred = drafter(embeds[:, 1:], features[:, :-1] + noise.to(features.dtype))  # [B, T-1, H]
+        loss, vloss, ploss, agree = feature_drafter_loss(pred, features[:, 1:], next_logits, drafter.head,
+                                                         args.p_weight, loss_mask)
+        optimizer_step(opt, loss, step, args.steps, args.lr, max_grad_norm=0.5)
+        history.append([float(vloss), float(ploss), float(agree)])
+        if step % 25 == 0:
+            bar.set_postfix(vloss=f"{vloss:.4f}", ploss=f"{ploss:.3f}", top1=f"{agree:.3f}")
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+            torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
+                        "step": step + 1, "steps": args.steps, "batch_size": args.batch_size,
+                        "seconds": time.perf_counter() - start, "history": history}, state_path.with_suffix(".tmp"))
+            os.replace(state_path.with_suffix(".tmp"), state_path)
+    last = torch.tensor(history[-50:]).mean(0).tolist() if history else [float("nan")] * 3
+    info = {"kind": args.kind, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
+            "noise": args.noise, "p_weight": args.p_weight, "input_norm": not args.no_input_norm,
+            "num_train": int(data["ids"].shape[0]), "seconds": time.perf_counter() - start,
+            "final_feature_smoothl1": last[0], "final_soft_ce": last[1], "final_top1_agreement": last[2],
+            "first_feature_smoothl1": history[0][0] if history else None,
+            "first_top1_agreement": history[0][2] if history else None,
+            "parameters": sum(p.numel() for p in drafter.parameters())}
+    return drafter.eval(), info
+
+
+# ------------------------------------------------------------------------------------------------------ eval
+def evaluate(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int) -> dict:
+    """Greedy speculative vs vanilla on n held-out long-answer questions."""
+    examples = world_vqa_examples("test", n, seed=seed, long_fraction=1.0)
+    images, prompts = [ex.image for ex in examples], [ex.prompt for ex in examples]
+    spec = vlm.generate(images, prompts, max_new_tokens=max_tokens, batch_size=16)
+    vanilla = vlm.generate(images, prompts, max_new_tokens=max_tokens, batch_size=16, use_drafter=False)
+    return {"n": n, "greedy_equal_to_vanilla": spec.token_ids == vanilla.token_ids,
+            "mean_acceptance_length": spec.stats.mean_acceptance_length,
+            "draft_acceptance_rate": spec.stats.draft_acceptance_rate,
+            "step_compression": vanilla.stats.num_target_forwards / max(1, spec.stats.num_target_forwards),
+            "mean_answer_tokens": sum(len(t) for t in vanilla.token_ids) / n,
+            "drafter_image_tokens_attended": 64}
+
+
+def _card(command: str, info: dict) -> str:
+    d = info["drafter"]
+    lines = card_head(f"VLM drafter ({d['kind']}) for the world LLaVA",
+                      ["An EagleVLM feature drafter (one Llama decoder layer over [input embedding ; target feature]) "
+                       "trained on the target's own greedy long answers."], command, machine_summary())
+    lines.append(f"| drafter | fc + 1 decoder layer, input norm {d['input_norm']}, {d['parameters'] / 1e6:.2f}M "
+                 f"parameters | {d['steps']} steps x batch {d['batch_size']} on {d['num_train']} answers | "
+                 f"{d['seconds']:.0f} s |")
+    lines += ["", f"Final top-1 agreement with the target (training batches, last 50 steps): "
+                  f"{d['final_top1_agreement']:.3f}."]
+    ev = info.get("eval")
+    if ev:
+        lines.append(f"Held-out test scenes ({ev['n']} long answers, greedy, {ev['mean_answer_tokens']:.1f} tokens "
+                     f"on average): mean acceptance length {ev['mean_acceptance_length']:.2f} (bonus included), "
+                     f"step compression {ev['step_compression']:.2f}x, token-for-token equal to the target alone: "
+                     f"{ev['greedy_equal_to_vanilla']}.")
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("num_train", "answer_max_tokens", "steps", "batch_size", "eval_prompts"):
+        check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
+    stages = [s.strip() for s in args.stages.split(",") if s.strip()]
+    unknown = set(stages) - set(STAGES)
+    check(stages and not unknown, f"--stages takes a subset of {','.join(STAGES)}, got {args.stages!r}.")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out) if args.out else Path(args.target) / "drafters" / args.kind
+    work = Path(args.work_dir)
+    vlm = SpeculativeVLM.from_pretrained(args.target)
+    vlm.model.requires_grad_(False)
+    info = json.loads((out / "training.json").read_text()) if (out / "training.json").is_file() else {}
+    if "data" in stages or "drafter" in stages:
+        data = answer_cache(vlm, args, work)
+    if "drafter" in stages and (args.force or not (out / "config.json").is_file()):
+        drafter, info["drafter"] = train_eagle(vlm, data, args, work)
+        with atomic_output_dir(out) as tmp:
+            drafter.save_pretrained(tmp)
+            write_info(tmp / "training.json", info)
+    if "eval" in stages:
+        vlm = SpeculativeVLM.from_pretrained(args.target, args.kind, drafter_path=out)
+        info["eval"] = evaluate(vlm, args.eval_prompts, args.seed, args.answer_max_tokens)
+        write_info(out / "training.json", info)
+        command = explicit_command("mmspec train vlm-drafter", args, [
+            "kind", "target", "out", "num_train", "answer_max_tokens", "steps", "batch_size", "lr", "noise",
+            "p_weight", "seed", "threads"])
+        if "drafter" in info:
+            (out / "README.md").write_text(_card(command, info))
+        print(json.dumps(info["eval"], indent=2))
+    print(f"wrote {out}")
+    return 0
