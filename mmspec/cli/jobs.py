@@ -106,10 +106,11 @@ def _int_field(fields: dict, name: str, default: int, low: int, high: int) -> in
     return value
 
 
-def read_job_file(path: str | os.PathLike, base_seed: int,
-                  parse_inputs: Callable[[dict], dict]) -> tuple[list[JobRow], list[str]]:
+def read_job_file(path: str | os.PathLike, base_seed: int, parse_inputs: Callable[[dict], dict],
+                  columns: tuple[str, ...] = COLUMNS) -> tuple[list[JobRow], list[str]]:
     """The rows of a job file and its bad lines ("line N: what is wrong"); `parse_inputs(fields)` turns a row's
-    fields into the family's inputs or raises ValueError / InputError with what is wrong."""
+    fields into the family's inputs or raises ValueError / InputError with what is wrong; `columns` are the
+    known columns (image generation's by default)."""
     path = Path(path)
     if not path.is_file():
         raise InputError(f"job file {path} does not exist.")
@@ -120,9 +121,9 @@ def read_job_file(path: str | os.PathLike, base_seed: int,
         try:
             if isinstance(fields, str):
                 raise ValueError(fields)
-            unknown = set(fields) - set(COLUMNS)
+            unknown = set(fields) - set(columns)
             if unknown:
-                raise ValueError(f"unknown column(s) {sorted(unknown)}; known: {', '.join(COLUMNS)}")
+                raise ValueError(f"unknown column(s) {sorted(unknown)}; known: {', '.join(columns)}")
             row_id = str(fields.get("id", f"row{line}"))
             if not ID_PATTERN.match(row_id):
                 raise ValueError(f"id {row_id!r} must be 1-100 letters, digits, '.', '_' or '-'")

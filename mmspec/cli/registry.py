@@ -11,6 +11,7 @@ from __future__ import annotations
 COMMANDS: dict[str, tuple[str, str]] = {
     "selfcheck": ("mmspec.cli.selfcheck", "check the installation: core rules, kernels, a toy speculative run"),
     "generate": ("mmspec.cli.generate", "generate images with a family and method (writes PNGs, a grid, stats)"),
+    "vlm": ("vlm.cli", "answer questions about images with a LLaVA target and a speculative drafter"),
     "bench": ("mmspec.bench.cli", "benchmark vanilla vs speculative methods side by side in one process"),
 }
 

@@ -54,3 +54,40 @@ def test_checkpoint_state_and_errors(target_dir, tmp_path):
         main(["train", "vlm-drafter", "--kind", "medusa"])
     assert main(["train", "vlm-drafter", "--target", str(target_dir), "--stages", "nope"]) != 0
     assert main(["train", "vlm-drafter", "--target", str(tmp_path / "missing")]) != 0
+
+
+def test_mmspec_vlm_command(target_dir, tmp_path, capsys):
+    """`mmspec vlm`: one question (with the drafter trained above, or vanilla), a resumable job, clear errors."""
+    import PIL.Image
+
+    from mmspec.data import generate_batch
+
+    images = generate_batch(3, seed=0, split="test").images
+    for i, image in enumerate(images):
+        PIL.Image.fromarray(image.permute(1, 2, 0).numpy()).save(tmp_path / f"scene{i}.png")
+    (tmp_path / "not-an-image.png").write_text("hello")
+    drafter = "none" if not (target_dir / "drafters" / "eagle").is_dir() else "eagle"
+    base = ["vlm", "--model", str(target_dir), "--max-new-tokens", "6", "--tree", "3,3,8"]
+    assert main([*base, "--image", str(tmp_path / "scene0.png"), "--prompt", "What color is it?",
+                 "--drafter", drafter]) == 0
+    spec_answer = capsys.readouterr().out.strip()
+    assert main([*base, "--image", str(tmp_path / "scene0.png"), "--prompt", "What color is it?",
+                 "--drafter", "none"]) == 0
+    assert capsys.readouterr().out.strip() == spec_answer  # greedy: the drafter changes nothing
+
+    job = tmp_path / "job.jsonl"
+    job.write_text("\n".join(json.dumps({"id": f"q{i}", "image": f"scene{i}.png", "prompt": "What shape is it?"})
+                             for i in range(3)) + "\n")
+    out = tmp_path / "answers"
+    assert main([*base, "--drafter", "none", "--job", str(job), "--out", str(out), "--batch-size", "2"]) == 0
+    lines = (out / "answers.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == ["q0", "q1", "q2"]
+    assert main([*base, "--drafter", "none", "--job", str(job), "--out", str(out)]) == 0  # nothing left to do
+    assert len((out / "answers.jsonl").read_text().splitlines()) == 3
+    assert json.loads((out / "stats.json").read_text())["already_done"] == 3
+
+    capsys.readouterr()
+    assert main([*base, "--image", str(tmp_path / "not-an-image.png"), "--prompt", "?"]) == 2
+    assert "not an image file" in capsys.readouterr().err
+    assert main([*base, "--image", str(tmp_path / "scene0.png")]) == 2
+    assert main([*base, "--tree", "3,3", "--image", str(tmp_path / "scene0.png"), "--prompt", "x"]) == 2
