@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         check(args.image is not None and args.prompt, "a single question needs both --image and --prompt.")
         image = load_image(args.image)
         vlm = load_vlm(args)
-        stream = (lambda row, text: print(text, end="", flush=True)) if args.stream else None
+        stream = (lambda row, text, ids: print(text, end="", flush=True)) if args.stream else None
         start = time.perf_counter()
         out = vlm.generate([image], [args.prompt], args.max_new_tokens, args.temperature, args.top_p,
                            tree=tree, generator=torch.Generator().manual_seed(args.seed), stream=stream)

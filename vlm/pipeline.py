@@ -9,8 +9,9 @@ Prompts without `<image>` are wrapped in LLaVA-1.5's conversation format (`vlm.w
 generated together in batches of `batch_size` (transformers' own assisted generation refuses batches > 1).
 Verification is the core's: `lossless` tree verification (greedy at temperature 0, exact rejection sampling
 otherwise), so the texts are what the target alone would produce (token for token at temperature 0, in
-distribution otherwise). `stream(row, text)` is called after every draft-verify round with each row's newly
-committed text; `rounds[i]` lists row i's tokens grouped by the round that committed them (a UI can colour them).
+distribution otherwise). `stream(row, text, token_ids)` is called after every draft-verify round with each row's
+newly committed text and tokens (the round's accepted drafts, then the target's own token);
+`rounds[i]` lists row i's tokens grouped by the round that committed them (a UI can colour them).
 
 Folder layout: the target (a `LlavaForConditionalGeneration` folder with its processor) at the root, drafters in
 `drafters/<kind>/` (`mmspec train vlm-drafter --kind eagle --target DIR`).
@@ -52,6 +53,16 @@ def load_drafter(folder: str | Path, kind: str):
           f"no {kind} drafter in {folder} (config.json missing); train one with "
           f"`mmspec train vlm-drafter --kind {kind} --target TARGET_DIR`.")
     return DRAFTER_KINDS[kind].from_pretrained(folder)
+
+
+def piece_text(tokenizer, ids: list[int]) -> str:
+    """The text of a piece of an answer WITH its leading space: `decode` drops the word-start space of a
+    SentencePiece / Metaspace first token ("▁red" -> "red"), which would glue streamed pieces together."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    first = tokenizer.convert_ids_to_tokens(ids[:1]) if ids else []
+    if first and isinstance(first[0], str) and first[0].startswith("\u2581") and not text.startswith(" "):
+        text = " " + text
+    return text
 
 
 class SpeculativeVLM:
@@ -116,7 +127,7 @@ class SpeculativeVLM:
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
                  tree: tuple[int, int, int] = (DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS),
                  batch_size: int = 8, generator: torch.Generator | None = None, use_drafter: bool = True,
-                 stream: Callable[[int, str], None] | None = None) -> VLMOutput:
+                 stream: Callable[[int, str, list[int]], None] | None = None) -> VLMOutput:
         """Answers for (image, prompt) pairs; `tree` = (depth, top_k, total_tokens) of the EAGLE-2 draft tree;
         `use_drafter=False` decodes with the target alone (vanilla)."""
         check(len(images) == len(prompts), f"{len(images)} images for {len(prompts)} prompts; give one image "
@@ -154,19 +165,16 @@ class SpeculativeVLM:
         tok = self.processor.tokenizer
 
         def take(tokens: torch.Tensor, counts: torch.Tensor) -> None:
-            """Move each row's newly committed tokens into `rounds` (the prefill's token is its own round)."""
+            """Move each row's newly committed tokens into `rounds` (the prefill's token is its own round) and
+            stream them, a round at a time."""
             for row in range(b):
                 new = tokens[row, seen[row]: int(counts[row])].tolist()
-                if not new:
-                    continue
-                if seen[row] == 0:
-                    rounds[row].append(new[:1])
-                    new = new[1:]
-                if new:
-                    rounds[row].append(new)
-                if stream is not None:
-                    stream(first_row + row, tok.decode(tokens[row, seen[row]: int(counts[row])].tolist(),
-                                                       skip_special_tokens=True))
+                groups = [new[:1], new[1:]] if seen[row] == 0 else [new]
+                for group in groups:
+                    if group:
+                        rounds[row].append(group)
+                        if stream is not None:
+                            stream(first_row + row, piece_text(tok, group), group)
                 seen[row] = int(counts[row])
 
         def record(state, draft, result) -> None:
