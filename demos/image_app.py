@@ -16,20 +16,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 import threading
 import time
 from pathlib import Path
 
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+if __package__ in (None, ""):  # `python demos/image_app.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gradio as gr  # noqa: E402
 import torch  # noqa: E402
 
-if __package__ in (None, ""):  # `python demos/image_app.py` from a checkout
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from demos.common import launch  # noqa: E402
 from mmspec.bench.plots import per_position_figure  # noqa: E402
 from mmspec.cli.family_io import resolve_class, world_class_names  # noqa: E402
 from mmspec.cli.generate import GENERATE_FAMILIES, make_grid, parse_method_args  # noqa: E402
@@ -222,14 +220,6 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
         button.click(run, [family_box, method_box, class_box, method_args, num_images, guidance, temperature, top_k,
                            top_p, seed], [vanilla_image, method_image, summary, stats, plot], api_name="generate")
     return app.queue(default_concurrency_limit=concurrency, max_size=max_queue)
-
-
-THEME_FONTS = ["ui-sans-serif", "system-ui", "sans-serif"]  # local fonts: the page loads nothing from outside
-
-
-def launch(app: gr.Blocks, host: str = "127.0.0.1", port: int | None = None, **kwargs):
-    theme = gr.themes.Default(font=THEME_FONTS, font_mono=["ui-monospace", "monospace"])
-    return app.launch(server_name=host, server_port=port, share=False, theme=theme, **kwargs)
 
 
 def parse_models(items: list[str]) -> dict[str, str]:

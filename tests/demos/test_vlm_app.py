@@ -1,0 +1,139 @@
+"""The VLM demo app (demos/vlm_app.py) on a tiny saved world LLaVA with an EagleVLM drafter: the streamed answer
+adds up to the target's own greedy answer, input checks, the served app driven by gradio_client and, marked
+`browser`, headless Chromium answering an example scene."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+
+gr = pytest.importorskip("gradio", reason="the demo extra (pip install -e '.[demo]') is not installed")
+
+from demos.common import launch  # noqa: E402
+from demos.vlm_app import VLMStore, answer_stream, build_app, example_images  # noqa: E402
+from mmspec.errors import InputError  # noqa: E402
+
+TINY = dict(vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
+            text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2))
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> VLMStore:
+    from transformers import LlavaForConditionalGeneration
+
+    from vlm.eagle import VLMEagleDrafter
+    from vlm.target import LlavaCachedLM
+    from vlm.world import world_llava_config, world_processor
+
+    folder = tmp_path_factory.mktemp("vlm-app-model")
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(world_llava_config(**TINY)).eval()
+    model.save_pretrained(folder)
+    world_processor().save_pretrained(folder)
+    VLMEagleDrafter.for_target(LlavaCachedLM(model)).save_pretrained(folder / "drafters" / "eagle")
+    return VLMStore(folder)
+
+
+SETTINGS = dict(max_new_tokens=12, temperature=0.0, top_p=1.0, depth=3, top_k=3, total=8)
+
+
+def final(stream):
+    *_, last = stream
+    return last
+
+
+def test_streamed_answer_equals_the_target_alone(store):
+    image = example_images(1)[0]
+    segments, stats = final(answer_stream(store, image, "What color is the object?", "eagle", **SETTINGS))
+    vanilla_segments, vanilla = final(answer_stream(store, image, "What color is the object?", "none", **SETTINGS))
+    assert "".join(text for text, _ in segments).strip() == stats["answer"] == vanilla["answer"]
+    assert stats["new_tokens"] == vanilla["new_tokens"] and stats["rounds"] <= vanilla["rounds"]
+    assert all(label in (None, "draft (odd round)", "draft (even round)") for _, label in segments)
+    assert stats["mean_acceptance_length"] is not None and vanilla["mean_acceptance_length"] is None
+    assert store.drafters() == ["eagle", "none"]
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"image_path": None}, "upload an image"),
+    ({"question": "   "}, "type a question"),
+    ({"max_new_tokens": 10**6}, "max new tokens"),
+    ({"temperature": -2}, "temperature"),
+    ({"drafter": "medusa"}, "unknown drafter"),
+])
+def test_bad_requests_are_messages(store, tmp_path, change, message):
+    args = {"image_path": example_images(1)[0], "question": "What shape?", "drafter": "eagle", **SETTINGS, **change}
+    with pytest.raises(InputError, match=message):
+        final(answer_stream(store, **args))
+
+
+def test_not_an_image_and_missing_model(store, tmp_path):
+    bad = tmp_path / "notes.png"
+    bad.write_text("not an image")
+    with pytest.raises(InputError, match="not an image file"):
+        final(answer_stream(store, str(bad), "What shape?", "eagle", **SETTINGS))
+    with pytest.raises(InputError, match="mmspec train vlm"):
+        VLMStore(tmp_path / "nothing").get("none")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(store):
+    app = build_app(store)
+    launch(app, port=free_port(), prevent_thread_lock=True, quiet=True)
+    yield app.local_url
+    app.close()
+
+
+def test_served_app_with_gradio_client(served, tmp_path):
+    from gradio_client import Client, handle_file
+
+    client = Client(served, verbose=False)
+    image = example_images(1)[0]
+    segments, stats = client.predict(handle_file(image), "What color is the object?", "eagle", 12, 0.0, 1.0, 3, 3, 8,
+                                     api_name="/answer")
+    assert stats["new_tokens"] >= 1 and stats["drafter"] == "eagle"
+    text = "".join(item["token"] for item in segments) if isinstance(segments, list) else str(segments)
+    assert text.strip() == stats["answer"]
+    with pytest.raises(Exception, match="type a question"):
+        client.predict(handle_file(image), "", "eagle", 12, 0.0, 1.0, 3, 3, 8, api_name="/answer")
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.browser
+def test_real_browser_answers_an_example(served, tmp_path):
+    try:
+        from playwright.sync_api import expect, sync_playwright
+    except ImportError:
+        sync_playwright = None
+    if CHROMIUM is None or sync_playwright is None:
+        if os.environ.get("MMSPEC_REQUIRE_BROWSER"):
+            pytest.fail("browser tests required (MMSPEC_REQUIRE_BROWSER) but chromium or playwright is missing")
+        pytest.skip("needs Debian's chromium and the playwright package (.ci/run installs both)")
+    shot = Path(os.environ.get("MMSPEC_SCREENSHOT_DIR", tmp_path)) / "vlm_app.png"
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+        page.goto(served)
+        page.locator("#vlm-image input[type=file]").set_input_files(example_images(1)[0])  # an upload
+        expect(page.locator("#vlm-image img")).to_be_visible(timeout=30_000)
+        page.get_by_role("button", name="Answer").click()
+        expect(page.locator("#vlm-stats")).to_contain_text("new_tokens", timeout=120_000)
+        page.screenshot(path=str(shot), full_page=True)
+        page.locator("#vlm-question textarea").fill("")
+        page.get_by_role("button", name="Answer").click()
+        expect(page.get_by_text("type a question", exact=False).first).to_be_visible(timeout=60_000)
+        browser.close()
+    assert shot.stat().st_size > 10_000
