@@ -126,6 +126,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "llamagen": "image_ar.llamagen.bench:llamagen_family",
     "var": "image_ar.var.bench:var_family",
     "mar": "continuous.mar.bench:mar_family",
+    "vlm": "vlm.bench:vlm_family",
 }
 
 _FAMILIES: dict[str, FamilyFactory] = {}

@@ -91,3 +91,26 @@ def test_mmspec_vlm_command(target_dir, tmp_path, capsys):
     assert "not an image file" in capsys.readouterr().err
     assert main([*base, "--image", str(tmp_path / "scene0.png")]) == 2
     assert main([*base, "--tree", "3,3", "--image", str(tmp_path / "scene0.png"), "--prompt", "x"]) == 2
+
+
+def test_bench_family_vlm(target_dir, tmp_path):
+    """`mmspec bench --family vlm` on the tiny target and its drafter: EagleVLM is exact at temperature 0, its
+    figures and the drafter's image-token count are reported."""
+    if not (target_dir / "drafters" / "eagle").is_dir():  # made by test_train_eagle_end_to_end
+        from vlm.eagle import VLMEagleDrafter
+        from vlm.pipeline import SpeculativeVLM
+
+        vlm = SpeculativeVLM.from_pretrained(target_dir)
+        VLMEagleDrafter.for_target(vlm.lm).save_pretrained(target_dir / "drafters" / "eagle")
+    out = tmp_path / "bench"
+    assert main(["bench", "--family", "vlm", "--methods", "vanilla,eagle:depth=3:top_k=3:total_tokens=8",
+                 "--batch-sizes", "1,3", "--repeats", "1", "--warmup", "0", "--num-samples", "3",
+                 "--max-new-tokens", "8", "--temperature", "0", "--family-option", f"model={target_dir}",
+                 "--no-plots", "--quiet", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for block in summary["batch_sizes"]:
+        eagle = [m for m in block["methods"] if m["method"].startswith("eagle")][0]
+        assert eagle["quality"]["exactness"] == 1.0 and eagle["lossless"] is True
+        assert "answer_contains_short" in eagle["quality"]
+    assert "drafter_image_tokens_per_row" in json.dumps(summary)
+    assert len((out / "results.jsonl").read_text().splitlines()) == 2 * 3 * 2  # methods x samples x batch sizes
