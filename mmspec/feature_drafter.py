@@ -104,11 +104,12 @@ class FeatureTreeDrafter:
     (`self.runner.cache`) and the first pending pairs (`self.pending`)."""
 
     def __init__(self, model, target, params: SamplingParams, *, top_k: int, depth: int, total_tokens: int,
-                 position_offset: int, guidance_scale: float | torch.Tensor | None = None):
+                 position_offset: int | torch.Tensor, guidance_scale: float | torch.Tensor | None = None):
         self.max_pool = check_tree_params(top_k, depth, total_tokens)
         self.model, self.target, self.params = model, target, params
         self.top_k, self.depth, self.total = top_k, depth, total_tokens
-        self.position_offset = position_offset  # drafter element at cache slot j sits at position j + offset
+        # drafter element at cache slot j sits at position j + offset: an int, or [B] per row (set by `begin`)
+        self.position_offset = position_offset
         self.width = depth + 1  # pending pairs: at most depth accepted drafts + the final token
         self.runner = GuidedRunner(model, guidance_scale)
         self.pending: PendingPairs | None = None
@@ -119,6 +120,11 @@ class FeatureTreeDrafter:
 
     def begin(self, inputs: Any, state: DecodeState) -> None:
         raise NotImplementedError
+
+    def _offset(self, trailing: int) -> int | torch.Tensor:
+        """The position offset, shaped to add to [B] (trailing 0) or [B, S] (trailing 1) slots."""
+        offset = self.position_offset
+        return offset.view(-1, *([1] * trailing)) if isinstance(offset, torch.Tensor) else offset
 
     def target_features(self, rows: int, positions: int, when: str) -> torch.Tensor:
         """The target's `last_hidden` [R, positions, dim], checked to come from the forward we expect."""
@@ -141,7 +147,7 @@ class FeatureTreeDrafter:
         output feature at the root's pair [R, dim] (h_n: the predicted f_{n+1}) and the root's slot [B]."""
         runner, pending = self.runner, self.pending
         slots = runner.slots(self.width)  # [B, W]; columns past a row's count are scratch
-        positions = slots + self.position_offset  # [B, W]
+        positions = slots + self._offset(1)  # [B, W]
         logits = runner.forward(pending.tokens, positions, slots, features=pending.features)  # [B, W, V]
         last = pending.count - 1  # [B] the root's pair
         batch = torch.arange(slots.shape[0], device=slots.device)
@@ -160,7 +166,7 @@ class FeatureTreeDrafter:
                 return self.log_probs(root_logits).unsqueeze(1)  # [B, 1, V]
             mask = pool.mask(ids, parent_ids)  # [B, F, T]
             features = gather_nodes(pool_features, runner.rows(parent_ids))  # [R, F, dim] the parents' outputs
-            positions = (root_slot + self.position_offset + depth).unsqueeze(-1).expand_as(ids)  # [B, F]
+            positions = (root_slot + self._offset(0) + depth).unsqueeze(-1).expand_as(ids)  # [B, F]
             out = runner.forward(tokens, positions, pool.slots(ids), mask=mask, features=features)  # [B, F, V]
             index = runner.rows(ids).unsqueeze(-1).expand(-1, -1, pool_features.shape[-1])  # [R, F, dim]
             pool_features.scatter_(1, index, model.last_hidden)

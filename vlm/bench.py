@@ -1,7 +1,7 @@
 """The `vlm` bench family: long answers about held-out world scenes from a LLaVA target, alone (`vanilla`) or with
-the EagleVLM drafter (`eagle`, params depth, top_k, total_tokens).
+a drafter from MODEL/drafters/<kind> (`eagle`: EagleVLM, `vispec`: ViSpec; params depth, top_k, total_tokens).
 
-    mmspec bench --family vlm --methods vanilla,eagle,eagle:depth=7:top_k=10:total_tokens=60 --max-new-tokens 96
+    mmspec bench --family vlm --methods vanilla,eagle,vispec,eagle:depth=7:top_k=10:total_tokens=60
 
 Inputs: `--num-samples` test-split scenes, one question each, asked with the long-answer prompt ("Answer in
 detail."): short answers hide any speed-up, so every paper lengthens them, and so does this family (say so when
@@ -10,13 +10,14 @@ quoting its numbers). Family options (`--family-option KEY=VALUE`): model (targe
 vanilla's token for token; lossless methods must give 1.0 at temperature 0) and `answer_contains_short` (the
 answer contains the world's short answer as a word: how often the target is right, the same for every lossless
 method at temperature 0). The drafter's prefill cost is reported as the figure `drafter_image_tokens_per_row`:
-how many image tokens the drafter attends to per row (EagleVLM: all of them).
+how many image tokens the drafter attends to per row (EagleVLM: all of them; ViSpec: one compressed token).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,17 +38,15 @@ def _options(settings: BenchSettings) -> dict[str, Any]:
             "top_p": float(settings.options.get("top_p", 1.0))}
 
 
-def build(settings: BenchSettings):
-    from vlm.pipeline import SpeculativeVLM
+def build(settings: BenchSettings) -> dict:
+    """The target (loaded once) and every drafter found in MODEL/drafters/<kind>."""
+    from vlm.pipeline import DRAFTER_KINDS, SpeculativeVLM, load_drafter
 
-    model = _options(settings)["model"]
-    return SpeculativeVLM.from_pretrained(model, "eagle" if _has(model, "eagle") else None, device=settings.device)
-
-
-def _has(model: str, kind: str) -> bool:
-    from pathlib import Path
-
-    return (Path(model) / "drafters" / kind / "config.json").is_file()
+    model = Path(_options(settings)["model"])
+    vlm = SpeculativeVLM.from_pretrained(model, device=settings.device)
+    drafters = {kind: load_drafter(model / "drafters" / kind, kind).to(settings.device) for kind in DRAFTER_KINDS
+                if (model / "drafters" / kind / "config.json").is_file()}
+    return {"target": vlm, "drafters": drafters, "folder": model}
 
 
 def inputs(settings: BenchSettings) -> list[Sample]:
@@ -57,11 +56,17 @@ def inputs(settings: BenchSettings) -> list[Sample]:
     return [Sample(question_id=i, category=ex.qa.kind, data=ex) for i, ex in enumerate(examples)]
 
 
-def _runner(use_drafter: bool):
-    def run(vlm, batch: Sequence[Sample], settings: BenchSettings, params: Mapping[str, Any]) -> MethodOutput:
-        if use_drafter and vlm.drafter is None:
-            raise InputError("method 'eagle' needs an EagleVLM drafter in MODEL/drafters/eagle; train one with "
-                             "`mmspec train vlm-drafter --kind eagle --target MODEL`.")
+def _runner(kind: str | None):
+    def run(models: dict, batch: Sequence[Sample], settings: BenchSettings, params: Mapping[str, Any]) -> MethodOutput:
+        from vlm.pipeline import SpeculativeVLM
+
+        vlm = models["target"]
+        if kind is not None:
+            if kind not in models["drafters"]:
+                raise InputError(f"method {kind!r} needs a drafter in {models['folder']}/drafters/{kind}; train one "
+                                 f"with `mmspec train vlm-drafter --kind {kind} --target {models['folder']}`.")
+            vlm = SpeculativeVLM(vlm.model, vlm.processor, models["drafters"][kind])
+        use_drafter = kind is not None
         tree = (params.get("depth", DEFAULT_DEPTH), params.get("top_k", DEFAULT_TOP_K),
                 params.get("total_tokens", DEFAULT_TOTAL_TOKENS))
         examples = [s.data for s in batch]
@@ -77,9 +82,10 @@ def _runner(use_drafter: bool):
 
 
 def _image_tokens(vlm) -> int:
+    from vlm.vispec import VLMViSpecDrafter
     from vlm.world import num_image_tokens
 
-    return num_image_tokens(vlm.processor)
+    return 1 if isinstance(vlm.drafter, VLMViSpecDrafter) else num_image_tokens(vlm.processor)
 
 
 def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list, settings: BenchSettings) -> dict:
@@ -92,11 +98,12 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
 
 
 def vlm_family() -> Family:
-    methods = {"vanilla": Method(_runner(False), lossless=True, description="the LLaVA target alone"),
-               "eagle": Method(_runner(True), lossless=True,
-                               params={"depth": DEFAULT_DEPTH, "top_k": DEFAULT_TOP_K,
-                                       "total_tokens": DEFAULT_TOTAL_TOKENS},
-                               description="EagleVLM drafter, EAGLE-2 dynamic tree, lossless tree verification")}
+    tree = {"depth": DEFAULT_DEPTH, "top_k": DEFAULT_TOP_K, "total_tokens": DEFAULT_TOTAL_TOKENS}
+    methods = {"vanilla": Method(_runner(None), lossless=True, description="the LLaVA target alone"),
+               "eagle": Method(_runner("eagle"), lossless=True, params=tree,
+                               description="EagleVLM drafter, EAGLE-2 dynamic tree, lossless tree verification"),
+               "vispec": Method(_runner("vispec"), lossless=True, params=tree,
+                                description="ViSpec drafter (compressed image token + global feature), EAGLE-2 tree")}
     return Family(name="vlm", model_id=lambda s: _options(s)["model"], build=build, inputs=inputs, methods=methods,
                   quality=quality, primary_quality="answer_contains_short",
                   to_turn=lambda o: {"text": o["text"], "token_ids": o["tokens"]},

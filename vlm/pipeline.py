@@ -32,9 +32,16 @@ from mmspec.sampling import SamplingParams
 from mmspec.stats import SpecStats
 from vlm.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, VLMEagleDrafter, VLMEagleTreeDrafter
 from vlm.target import LlavaCachedLM, VLMInputs, prefill_vlm
+from vlm.vispec import VLMViSpecDrafter, VLMViSpecTreeDrafter
 from vlm.world import build_prompt
 
-DRAFTER_KINDS = {"eagle": VLMEagleDrafter}
+# kind -> (drafter model class, its loop drafter)
+DRAFTER_KINDS = {"eagle": (VLMEagleDrafter, VLMEagleTreeDrafter), "vispec": (VLMViSpecDrafter, VLMViSpecTreeDrafter)}
+
+
+def tree_drafter_class(drafter) -> type:
+    """The loop drafter of a drafter model (the most specific kind it is an instance of)."""
+    return next(tree for model, tree in reversed(DRAFTER_KINDS.values()) if isinstance(drafter, model))
 
 
 @dataclass
@@ -52,7 +59,7 @@ def load_drafter(folder: str | Path, kind: str):
     check((folder / "config.json").is_file(),
           f"no {kind} drafter in {folder} (config.json missing); train one with "
           f"`mmspec train vlm-drafter --kind {kind} --target TARGET_DIR`.")
-    return DRAFTER_KINDS[kind].from_pretrained(folder)
+    return DRAFTER_KINDS[kind][0].from_pretrained(folder)
 
 
 def piece_text(tokenizer, ids: list[int]) -> str:
@@ -156,8 +163,8 @@ class SpeculativeVLM:
         b = inputs.input_ids.shape[0]
         target = LMTarget(self.lm, params, max_new_tokens, max_draft_nodes=total, prefill_fn=prefill_vlm)
         if use_drafter and self.drafter is not None:
-            drafter = VLMEagleTreeDrafter(self.drafter, self.lm, params, top_k=top_k, depth=depth,
-                                          total_tokens=total)
+            drafter = tree_drafter_class(self.drafter)(self.drafter, self.lm, params, top_k=top_k, depth=depth,
+                                                       total_tokens=total)
         else:
             drafter = NoDrafter()
         rounds: list[list[list[int]]] = [[] for _ in range(b)]  # per row: the tokens of each round

@@ -1,4 +1,5 @@
-"""`mmspec train vlm-drafter`: train a VLM drafter for a LLaVA target on the target's own long answers.
+"""`mmspec train vlm-drafter`: train a VLM drafter (EagleVLM or ViSpec) for a LLaVA target on the target's own
+long answers.
 
     mmspec train vlm-drafter --kind eagle --target assets/vlm          # writes assets/vlm/drafters/eagle
 
@@ -6,12 +7,15 @@ Stages (a rerun skips finished ones unless --force):
 1. `data`: the target answers --num-train world questions (train split, the long-answer prompt, greedy,
    up to --answer-max-tokens tokens): drafters learn the target's own outputs, as ViSpec and SpecVLM prescribe
    (a drafter trained on reference texts drafts what the target would not say). Cached in --work-dir.
-2. `drafter` (`--kind eagle`, EagleVLM): each step runs the frozen target over a batch of (prompt + answer)
+2. `drafter`: `--kind eagle` (EagleVLM): each step runs the frozen target over a batch of (prompt + answer)
    sequences (`vlm.target.prefill_vlm`: merged input embeddings e and final normed features f) and trains the
    drafter on the pairs (e_{i+1}, f_i + noise) to predict f_{i+1}, with EAGLE's loss
    `SmoothL1 + --p-weight * soft CE` (`mmspec.feature_drafter.feature_drafter_loss`) on the positions that draft
    answer tokens. Uniform feature noise of width --noise (EAGLE's 0.2), AdamW (0.9, 0.95), the world trainers'
-   schedule, gradients clipped at 0.5 (EAGLE). Resumable state in --work-dir every --checkpoint-every steps.
+   schedule, gradients clipped at 0.5 (EAGLE). `--kind vispec`: the same loss over ViSpec's short layout
+   (`vlm.vispec`); the first --text-only-fraction of the steps see the text pairs alone (stage 1), the rest
+   the compressed image and global feature plus the anti-shortcut second pass (stage 2). Resumable state in
+   --work-dir every --checkpoint-every steps.
 3. `eval`: on held-out test scenes, greedy EagleVLM vs the target alone (`SpeculativeVLM`): token-for-token
    equality, mean acceptance length, step compression; written to training.json and the card README.md.
 """
@@ -23,6 +27,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -31,7 +36,6 @@ from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_comman
 from mmspec.errors import check, check_positive_int
 from mmspec.feature_drafter import feature_drafter_loss
 from mmspec.world_training import card_head, optimizer_step, write_info
-from vlm.eagle import VLMEagleDrafter
 from vlm.pipeline import DRAFTER_KINDS, SpeculativeVLM
 from vlm.target import VLMInputs, prefill_vlm
 from vlm.world import world_vqa_examples
@@ -53,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise on input features")
     parser.add_argument("--p-weight", type=float, default=0.1, help="weight of the soft cross-entropy")
+    parser.add_argument("--text-only-fraction", type=float, default=0.3,
+                        help="vispec: the first fraction of the steps trains on the text pairs alone (stage 1)")
     parser.add_argument("--no-input-norm", action="store_true",
                         help="EAGLE's original layer without an input norm (default: SpecVLM's input norm)")
     parser.add_argument("--checkpoint-every", type=int, default=500)
@@ -113,10 +119,54 @@ def training_batch(vlm: SpeculativeVLM, data: dict, rows: torch.Tensor) -> tuple
     return VLMInputs(ids, mask.long(), pixels), loss_mask
 
 
-def train_eagle(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, work: Path) -> tuple[VLMEagleDrafter, dict]:
+def eagle_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
+               step_kind: str) -> tuple[torch.Tensor, ...]:
+    """EagleVLM: pairs (e_{i+1}, f_i + noise) over the full sequence predict f_{i+1}."""
+    features, embeds = lm.last_hidden, lm.prompt_embeds  # [B, T, H]
+    pred = drafter(embeds[:, 1:], features[:, :-1] + noise[:, :-1])  # [B, T-1, H]
+    next_logits = lm.model.lm_head(features[:, 1:]).float()  # [B, T-1, V]
+    return feature_drafter_loss(pred, features[:, 1:], next_logits, drafter.head, p_weight, loss_mask)
+
+
+def vispec_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
+                step_kind: str) -> tuple[torch.Tensor, ...]:
+    """ViSpec: the short layout (`vlm.vispec.vispec_layout`); stage "text" drops the image, stage "multimodal"
+    adds the anti-shortcut second pass (the drafter's own features, shifted right, after the image)."""
+    from vlm.vispec import vispec_layout
+
+    features, embeds = lm.last_hidden, lm.prompt_embeds  # [B, T, H]
+    ids, lengths = inputs.input_ids, inputs.lengths
+    text_only = step_kind == "text"
+    layout = vispec_layout(drafter, ids, embeds, features + noise, lm.image_token_id, text_only=text_only)
+    source = layout["source"]  # [B, L'] original position i of each element: it predicts f_i
+    valid = source < lengths.unsqueeze(-1)
+    targets = features.gather(1, source.unsqueeze(-1).expand(-1, -1, features.shape[-1]))  # f_i
+    next_logits = lm.model.lm_head(targets).float()
+    pair_mask = loss_mask.gather(1, (source - 1).clamp_max(loss_mask.shape[1] - 1)) & valid  # pair i -> index i-1
+    pred = drafter.forward_layout(layout["embeds"], layout["features"], layout["positions"], valid)
+    loss, vloss, ploss, agree = feature_drafter_loss(pred, targets, next_logits, drafter.head, p_weight, pair_mask)
+    if text_only:
+        return loss, vloss, ploss, agree
+    own = torch.zeros_like(features).scatter(1, source.unsqueeze(-1).expand(-1, -1, features.shape[-1]),
+                                             pred.detach().to(features.dtype))  # own[i] = predicted f_i
+    layout2 = vispec_layout(drafter, ids, embeds, features + noise, lm.image_token_id, shortcut_features=own)
+    pred2 = drafter.forward_layout(layout2["embeds"], layout2["features"], layout2["positions"], valid)
+    loss2 = feature_drafter_loss(pred2, targets, next_logits, drafter.head, p_weight, pair_mask)[0]
+    return loss + loss2, vloss, ploss, agree
+
+
+LOSSES = {"eagle": eagle_loss, "vispec": vispec_loss}
+KIND_TEXT = {"eagle": "EagleVLM feature drafter (one Llama decoder layer over [input embedding ; target feature])",
+             "vispec": "ViSpec drafter (EagleVLM + vision adaptor: one compressed image token, a global image "
+                       "feature fused into later text; anti-shortcut training)"}
+
+
+def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, work: Path) -> tuple[Any, dict]:
     torch.manual_seed(args.seed)
     lm = vlm.lm
-    drafter = VLMEagleDrafter.for_target(lm, input_norm=not args.no_input_norm).train()
+    drafter = DRAFTER_KINDS[args.kind][0].for_target(lm, input_norm=not args.no_input_norm).train()
+    loss_fn = LOSSES[args.kind]
+    text_steps = int(args.steps * args.text_only_fraction) if args.kind == "vispec" else 0
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     state_path = work / f"{args.kind}-state.pt"
@@ -137,13 +187,10 @@ def train_eagle(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, work:
         rows = torch.randint(0, data["ids"].shape[0], (args.batch_size,), generator=gen)
         inputs, loss_mask = training_batch(vlm, data, rows)
         with torch.no_grad():
-            prefill_vlm(lm, inputs, extra_capacity=1)
-            features, embeds = lm.last_hidden, lm.prompt_embeds  # [B, T, H]
-            next_logits = lm.model.lm_head(features[:, 1:]).float()  # [B, T-1, V]
-        noise = (torch.rand(features[:, :-1].shape, generator=gen) - 0.5) * args.noise
-        pred = drafter(embeds[:, 1:], features[:, :-1] + noise.to(features.dtype))  # [B, T-1, H]
-        loss, vloss, ploss, agree = feature_drafter_loss(pred, features[:, 1:], next_logits, drafter.head,
-                                                         args.p_weight, loss_mask)
+            prefill_vlm(lm, inputs, extra_capacity=1)  # lm.last_hidden, lm.prompt_embeds [B, T, H]
+        noise = ((torch.rand(lm.last_hidden.shape, generator=gen) - 0.5) * args.noise).to(lm.last_hidden.dtype)
+        stage = "text" if step < text_steps else "multimodal"
+        loss, vloss, ploss, agree = loss_fn(drafter, lm, inputs, loss_mask, noise, args.p_weight, stage)
         optimizer_step(opt, loss, step, args.steps, args.lr, max_grad_norm=0.5)
         history.append([float(vloss), float(ploss), float(agree)])
         if step % 25 == 0:
@@ -156,6 +203,7 @@ def train_eagle(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, work:
     last = torch.tensor(history[-50:]).mean(0).tolist() if history else [float("nan")] * 3
     info = {"kind": args.kind, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
             "noise": args.noise, "p_weight": args.p_weight, "input_norm": not args.no_input_norm,
+            "text_only_steps": text_steps,
             "num_train": int(data["ids"].shape[0]), "seconds": time.perf_counter() - start,
             "final_feature_smoothl1": last[0], "final_soft_ce": last[1], "final_top1_agreement": last[2],
             "first_feature_smoothl1": history[0][0] if history else None,
@@ -182,8 +230,8 @@ def evaluate(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int) -> dict:
 def _card(command: str, info: dict) -> str:
     d = info["drafter"]
     lines = card_head(f"VLM drafter ({d['kind']}) for the world LLaVA",
-                      ["An EagleVLM feature drafter (one Llama decoder layer over [input embedding ; target feature]) "
-                       "trained on the target's own greedy long answers."], command, machine_summary())
+                      [f"A {KIND_TEXT[d['kind']]} trained on the target's own greedy long answers."], command,
+                      machine_summary())
     lines.append(f"| drafter | fc + 1 decoder layer, input norm {d['input_norm']}, {d['parameters'] / 1e6:.2f}M "
                  f"parameters | {d['steps']} steps x batch {d['batch_size']} on {d['num_train']} answers | "
                  f"{d['seconds']:.0f} s |")
@@ -214,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
     if "data" in stages or "drafter" in stages:
         data = answer_cache(vlm, args, work)
     if "drafter" in stages and (args.force or not (out / "config.json").is_file()):
-        drafter, info["drafter"] = train_eagle(vlm, data, args, work)
+        drafter, info["drafter"] = train_drafter(vlm, data, args, work)
         with atomic_output_dir(out) as tmp:
             drafter.save_pretrained(tmp)
             write_info(tmp / "training.json", info)

@@ -103,14 +103,38 @@ def test_bench_family_vlm(target_dir, tmp_path):
         vlm = SpeculativeVLM.from_pretrained(target_dir)
         VLMEagleDrafter.for_target(vlm.lm).save_pretrained(target_dir / "drafters" / "eagle")
     out = tmp_path / "bench"
-    assert main(["bench", "--family", "vlm", "--methods", "vanilla,eagle:depth=3:top_k=3:total_tokens=8",
+    from vlm.vispec import VLMViSpecDrafter
+
+    if not (target_dir / "drafters" / "vispec").is_dir():
+        from vlm.pipeline import SpeculativeVLM
+
+        vlm = SpeculativeVLM.from_pretrained(target_dir)
+        VLMViSpecDrafter.for_target(vlm.lm).save_pretrained(target_dir / "drafters" / "vispec")
+    assert main(["bench", "--family", "vlm", "--methods",
+                 "vanilla,eagle:depth=3:top_k=3:total_tokens=8,vispec:depth=3:top_k=3:total_tokens=8",
                  "--batch-sizes", "1,3", "--repeats", "1", "--warmup", "0", "--num-samples", "3",
                  "--max-new-tokens", "8", "--temperature", "0", "--family-option", f"model={target_dir}",
                  "--no-plots", "--quiet", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     for block in summary["batch_sizes"]:
-        eagle = [m for m in block["methods"] if m["method"].startswith("eagle")][0]
-        assert eagle["quality"]["exactness"] == 1.0 and eagle["lossless"] is True
-        assert "answer_contains_short" in eagle["quality"]
-    assert "drafter_image_tokens_per_row" in json.dumps(summary)
-    assert len((out / "results.jsonl").read_text().splitlines()) == 2 * 3 * 2  # methods x samples x batch sizes
+        for kind, attended in (("eagle", 64), ("vispec", 1)):
+            method = [m for m in block["methods"] if m["method"].startswith(kind)][0]
+            assert method["quality"]["exactness"] == 1.0 and method["lossless"] is True
+            assert "answer_contains_short" in method["quality"]
+            assert method["quality"]["drafter_image_tokens_per_row"] == attended
+    assert len((out / "results.jsonl").read_text().splitlines()) == 3 * 3 * 2  # methods x samples x batch sizes
+
+
+def test_train_vispec(target_dir, tmp_path):
+    out = tmp_path / "vispec"
+    assert train(target_dir, tmp_path / "work", "--kind", "vispec", "--steps", "40", "--lr", "3e-3",
+                 "--out", str(out)) == 0
+    info = json.loads((out / "training.json").read_text())
+    assert info["drafter"]["text_only_steps"] == 12
+    assert info["eval"]["greedy_equal_to_vanilla"] is True
+    assert info["drafter"]["final_feature_smoothl1"] < info["drafter"]["first_feature_smoothl1"]
+    from vlm.pipeline import SpeculativeVLM
+    from vlm.vispec import VLMViSpecDrafter
+
+    vlm = SpeculativeVLM.from_pretrained(target_dir, "vispec", drafter_path=out)
+    assert isinstance(vlm.drafter, VLMViSpecDrafter)
