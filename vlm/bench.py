@@ -1,5 +1,6 @@
 """The `vlm` bench family: long answers about held-out world scenes from a LLaVA target, alone (`vanilla`) or with
-a drafter from MODEL/drafters/<kind> (`eagle`: EagleVLM, `vispec`: ViSpec; params depth, top_k, total_tokens).
+a drafter from MODEL/drafters/<kind> (`eagle`: EagleVLM, `vispec`: ViSpec, `msd`: MSD; params depth, top_k,
+total_tokens).
 
     mmspec bench --family vlm --methods vanilla,eagle,vispec,eagle:depth=7:top_k=10:total_tokens=60
 
@@ -10,7 +11,8 @@ quoting its numbers). Family options (`--family-option KEY=VALUE`): model (targe
 vanilla's token for token; lossless methods must give 1.0 at temperature 0) and `answer_contains_short` (the
 answer contains the world's short answer as a word: how often the target is right, the same for every lossless
 method at temperature 0). The drafter's prefill cost is reported as the figure `drafter_image_tokens_per_row`:
-how many image tokens the drafter attends to per row (EagleVLM: all of them; ViSpec: one compressed token).
+how many image tokens the drafter attends to per row (EagleVLM and MSD: all of them; ViSpec: one compressed
+token).
 """
 
 from __future__ import annotations
@@ -103,7 +105,9 @@ def vlm_family() -> Family:
                "eagle": Method(_runner("eagle"), lossless=True, params=tree,
                                description="EagleVLM drafter, EAGLE-2 dynamic tree, lossless tree verification"),
                "vispec": Method(_runner("vispec"), lossless=True, params=tree,
-                                description="ViSpec drafter (compressed image token + global feature), EAGLE-2 tree")}
+                                description="ViSpec drafter (compressed image token + global feature), EAGLE-2 tree"),
+               "msd": Method(_runner("msd"), lossless=True, params=tree,
+                             description="MSD drafter (raw visual embeddings at image positions), EAGLE-2 tree")}
     return Family(name="vlm", model_id=lambda s: _options(s)["model"], build=build, inputs=inputs, methods=methods,
                   quality=quality, primary_quality="answer_contains_short",
                   to_turn=lambda o: {"text": o["text"], "token_ids": o["tokens"]},

@@ -166,6 +166,10 @@ class VLMEagleTreeDrafter(FeatureTreeDrafter):
                          total_tokens=total_tokens, position_offset=1)
         self.drafter = drafter
 
+    def prompt_inputs(self, inputs: VLMInputs) -> dict:
+        """Extra `forward_cached` inputs of the prompt's pairs (none for EagleVLM; MSD's image mask)."""
+        return {}
+
     def begin(self, inputs: VLMInputs, state: DecodeState) -> None:
         target, drafter = self.target, self.drafter
         lengths = inputs.lengths.to(state.done.device)  # [B]
@@ -178,7 +182,8 @@ class VLMEagleTreeDrafter(FeatureTreeDrafter):
         self.runner.cache = cache
         if p > 1:  # the prompt's pairs (f_j, e_{j+1}), j < P_b - 1
             slots = cache.slots(p - 1)  # [B, P-1]
-            self.runner.forward(None, slots + 1, slots, features=features[:, :-1], embeds=embeds[:, 1:])
+            self.runner.forward(None, slots + 1, slots, features=features[:, :-1], embeds=embeds[:, 1:],
+                                **self.prompt_inputs(inputs))
             self.runner.commit_chain(lengths - 1)
         last = (lengths - 1).view(b, 1, 1).expand(-1, -1, features.shape[-1])
         self.pending = PendingPairs(state.last_token, features.gather(1, last)[:, 0], self.width)

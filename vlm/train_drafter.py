@@ -15,7 +15,8 @@ Stages (a rerun skips finished ones unless --force):
    schedule, gradients clipped at 0.5 (EAGLE). `--kind vispec`: the same loss over ViSpec's short layout
    (`vlm.vispec`); the first --text-only-fraction of the steps see the text pairs alone (stage 1), the rest
    the compressed image and global feature plus the anti-shortcut second pass (stage 2). Resumable state in
-   --work-dir every --checkpoint-every steps.
+   --work-dir every --checkpoint-every steps. `--kind msd`: MSD's decoupled inputs and its two-stage schedule
+   (`vlm.msd.msd_visual_probability`).
 3. `eval`: on held-out test scenes, greedy EagleVLM vs the target alone (`SpeculativeVLM`): token-for-token
    equality, mean acceptance length, step compression; written to training.json and the card README.md.
 """
@@ -36,6 +37,7 @@ from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_comman
 from mmspec.errors import check, check_positive_int
 from mmspec.feature_drafter import feature_drafter_loss
 from mmspec.world_training import card_head, optimizer_step, write_info
+from vlm.msd import msd_visual_probability, text_pair_positions
 from vlm.pipeline import DRAFTER_KINDS, SpeculativeVLM
 from vlm.target import VLMInputs, prefill_vlm
 from vlm.world import world_vqa_examples
@@ -155,8 +157,32 @@ def vispec_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: 
     return loss + loss2, vloss, ploss, agree
 
 
-LOSSES = {"eagle": eagle_loss, "vispec": vispec_loss}
+def msd_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
+             step_kind: str) -> tuple[torch.Tensor, ...]:
+    """MSD: decoupled inputs (raw visual embeddings at image positions) over the full sequence, or the text pairs
+    alone at their true positions (stage "text")."""
+    features, embeds = lm.last_hidden, lm.prompt_embeds  # [B, T, H]
+    ids = inputs.input_ids
+    if step_kind == "text":
+        positions = text_pair_positions(ids, lm.image_token_id)  # [B, L'] pair at position i: (e_i, f_{i-1})
+    else:
+        positions = torch.arange(1, ids.shape[1]).expand(ids.shape[0], -1)
+    h = features.shape[-1]
+    pair_embeds = embeds.gather(1, positions.unsqueeze(-1).expand(-1, -1, h))
+    pair_features = (features + noise).gather(1, (positions - 1).unsqueeze(-1).expand(-1, -1, h))
+    valid = positions < inputs.lengths.unsqueeze(-1)
+    image_mask = ids.gather(1, positions) == lm.image_token_id
+    pred = drafter(pair_embeds, pair_features, positions, image_mask=image_mask, valid=valid)
+    targets = features.gather(1, positions.unsqueeze(-1).expand(-1, -1, h))  # f_i
+    next_logits = lm.model.lm_head(targets).float()
+    mask = loss_mask.gather(1, positions - 1) & valid
+    return feature_drafter_loss(pred, targets, next_logits, drafter.head, p_weight, mask)
+
+
+LOSSES = {"eagle": eagle_loss, "vispec": vispec_loss, "msd": msd_loss}
 KIND_TEXT = {"eagle": "EagleVLM feature drafter (one Llama decoder layer over [input embedding ; target feature])",
+             "msd": "MSD drafter (EAGLE fusion at text positions, raw visual embeddings at image positions; "
+                    "two-stage text-then-multimodal schedule)",
              "vispec": "ViSpec drafter (EagleVLM + vision adaptor: one compressed image token, a global image "
                        "feature fused into later text; anti-shortcut training)"}
 
@@ -189,7 +215,11 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
         with torch.no_grad():
             prefill_vlm(lm, inputs, extra_capacity=1)  # lm.last_hidden, lm.prompt_embeds [B, T, H]
         noise = ((torch.rand(lm.last_hidden.shape, generator=gen) - 0.5) * args.noise).to(lm.last_hidden.dtype)
-        stage = "text" if step < text_steps else "multimodal"
+        if args.kind == "msd":  # MSD's schedule: text-only, then visual with a growing probability
+            visual = float(torch.rand((), generator=gen)) < msd_visual_probability(step, args.steps)
+            stage = "multimodal" if visual else "text"
+        else:
+            stage = "text" if step < text_steps else "multimodal"
         loss, vloss, ploss, agree = loss_fn(drafter, lm, inputs, loss_mask, noise, args.p_weight, stage)
         optimizer_step(opt, loss, step, args.steps, args.lr, max_grad_norm=0.5)
         history.append([float(vloss), float(ploss), float(agree)])

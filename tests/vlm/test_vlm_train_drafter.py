@@ -138,3 +138,12 @@ def test_train_vispec(target_dir, tmp_path):
 
     vlm = SpeculativeVLM.from_pretrained(target_dir, "vispec", drafter_path=out)
     assert isinstance(vlm.drafter, VLMViSpecDrafter)
+
+
+def test_train_msd(target_dir, tmp_path):
+    out = tmp_path / "msd"
+    assert train(target_dir, tmp_path / "work", "--kind", "msd", "--steps", "40", "--lr", "3e-3",
+                 "--out", str(out)) == 0
+    info = json.loads((out / "training.json").read_text())
+    assert info["eval"]["greedy_equal_to_vanilla"] is True
+    assert info["drafter"]["final_feature_smoothl1"] < info["drafter"]["first_feature_smoothl1"]

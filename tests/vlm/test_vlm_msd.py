@@ -1,0 +1,48 @@
+"""MSD (`vlm.msd`): decoupled inputs (raw visual embeddings at image positions), its schedule, and losslessness
+through the loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vlm_dummies import IMAGE_TOKEN, batch, prompt, tiny_llava
+
+from mmspec.lm import LMTarget, NoDrafter
+from mmspec.loop import generate
+from mmspec.sampling import SamplingParams
+from vlm.msd import VLMMSDDrafter, VLMMSDTreeDrafter, msd_visual_probability, text_pair_positions
+from vlm.target import LlavaCachedLM, prefill_vlm
+
+ROWS = [prompt([7, 8, 20], [9], 16), prompt([12], [13, 30, 31, 32], 16), prompt([], [5], 16)]
+
+
+def test_image_positions_read_the_raw_visual_embedding():
+    drafter = VLMMSDDrafter.for_target(LlavaCachedLM(tiny_llava()))
+    e, f = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
+    image = torch.tensor([[False, True, True, False, False], [True, False, False, False, True]])
+    x = drafter.decoupled(e, f, image)
+    torch.testing.assert_close(x[image], e[image])
+    torch.testing.assert_close(x[~image], drafter.fuse(e, f)[~image])
+
+
+def test_schedule_and_text_positions():
+    assert [msd_visual_probability(s, 40) for s in (0, 19, 20, 30, 38, 39)] == [0.0, 0.0, 0.0, 0.5, 0.9, 1.0]
+    ids = torch.tensor([[1, 7, IMAGE_TOKEN, IMAGE_TOKEN, 9, 0], [1, IMAGE_TOKEN, IMAGE_TOKEN, 8, 9, 10]])
+    assert text_pair_positions(ids, IMAGE_TOKEN).tolist() == [[1, 4, 5], [3, 4, 5]]
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_greedy_msd_equals_greedy_vanilla(batch_size):
+    model = tiny_llava(seed=5)
+    rows, pixels = ROWS[:batch_size], torch.rand(batch_size, 3, 32, 32)
+    lm = LlavaCachedLM(model)
+    torch.manual_seed(0)
+    drafter = VLMMSDDrafter.for_target(lm)
+    params = SamplingParams(temperature=0.0)
+    vanilla = generate(LMTarget(lm, params, 12, prefill_fn=prefill_vlm), NoDrafter(), "greedy", batch(rows, pixels),
+                       batch_size=batch_size, max_new_tokens=12)
+    tree = VLMMSDTreeDrafter(drafter, lm, params, top_k=3, depth=3, total_tokens=8)
+    spec = generate(LMTarget(lm, params, 12, max_draft_nodes=8, prefill_fn=prefill_vlm), tree, "lossless",
+                    batch(rows, pixels), batch_size=batch_size, max_new_tokens=12)
+    assert torch.equal(spec.tokens, vanilla.tokens)
+    assert spec.stats.num_drafts > 0
