@@ -1,8 +1,9 @@
 """VLM speculative decoding on LLaVA-style targets (EagleVLM, ViSpec, MSD, SpecVLM drafters).
 
-Here so far: `vlm.target` (a transformers LLaVA as the loop's cached target), `vlm.eagle` (EagleVLM drafter and
-its EAGLE-2 tree drafter), `vlm.vispec` (ViSpec), `vlm.msd` (MSD), `vlm.pipeline` (`SpeculativeVLM`: batched
-generate with streaming), `vlm.world` (the embedded-world LLaVA: config, processor, prompt format, VQA
-batches), `vlm.train` (`mmspec train vlm`), `vlm.train_drafter` (`mmspec train vlm-drafter`), `vlm.cli`
-(`mmspec vlm`) and `vlm.bench` (bench family `vlm`). SpecVLM is not implemented yet (docs/vlm.md).
+`vlm.target` (a transformers LLaVA as the loop's cached target), `vlm.eagle` (EagleVLM drafter and its EAGLE-2
+tree drafter), `vlm.vispec` (ViSpec), `vlm.msd` (MSD), `vlm.specvlm` (SpecVLM), `vlm.pipeline`
+(`SpeculativeVLM`: batched generate with streaming), `vlm.world` (the embedded-world LLaVA: config, processor,
+prompt format, VQA batches), `vlm.train` (`mmspec train vlm`), `vlm.train_drafter` (`mmspec train
+vlm-drafter`), `vlm.cli` (`mmspec vlm`) and `vlm.bench` (bench family `vlm`). The embedded world default is
+not trained yet (docs/vlm.md).
 """

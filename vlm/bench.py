@@ -1,6 +1,6 @@
 """The `vlm` bench family: long answers about held-out world scenes from a LLaVA target, alone (`vanilla`) or with
-a drafter from MODEL/drafters/<kind> (`eagle`: EagleVLM, `vispec`: ViSpec, `msd`: MSD; params depth, top_k,
-total_tokens).
+a drafter from MODEL/drafters/<kind> (`eagle`: EagleVLM, `vispec`: ViSpec, `msd`: MSD, `specvlm`: SpecVLM;
+params depth, top_k, total_tokens).
 
     mmspec bench --family vlm --methods vanilla,eagle,vispec,eagle:depth=7:top_k=10:total_tokens=60
 
@@ -84,9 +84,12 @@ def _runner(kind: str | None):
 
 
 def _image_tokens(vlm) -> int:
+    from vlm.specvlm import VLMSpecVLMDrafter
     from vlm.vispec import VLMViSpecDrafter
     from vlm.world import num_image_tokens
 
+    if isinstance(vlm.drafter, VLMSpecVLMDrafter):  # the gate's choices of the last batch, averaged over rows
+        return float(vlm.drafter.compressor.sizes_tensor()[vlm.drafter.last_choice].float().mean())
     return 1 if isinstance(vlm.drafter, VLMViSpecDrafter) else num_image_tokens(vlm.processor)
 
 
@@ -107,7 +110,9 @@ def vlm_family() -> Family:
                "vispec": Method(_runner("vispec"), lossless=True, params=tree,
                                 description="ViSpec drafter (compressed image token + global feature), EAGLE-2 tree"),
                "msd": Method(_runner("msd"), lossless=True, params=tree,
-                             description="MSD drafter (raw visual embeddings at image positions), EAGLE-2 tree")}
+                             description="MSD drafter (raw visual embeddings at image positions), EAGLE-2 tree"),
+               "specvlm": Method(_runner("specvlm"), lossless=True, params=tree,
+                                 description="SpecVLM drafter (gated elastic visual compressor), EAGLE-2 tree")}
     return Family(name="vlm", model_id=lambda s: _options(s)["model"], build=build, inputs=inputs, methods=methods,
                   quality=quality, primary_quality="answer_contains_short",
                   to_turn=lambda o: {"text": o["text"], "token_ids": o["tokens"]},

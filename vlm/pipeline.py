@@ -32,13 +32,14 @@ from mmspec.sampling import SamplingParams
 from mmspec.stats import SpecStats
 from vlm.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, VLMEagleDrafter, VLMEagleTreeDrafter
 from vlm.msd import VLMMSDDrafter, VLMMSDTreeDrafter
+from vlm.specvlm import VLMSpecVLMDrafter, VLMSpecVLMTreeDrafter
 from vlm.target import LlavaCachedLM, VLMInputs, prefill_vlm
 from vlm.vispec import VLMViSpecDrafter, VLMViSpecTreeDrafter
 from vlm.world import build_prompt
 
 # kind -> (drafter model class, its loop drafter)
 DRAFTER_KINDS = {"eagle": (VLMEagleDrafter, VLMEagleTreeDrafter), "vispec": (VLMViSpecDrafter, VLMViSpecTreeDrafter),
-                 "msd": (VLMMSDDrafter, VLMMSDTreeDrafter)}
+                 "msd": (VLMMSDDrafter, VLMMSDTreeDrafter), "specvlm": (VLMSpecVLMDrafter, VLMSpecVLMTreeDrafter)}
 
 
 def tree_drafter_class(drafter) -> type:

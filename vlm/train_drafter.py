@@ -16,7 +16,8 @@ Stages (a rerun skips finished ones unless --force):
    (`vlm.vispec`); the first --text-only-fraction of the steps see the text pairs alone (stage 1), the rest
    the compressed image and global feature plus the anti-shortcut second pass (stage 2). Resumable state in
    --work-dir every --checkpoint-every steps. `--kind msd`: MSD's decoupled inputs and its two-stage schedule
-   (`vlm.msd.msd_visual_probability`).
+   (`vlm.msd.msd_visual_probability`). `--kind specvlm`: the elastic compressor and its gate (straight-through
+   Gumbel-softmax) trained with the target as online teacher on every batch (`vlm.specvlm`).
 3. `eval`: on held-out test scenes, greedy EagleVLM vs the target alone (`SpeculativeVLM`): token-for-token
    equality, mean acceptance length, step compression; written to training.json and the card README.md.
 """
@@ -122,7 +123,7 @@ def training_batch(vlm: SpeculativeVLM, data: dict, rows: torch.Tensor) -> tuple
 
 
 def eagle_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
-               step_kind: str) -> tuple[torch.Tensor, ...]:
+               step_kind: str, **batch) -> tuple[torch.Tensor, ...]:
     """EagleVLM: pairs (e_{i+1}, f_i + noise) over the full sequence predict f_{i+1}."""
     features, embeds = lm.last_hidden, lm.prompt_embeds  # [B, T, H]
     pred = drafter(embeds[:, 1:], features[:, :-1] + noise[:, :-1])  # [B, T-1, H]
@@ -131,7 +132,7 @@ def eagle_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: t
 
 
 def vispec_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
-                step_kind: str) -> tuple[torch.Tensor, ...]:
+                step_kind: str, **batch) -> tuple[torch.Tensor, ...]:
     """ViSpec: the short layout (`vlm.vispec.vispec_layout`); stage "text" drops the image, stage "multimodal"
     adds the anti-shortcut second pass (the drafter's own features, shifted right, after the image)."""
     from vlm.vispec import vispec_layout
@@ -158,7 +159,7 @@ def vispec_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: 
 
 
 def msd_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
-             step_kind: str) -> tuple[torch.Tensor, ...]:
+             step_kind: str, **batch) -> tuple[torch.Tensor, ...]:
     """MSD: decoupled inputs (raw visual embeddings at image positions) over the full sequence, or the text pairs
     alone at their true positions (stage "text")."""
     features, embeds = lm.last_hidden, lm.prompt_embeds  # [B, T, H]
@@ -179,10 +180,30 @@ def msd_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: tor
     return feature_drafter_loss(pred, targets, next_logits, drafter.head, p_weight, mask)
 
 
-LOSSES = {"eagle": eagle_loss, "vispec": vispec_loss, "msd": msd_loss}
+def specvlm_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
+                 step_kind: str, **batch) -> tuple[torch.Tensor, ...]:
+    """SpecVLM: the gate picks a primitive per row (straight-through Gumbel-softmax) and the layout holds its tokens;
+    online distillation from the target running on this very batch (features + logits)."""
+    from vlm.specvlm import specvlm_layout
+
+    features, embeds = lm.last_hidden, lm.prompt_embeds  # [B, T, H]
+    layout = specvlm_layout(drafter, inputs.input_ids, embeds, features + noise, inputs.lengths,
+                            batch["prompt_lengths"], lm.image_token_id, train=True, generator=batch["generator"])
+    source, valid = layout["source"].clamp_min(1), layout["valid"]
+    h = features.shape[-1]
+    targets = features.gather(1, source.unsqueeze(-1).expand(-1, -1, h))  # f_source
+    next_logits = lm.model.lm_head(targets).float()
+    mask = loss_mask.gather(1, source - 1) & valid
+    pred = drafter.forward_layout(layout["embeds"], layout["features"], layout["positions"], valid)
+    return feature_drafter_loss(pred, targets, next_logits, drafter.head, p_weight, mask)
+
+
+LOSSES = {"eagle": eagle_loss, "vispec": vispec_loss, "msd": msd_loss, "specvlm": specvlm_loss}
 KIND_TEXT = {"eagle": "EagleVLM feature drafter (one Llama decoder layer over [input embedding ; target feature])",
              "msd": "MSD drafter (EAGLE fusion at text positions, raw visual embeddings at image positions; "
                     "two-stage text-then-multimodal schedule)",
+             "specvlm": "SpecVLM drafter (EagleVLM + elastic visual compressor picked per input by a "
+                        "question-aware gate; online logit distillation)",
              "vispec": "ViSpec drafter (EagleVLM + vision adaptor: one compressed image token, a global image "
                        "feature fused into later text; anti-shortcut training)"}
 
@@ -220,7 +241,8 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
             stage = "multimodal" if visual else "text"
         else:
             stage = "text" if step < text_steps else "multimodal"
-        loss, vloss, ploss, agree = loss_fn(drafter, lm, inputs, loss_mask, noise, args.p_weight, stage)
+        loss, vloss, ploss, agree = loss_fn(drafter, lm, inputs, loss_mask, noise, args.p_weight, stage,
+                                            prompt_lengths=data["prompt_lengths"][rows], generator=gen)
         optimizer_step(opt, loss, step, args.steps, args.lr, max_grad_norm=0.5)
         history.append([float(vloss), float(ploss), float(agree)])
         if step % 25 == 0:

@@ -94,35 +94,32 @@ def test_mmspec_vlm_command(target_dir, tmp_path, capsys):
 
 
 def test_bench_family_vlm(target_dir, tmp_path):
-    """`mmspec bench --family vlm` on the tiny target and its drafter: EagleVLM is exact at temperature 0, its
-    figures and the drafter's image-token count are reported."""
-    if not (target_dir / "drafters" / "eagle").is_dir():  # made by test_train_eagle_end_to_end
-        from vlm.eagle import VLMEagleDrafter
-        from vlm.pipeline import SpeculativeVLM
+    """`mmspec bench --family vlm` on the tiny target with every drafter kind: all exact at temperature 0, their
+    figures and the drafters' image-token counts reported."""
+    from vlm.pipeline import DRAFTER_KINDS, SpeculativeVLM
 
-        vlm = SpeculativeVLM.from_pretrained(target_dir)
-        VLMEagleDrafter.for_target(vlm.lm).save_pretrained(target_dir / "drafters" / "eagle")
+    vlm = SpeculativeVLM.from_pretrained(target_dir)
+    for kind, (cls, _) in DRAFTER_KINDS.items():
+        if not (target_dir / "drafters" / kind).is_dir():
+            cls.for_target(vlm.lm).save_pretrained(target_dir / "drafters" / kind)
+    tree = ":depth=3:top_k=3:total_tokens=8"
     out = tmp_path / "bench"
-    from vlm.vispec import VLMViSpecDrafter
-
-    if not (target_dir / "drafters" / "vispec").is_dir():
-        from vlm.pipeline import SpeculativeVLM
-
-        vlm = SpeculativeVLM.from_pretrained(target_dir)
-        VLMViSpecDrafter.for_target(vlm.lm).save_pretrained(target_dir / "drafters" / "vispec")
-    assert main(["bench", "--family", "vlm", "--methods",
-                 "vanilla,eagle:depth=3:top_k=3:total_tokens=8,vispec:depth=3:top_k=3:total_tokens=8",
+    assert main(["bench", "--family", "vlm", "--methods", "vanilla," + ",".join(k + tree for k in DRAFTER_KINDS),
                  "--batch-sizes", "1,3", "--repeats", "1", "--warmup", "0", "--num-samples", "3",
                  "--max-new-tokens", "8", "--temperature", "0", "--family-option", f"model={target_dir}",
                  "--no-plots", "--quiet", "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     for block in summary["batch_sizes"]:
-        for kind, attended in (("eagle", 64), ("vispec", 1)):
+        for kind, attended in (("eagle", 64), ("vispec", 1), ("msd", 64), ("specvlm", None)):
             method = [m for m in block["methods"] if m["method"].startswith(kind)][0]
             assert method["quality"]["exactness"] == 1.0 and method["lossless"] is True
             assert "answer_contains_short" in method["quality"]
-            assert method["quality"]["drafter_image_tokens_per_row"] == attended
-    assert len((out / "results.jsonl").read_text().splitlines()) == 3 * 3 * 2  # methods x samples x batch sizes
+            if attended is not None:
+                assert method["quality"]["drafter_image_tokens_per_row"] == attended
+            else:
+                assert 0 <= method["quality"]["drafter_image_tokens_per_row"] <= 16
+    n_methods = 1 + len(DRAFTER_KINDS)
+    assert len((out / "results.jsonl").read_text().splitlines()) == n_methods * 3 * 2  # x samples x batch sizes
 
 
 def test_train_vispec(target_dir, tmp_path):
@@ -143,6 +140,15 @@ def test_train_vispec(target_dir, tmp_path):
 def test_train_msd(target_dir, tmp_path):
     out = tmp_path / "msd"
     assert train(target_dir, tmp_path / "work", "--kind", "msd", "--steps", "40", "--lr", "3e-3",
+                 "--out", str(out)) == 0
+    info = json.loads((out / "training.json").read_text())
+    assert info["eval"]["greedy_equal_to_vanilla"] is True
+    assert info["drafter"]["final_feature_smoothl1"] < info["drafter"]["first_feature_smoothl1"]
+
+
+def test_train_specvlm(target_dir, tmp_path):
+    out = tmp_path / "specvlm"
+    assert train(target_dir, tmp_path / "work", "--kind", "specvlm", "--steps", "40", "--lr", "3e-3",
                  "--out", str(out)) == 0
     info = json.loads((out / "training.json").read_text())
     assert info["eval"]["greedy_equal_to_vanilla"] is True
