@@ -1,0 +1,60 @@
+"""The embedded MAR default (assets/mar) as users meet it: `mmspec generate --family mar --method cspd`, the quality
+its card claims (on a small sample) for the target, CSpD's exact special case on the real models, and a CSpD run
+that accepts draft tokens."""
+
+import json
+
+import pytest
+import torch
+
+from continuous.mar import CSpDPipeline, MARPipeline
+from mmspec.cli import main
+from mmspec.data.artifacts import ASSETS_DIR
+from mmspec.verify.cspd import CSpDRule
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipe = CSpDPipeline.from_pretrained(ASSETS_DIR / "mar")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def gens(n: int, offset: int = 0) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(offset + i) for i in range(n)]
+
+
+def test_generate_cspd_on_the_embedded_default(tmp_path):
+    out = tmp_path / "mar"
+    assert main(["generate", "--family", "mar", "--method", "cspd", "--classes", "0,7", "--num-images", "1",
+                 "--method-arg", "gamma=4", "--method-arg", "num_sampling_steps=25", "--out", str(out),
+                 "--quiet"]) == 0
+    assert len(list((out / "images").glob("*.png"))) == 2
+    stats = json.loads((out / "stats.json").read_text())["stats"]
+    assert stats["num_draft_forwards"] > 0 and stats["num_emitted_tokens"] == 2 * (64 - 4)  # 4 pre-filled
+
+
+def test_target_images_are_judged_as_their_class(pipe):
+    """The card reports the accuracy on 256 images (about 0.4: the issue's 0.9 is not reached yet). 32 images at
+    50 diffusion steps must clear 0.25: a broken model scores ~1/16, and 0.25 needs the right colour (4 colours x
+    4 shapes) and some shapes."""
+    from mmspec.metrics import class_accuracy
+
+    labels = torch.arange(32) % 16
+    out = pipe.as_mar_pipeline("target")(class_labels=labels, generator=gens(32), output_type="pt",
+                                         num_sampling_steps=50)
+    assert class_accuracy(out.images, labels) >= 0.25
+
+
+def test_cspd_on_the_real_models(pipe):
+    labels = [0, 5, 10, 15]
+    vanilla = pipe.as_mar_pipeline("target")(class_labels=labels, generator=gens(4, 3), num_sampling_steps=25,
+                                             output_type="latent")
+    same = CSpDPipeline(target=pipe.target, draft=pipe.target, vae=pipe.vae)
+    same.set_progress_bar_config(disable=True)
+    exact = same(class_labels=labels, generator=gens(4, 3), gamma=1, num_sampling_steps=25, output_type="latent")
+    assert torch.equal(exact.tokens, vanilla.tokens)
+    code = pipe(class_labels=labels, generator=gens(4, 3), gamma=4, num_sampling_steps=25, output_type="latent",
+                rule=CSpDRule.reference_code())  # independent checks: every window is emitted whole
+    assert code.stats.num_target_forwards == 4 + 15 and torch.isfinite(code.tokens).all()
+    assert isinstance(pipe.as_mar_pipeline(), MARPipeline)
