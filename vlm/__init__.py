@@ -4,6 +4,6 @@
 tree drafter), `vlm.vispec` (ViSpec), `vlm.msd` (MSD), `vlm.specvlm` (SpecVLM), `vlm.pipeline`
 (`SpeculativeVLM`: batched generate with streaming), `vlm.world` (the embedded-world LLaVA: config, processor,
 prompt format, VQA batches), `vlm.train` (`mmspec train vlm`), `vlm.train_drafter` (`mmspec train
-vlm-drafter`), `vlm.cli` (`mmspec vlm`) and `vlm.bench` (bench family `vlm`). The embedded world default is
-not trained yet (docs/vlm.md).
+vlm-drafter`), `vlm.cli` (`mmspec vlm`) and `vlm.bench` (bench family `vlm`). The embedded world target ships
+in assets/vlm; its drafters are not trained yet (docs/vlm.md).
 """

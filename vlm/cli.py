@@ -35,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", default=None, help="a .jsonl / .csv job file with columns id, image, prompt")
     parser.add_argument("--out", default=None, help="output folder of a job (answers.jsonl, stats.json)")
     parser.add_argument("--model", default=None, help="target folder (default: the embedded assets/vlm)")
-    parser.add_argument("--drafter", default="eagle", help="drafter kind in MODEL/drafters, or 'none' (vanilla)")
+    parser.add_argument("--drafter", default="auto",
+                        help="drafter kind in MODEL/drafters, 'none' (vanilla), or 'auto' (default: the first of "
+                             "eagle, vispec, msd, specvlm found, else none)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -75,6 +77,12 @@ def load_vlm(args: argparse.Namespace):
         raise InputError(f"no embedded VLM at {folder}; make it with `mmspec train vlm` (and a drafter with "
                          "`mmspec train vlm-drafter --kind eagle`), or pass --model DIR.")
     drafter = None if args.drafter == "none" else args.drafter
+    if args.drafter == "auto":
+        from vlm.pipeline import DRAFTER_KINDS
+
+        found = [k for k in DRAFTER_KINDS if (folder / "drafters" / k / "config.json").is_file()]
+        drafter = found[0] if found else None
+        print(f"drafter: {drafter or 'none (the target alone)'}", file=sys.stderr)
     return SpeculativeVLM.from_pretrained(folder, drafter, device=args.device)
 
 
