@@ -114,17 +114,24 @@ class VLMEagleDrafter(ModelMixin, ConfigMixin):
         """The target's LM head on drafter features [..., H] -> float32 logits [..., V]."""
         return self.target.model.lm_head(hidden).float()
 
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor | None = None,
-                ) -> torch.Tensor:
-        """Teacher-forced training forward over pairs (embeds e_{1..S} [R, S, H], features f_{0..S-1} [R, S, H])
-        with causal attention at positions 1..S (default). Returns the predicted features h [R, S, H]."""
-        s = embeds.shape[1]
+    def run_layers(self, x: torch.Tensor, positions: torch.Tensor | None = None,
+                   valid: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder layer over drafter inputs x [R, S, H] (after fc) with causal attention over valid [R, S]
+        (all when None; padding hidden) at positions [R or 1, S] (default 1..S). Returns h [R, S, H]."""
+        r, s = x.shape[:2]
         if positions is None:
-            positions = torch.arange(1, s + 1, device=embeds.device).unsqueeze(0)  # [1, S]
-        mask = torch.ones(s, s, dtype=torch.bool, device=embeds.device).tril().unsqueeze(0)  # [1, S, S]
-        x = self.fuse(embeds, features)
-        return run_llama_layers(self.layers, self.rotary_emb, x, positions, mask.expand(embeds.shape[0], -1, -1),
-                                backend=self.attention_backend)
+            positions = torch.arange(1, s + 1, device=x.device).unsqueeze(0)  # [1, S]
+        mask = torch.ones(s, s, dtype=torch.bool, device=x.device).tril().unsqueeze(0).expand(r, -1, -1)  # [R,S,S]
+        if valid is not None:
+            mask = mask & valid.unsqueeze(1)
+        return run_llama_layers(self.layers, self.rotary_emb, x, positions, mask, backend=self.attention_backend)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced training forward over pairs (embeds e_{1..S} [R, S, H], features f_{0..S-1} [R, S, H])
+        with causal attention over valid [R, S] at positions (default 1..S). Returns the predicted features h
+        [R, S, H]. Drafters with their own layouts (ViSpec, SpecVLM) pass prepared embeds, features, positions."""
+        return self.run_layers(self.fuse(embeds, features), positions, valid)
 
     def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
         attn = self.layers[0].self_attn

@@ -37,14 +37,7 @@ class VLMMSDDrafter(VLMEagleDrafter):
                 image_mask: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Teacher-forced training forward over pairs (e_{1..S}, f_{0..S-1}) [R, S, H] at positions (default
         1..S), image_mask [R, S] marking image positions, causal over valid [R, S]. Returns h [R, S, H]."""
-        r, s = embeds.shape[:2]
-        if positions is None:
-            positions = torch.arange(1, s + 1, device=embeds.device).unsqueeze(0)
-        mask = torch.ones(s, s, dtype=torch.bool, device=embeds.device).tril().unsqueeze(0).expand(r, -1, -1)
-        if valid is not None:
-            mask = mask & valid.unsqueeze(1)
-        return run_llama_layers(self.layers, self.rotary_emb, self.decoupled(embeds, features, image_mask),
-                                positions, mask, backend=self.attention_backend)
+        return self.run_layers(self.decoupled(embeds, features, image_mask), positions, valid)
 
     @torch.no_grad()
     def forward_cached(self, tokens, positions, cache, slots, mask, *, features, embeds=None, image_mask=None):

@@ -37,7 +37,7 @@ from mmspec.errors import check
 from mmspec.feature_drafter import PendingPairs
 from mmspec.loop import DecodeState
 from vlm.eagle import VLMEagleDrafter, VLMEagleTreeDrafter
-from vlm.target import VLMInputs, run_llama_layers
+from vlm.target import VLMInputs
 from vlm.vispec import VisionAdaptor
 
 PRIMITIVES = ("prune", "pool", "conv", "resample", "text_only")
@@ -114,14 +114,6 @@ class VLMSpecVLMDrafter(VLMEagleDrafter):
         padded = torch.stack([F.pad(o, (0, 0, 0, m - o.shape[1])) for o in outs], dim=1)  # [N, 5, M, H]
         tokens = (weights.to(padded.dtype)[:, :, None, None] * padded).sum(1)  # [N, M, H]
         return tokens, self.compressor.sizes_tensor().to(image.device)[weights.argmax(-1)]
-
-    def forward_layout(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                       valid: torch.Tensor) -> torch.Tensor:
-        """Training forward over a prepared layout [R, S, H] (causal over valid [R, S]) -> h [R, S, H]."""
-        s = embeds.shape[1]
-        mask = torch.ones(s, s, dtype=torch.bool, device=embeds.device).tril().unsqueeze(0) & valid.unsqueeze(1)
-        return run_llama_layers(self.layers, self.rotary_emb, self.fuse(embeds, features), positions, mask,
-                                backend=self.attention_backend)
 
 
 def question_features(input_ids: torch.Tensor, features: torch.Tensor, lengths: torch.Tensor,

@@ -146,14 +146,14 @@ def vispec_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: 
     targets = features.gather(1, source.unsqueeze(-1).expand(-1, -1, features.shape[-1]))  # f_i
     next_logits = lm.model.lm_head(targets).float()
     pair_mask = loss_mask.gather(1, (source - 1).clamp_max(loss_mask.shape[1] - 1)) & valid  # pair i -> index i-1
-    pred = drafter.forward_layout(layout["embeds"], layout["features"], layout["positions"], valid)
+    pred = drafter(layout["embeds"], layout["features"], layout["positions"], valid)
     loss, vloss, ploss, agree = feature_drafter_loss(pred, targets, next_logits, drafter.head, p_weight, pair_mask)
     if text_only:
         return loss, vloss, ploss, agree
     own = torch.zeros_like(features).scatter(1, source.unsqueeze(-1).expand(-1, -1, features.shape[-1]),
                                              pred.detach().to(features.dtype))  # own[i] = predicted f_i
     layout2 = vispec_layout(drafter, ids, embeds, features + noise, lm.image_token_id, shortcut_features=own)
-    pred2 = drafter.forward_layout(layout2["embeds"], layout2["features"], layout2["positions"], valid)
+    pred2 = drafter(layout2["embeds"], layout2["features"], layout2["positions"], valid)
     loss2 = feature_drafter_loss(pred2, targets, next_logits, drafter.head, p_weight, pair_mask)[0]
     return loss + loss2, vloss, ploss, agree
 
@@ -194,7 +194,7 @@ def specvlm_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise:
     targets = features.gather(1, source.unsqueeze(-1).expand(-1, -1, h))  # f_source
     next_logits = lm.model.lm_head(targets).float()
     mask = loss_mask.gather(1, source - 1) & valid
-    pred = drafter.forward_layout(layout["embeds"], layout["features"], layout["positions"], valid)
+    pred = drafter(layout["embeds"], layout["features"], layout["positions"], valid)
     return feature_drafter_loss(pred, targets, next_logits, drafter.head, p_weight, mask)
 
 

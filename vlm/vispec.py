@@ -36,7 +36,7 @@ from mmspec.feature_drafter import PendingPairs
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams
 from vlm.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, VLMEagleDrafter, VLMEagleTreeDrafter
-from vlm.target import LlavaCachedLM, VLMInputs, run_llama_layers
+from vlm.target import LlavaCachedLM, VLMInputs
 
 
 class VisionAdaptor(nn.Module):
@@ -97,18 +97,6 @@ class VLMViSpecDrafter(VLMEagleDrafter):
         if self.global_feature is not None:
             features = self.with_global(features, self.global_feature)
         return super().forward_cached(tokens, positions, cache, slots, mask, features=features, embeds=embeds)
-
-    def forward_layout(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                       valid: torch.Tensor | None = None) -> torch.Tensor:
-        """Training / prefill forward over prepared drafter inputs: embeds, features [R, S, H] (already fused),
-        positions [R, S], causal over valid [R, S] (padding hidden). Returns h [R, S, H]."""
-        s = embeds.shape[1]
-        mask = torch.ones(s, s, dtype=torch.bool, device=embeds.device).tril().unsqueeze(0).expand(
-            embeds.shape[0], -1, -1)
-        if valid is not None:
-            mask = mask & valid.unsqueeze(1)
-        return run_llama_layers(self.layers, self.rotary_emb, self.fuse(embeds, features), positions, mask,
-                                backend=self.attention_backend)
 
 
 def vispec_layout(drafter: VLMViSpecDrafter, input_ids: torch.Tensor, embeds: torch.Tensor, features: torch.Tensor,

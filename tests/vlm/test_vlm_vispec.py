@@ -68,7 +68,7 @@ def test_greedy_vispec_equals_greedy_vanilla(batch_size):
 
 
 def test_cached_root_equals_the_layout_forward():
-    """After begin, the drafter's output at the root pair equals `forward_layout` over the layout of the prompt
+    """After begin, the drafter's output at the root pair equals its training forward over the layout of the prompt
     followed by the first generated token (compressed image, true positions, g on the text after it)."""
     model = tiny_llava(seed=2)
     lm = LlavaCachedLM(model)
@@ -90,5 +90,5 @@ def test_cached_root_equals_the_layout_forward():
         seq_features = torch.cat([features[b: b + 1, :n], torch.zeros(1, 1, 32)], 1)  # f_n is never read
         with torch.no_grad():
             layout = vispec_layout(drafter, ids, seq_embeds, seq_features, IMAGE_TOKEN)
-            h = drafter.forward_layout(layout["embeds"], layout["features"], layout["positions"])
+            h = drafter(layout["embeds"], layout["features"], layout["positions"])
         torch.testing.assert_close(root_hidden[b], h[0, -1], atol=1e-5, rtol=1e-5)
