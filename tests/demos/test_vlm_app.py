@@ -5,8 +5,6 @@ adds up to the target's own greedy answer, input checks, the served app driven b
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,7 +12,8 @@ import torch
 
 gr = pytest.importorskip("gradio", reason="the demo extra (pip install -e '.[demo]') is not installed")
 
-from demos.common import launch  # noqa: E402
+from demo_helpers import headless_page, serve  # noqa: E402
+
 from demos.vlm_app import VLMStore, answer_stream, build_app, example_images  # noqa: E402
 from mmspec.errors import InputError  # noqa: E402
 
@@ -81,18 +80,9 @@ def test_not_an_image_and_missing_model(store, tmp_path):
         VLMStore(tmp_path / "nothing").get("none")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(store):
-    app = build_app(store)
-    launch(app, port=free_port(), prevent_thread_lock=True, quiet=True)
-    yield app.local_url
-    app.close()
+    yield from serve(build_app(store))
 
 
 def test_served_app_with_gradio_client(served, tmp_path):
@@ -109,23 +99,10 @@ def test_served_app_with_gradio_client(served, tmp_path):
         client.predict(handle_file(image), "", "eagle", 12, 0.0, 1.0, 3, 3, 8, api_name="/answer")
 
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
 @pytest.mark.browser
 def test_real_browser_answers_an_example(served, tmp_path):
-    try:
-        from playwright.sync_api import expect, sync_playwright
-    except ImportError:
-        sync_playwright = None
-    if CHROMIUM is None or sync_playwright is None:
-        if os.environ.get("MMSPEC_REQUIRE_BROWSER"):
-            pytest.fail("browser tests required (MMSPEC_REQUIRE_BROWSER) but chromium or playwright is missing")
-        pytest.skip("needs Debian's chromium and the playwright package (.ci/run installs both)")
     shot = Path(os.environ.get("MMSPEC_SCREENSHOT_DIR", tmp_path)) / "vlm_app.png"
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    with headless_page(1000) as (page, expect):
         page.goto(served)
         page.locator("#vlm-image input[type=file]").set_input_files(example_images(1)[0])  # an upload
         expect(page.locator("#vlm-image img")).to_be_visible(timeout=30_000)
@@ -135,5 +112,4 @@ def test_real_browser_answers_an_example(served, tmp_path):
         page.locator("#vlm-question textarea").fill("")
         page.get_by_role("button", name="Answer").click()
         expect(page.get_by_text("type a question", exact=False).first).to_be_visible(timeout=60_000)
-        browser.close()
     assert shot.stat().st_size > 10_000
