@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_dummies import IMAGE_TOKEN, batch, prompt, tiny_llava
+from vlm_dummies import IMAGE_TOKEN, greedy_vanilla_and_tree, prompt, tiny_llava
 
-from mmspec.lm import LMTarget, NoDrafter
-from mmspec.loop import generate
-from mmspec.sampling import SamplingParams
 from vlm.msd import VLMMSDDrafter, VLMMSDTreeDrafter, msd_visual_probability, text_pair_positions
-from vlm.target import LlavaCachedLM, prefill_vlm
+from vlm.target import LlavaCachedLM
 
 ROWS = [prompt([7, 8, 20], [9], 16), prompt([12], [13, 30, 31, 32], 16), prompt([], [5], 16)]
 
@@ -38,11 +35,6 @@ def test_greedy_msd_equals_greedy_vanilla(batch_size):
     lm = LlavaCachedLM(model)
     torch.manual_seed(0)
     drafter = VLMMSDDrafter.for_target(lm)
-    params = SamplingParams(temperature=0.0)
-    vanilla = generate(LMTarget(lm, params, 12, prefill_fn=prefill_vlm), NoDrafter(), "greedy", batch(rows, pixels),
-                       batch_size=batch_size, max_new_tokens=12)
-    tree = VLMMSDTreeDrafter(drafter, lm, params, top_k=3, depth=3, total_tokens=8)
-    spec = generate(LMTarget(lm, params, 12, max_draft_nodes=8, prefill_fn=prefill_vlm), tree, "lossless",
-                    batch(rows, pixels), batch_size=batch_size, max_new_tokens=12)
+    vanilla, spec = greedy_vanilla_and_tree(lm, VLMMSDTreeDrafter, drafter, rows, pixels)
     assert torch.equal(spec.tokens, vanilla.tokens)
     assert spec.stats.num_drafts > 0

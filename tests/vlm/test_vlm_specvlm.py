@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_dummies import IMAGE_TOKEN, batch, prompt, tiny_llava
+from vlm_dummies import IMAGE_TOKEN, batch, greedy_vanilla_and_tree, prompt, tiny_llava
 
-from mmspec.lm import LMTarget, NoDrafter
-from mmspec.loop import generate
-from mmspec.sampling import SamplingParams
 from vlm.specvlm import PRIMITIVES, VLMSpecVLMDrafter, VLMSpecVLMTreeDrafter, specvlm_layout
 from vlm.target import LlavaCachedLM, prefill_vlm
 
@@ -74,11 +71,6 @@ def test_greedy_specvlm_equals_greedy_vanilla(choice):
     drafter = VLMSpecVLMDrafter.for_target(lm)
     with torch.no_grad():
         drafter.gate[-1].bias[choice] = 50.0
-    params = SamplingParams(temperature=0.0)
-    vanilla = generate(LMTarget(lm, params, 12, prefill_fn=prefill_vlm), NoDrafter(), "greedy", batch(ROWS, pixels),
-                       batch_size=3, max_new_tokens=12)
-    tree = VLMSpecVLMTreeDrafter(drafter, lm, params, top_k=3, depth=3, total_tokens=8)
-    spec = generate(LMTarget(lm, params, 12, max_draft_nodes=8, prefill_fn=prefill_vlm), tree, "lossless",
-                    batch(ROWS, pixels), batch_size=3, max_new_tokens=12)
+    vanilla, spec = greedy_vanilla_and_tree(lm, VLMSpecVLMTreeDrafter, drafter, ROWS, pixels)
     assert torch.equal(spec.tokens, vanilla.tokens)
     assert drafter.last_choice.tolist() == [choice] * 3

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_dummies import IMAGE_TOKEN, batch, prompt, tiny_llava
+from vlm_dummies import IMAGE_TOKEN, batch, greedy_vanilla_and_tree, prompt, tiny_llava
 
-from mmspec.lm import LMTarget, NoDrafter
-from mmspec.loop import DecodeState, generate
+from mmspec.lm import LMTarget
+from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams
 from vlm.target import LlavaCachedLM, prefill_vlm
 from vlm.vispec import VLMViSpecDrafter, VLMViSpecTreeDrafter, vispec_layout
@@ -57,12 +57,7 @@ def test_greedy_vispec_equals_greedy_vanilla(batch_size):
     lm = LlavaCachedLM(model)
     torch.manual_seed(0)
     drafter = trained_looking(VLMViSpecDrafter.for_target(lm))
-    params = SamplingParams(temperature=0.0)
-    vanilla = generate(LMTarget(lm, params, 12, prefill_fn=prefill_vlm), NoDrafter(), "greedy", batch(rows, pixels),
-                       batch_size=batch_size, max_new_tokens=12)
-    tree = VLMViSpecTreeDrafter(drafter, lm, params, top_k=3, depth=3, total_tokens=8)
-    spec = generate(LMTarget(lm, params, 12, max_draft_nodes=8, prefill_fn=prefill_vlm), tree, "lossless",
-                    batch(rows, pixels), batch_size=batch_size, max_new_tokens=12)
+    vanilla, spec = greedy_vanilla_and_tree(lm, VLMViSpecTreeDrafter, drafter, rows, pixels)
     assert torch.equal(spec.tokens, vanilla.tokens)
     assert spec.stats.num_drafts > 0
 

@@ -34,3 +34,20 @@ def batch(rows: list[list[int]], pixel_values: torch.Tensor) -> VLMInputs:
     for i, r in enumerate(rows):
         ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
     return VLMInputs(ids, mask, pixel_values)
+
+
+def greedy_vanilla_and_tree(lm, tree_cls, drafter, rows: list[list[int]], pixels: torch.Tensor, steps: int = 12):
+    """Greedy vanilla decoding and greedy EAGLE-2 tree drafting (top_k 3, depth 3, 8 nodes) with `tree_cls` over
+    the same right-padded batch: (vanilla output, speculative output)."""
+    from mmspec.lm import LMTarget, NoDrafter
+    from mmspec.loop import generate
+    from mmspec.sampling import SamplingParams
+    from vlm.target import prefill_vlm
+
+    params, b = SamplingParams(temperature=0.0), len(rows)
+    vanilla = generate(LMTarget(lm, params, steps, prefill_fn=prefill_vlm), NoDrafter(), "greedy",
+                       batch(rows, pixels), batch_size=b, max_new_tokens=steps)
+    tree = tree_cls(drafter, lm, params, top_k=3, depth=3, total_tokens=8)
+    spec = generate(LMTarget(lm, params, steps, max_draft_nodes=8, prefill_fn=prefill_vlm), tree, "lossless",
+                    batch(rows, pixels), batch_size=b, max_new_tokens=steps)
+    return vanilla, spec
