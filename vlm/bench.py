@@ -75,22 +75,12 @@ def _runner(kind: str | None):
         out = vlm.generate([ex.image for ex in examples], [ex.prompt for ex in examples], settings.max_new_tokens,
                            settings.temperature, _options(settings)["top_p"], tree=tree, batch_size=len(batch),
                            generator=torch.Generator().manual_seed(settings.seed), use_drafter=use_drafter)
-        attended = _image_tokens(vlm) if use_drafter else None
+        attended = vlm.drafter_image_tokens() if use_drafter else None
         outputs = [{"tokens": ids, "text": text, "short": ex.qa.short, "drafter_image_tokens": attended}
                    for ids, text, ex in zip(out.token_ids, out.texts, examples)]
         return MethodOutput(outputs=outputs, new_tokens=[len(ids) for ids in out.token_ids], stats=out.stats)
 
     return run
-
-
-def _image_tokens(vlm) -> int:
-    from vlm.specvlm import VLMSpecVLMDrafter
-    from vlm.vispec import VLMViSpecDrafter
-    from vlm.world import num_image_tokens
-
-    if isinstance(vlm.drafter, VLMSpecVLMDrafter):  # the gate's choices of the last batch, averaged over rows
-        return float(vlm.drafter.compressor.sizes_tensor()[vlm.drafter.last_choice].float().mean())
-    return 1 if isinstance(vlm.drafter, VLMViSpecDrafter) else num_image_tokens(vlm.processor)
 
 
 def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list, settings: BenchSettings) -> dict:

@@ -35,7 +35,7 @@ from vlm.msd import VLMMSDDrafter, VLMMSDTreeDrafter
 from vlm.specvlm import VLMSpecVLMDrafter, VLMSpecVLMTreeDrafter
 from vlm.target import LlavaCachedLM, VLMInputs, prefill_vlm
 from vlm.vispec import VLMViSpecDrafter, VLMViSpecTreeDrafter
-from vlm.world import build_prompt
+from vlm.world import build_prompt, num_image_tokens
 
 # kind -> (drafter model class, its loop drafter)
 DRAFTER_KINDS = {"eagle": (VLMEagleDrafter, VLMEagleTreeDrafter), "vispec": (VLMViSpecDrafter, VLMViSpecTreeDrafter),
@@ -113,6 +113,16 @@ class SpeculativeVLM:
         return vlm
 
     # --------------------------------------------------------------------------------------------- inputs
+    def drafter_image_tokens(self) -> float | None:
+        """How many image tokens the drafter attends to per row (its prefill cost): EagleVLM and MSD all of them,
+        ViSpec its one compressed token, SpecVLM the size its gate chose (the last batch's rows averaged); None
+        without a drafter."""
+        if self.drafter is None:
+            return None
+        if isinstance(self.drafter, VLMSpecVLMDrafter):
+            return float(self.drafter.compressor.sizes_tensor()[self.drafter.last_choice].float().mean())
+        return 1 if isinstance(self.drafter, VLMViSpecDrafter) else num_image_tokens(self.processor)
+
     def prompt_text(self, prompt: str) -> str:
         check(isinstance(prompt, str) and prompt.strip(), "every prompt must be a non-empty string.")
         return prompt if "<image>" in prompt else build_prompt(prompt.strip(), long=False)

@@ -4,14 +4,18 @@ procedural world's questions, on a CPU, in stages.
     mmspec train vlm --out assets/vlm
 
 Stages (a rerun skips a finished stage unless --force):
-1. `target`: `LlavaForConditionalGeneration(world_llava_config())`, vision tower included (there is no pretrained
-   CLIP), trained with teacher forcing on fresh world scenes every step (one question per scene; cross-entropy on
-   the answer tokens and `<eos>` only). Each batch asks either for short answers or for long ones (a fraction
+1. `vision`: the CLIP vision tower pretrained on the world's scene labels (vlm/vision_pretrain.py: per-cell shape,
+   colour and size, background; --vision-steps, 0 skips it), standing in for LLaVA's pretrained CLIP. Saved in
+   --work-dir for the next stage.
+2. `target`: `LlavaForConditionalGeneration(world_llava_config())` with the pretrained tower, frozen as in LLaVA
+   (--train-vision fine-tunes it; --vision-steps 0 trains a fresh tower through the answer loss alone), trained with
+   teacher forcing on fresh world scenes every step (one question per scene; cross-entropy on the answer tokens
+   and `<eos>` only). Each batch asks either for short answers or for long ones (a fraction
    --long-fraction of the steps, evenly interleaved), so short batches are not padded to long-answer length.
    AdamW and the world trainers' schedule (`optimizer_step`). The state (model, optimiser, step) is saved in
    --work-dir every --checkpoint-every steps, and an interrupted run resumes from it. The model and the processor
    are written to --out atomically.
-2. `eval`: on held-out test scenes, greedy short answers to every question of --eval-scenes scenes (exact match,
+3. `eval`: on held-out test scenes, greedy short answers to every question of --eval-scenes scenes (exact match,
    overall and per question kind) and --eval-long long answers (exact match with the templated answer, first
    sentence exact, contains the short answer, mean length in tokens); writes training.json and the card README.md.
 """
@@ -40,6 +44,7 @@ from mmspec.world_training import (
     optimizer_step,
     write_info,
 )
+from vlm.vision_pretrain import pretrain_vision_tower
 from vlm.world import (
     VQAExample,
     collate_vqa,
@@ -49,7 +54,8 @@ from vlm.world import (
     world_vqa_examples,
 )
 
-STAGES = ("target", "eval")
+STAGES = ("vision", "target", "eval")
+VISION_FILE = "vision-tower.pt"  # in --work-dir: the pretrained tower, read by the target stage
 MODEL_CONFIG_KEYS = {"vision", "text", "projector_hidden_act", "vision_feature_layer", "multimodal_projector_bias"}
 SHORT_MAX_NEW_TOKENS = 6  # short answers are one or two words (at most 3 tokens with <eos>)
 LONG_MAX_NEW_TOKENS = 96  # long answers are at most ~55 tokens
@@ -63,6 +69,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--long-fraction", type=float, default=0.5,
                         help="fraction of the steps whose batch asks for long answers (the rest: short answers)")
     parser.add_argument("--two-objects", type=float, default=0.4, help="probability of a two-object scene")
+    parser.add_argument("--vision-steps", type=int, default=2000,
+                        help="pretraining steps of the vision tower on the scene labels (0: no pretraining)")
+    parser.add_argument("--vision-batch-size", type=int, default=64)
+    parser.add_argument("--vision-lr", type=float, default=1e-3)
+    parser.add_argument("--train-vision", action="store_true",
+                        help="fine-tune the pretrained vision tower with the language model (default: frozen, as in "
+                             "LLaVA)")
     parser.add_argument("--checkpoint-every", type=int, default=500,
                         help="save the resumable training state in --work-dir every N steps (0 = never)")
     parser.add_argument("--eval-scenes", type=int, default=300,
@@ -78,9 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_args(args: argparse.Namespace) -> dict:
     """Checked numeric options; returns the parsed --model-config."""
-    for name in ("steps", "batch_size", "eval_scenes", "eval_long", "eval_batch_size"):
+    for name in ("steps", "batch_size", "eval_scenes", "eval_long", "eval_batch_size", "vision_batch_size"):
         check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
     check_positive_int("--threads", args.threads)
+    check(args.vision_steps >= 0, f"--vision-steps must be >= 0, got {args.vision_steps}.")
+    check(args.vision_lr > 0, f"--vision-lr must be > 0, got {args.vision_lr}.")
+    check(not (args.train_vision and args.vision_steps == 0),
+          "--train-vision fine-tunes the pretrained tower: it needs --vision-steps > 0 (with --vision-steps 0 the "
+          "fresh tower is always trained with the language model).")
     check(args.checkpoint_every >= 0, f"--checkpoint-every must be >= 0, got {args.checkpoint_every}.")
     check(args.lr > 0, f"--lr must be > 0, got {args.lr}.")
     check(0.0 <= args.long_fraction <= 1.0, f"--long-fraction must be in [0, 1], got {args.long_fraction}.")
@@ -120,20 +138,29 @@ def training_batch(processor, step: int, batch_size: int, seed: int, long_fracti
 
 def train_target(steps: int, batch_size: int, lr: float, seed: int, quiet: bool, long_fraction: float = 0.5,
                  two_objects: float = 0.4, model_config: dict | None = None, processor=None,
-                 state_path: Path | None = None, checkpoint_every: int = 500):
-    """A fresh world LLaVA trained with teacher forcing; returns (model in eval mode, info). Resumes from
-    state_path (model, optimiser, step) when it exists and saves it there every checkpoint_every steps; the
-    data of a step depends only on the step, so a resumed run equals an uninterrupted one."""
+                 state_path: Path | None = None, checkpoint_every: int = 500, vision_state: dict | None = None,
+                 train_vision: bool = False):
+    """A fresh world LLaVA trained with teacher forcing; returns (model in eval mode, info). `vision_state`: a
+    pretrained vision tower (vlm/vision_pretrain.py), frozen unless `train_vision`; None trains a fresh tower with the
+    rest. Resumes from state_path (model, optimiser, step) when it exists and saves it there every
+    checkpoint_every steps; the data of a step depends only on the step, so a resumed run equals an uninterrupted
+    one."""
     from transformers import LlavaForConditionalGeneration
 
     processor = processor if processor is not None else world_processor()
     model_config = model_config or {}
     settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "long_fraction": long_fraction,
-                "two_objects": two_objects, "model_config": model_config}
+                "two_objects": two_objects, "model_config": model_config,
+                "vision_pretrained": vision_state is not None, "train_vision": train_vision}
     torch.manual_seed(seed)
     config = world_llava_config(tokenizer=processor.tokenizer, **model_config)
     model = LlavaForConditionalGeneration(config).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.05)
+    tower = model.model.vision_tower
+    if vision_state is not None:
+        tower.load_state_dict(vision_state)
+        tower.requires_grad_(train_vision)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.95), weight_decay=0.05)
     first, seconds, losses = 0, 0.0, {"short": [], "long": []}
     if state_path is not None and state_path.is_file():
         state = torch.load(state_path, weights_only=True)
@@ -147,6 +174,7 @@ def train_target(steps: int, batch_size: int, lr: float, seed: int, quiet: bool,
     bar = tqdm(range(first, steps), desc="vlm target", disable=quiet, initial=first, total=steps)
     for step in bar:
         batch, long = training_batch(processor, step, batch_size, seed, long_fraction, two_objects)
+        tower.train(vision_state is None or train_vision)
         loss = model(**batch).loss
         optimizer_step(opt, loss, step, steps, lr)
         losses["long" if long else "short"].append(round(loss.item(), 5))
@@ -163,6 +191,7 @@ def train_target(steps: int, batch_size: int, lr: float, seed: int, quiet: bool,
     info = {**settings, "resumed_from_step": first, "seconds": time.perf_counter() - start,
             "seconds_per_step": (time.perf_counter() - start) / steps,
             "parameters": sum(p.numel() for p in model.parameters()),
+            "trained_parameters": sum(p.numel() for p in trainable),
             "final_loss_short": tail(losses["short"]), "final_loss_long": tail(losses["long"])}
     if state_path is not None:
         state_path.unlink(missing_ok=True)
@@ -251,6 +280,16 @@ def _card(command: str, info: dict) -> str:
                  f"questions, lr {t.get('lr')}, long answers in {t.get('long_fraction')} of the steps, final loss "
                  f"{t.get('final_loss_short', 0):.3f} (short) / {t.get('final_loss_long', 0):.3f} (long) | "
                  f"{t.get('seconds', 0):.0f} s |")
+    if info.get("vision"):
+        v = info["vision"]
+        acc = ", ".join(f"{k} {a:.3f}" for k, a in v["readout_accuracy"].items())
+        lines.insert(-1, f"| vision tower (pretraining) | the target's CLIP tower, per-token linear readout of patch "
+                         f"labels from hidden layer {v['feature_layer']} | {v['steps']} steps x {v['batch_size']} scenes, "
+                         f"lr {v['lr']}; held-out readout accuracy {acc} | {v['seconds']:.0f} s |")
+        how = "fine-tuned with" if t.get("train_vision") else "frozen while"
+        lines.append(f"\nThe pretrained vision tower is {how} "
+                     f"the projector and the language model train ({t.get('trained_parameters', 0) / 1e6:.2f}M "
+                     "parameters trained in the target stage).")
     lines += ["", f"Seed {t.get('seed')}.", "", "## Quality (held-out test scenes, greedy decoding)", ""]
     if "short" in ev:
         s = ev["short"]
@@ -281,17 +320,68 @@ def _load_quietly(out: Path):
             hf_logging.enable_progress_bar()
 
 
+def _vision_settings(args: argparse.Namespace, overrides: dict) -> dict:
+    config = world_llava_config(**overrides)
+    return {"objective": "patch labels", "vision_config": config.vision_config.to_diff_dict(),
+            "feature_layer": config.vision_feature_layer,
+            "steps": args.vision_steps, "batch_size": args.vision_batch_size, "lr": args.vision_lr, "seed": args.seed,
+            "two_objects": args.two_objects}
+
+
+def vision_pretraining(args: argparse.Namespace, overrides: dict, path: Path) -> None:
+    """The `vision` stage: pretrain the tower (vlm/vision_pretrain.py) and save it with its settings at `path`."""
+    config = world_llava_config(**overrides)
+    state, info = pretrain_vision_tower(config.vision_config, config.vision_feature_layer, world_processor(),
+                                        args.vision_steps, args.vision_batch_size, args.vision_lr, args.seed,
+                                        args.two_objects, args.quiet)
+    acc = ", ".join(f"{k} {v:.3f}" for k, v in info["readout_accuracy"].items())
+    print(f"vision tower: held-out readout accuracy {acc}")
+    tmp = path.with_suffix(".tmp")
+    torch.save({"state": state, "info": json.dumps(info), "settings": json.dumps(_vision_settings(args, overrides))},
+               tmp)
+    os.replace(tmp, path)
+
+
+def _vision_is_current(path: Path, args: argparse.Namespace, overrides: dict) -> bool:
+    """Whether `path` holds a tower pretrained with the current options."""
+    if not path.is_file():
+        return False
+    saved = json.loads(torch.load(path, weights_only=True)["settings"])
+    return saved == json.loads(json.dumps(_vision_settings(args, overrides)))
+
+
+def load_vision_pretraining(path: Path, args: argparse.Namespace, overrides: dict) -> tuple[dict, dict]:
+    """The pretrained tower saved by the `vision` stage (its state dict, its info), checked against the options."""
+    check(path.is_file(), f"no pretrained vision tower at {path}: run the 'vision' stage first (--stages "
+                          "vision,target,...) or pass --vision-steps 0 to train the tower with the language model.")
+    saved = torch.load(path, weights_only=True)
+    settings = _vision_settings(args, overrides)
+    check(json.loads(saved["settings"]) == json.loads(json.dumps(settings)),
+          f"the pretrained vision tower at {path} was made with other settings; rerun the 'vision' stage (add "
+          "--force) or pass the options it was made with.")
+    return saved["state"], json.loads(saved["info"])
+
+
 def run(args: argparse.Namespace) -> int:
     overrides = _check_args(args)
     stages, folder, work = open_training(args, STAGES)
     out, info = folder.out, folder.info
     has_target = (out / "model.safetensors").is_file() and (out / "processor_config.json").is_file()
 
+    vision_path = work / VISION_FILE
+    if "vision" in stages and args.vision_steps and (args.force or not has_target) and (
+            args.force or not _vision_is_current(vision_path, args, overrides)):
+        vision_pretraining(args, overrides, vision_path)
     if "target" in stages and (args.force or not has_target):
         processor = world_processor()
+        vision_state = None
+        if args.vision_steps:
+            vision_state, info["vision"] = load_vision_pretraining(vision_path, args, overrides)
+        else:
+            info.pop("vision", None)
         model, info["target"] = train_target(
             args.steps, args.batch_size, args.lr, args.seed, args.quiet, args.long_fraction, args.two_objects,
-            overrides, processor, work / "target-state.pt", args.checkpoint_every)
+            overrides, processor, work / "target-state.pt", args.checkpoint_every, vision_state, args.train_vision)
         info.pop("eval", None)
         save_target(out, model, processor, info)
         has_target = True
@@ -305,8 +395,9 @@ def run(args: argparse.Namespace) -> int:
         info["eval"] = evaluate(model, processor, args.eval_scenes, args.eval_long, args.seed,
                                 args.eval_batch_size, args.two_objects)
         folder.record()
-        options = ["out", "seed", "steps", "batch_size", "lr", "long_fraction", "two_objects", "eval_scenes",
-                   "eval_long", "threads"] + (["model_config"] if args.model_config else [])
+        options = ["out", "seed", "steps", "batch_size", "lr", "long_fraction", "two_objects", "vision_steps",
+                   "vision_batch_size", "vision_lr", "eval_scenes", "eval_long", "threads"] + (
+            ["model_config"] if args.model_config else []) + (["train_vision"] if args.train_vision else [])
         command = explicit_command("mmspec train vlm", args, options)
         (out / "README.md").write_text(_card(command, info))
         summary = {**info["eval"], "long": {k: v for k, v in info["eval"]["long"].items() if k != "examples"}}

@@ -1,12 +1,13 @@
-"""`mmspec train vlm-drafter`: train a VLM drafter (EagleVLM or ViSpec) for a LLaVA target on the target's own
-long answers.
+"""`mmspec train vlm-drafter`: train a VLM drafter (EagleVLM, ViSpec, MSD or SpecVLM) for a LLaVA target on the
+target's own long answers.
 
     mmspec train vlm-drafter --kind eagle --target assets/vlm          # writes assets/vlm/drafters/eagle
 
 Stages (a rerun skips finished ones unless --force):
 1. `data`: the target answers --num-train world questions (train split, the long-answer prompt, greedy,
    up to --answer-max-tokens tokens): drafters learn the target's own outputs, as ViSpec and SpecVLM prescribe
-   (a drafter trained on reference texts drafts what the target would not say). Cached in --work-dir.
+   (a drafter trained on reference texts drafts what the target would not say). Cached in --work-dir under a
+   fingerprint of the target's weights (`target_fingerprint`), so another target never reuses them.
 2. `drafter`: `--kind eagle` (EagleVLM): each step runs the frozen target over a batch of (prompt + answer)
    sequences (`vlm.target.prefill_vlm`: merged input embeddings e and final normed features f) and trains the
    drafter on the pairs (e_{i+1}, f_i + noise) to predict f_{i+1}, with EAGLE's loss
@@ -15,9 +16,10 @@ Stages (a rerun skips finished ones unless --force):
    schedule, gradients clipped at 0.5 (EAGLE). `--kind vispec`: the same loss over ViSpec's short layout
    (`vlm.vispec`); the first --text-only-fraction of the steps see the text pairs alone (stage 1), the rest
    the compressed image and global feature plus the anti-shortcut second pass (stage 2). Resumable state in
-   --work-dir every --checkpoint-every steps. `--kind msd`: MSD's decoupled inputs and its two-stage schedule
-   (`vlm.msd.msd_visual_probability`). `--kind specvlm`: the elastic compressor and its gate (straight-through
-   Gumbel-softmax) trained with the target as online teacher on every batch (`vlm.specvlm`).
+   --work-dir every --checkpoint-every steps (per kind and target; removed once the drafter is saved). `--kind
+   msd`: MSD's decoupled inputs and its two-stage schedule (`vlm.msd.msd_visual_probability`). `--kind specvlm`:
+   the elastic compressor and its gate (straight-through Gumbel-softmax) trained with the target as online teacher
+   on every batch (`vlm.specvlm`).
 3. `eval`: on held-out test scenes, greedy EagleVLM vs the target alone (`SpeculativeVLM`): token-for-token
    equality, mean acceptance length, step compression; written to training.json and the card README.md.
 """
@@ -25,6 +27,7 @@ Stages (a rerun skips finished ones unless --force):
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -97,8 +100,27 @@ def target_answers(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int, quie
             "images": torch.stack([ex.image for ex in examples])}
 
 
+def target_fingerprint(folder: str | os.PathLike) -> str:
+    """A short fingerprint of the target's weights and config (names, sizes, and the first and last MiB of every
+    weight file), so an answer cache made by one target is never reused for another. Cheap for multi-GB folders."""
+    digest = hashlib.sha256()
+    folder = Path(folder)
+    for path in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) + [folder / "config.json"]:
+        if not path.is_file():
+            continue
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:12]
+
+
 def answer_cache(vlm: SpeculativeVLM, args: argparse.Namespace, work: Path) -> dict[str, torch.Tensor]:
-    path = work / f"answers-{args.num_train}-seed{args.seed}-max{args.answer_max_tokens}.pt"
+    """The target's answers to the training questions, made once per (target, options) and kept in `work`."""
+    path = work / (f"answers-{target_fingerprint(args.target)}-{args.num_train}-seed{args.seed}"
+                   f"-max{args.answer_max_tokens}.pt")
     if path.is_file() and not args.force:
         return torch.load(path, weights_only=True)
     data = target_answers(vlm, args.num_train, args.seed, args.answer_max_tokens, args.quiet)
@@ -208,6 +230,11 @@ KIND_TEXT = {"eagle": "EagleVLM feature drafter (one Llama decoder layer over [i
                        "feature fused into later text; anti-shortcut training)"}
 
 
+def drafter_state_path(args: argparse.Namespace, work: Path) -> Path:
+    """Where the resumable training state of this kind of drafter for this target lives."""
+    return work / f"{args.kind}-{target_fingerprint(args.target)}-state.pt"
+
+
 def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, work: Path) -> tuple[Any, dict]:
     torch.manual_seed(args.seed)
     lm = vlm.lm
@@ -216,13 +243,16 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
     text_steps = int(args.steps * args.text_only_fraction) if args.kind == "vispec" else 0
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
-    state_path = work / f"{args.kind}-state.pt"
+    state_path = drafter_state_path(args, work)
+    settings = json.dumps({name: getattr(args, name) for name in (
+        "kind", "num_train", "answer_max_tokens", "steps", "batch_size", "lr", "noise", "p_weight",
+        "text_only_fraction", "no_input_norm", "seed")}, sort_keys=True)
     first, seconds, history = 0, 0.0, []
     if state_path.is_file() and not args.force:
         state = torch.load(state_path, weights_only=True)
-        check(state["steps"] == args.steps and state["batch_size"] == args.batch_size,
-              f"{state_path} was made with --steps {state['steps']} --batch-size {state['batch_size']}; rerun with "
-              "those, or pass --force to start over.")
+        check(state["settings"] == settings,
+              f"{state_path} was made with other options ({state['settings']}, now {settings}); rerun with those, "
+              "or pass --force to start over.")
         drafter.load_state_dict(state["drafter"])
         opt.load_state_dict(state["optimizer"])
         gen.set_state(state["generator"])
@@ -249,8 +279,8 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
             bar.set_postfix(vloss=f"{vloss:.4f}", ploss=f"{ploss:.3f}", top1=f"{agree:.3f}")
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
             torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                        "step": step + 1, "steps": args.steps, "batch_size": args.batch_size,
-                        "seconds": time.perf_counter() - start, "history": history}, state_path.with_suffix(".tmp"))
+                        "step": step + 1, "settings": settings, "seconds": time.perf_counter() - start,
+                        "history": history}, state_path.with_suffix(".tmp"))
             os.replace(state_path.with_suffix(".tmp"), state_path)
     last = torch.tensor(history[-50:]).mean(0).tolist() if history else [float("nan")] * 3
     info = {"kind": args.kind, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
@@ -276,7 +306,7 @@ def evaluate(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int) -> dict:
             "draft_acceptance_rate": spec.stats.draft_acceptance_rate,
             "step_compression": vanilla.stats.num_target_forwards / max(1, spec.stats.num_target_forwards),
             "mean_answer_tokens": sum(len(t) for t in vanilla.token_ids) / n,
-            "drafter_image_tokens_attended": 64}
+            "drafter_image_tokens_attended": vlm.drafter_image_tokens()}
 
 
 def _card(command: str, info: dict) -> str:
@@ -294,7 +324,8 @@ def _card(command: str, info: dict) -> str:
         lines.append(f"Held-out test scenes ({ev['n']} long answers, greedy, {ev['mean_answer_tokens']:.1f} tokens "
                      f"on average): mean acceptance length {ev['mean_acceptance_length']:.2f} (bonus included), "
                      f"step compression {ev['step_compression']:.2f}x, token-for-token equal to the target alone: "
-                     f"{ev['greedy_equal_to_vanilla']}.")
+                     f"{ev['greedy_equal_to_vanilla']}; the drafter attends to "
+                     f"{ev.get('drafter_image_tokens_attended', 0):g} image tokens per row.")
     return "\n".join(lines) + "\n"
 
 
@@ -318,6 +349,7 @@ def run(args: argparse.Namespace) -> int:
         with atomic_output_dir(out) as tmp:
             drafter.save_pretrained(tmp)
             write_info(tmp / "training.json", info)
+        drafter_state_path(args, work).unlink(missing_ok=True)  # the drafter is saved: its state is done
     if "eval" in stages:
         vlm = SpeculativeVLM.from_pretrained(args.target, args.kind, drafter_path=out)
         info["eval"] = evaluate(vlm, args.eval_prompts, args.seed, args.answer_max_tokens)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlavaForConditionalGeneration
 
+import vlm.train_drafter as vlm_train_drafter
 from mmspec.cli import main
 from vlm.pipeline import SpeculativeVLM
 from vlm.world import world_llava_config, world_processor
@@ -44,12 +45,34 @@ def test_train_eagle_end_to_end(target_dir, tmp_path):
     assert vlm.drafter is not None
 
 
-def test_checkpoint_state_and_errors(target_dir, tmp_path):
-    out = tmp_path / "drafter"
-    assert train(target_dir, tmp_path / "work", "--steps", "4", "--checkpoint-every", "2", "--out", str(out),
+def test_checkpoint_state_resume_and_errors(target_dir, tmp_path, monkeypatch):
+    """An interrupted run leaves its state (named by kind and target) in the work dir, a rerun resumes from it, the
+    finished run removes it; the answer cache is named by the target's fingerprint; clear errors."""
+    out, work = tmp_path / "drafter", tmp_path / "work"
+    fingerprint = vlm_train_drafter.target_fingerprint(target_dir)
+    real_step = vlm_train_drafter.optimizer_step
+
+    def crash_at_step_3(opt, loss, step, *args, **kwargs):
+        if step == 3:
+            raise KeyboardInterrupt
+        real_step(opt, loss, step, *args, **kwargs)
+
+    monkeypatch.setattr(vlm_train_drafter, "optimizer_step", crash_at_step_3)
+    assert train(target_dir, work, "--steps", "4", "--checkpoint-every", "2", "--out", str(out),
+                 "--stages", "data,drafter") == 130  # the CLI reports the interruption
+    state_path = work / f"eagle-{fingerprint}-state.pt"
+    assert torch.load(state_path, weights_only=True)["step"] == 2
+    assert len(list(work.glob(f"answers-{fingerprint}-12-*.pt"))) == 1
+    assert train(target_dir, work, "--steps", "4", "--lr", "2e-3", "--out", str(out), "--stages", "drafter") == 2
+    monkeypatch.setattr(vlm_train_drafter, "optimizer_step", real_step)
+    assert train(target_dir, work, "--steps", "4", "--checkpoint-every", "2", "--out", str(out),
                  "--stages", "data,drafter") == 0
-    state = torch.load(tmp_path / "work" / "eagle-state.pt", weights_only=True)
-    assert state["step"] == 2
+    assert not state_path.exists() and (out / "config.json").is_file()
+    # another target (other weights): another fingerprint, so neither its answers nor its state are reused
+    other = tmp_path / "other-target"
+    torch.manual_seed(1)
+    LlavaForConditionalGeneration(world_llava_config(**TINY)).save_pretrained(other)
+    assert vlm_train_drafter.target_fingerprint(other) != fingerprint
     with pytest.raises(SystemExit, match="2"):
         main(["train", "vlm-drafter", "--kind", "medusa"])
     assert main(["train", "vlm-drafter", "--target", str(target_dir), "--stages", "nope"]) != 0

@@ -1,6 +1,7 @@
 """The embedded-world LLaVA target (vlm/world.py) and `mmspec train vlm` (vlm/train.py), with tiny configs: the
 processor's image tokens and offline save/load, the training batches' labels, an honest learning check on one
-batch, the command end to end, resuming an interrupted run, and errors for bad input."""
+batch, the vision tower's pretraining labels and learning, the command end to end (pretrained tower frozen in the
+target), resuming an interrupted run, and errors for bad input."""
 
 import json
 
@@ -10,7 +11,9 @@ from transformers import LlavaForConditionalGeneration, LlavaProcessor
 
 import vlm.train as vlm_train
 from mmspec.cli import main
+from mmspec.data import generate_batch
 from mmspec.errors import InputError
+from vlm.vision_pretrain import SceneReadout, patch_targets, readout_loss, tower_features
 from vlm.world import (
     IGNORE_INDEX,
     build_prompt,
@@ -130,12 +133,57 @@ def test_a_tiny_model_learns_a_fixed_batch(processor):
     assert losses[-1] < 0.6 * losses[0], losses
 
 
+def test_patch_targets_name_the_object_under_each_patch():
+    params = generate_batch(64, 0, split="train", two_objects=0.5, with_text=False).params
+    targets = patch_targets(params, 8)  # shape / color / size / cell [64, 64], background [64]
+    for row in range(64):
+        covered = 0
+        for patch in range(64):
+            x, y = (patch % 8) * 32 + 16, (patch // 8) * 32 + 16  # patch centre in units (1/8 px; 4 px patches)
+            half = params.half[row]
+            under = [o for o in range(int(params.n_objects[row]))
+                     if abs(x - params.cx[row, o]) <= half[o] and abs(y - params.cy[row, o]) <= half[o]]
+            assert len(under) <= 1  # objects never overlap
+            got = tuple(int(targets[k][row, patch]) for k in ("shape", "color", "size", "cell"))
+            if under:
+                o = under[0]
+                covered += 1
+                assert got == (params.shape[row, o], params.color[row, o], params.size[row, o], params.cell[row, o])
+            else:
+                assert got == (4, 4, 3, 9)  # each attribute's "none" class
+        assert covered >= int(params.n_objects[row])  # even a small object covers a patch centre
+    assert torch.equal(targets["background"], torch.from_numpy(params.background).long())
+
+
+def test_the_vision_readout_learns_a_batch(processor):
+    """The pretraining objective can be learned: the readout loss of a tiny tower on one batch falls."""
+    from transformers import CLIPVisionModel
+
+    torch.manual_seed(0)
+    config = world_llava_config(**TINY)
+    tower = CLIPVisionModel(config.vision_config)
+    readout = SceneReadout(config.vision_config.hidden_size)
+    batch = generate_batch(16, 0, split="train", two_objects=0.4, with_text=False)
+    pixels = processor.image_processor(list(batch.images), return_tensors="pt")["pixel_values"]
+    targets = patch_targets(batch.params, 8)
+    opt = torch.optim.Adam(list(tower.parameters()) + list(readout.parameters()), lr=3e-3)
+    losses = []
+    for _ in range(40):
+        loss = readout_loss(readout(tower_features(tower, pixels, config.vision_feature_layer)), targets)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("train-vlm")
     out = root / "vlm"
     assert main(["train", "vlm", "--out", str(out), "--work-dir", str(root / "work"), "--steps", "3",
-                 "--batch-size", "4", "--eval-scenes", "2", "--eval-long", "2", "--model-config", json.dumps(TINY),
+                 "--batch-size", "4", "--vision-steps", "3", "--vision-batch-size", "4", "--eval-scenes", "2",
+                 "--eval-long", "2", "--model-config", json.dumps(TINY),
                  "--threads", "1", "--quiet"]) == 0
     return root, out
 
@@ -153,7 +201,14 @@ def test_train_vlm_writes_model_processor_record_and_card(trained):
     assert long["n"] == 2 and 0 <= long["contains_short"] <= 1 and long["mean_tokens"] > 0
     card = (out / "README.md").read_text()
     assert "mmspec train vlm --out" in card and "--model-config" in card and "exact-match accuracy" in card
+    assert "--vision-steps 3" in card and "vision tower (pretraining)" in card and "frozen while" in card
+    assert info["vision"]["steps"] == 3 and set(info["vision"]["readout_accuracy"]) == {
+        "shape", "color", "size", "cell", "empty_patches", "background"}
     model = LlavaForConditionalGeneration.from_pretrained(out, local_files_only=True)
+    # the target stage kept the pretrained tower as it was (frozen, as in LLaVA)
+    pretrained = torch.load(trained[0] / "work" / vlm_train.VISION_FILE, weights_only=True)["state"]
+    for name, value in model.model.vision_tower.state_dict().items():
+        assert torch.equal(value, pretrained[name]), name
     assert model.config.text_config.hidden_size == 32
     assert num_image_tokens(LlavaProcessor.from_pretrained(out, local_files_only=True)) == 64
     # a rerun skips the finished target (no --force) and only re-evaluates
@@ -198,6 +253,9 @@ def test_an_interrupted_training_resumes_from_its_state(processor, tmp_path, mon
     (["--model-config", '{"text": {"hidden_size": 30}}'], "not a multiple of the number of attention heads"),
     (["--model-config", '{"vision": {"patch_size": 8}}'], "cannot change the vision image_size or patch_size"),
     (["--stages", "eval"], "run the 'target' stage first"),
+    (["--stages", "target"], "run the 'vision' stage first"),
+    (["--train-vision", "--vision-steps", "0"], "--train-vision fine-tunes the pretrained tower"),
+    (["--vision-steps", "-1"], "--vision-steps must be >= 0"),
 ])
 def test_bad_input_is_a_user_error(tmp_path, capsys, bad, message):
     args = ["train", "vlm", "--out", str(tmp_path / "out"), "--work-dir", str(tmp_path / "work"), "--quiet",
