@@ -311,9 +311,10 @@ def evaluate(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int) -> dict:
 
 def _card(command: str, info: dict) -> str:
     d = info["drafter"]
+    article = "An" if d["kind"] in ("eagle", "msd") else "A"
     lines = card_head(f"VLM drafter ({d['kind']}) for the world LLaVA",
-                      [f"A {KIND_TEXT[d['kind']]} trained on the target's own greedy long answers."], command,
-                      machine_summary())
+                      [f"{article} {KIND_TEXT[d['kind']]} trained on the target's own greedy long answers."],
+                      command, machine_summary())
     lines.append(f"| drafter | fc + 1 decoder layer, input norm {d['input_norm']}, {d['parameters'] / 1e6:.2f}M "
                  f"parameters | {d['steps']} steps x batch {d['batch_size']} on {d['num_train']} answers | "
                  f"{d['seconds']:.0f} s |")
@@ -355,8 +356,8 @@ def run(args: argparse.Namespace) -> int:
         info["eval"] = evaluate(vlm, args.eval_prompts, args.seed, args.answer_max_tokens)
         write_info(out / "training.json", info)
         command = explicit_command("mmspec train vlm-drafter", args, [
-            "kind", "target", "out", "num_train", "answer_max_tokens", "steps", "batch_size", "lr", "noise",
-            "p_weight", "seed", "threads"])
+            "kind", "target", *(["out"] if args.out else []), "num_train", "answer_max_tokens", "steps", "batch_size",
+            "lr", "noise", "p_weight", "seed", "threads"])
         if "drafter" in info:
             (out / "README.md").write_text(_card(command, info))
         print(json.dumps(info["eval"], indent=2))
