@@ -284,8 +284,8 @@ def _card(command: str, info: dict) -> str:
         v = info["vision"]
         acc = ", ".join(f"{k} {a:.3f}" for k, a in v["readout_accuracy"].items())
         lines.insert(-1, f"| vision tower (pretraining) | the target's CLIP tower, per-token linear readout of patch "
-                         f"labels from hidden layer {v['feature_layer']} | {v['steps']} steps x {v['batch_size']} scenes, "
-                         f"lr {v['lr']}; held-out readout accuracy {acc} | {v['seconds']:.0f} s |")
+                         f"labels from hidden layer {v['feature_layer']} | {v['steps']} steps x {v['batch_size']} "
+                         f"scenes, lr {v['lr']}; held-out readout accuracy {acc} | {v['seconds']:.0f} s |")
         how = "fine-tuned with" if t.get("train_vision") else "frozen while"
         lines.append(f"\nThe pretrained vision tower is {how} "
                      f"the projector and the language model train ({t.get('trained_parameters', 0) / 1e6:.2f}M "

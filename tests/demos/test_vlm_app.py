@@ -113,3 +113,16 @@ def test_real_browser_answers_an_example(served, tmp_path):
         page.get_by_role("button", name="Answer").click()
         expect(page.get_by_text("type a question", exact=False).first).to_be_visible(timeout=60_000)
     assert shot.stat().st_size > 10_000
+
+
+def test_the_embedded_default_offers_its_drafters_and_highlights_drafts():
+    """With no --model the app serves assets/vlm and its shipped drafters (eagle first); a real answer there shows
+    accepted drafts highlighted and equals the target alone."""
+    default = VLMStore()
+    assert default.drafters() == ["eagle", "msd", "specvlm", "vispec", "none"]
+    image = example_images(1)[0]
+    question = "Describe the image. Answer in detail."
+    segments, stats = final(answer_stream(default, image, question, "eagle", **{**SETTINGS, "max_new_tokens": 48}))
+    _, vanilla = final(answer_stream(default, image, question, "none", **{**SETTINGS, "max_new_tokens": 48}))
+    assert stats["answer"] == vanilla["answer"]
+    assert any(label is not None for _, label in segments) and stats["mean_acceptance_length"] > 1.5
