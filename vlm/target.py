@@ -91,14 +91,9 @@ class LlavaCachedLM:
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[N, 3, H, W] -> projected features [N, T_img, H_text] (transformers' LLaVA selection)."""
         cfg = self.model.config
-        vision = self.model.model.vision_tower(pixel_values.to(self.device, self.model.lm_head.weight.dtype),
-                                              output_hidden_states=True)
-        layer = cfg.vision_feature_layer
-        layers = [layer] if isinstance(layer, int) else list(layer)
-        selected = [vision.hidden_states[i] for i in layers]  # each [N, 1 + patches, Hv]
-        if cfg.vision_feature_select_strategy == "default":
-            selected = [h[:, 1:] for h in selected]  # drop CLS
-        return self.model.model.multi_modal_projector(torch.cat(selected, dim=-1))
+        pixels = pixel_values.to(self.device, self.model.lm_head.weight.dtype)
+        return self.model.model.multi_modal_projector(vision_features(
+            self.model.model.vision_tower, pixels, cfg.vision_feature_layer, cfg.vision_feature_select_strategy))
 
     @torch.no_grad()
     def embed_inputs(self, inputs: VLMInputs) -> torch.Tensor:
@@ -132,6 +127,17 @@ class LlavaCachedLM:
                              cache=cache, slots=slots, backend=self.backend)
         self.last_hidden = self.text.norm(x)  # [B, S, H]
         return self.model.lm_head(self.last_hidden).float()
+
+
+def vision_features(tower, pixel_values: torch.Tensor, layer: int | list[int], strategy: str) -> torch.Tensor:
+    """What a LLaVA projector reads (transformers' selection): the vision tower's hidden state(s) `layer`, the CLS
+    token dropped when `strategy` is "default", concatenated over the layers. [N, 3, H, W] -> [N, P, Hv * layers]."""
+    vision = tower(pixel_values, output_hidden_states=True)
+    layers = [layer] if isinstance(layer, int) else list(layer)
+    selected = [vision.hidden_states[i] for i in layers]  # each [N, 1 + patches, Hv]
+    if strategy == "default":
+        selected = [h[:, 1:] for h in selected]  # drop CLS
+    return torch.cat(selected, dim=-1)
 
 
 def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, *,

@@ -4,9 +4,9 @@ procedural world's questions, on a CPU, in stages.
     mmspec train vlm --out assets/vlm
 
 Stages (a rerun skips a finished stage unless --force):
-1. `vision`: the CLIP vision tower pretrained on the world's scene labels (vlm/vision_pretrain.py: per-cell shape,
-   colour and size, background; --vision-steps, 0 skips it), standing in for LLaVA's pretrained CLIP. Saved in
-   --work-dir for the next stage.
+1. `vision`: the CLIP vision tower pretrained on the world's scene labels (vlm/vision_pretrain.py: every image token
+   predicts the shape, colour, size and grid cell of the object under it; the mean feature the background;
+   --vision-steps, 0 skips it), standing in for LLaVA's pretrained CLIP. Saved in --work-dir for the next stage.
 2. `target`: `LlavaForConditionalGeneration(world_llava_config())` with the pretrained tower, frozen as in LLaVA
    (--train-vision fine-tunes it; --vision-steps 0 trains a fresh tower through the answer loss alone), trained with
    teacher forcing on fresh world scenes every step (one question per scene; cross-entropy on the answer tokens
@@ -155,10 +155,11 @@ def train_target(steps: int, batch_size: int, lr: float, seed: int, quiet: bool,
     torch.manual_seed(seed)
     config = world_llava_config(tokenizer=processor.tokenizer, **model_config)
     model = LlavaForConditionalGeneration(config).train()
-    tower = model.model.vision_tower
     if vision_state is not None:
+        tower = model.model.vision_tower
         tower.load_state_dict(vision_state)
         tower.requires_grad_(train_vision)
+        tower.train(train_vision)  # a frozen tower runs in eval mode, as at inference
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.95), weight_decay=0.05)
     first, seconds, losses = 0, 0.0, {"short": [], "long": []}
@@ -174,7 +175,6 @@ def train_target(steps: int, batch_size: int, lr: float, seed: int, quiet: bool,
     bar = tqdm(range(first, steps), desc="vlm target", disable=quiet, initial=first, total=steps)
     for step in bar:
         batch, long = training_batch(processor, step, batch_size, seed, long_fraction, two_objects)
-        tower.train(vision_state is None or train_vision)
         loss = model(**batch).loss
         optimizer_step(opt, loss, step, steps, lr)
         losses["long" if long else "short"].append(round(loss.item(), 5))
@@ -342,24 +342,14 @@ def vision_pretraining(args: argparse.Namespace, overrides: dict, path: Path) ->
     os.replace(tmp, path)
 
 
-def _vision_is_current(path: Path, args: argparse.Namespace, overrides: dict) -> bool:
-    """Whether `path` holds a tower pretrained with the current options."""
+def saved_vision_pretraining(path: Path, args: argparse.Namespace, overrides: dict) -> dict | None:
+    """What the `vision` stage saved at `path` ({"state", "info", "settings"}) when it was made with the current
+    options; None when there is nothing there or it was made with other options."""
     if not path.is_file():
-        return False
-    saved = json.loads(torch.load(path, weights_only=True)["settings"])
-    return saved == json.loads(json.dumps(_vision_settings(args, overrides)))
-
-
-def load_vision_pretraining(path: Path, args: argparse.Namespace, overrides: dict) -> tuple[dict, dict]:
-    """The pretrained tower saved by the `vision` stage (its state dict, its info), checked against the options."""
-    check(path.is_file(), f"no pretrained vision tower at {path}: run the 'vision' stage first (--stages "
-                          "vision,target,...) or pass --vision-steps 0 to train the tower with the language model.")
+        return None
     saved = torch.load(path, weights_only=True)
-    settings = _vision_settings(args, overrides)
-    check(json.loads(saved["settings"]) == json.loads(json.dumps(settings)),
-          f"the pretrained vision tower at {path} was made with other settings; rerun the 'vision' stage (add "
-          "--force) or pass the options it was made with.")
-    return saved["state"], json.loads(saved["info"])
+    current = json.loads(json.dumps(_vision_settings(args, overrides)))  # as it reads back from the file
+    return saved if json.loads(saved["settings"]) == current else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -370,13 +360,18 @@ def run(args: argparse.Namespace) -> int:
 
     vision_path = work / VISION_FILE
     if "vision" in stages and args.vision_steps and (args.force or not has_target) and (
-            args.force or not _vision_is_current(vision_path, args, overrides)):
+            args.force or saved_vision_pretraining(vision_path, args, overrides) is None):
         vision_pretraining(args, overrides, vision_path)
     if "target" in stages and (args.force or not has_target):
         processor = world_processor()
         vision_state = None
         if args.vision_steps:
-            vision_state, info["vision"] = load_vision_pretraining(vision_path, args, overrides)
+            saved = saved_vision_pretraining(vision_path, args, overrides)
+            check(saved is not None, f"no pretrained vision tower made with these options at {vision_path}: run "
+                                     "the 'vision' stage first (--stages vision,target,...; with --force if the "
+                                     "options changed) or pass --vision-steps 0 to train the tower with the "
+                                     "language model.")
+            vision_state, info["vision"] = saved["state"], json.loads(saved["info"])
         else:
             info.pop("vision", None)
         model, info["target"] = train_target(

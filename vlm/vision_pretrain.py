@@ -32,6 +32,7 @@ from tqdm.auto import tqdm
 from mmspec.data import generate_batch
 from mmspec.data.world import BACKGROUNDS, BASE_SIZE, COLORS, SHAPES, SIZES, UNITS_PER_PIXEL
 from mmspec.world_training import optimizer_step
+from vlm.target import vision_features
 
 CELLS = 9  # the world's 3x3 grid
 ATTRIBUTES = {"shape": len(SHAPES), "color": len(COLORS), "size": len(SIZES), "cell": CELLS}  # before "none"
@@ -77,8 +78,9 @@ class SceneReadout(nn.Module):
 
 
 def tower_features(tower: nn.Module, pixel_values: torch.Tensor, layer: int) -> torch.Tensor:
-    """The patch features the LLaVA projector reads: hidden state `layer`, CLS dropped. [B, 3, H, W] -> [B, P, D]."""
-    return tower(pixel_values, output_hidden_states=True).hidden_states[layer][:, 1:]
+    """The patch features the projector reads, one per patch (strategy "default": CLS dropped), which the patch
+    labels describe. [B, 3, H, W] -> [B, P, D]."""
+    return vision_features(tower, pixel_values, layer, "default")
 
 
 def _batch(processor, n: int, seed: int, split: str, start: int, two_objects: float, patches_per_side: int):

@@ -22,9 +22,13 @@ def examples():
 
 
 @pytest.fixture(scope="module")
-def vanilla(examples):
-    vlm = SpeculativeVLM.from_pretrained(FOLDER)
-    return vlm.generate([ex.image for ex in examples], [ex.prompt for ex in examples], max_new_tokens=64,
+def target() -> SpeculativeVLM:
+    return SpeculativeVLM.from_pretrained(FOLDER)
+
+
+@pytest.fixture(scope="module")
+def vanilla(examples, target):
+    return target.generate([ex.image for ex in examples], [ex.prompt for ex in examples], max_new_tokens=64,
                         use_drafter=False)
 
 
@@ -35,13 +39,10 @@ def test_every_drafter_kind_ships():
         assert "token-for-token equal to the target alone: True" in card, kind
 
 
-def test_the_target_answers_short_questions():
+def test_the_target_answers_short_questions(target):
     """The card reports the accuracy on 1902 questions; every question of 40 held-out scenes must clear 0.8 (a
     model that ignores the image scores about 0.35: the most common answer of each question kind)."""
-    from vlm.world import load_world_processor
-
-    vlm = SpeculativeVLM.from_pretrained(FOLDER)
-    result = evaluate(vlm.model, load_world_processor(FOLDER), n_scenes=40, n_long=4, seed=0)
+    result = evaluate(target.model, target.processor, n_scenes=40, n_long=4, seed=0)
     assert result["short"]["accuracy"] >= 0.8, result["short"]
     assert result["long"]["contains_short"] >= 0.75, result["long"]
 
