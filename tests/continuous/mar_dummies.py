@@ -4,6 +4,7 @@ import torch
 from diffusers import AutoencoderKL
 
 from continuous.mar.model import MARModel
+from mmspec.testing import seeded_generators as generators  # noqa: F401  (the tests import it from here)
 
 TINY_MAR = dict(img_size=16, vae_stride=4, vae_embed_dim=16, embed_dim=32, num_heads=2, encoder_depth=1,
                 decoder_depth=1, buffer_size=4, diffloss_d=1, diffloss_w=32, attn_dropout=0.0, proj_dropout=0.0)
@@ -25,7 +26,3 @@ def tiny_mar(seed: int, num_classes: int = 4, **overrides) -> MARModel:
 def tiny_vae() -> AutoencoderKL:
     torch.manual_seed(0)
     return AutoencoderKL(**TINY_VAE).eval()
-
-
-def generators(n: int, offset: int = 0) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(offset + i) for i in range(n)]

@@ -10,6 +10,7 @@ import torch
 from continuous.mar import CSpDPipeline, MARPipeline
 from mmspec.cli import main
 from mmspec.data.artifacts import ASSETS_DIR
+from mmspec.testing import seeded_generators as gens
 from mmspec.verify.cspd import CSpDRule
 
 
@@ -18,10 +19,6 @@ def pipe():
     pipe = CSpDPipeline.from_pretrained(ASSETS_DIR / "mar")
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def gens(n: int, offset: int = 0) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(offset + i) for i in range(n)]
 
 
 def test_generate_cspd_on_the_embedded_default(tmp_path):

@@ -11,6 +11,7 @@ import torch
 from image_ar.llamagen import LlamaGenPipeline
 from mmspec.cli import main
 from mmspec.data.artifacts import ASSETS_DIR
+from mmspec.testing import seeded_generators as gens
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ["docs/llamagen_pipeline.md", "docs/eagle_lantern.md"]
@@ -21,10 +22,6 @@ def pipe():
     pipe = LlamaGenPipeline.from_pretrained(ASSETS_DIR / "llamagen")
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def gens(n: int, offset: int = 0) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(offset + i) for i in range(n)]
 
 
 def test_the_main_job_writes_images_grid_and_stats(tmp_path):

@@ -13,6 +13,7 @@ from image_ar.var import VARPipeline
 from image_ar.var.code import CoDePipeline
 from mmspec.cli import main
 from mmspec.data.artifacts import ASSETS_DIR
+from mmspec.testing import seeded_generators as gens
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -22,10 +23,6 @@ def pipe():
     pipe = CoDePipeline.from_pretrained(ASSETS_DIR / "var")
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def gens(n: int, offset: int = 0) -> list[torch.Generator]:
-    return [torch.Generator().manual_seed(offset + i) for i in range(n)]
 
 
 def test_generate_code_on_the_embedded_default(tmp_path):

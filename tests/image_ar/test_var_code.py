@@ -10,6 +10,7 @@ from image_ar.var import VARPipeline, VARTransformer
 from image_ar.var.code import CoDePipeline, default_draft_steps, refiner_prefill
 from image_ar.var.pipeline import ScaleState, prepare_run
 from mmspec.errors import InputError
+from mmspec.testing import seeded_generators
 
 
 def small_refiner() -> VARTransformer:
@@ -19,7 +20,7 @@ def small_refiner() -> VARTransformer:
 
 
 def gens(n):
-    return [torch.Generator().manual_seed(100 + i) for i in range(n)]
+    return seeded_generators(n, offset=100)
 
 
 def pipes(refiner=None):

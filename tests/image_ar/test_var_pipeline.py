@@ -11,6 +11,7 @@ from var_dummies import get_dummy_components
 from image_ar.var import VARVQVAE
 from image_ar.var.pipeline import VARPipeline, guidance_schedule
 from mmspec.errors import InputError
+from mmspec.testing import seeded_generators as gens
 
 
 @pytest.fixture(scope="module")
@@ -18,10 +19,6 @@ def pipe():
     pipe = VARPipeline(**get_dummy_components())
     pipe.set_progress_bar_config(disable=True)
     return pipe
-
-
-def gens(n, offset=0):
-    return [torch.Generator().manual_seed(offset + i) for i in range(n)]
 
 
 def test_call_signature_has_the_documented_arguments():
