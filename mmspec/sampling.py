@@ -129,7 +129,8 @@ def probs_from_params(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 
 # --------------------------------------------------------------------------------------------- randomness
-def _generator_list(generator: Generators, batch: int) -> list[torch.Generator] | None:
+def generator_list(generator: Generators, batch: int) -> list[torch.Generator] | None:
+    """The per-row generators of a list (checked: one per row), or None for a single generator or None."""
     if generator is None or isinstance(generator, torch.Generator):
         return None
     gens = list(generator)
@@ -145,7 +146,7 @@ def uniform(shape: Sequence[int], generator: Generators = None, device: torch.de
             dtype: torch.dtype = torch.float64) -> torch.Tensor:
     """Uniforms in [0, 1), float64 by default; row b of dim 0 comes from generator b when a list is given."""
     shape = tuple(shape)
-    gens = _generator_list(generator, shape[0]) if shape else None
+    gens = generator_list(generator, shape[0]) if shape else None
     if gens is None:
         return torch.rand(shape, generator=generator, device=device, dtype=dtype)
     # one draw per row: the loop only draws random numbers, it does no computation on the batch

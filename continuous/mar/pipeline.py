@@ -30,7 +30,7 @@ from continuous.mar.model import MARModel
 from continuous.mar.vae import decode_latents, vae_stride
 from mmspec.errors import check, check_positive_int
 from mmspec.pipeline_io import check_generators, check_output_type, class_labels_tensor, format_images
-from mmspec.sampling import Generators, _generator_list
+from mmspec.sampling import Generators, generator_list
 
 CFG_SCHEDULES = ("linear", "constant")
 
@@ -89,7 +89,7 @@ def cfg_value(run: MARRun, masked: torch.Tensor | int, seq_len: int) -> torch.Te
 def draw_randomness(generator: Generators, batch: int, seq_len: int, steps: int, channels: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """orders [B, L], x_T [B, L, C] and step noise [B, L, S, C]; row b from generator b when a list is given."""
-    gens = _generator_list(generator, batch)
+    gens = generator_list(generator, batch)
     if gens is None:
         orders = torch.argsort(torch.rand(batch, seq_len, generator=generator), 1)
         noise = torch.randn(batch, seq_len, steps + 1, channels, generator=generator)

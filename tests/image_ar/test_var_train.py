@@ -51,6 +51,30 @@ def test_train_var_code_fine_tunes_into_a_new_folder(trained, tmp_path):
     assert main(["train", "var-code", "--pipeline", str(source), "--out", str(source)]) == 2
 
 
+def test_train_var_code_refiner_only_from_codes_keeps_the_training_free_refiner(trained, tmp_path):
+    """--small-target codes with the large and distill stages off: only the refiner changes, the source's refiner is
+    kept in refiner_training_free/ (loadable as the training-free pair), and the card extends the source's."""
+    root, source = trained
+    out = tmp_path / "refined"
+    assert main(["train", "var-code", "--pipeline", str(source), "--out", str(out), "--work-dir", str(root / "work"),
+                 "--num-train-images", "128", "--large-steps", "0", "--distill-steps", "0", "--refine-steps", "3",
+                 "--small-target", "codes", "--eval-images-per-class", "1", "--threads", "1", "--no-compile",
+                 "--quiet"]) == 0
+    before, after = CoDePipeline.from_pretrained(source), CoDePipeline.from_pretrained(out)
+    same = lambda a, b: all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert same(before.drafter, after.drafter) and not same(before.refiner, after.refiner)
+    kept = VARTransformer.from_pretrained(out, subfolder="refiner_training_free")
+    assert same(before.refiner, kept)
+    training_free = CoDePipeline.from_pretrained(out, refiner=kept)
+    assert same(training_free.refiner, before.refiner)
+    info = json.loads((out / "training.json").read_text())
+    assert {"refine"} <= set(info) and not {"large", "distill"} & set(info) and info["small_target"] == "codes"
+    assert info["source_training"] == json.loads((source / "training.json").read_text())
+    card = (out / "README.md").read_text()
+    assert card.startswith((source / "README.md").read_text().rstrip("\n"))
+    assert "--small-target codes" in card and "refiner_training_free/" in card
+
+
 def test_masked_losses_see_only_their_scales():
     model = get_dummy_components()["transformer"]
     mask = scale_mask(model, 0, 2)  # scales 0 and 1: the first 1 + 4 positions of 21
