@@ -12,7 +12,8 @@
 
 Vanilla decoding is the same loop with `NoDrafter` (zero-length drafts: every iteration emits the bonus token),
 so a benchmark compares methods through one code path. Targets and drafters are small adapters around a model
-(see `mmspec.lm` for causal LMs with a static KV cache); the loop knows nothing about images or text.
+(see `mmspec.lm` for causal LMs with a static KV cache); the loop knows nothing about images or text. Its phases
+(prefill, draft, verify, accept, commit, observe) are timed inside `mmspec.phases.record_phases()`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from mmspec.errors import check, check_positive_int
+from mmspec.phases import phase, synchronize
 from mmspec.sampling import Generators
 from mmspec.stats import SpecStats
 from mmspec.tree import DraftTree
@@ -144,11 +146,6 @@ def cap_draft(draft: Draft, room: torch.Tensor) -> Draft:
                      max_children=draft.max_children, child_probs=draft.child_probs, sampled=draft.sampled)
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, inputs: Any, *, batch_size: int,
              max_new_tokens: int, generator: Generators = None, eos_token_id: int | None = None,
              device: torch.device | str = "cpu", callback: StepCallback | None = None,
@@ -163,11 +160,12 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     device = torch.device(device)
     stats = SpecStats()
     draft_forwards_before = getattr(drafter, "forwards", 0)
-    _synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
 
     state = DecodeState.new(batch_size, max_new_tokens, device, eos_token_id)
-    first_p = target.prefill(inputs)  # [B, 1, V]
+    with phase("prefill"):
+        first_p = target.prefill(inputs)  # [B, 1, V]
     stats.num_target_forwards += 1
     no_draft = ChainDraft(torch.empty(batch_size, 0, dtype=torch.long, device=device))
     first = accept(rule, no_draft, first_p, generator, validate=validate != "never")
@@ -180,20 +178,25 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         if not bool(active.any()):  # the one host sync per iteration
             break
         # never draft past the end: a row with r tokens left may accept at most r - 1 drafts
-        draft = cap_draft(drafter.propose(state), state.max_new_tokens - state.num_generated - 1)
-        target_probs = target.verify(state, draft)
+        with phase("draft"):
+            draft = cap_draft(drafter.propose(state), state.max_new_tokens - state.num_generated - 1)
+        with phase("verify"):
+            target_probs = target.verify(state, draft)
         stats.num_target_forwards += 1
         check_now = validate == "always" or (validate == "first" and state.iteration == 0)
-        result = accept(rule, draft, target_probs, generator, validate=check_now)
-        target.commit(state, draft, result, active)
-        drafter.observe(state, draft, result, active, target_probs)
+        with phase("accept"):
+            result = accept(rule, draft, target_probs, generator, validate=check_now)
+        with phase("commit"):
+            target.commit(state, draft, result, active)
+        with phase("observe"):
+            drafter.observe(state, draft, result, active, target_probs)
         stats.record(result, active)
         state.append(result, active)
         state.iteration += 1
         if callback is not None and callback(state, draft, result) is False:
             break
 
-    _synchronize(device)
+    synchronize(device)
     stats.wall_time = time.perf_counter() - start
     stats.num_draft_forwards = getattr(drafter, "forwards", 0) - draft_forwards_before
     return GenerationOutput(tokens=state.tokens, num_generated=state.num_generated, stats=stats)

@@ -169,3 +169,41 @@ def test_gsd_tree_accepts_more_than_lossless_tree():
     grouped = accept("gsd", tree, p, torch.Generator().manual_seed(3), group_size=4, p_thr=0.3)
     exact = accept("lossless", tree, p, torch.Generator().manual_seed(3))
     assert grouped.num_accepted.float().mean() > exact.num_accepted.float().mean() + 0.05
+
+
+@pytest.mark.parametrize("rule_name", ["lossless-deterministic", "lossless-sampled", "lantern", "gsd"])
+def test_stopping_the_walk_early_changes_nothing(rule_name, monkeypatch):
+    """The CPU walk leaves its loops once no row needs them; the static walk (GPU) runs every iteration. With the
+    same randomness both must give identical results, on small batches where early stops really happen and with
+    ragged trees (invalid nodes)."""
+    from functools import partial
+
+    import mmspec.verify.gsd as gsd_module
+    import mmspec.verify.lantern as lantern_module
+    import mmspec.verify.lossless as lossless_module
+    from mmspec.verify import GSDRule, LanternRule, build_neighbour_table, tree_walk
+
+    sampled = rule_name == "lossless-sampled"
+    codebook = torch.linspace(0, 1, V).unsqueeze(-1)  # [V, 1]
+    rule = {"lantern": lambda: LanternRule(build_neighbour_table(codebook, k=4), k=4, delta=0.2),
+            "gsd": lambda: GSDRule(embeddings=torch.cat([codebook, codebook.flip(0)], -1), group_size=3)}.get(
+        rule_name, lambda: get_rule("lossless"))()
+    stopped_early = []
+    for seed in range(40):
+        b = 1 + seed % 4
+        tree, p_nodes = make_trees(b, seed=seed, sampled=sampled)
+        gen = torch.Generator().manual_seed(100 + seed)
+        tree.valid[:, 1 + seed % (N - 1)] = bool(seed % 3)  # sometimes a leaf missing
+        p = torch.softmax(torch.randn(b, N, V, generator=gen) * 2, -1)
+        rand = Randomness.draw(b, N, V, gen)
+        results = {}
+        for stop_early in (True, False):
+            walk = partial(tree_walk.walk_tree, stop_early=stop_early)
+            for module in (gsd_module, lantern_module, lossless_module):
+                monkeypatch.setattr(module, "walk_tree", walk)
+            results[stop_early] = rule.verify_tree(tree, p, rand)
+        early, static = results[True], results[False]
+        for field in ("output_tokens", "num_accepted", "accepted_flags", "num_drafted", "accepted_nodes"):
+            assert torch.equal(getattr(early, field), getattr(static, field)), (seed, field)
+        stopped_early.append(bool((early.num_accepted < tree.max_depth).any()))
+    assert any(stopped_early) and not all(stopped_early)

@@ -56,6 +56,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "'tensors' = peak bytes of the tensors each batch allocates (KV caches, activations; "
                              "weights excluded), exact on any device but slows every op: take timings from "
                              "another run")
+    parser.add_argument("--phase-times", action="store_true",
+                        help="also report where each configuration's time goes (shares of wall time in the loop's "
+                             "prefill, draft, verify, accept, commit and observe phases; ms per verify and draft "
+                             "call); on CUDA every phase synchronises, which slows the run")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary on stdout")
@@ -98,6 +102,8 @@ def canonical_command(args: argparse.Namespace, methods: str, batch_sizes: Seque
         parts += ["--family-option", item]
     if getattr(args, "memory", "device") != "device":
         parts += ["--memory", args.memory]
+    if getattr(args, "phase_times", False):
+        parts.append("--phase-times")
     if args.no_plots:
         parts.append("--no-plots")
     return shlex.join(parts + ["--out", str(args.out)])
@@ -134,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = run_bench(family, configs, batch_sizes=batch_sizes, repeats=args.repeats, warmup=args.warmup,
                            settings=settings, progress=not args.quiet, command=command,
-                           on_batch_size_done=write_partial, tensor_memory=args.memory == "tensors")
+                           on_batch_size_done=write_partial, tensor_memory=args.memory == "tensors",
+                           phase_times=args.phase_times)
     finally:
         torch.set_num_threads(threads_before)
     summary = written["summary"]

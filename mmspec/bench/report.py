@@ -11,6 +11,11 @@ Definitions (per batch size; a "pass" is one configuration over every sample, se
 - tokens/s: new tokens of the pass / its wall time (median over passes).
 - peak memory: the largest per-batch peak over every pass (see `mmspec.bench.memory` for what it measures).
 - quality: the family's figures, numbers averaged over passes (text figures shown as they are).
+- phases (with --phase-times): the share of the recorded passes' wall time spent in each loop phase
+  (`mmspec.phases.PHASES`), "other" for the rest (the pipeline around the loop: conditioning, the drafter's own
+  prefill, decoding images, loop bookkeeping), and milliseconds per call of `verify` (one target forward over the
+  draft) and `draft` (one proposal, all the drafter's forwards of an iteration). Absent for methods that do not
+  run the shared loop (VAR/CoDe, MAR/CSpD).
 
 A configuration that raised at a batch size has a row {"method", "failed": error} there instead.
 """
@@ -24,6 +29,7 @@ from typing import Any
 
 from mmspec.bench.configs import MethodConfig
 from mmspec.bench.runner import BenchResult, RunResult
+from mmspec.phases import PHASES, PhaseTimes
 from mmspec.stats import SpecStats
 
 MIB = 1024 * 1024
@@ -50,6 +56,21 @@ def _merged_stats(runs: Sequence[RunResult]) -> SpecStats:
     for run in runs:
         merged = merged + run.stats
     return merged
+
+
+def phase_summary(runs: Sequence[RunResult]) -> dict[str, Any] | None:
+    """Shares of the wall time per phase and ms per verify / draft call over `runs` (None if not recorded)."""
+    if any(r.phases is None for r in runs):
+        return None
+    times = sum((r.phases for r in runs), PhaseTimes())
+    wall = sum(r.wall_time for r in runs)
+    if not times.calls or wall <= 0:
+        return None
+    share = {name: times.seconds.get(name, 0.0) / wall for name in PHASES}
+    share["other"] = max(0.0, 1.0 - sum(share.values()))
+    per_call = {f"{name}_ms": 1000 * times.seconds[name] / times.calls[name]
+                for name in ("verify", "draft") if times.calls.get(name)}
+    return {"share": share, **per_call, "calls": dict(times.calls)}
 
 
 def summarize_config(config: MethodConfig, runs: Sequence[RunResult],
@@ -80,6 +101,7 @@ def summarize_config(config: MethodConfig, runs: Sequence[RunResult],
         "tokens_per_s": float(statistics.median(sum(r.new_tokens) / r.wall_time for r in runs)),
         "peak_memory_bytes": int(max(max(r.peak_memory_bytes) for r in runs)),
         "quality": merge_quality([r.quality for r in runs]),
+        "phases": phase_summary(runs),
     }
 
 
@@ -151,6 +173,29 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+PHASE_COLUMNS = ("method", *PHASES, "other", "verify ms/call", "draft ms/call")
+
+
+def phase_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Where the time goes (shares of wall time per loop phase), or "" when no row recorded phases."""
+    rows = [r for r in rows if r.get("phases")]
+    if not rows:
+        return ""
+    lines = ["| " + " | ".join(PHASE_COLUMNS) + " |", "|" + "|".join("---" for _ in PHASE_COLUMNS) + "|"]
+    for row in rows:
+        p = row["phases"]
+        cells = [row["method"], *(f"{100 * p['share'][name]:.0f}%" for name in (*PHASES, "other")),
+                 _fmt(p.get("verify_ms")), _fmt(p.get("draft_ms"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _with_phases(rows: Sequence[Mapping[str, Any]]) -> str:
+    phases = phase_table(rows)
+    return markdown_table(rows) + (f"\nWhere the time goes (share of wall time per loop phase):\n\n{phases}"
+                                   if phases else "")
+
+
 def tables_markdown(summary: Mapping[str, Any]) -> str:
     """The per-batch-size tables with a heading each (what `mmspec bench` prints)."""
     s = summary["settings"]
@@ -158,7 +203,7 @@ def tables_markdown(summary: Mapping[str, Any]) -> str:
     for table in summary["batch_sizes"]:
         blocks.append(f"### {summary['family']} · batch size {table['batch_size']} · {s['num_samples']} samples · "
                       f"{s['max_new_tokens']} new tokens · temperature {s['temperature']:g} · "
-                      f"{s['repeats']} repeats\n\n" + markdown_table(table["methods"]))
+                      f"{s['repeats']} repeats\n\n" + _with_phases(table["methods"]))
     return "\n".join(blocks)
 
 
@@ -183,7 +228,7 @@ def summary_markdown(summary: Mapping[str, Any], plots: Mapping[int, Sequence[st
     body = []
     for table in summary["batch_sizes"]:
         b = table["batch_size"]
-        body += [f"## Batch size {b}", "", markdown_table(table["methods"])]
+        body += [f"## Batch size {b}", "", _with_phases(table["methods"])]
         for name in (plots or {}).get(b, []):
             body += [f"![{name}]({name})", ""]
     return "\n".join(head + body)

@@ -19,6 +19,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,7 @@ from mmspec.bench.memory import PeakMemory
 from mmspec.bench.records import batch_records
 from mmspec.bench.registry import REFERENCE_METHOD, BenchSettings, Family, MethodOutput, Sample, get_family
 from mmspec.errors import InputError, check, check_nonnegative, check_positive_int
+from mmspec.phases import PhaseTimes, record_phases, synchronize
 from mmspec.stats import SpecStats
 
 
@@ -57,6 +59,7 @@ class RunResult:
     peak_memory_bytes: list[int]  # per batch
     stats: SpecStats  # merged over batches
     quality: dict = field(default_factory=dict)
+    phases: PhaseTimes | None = None  # merged over batches, with --phase-times
 
     @property
     def wall_time(self) -> float:
@@ -82,6 +85,7 @@ class BenchResult:
     primary_quality: str | None
     environment: dict
     command: str | None = None
+    phase_times: bool = False
     runs: list[RunResult] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
     completed_batch_sizes: list[int] = field(default_factory=list)
@@ -99,6 +103,7 @@ class _BatchRun:
     output: MethodOutput
     wall_time: float
     peak_memory_bytes: int
+    phases: PhaseTimes | None = None
 
 
 def plan_steps(batch_sizes: Sequence[int], configs: Sequence[MethodConfig], warmup: int, repeats: int) -> list[Step]:
@@ -124,11 +129,6 @@ def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     return env
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def check_run_args(batch_sizes: Sequence[int], repeats: int, warmup: int, settings: BenchSettings) -> None:
@@ -158,20 +158,22 @@ def _check_output(output: Any, batch: Sequence[Sample], label: str) -> MethodOut
 
 
 def run_config(family: Family, models: Any, config: MethodConfig, batches: Sequence[Sequence[Sample]],
-               settings: BenchSettings, meter: PeakMemory) -> list[_BatchRun]:
-    """One pass of `config` over every batch; only `Method.run` is inside the timed region."""
+               settings: BenchSettings, meter: PeakMemory, phase_times: bool = False) -> list[_BatchRun]:
+    """One pass of `config` over every batch; only `Method.run` is inside the timed region (with
+    `phase_times`, the loop's phases inside it are timed too, see `mmspec.phases`)."""
     device = torch.device(settings.device)
     method = family.methods[config.method]
     torch.manual_seed(settings.seed)
     runs = []
     for batch in batches:
         meter.reset()
-        _synchronize(device)
-        start = time.perf_counter()
-        output = method.run(models, batch, settings, config.params)
-        _synchronize(device)
-        wall = time.perf_counter() - start
-        runs.append(_BatchRun(batch, _check_output(output, batch, config.label), wall, meter.peak()))
+        synchronize(device)
+        with record_phases(device) if phase_times else nullcontext() as phases:
+            start = time.perf_counter()
+            output = method.run(models, batch, settings, config.params)
+            synchronize(device)
+            wall = time.perf_counter() - start
+        runs.append(_BatchRun(batch, _check_output(output, batch, config.label), wall, meter.peak(), phases))
     return runs
 
 
@@ -196,7 +198,8 @@ def _record_pass(result: BenchResult, family: Family, step: Step, batch_runs: li
         target_forwards=[int(r.output.stats.num_target_forwards) for r in batch_runs],
         new_tokens=[int(n) for r in batch_runs for n in r.output.new_tokens],
         peak_memory_bytes=[r.peak_memory_bytes for r in batch_runs],
-        stats=_merge_stats(batch_runs), quality=quality))
+        stats=_merge_stats(batch_runs), quality=quality,
+        phases=sum((r.phases for r in batch_runs), PhaseTimes()) if result.phase_times else None))
     for run in batch_runs:
         result.records += batch_records(
             family=family.name, model_id=result.model_id, label=step.config.label, params=step.config.params,
@@ -223,7 +226,7 @@ def _run_or_fail(result: BenchResult, family: Family, models: Any, step: Step, b
     if step.config.label in failed:
         return None
     try:
-        return run_config(family, models, step.config, batches, result.settings, meter)
+        return run_config(family, models, step.config, batches, result.settings, meter, result.phase_times)
     except InputError:
         raise
     except Exception as err:
@@ -250,13 +253,14 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
               batch_sizes: Sequence[int] = (1,), repeats: int = 3, warmup: int = 1,
               settings: BenchSettings | None = None, progress: bool = False, command: str | None = None,
               on_batch_size_done: Callable[[BenchResult], None] | None = None,
-              tensor_memory: bool = False) -> BenchResult:
+              tensor_memory: bool = False, phase_times: bool = False) -> BenchResult:
     """Run every configuration interleaved (see the module docstring); returns runs and per-sample records.
 
     methods: "vanilla,tree:depth=6", a list of such strings, MethodConfigs, or None for all of the family's
     methods. `on_batch_size_done(result)` is called after each batch size (to write partial results).
     tensor_memory: measure the peak bytes of the tensors each batch allocates (slows every op; see
-    `mmspec.bench.memory`) instead of the device's peak.
+    `mmspec.bench.memory`) instead of the device's peak. phase_times: record where each configuration's time goes
+    (the loop's phases, `mmspec.phases`; on CUDA each phase synchronises, which slows the run).
     """
     settings = settings or BenchSettings()
     batch_sizes = list(batch_sizes)
@@ -271,7 +275,7 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
         result = BenchResult(family=family.name, model_id=family.resolved_model_id(settings), settings=settings,
                              configs=configs, batch_sizes=batch_sizes, repeats=repeats, warmup=warmup,
                              memory_kind=meter.kind, primary_quality=family.primary_quality,
-                             environment=environment(device), command=command)
+                             environment=environment(device), command=command, phase_times=phase_times)
         reference_outputs: dict[tuple[int, int], list[Any]] = {}
         bar = tqdm(total=len(steps), disable=not progress, desc=f"bench {family.name}", unit="run")
         try:
