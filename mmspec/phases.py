@@ -47,10 +47,6 @@ class PhaseTimes:
             merged.calls[name] = merged.calls.get(name, 0) + other.calls.get(name, 0)
         return merged
 
-    @property
-    def total(self) -> float:
-        return float(sum(self.seconds.values()))
-
 
 _ACTIVE: ContextVar[PhaseTimes | None] = ContextVar("mmspec_phase_times", default=None)
 _NOTHING = nullcontext()

@@ -116,19 +116,21 @@ def run(args: argparse.Namespace) -> int:
         codes, labels = encode_world(vqvae, args.num_train_images, args.seed)
         torch.save({"codes": codes, "labels": labels}, cache)
     data = torch.load(cache, weights_only=True)
-    teacher = VARTransformer.from_pretrained(source / "drafter").eval().requires_grad_(False)
+    # only CoDe's distillation (--small-target teacher) reads the frozen large model
+    teacher = (VARTransformer.from_pretrained(source / "drafter").eval().requires_grad_(False)
+               if args.small_target == "teacher" else None)
     large, small = pipe.drafter, pipe.refiner
     common = dict(codes=data["codes"], labels=data["labels"], vqvae=vqvae, batch_size=args.batch_size, lr=args.lr,
                   seed=args.seed, quiet=args.quiet, compile_step=not args.no_compile)
 
-    def small_loss(teacher: VARTransformer, mask: torch.Tensor):
-        return distillation(teacher, mask) if args.small_target == "teacher" else masked_cross_entropy(mask)
+    def small_loss(mask: torch.Tensor):
+        return masked_cross_entropy(mask) if teacher is None else distillation(teacher, mask)
 
     stages = (("large", large, args.large_steps, "large (scales < N)", masked_cross_entropy(scale_mask(large, 0, n))),
               ("distill", small, args.distill_steps, f"small ({args.small_target}, all scales)",
-               small_loss(teacher, scale_mask(small, 0, n_scales))),
+               small_loss(scale_mask(small, 0, n_scales))),
               ("refine", small, args.refine_steps, f"small ({args.small_target}, scales >= N)",
-               small_loss(teacher, scale_mask(small, n, n_scales))))
+               small_loss(scale_mask(small, n, n_scales))))
     for name, model, steps, desc, loss in stages:
         if steps > 0:
             _, info[name] = fit_var(model, steps=steps, desc=desc, loss=loss, **common)
