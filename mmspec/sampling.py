@@ -144,13 +144,24 @@ def generator_list(generator: Generators, batch: int) -> list[torch.Generator] |
 
 def uniform(shape: Sequence[int], generator: Generators = None, device: torch.device | str = "cpu",
             dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """Uniforms in [0, 1), float64 by default; row b of dim 0 comes from generator b when a list is given."""
+    """Uniforms in [0, 1), float64 by default; row b of dim 0 comes from generator b when a list is given.
+
+    A generator on another device than `device` (a CPU generator for CUDA tensors, as diffusers allows) draws
+    where it lives and the numbers are moved: a seeded CPU generator gives the same numbers on any device."""
     shape = tuple(shape)
     gens = generator_list(generator, shape[0]) if shape else None
     if gens is None:
-        return torch.rand(shape, generator=generator, device=device, dtype=dtype)
+        return _rand(shape, generator, device, dtype)
     # one draw per row: the loop only draws random numbers, it does no computation on the batch
-    return torch.stack([torch.rand(shape[1:], generator=g, device=device, dtype=dtype) for g in gens])
+    return torch.stack([_rand(shape[1:], g, device, dtype) for g in gens])
+
+
+def _rand(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str,
+          dtype: torch.dtype) -> torch.Tensor:
+    device = torch.device(device)
+    if generator is None or generator.device.type == device.type:
+        return torch.rand(shape, generator=generator, device=device, dtype=dtype)
+    return torch.rand(shape, generator=generator, device=generator.device, dtype=dtype).to(device)
 
 
 def exponential(shape: Sequence[int], generator: Generators = None,

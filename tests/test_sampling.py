@@ -82,6 +82,25 @@ def test_one_generator_for_the_batch_is_reproducible():
     assert torch.equal(t1, t2)
 
 
+def test_a_cpu_generator_draws_for_tensors_on_another_device(monkeypatch):
+    """A CPU generator with CUDA tensors (diffusers allows it; a GPU run found `uniform` raising torch's "Expected
+    a 'cuda' device type for generator"): the numbers are drawn on the CPU and moved. Without a GPU, "meta" stands
+    in for the other device, and torch.rand is made to enforce CUDA's rule, which CPU/meta torch does not."""
+    real_rand = torch.rand
+
+    def strict_rand(*size, generator=None, device=None, **kwargs):
+        if generator is not None and device is not None and generator.device.type != torch.device(device).type:
+            raise RuntimeError(f"Expected a '{torch.device(device).type}' device type for generator")
+        return real_rand(*size, generator=generator, device=device, **kwargs)
+
+    monkeypatch.setattr(torch, "rand", strict_rand)
+    for generator in (torch.Generator().manual_seed(3), [torch.Generator().manual_seed(s) for s in (3, 4)]):
+        u = uniform((2, 5), generator, device="meta")
+        assert u.device.type == "meta" and u.shape == (2, 5) and u.dtype == torch.float64
+    on_cpu = uniform((2, 5), torch.Generator().manual_seed(3))
+    assert torch.equal(on_cpu, real_rand((2, 5), generator=torch.Generator().manual_seed(3), dtype=torch.float64))
+
+
 @pytest.mark.parametrize("kwargs, word", [
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"temperature": -1.0}, "temperature"),
     ({"top_k": -3}, "top_k"), ({"top_k": 2.5}, "top_k"),

@@ -10,6 +10,12 @@ to check the error raised without the interpreter).
 `masks` gives the mask builders the tests share: causal, ragged (a static KV cache with per-row lengths) and
 tree (committed prefix + ancestors in a small draft tree). `gpu_compilation` compiles every kernel variant
 ahead of time for a CUDA target down to a cubin, in a subprocess without the interpreter; no GPU is needed.
+
+On a machine with a GPU the same tests run the compiled kernels instead: `MMSPEC_KERNEL_TESTS_DEVICE=cuda
+python -m pytest tests/kernels`. Then the interpreter stays off, and every launcher a test module imports
+(`rejection_sample_chain`, `tree_attention`, `tree_attention_structured`) is wrapped to move its tensor
+arguments to the GPU and its results back, so each test compares the compiled kernel with the CPU twin on
+the test's own inputs. Tests marked `interpreter_only` (they check the interpreter's own error) are skipped.
 """
 
 from __future__ import annotations
@@ -24,14 +30,39 @@ from types import SimpleNamespace
 import pytest
 import torch  # does not import triton
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+ON_CUDA = os.environ.get("MMSPEC_KERNEL_TESTS_DEVICE", "").strip().lower() == "cuda"
+if not ON_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 _REPO = Path(__file__).resolve().parents[2]
+_LAUNCHERS = ("rejection_sample_chain", "tree_attention", "tree_attention_structured")
+
+
+def _on_cuda(launcher):
+    """launcher with its tensor arguments moved to the GPU and its tensor results moved back to the CPU."""
+    def move(a):
+        return a.cuda() if isinstance(a, torch.Tensor) else a
+
+    def run(*args, **kwargs):
+        out = launcher(*map(move, args), **{k: move(v) for k, v in kwargs.items()})
+        return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
+
+    return run
 
 
 @pytest.fixture(autouse=True)
-def _triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+def _triton_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not ON_CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        return
+    if not torch.cuda.is_available():
+        pytest.fail("MMSPEC_KERNEL_TESTS_DEVICE=cuda is set but torch sees no CUDA device.")
+    if request.node.get_closest_marker("interpreter_only"):
+        pytest.skip("checks the interpreter's CPU path (kernel tests run on CUDA here)")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for name in _LAUNCHERS:
+        if hasattr(request.module, name):
+            monkeypatch.setattr(request.module, name, _on_cuda(getattr(request.module, name)))
 
 
 def causal_mask(batch: int, s: int, t: int) -> torch.Tensor:
@@ -84,6 +115,12 @@ def tree_mask(prefix: list[int], parents: list[int], t: int) -> torch.Tensor:
 
 # 7 nodes: the root, two children, three grandchildren, one great-grandchild
 TREE_PARENTS = [-1, 0, 0, 1, 1, 2, 3]
+
+
+@pytest.fixture
+def kernel_device() -> str:
+    """Where a test that calls a kernel indirectly (not through a wrapped launcher) puts its tensors."""
+    return "cuda" if ON_CUDA else "cpu"
 
 
 @pytest.fixture

@@ -125,6 +125,7 @@ def test_bad_inputs() -> None:
         tree_attention_structured(q, k, v, torch.tensor([1]), torch.ones(1, 4, 3, dtype=torch.bool))
 
 
+@pytest.mark.interpreter_only
 def test_cpu_without_interpreter_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k, v = _qkv(1, 2, 2, 4, 10, 16)
