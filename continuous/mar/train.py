@@ -1,5 +1,5 @@
 """`mmspec train mar`: make the embedded MAR default (a KL VAE, a target MAR and a smaller draft MAR for CSpD) from
-the procedural world, on a CPU, in stages.
+the procedural world, in stages, on a CPU (or the MAR stages on a GPU: `--device cuda`).
 
     mmspec train mar --out assets/mar
 
@@ -88,8 +88,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--init-target", default=None,
                         help="warm-start the target from this MAR folder (e.g. OUT/target) and retrain it for "
                              "--target-steps more steps")
+    parser.add_argument("--target-arch", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one field of the target's architecture (repeatable; integer fields of "
+                             f"{sorted(WORLD_MAR['target'])}), e.g. --target-arch embed_dim=192")
     parser.add_argument("--eval-images-per-class", type=int, default=16)
+    parser.add_argument("--device", default="cpu",
+                        help="device of the MAR training and the eval stage (cpu or cuda; the VAE trains on CPU)")
     add_runtime_arguments(parser)
+
+
+def parse_arch(pairs: list[str], kind: str = "target") -> dict[str, int]:
+    """`--target-arch KEY=VALUE` pairs -> the world architecture of `kind` with those integer fields replaced."""
+    arch = dict(WORLD_MAR[kind])
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        check(sep == "=" and key in arch, f"--target-arch {pair!r}: expected KEY=VALUE with KEY one of {sorted(arch)}.")
+        check(value.strip().isdigit() and int(value) > 0, f"--target-arch {pair!r}: VALUE must be a positive integer.")
+        arch[key] = int(value)
+    check(arch["embed_dim"] % arch["num_heads"] == 0,
+          f"--target-arch: embed_dim {arch['embed_dim']} must be a multiple of num_heads {arch['num_heads']}.")
+    return arch
 
 
 # ----------------------------------------------------------------------------------------------------- VAE
@@ -134,44 +152,51 @@ def evaluate_vae(vae, n: int, seed: int) -> dict:
 
 @torch.no_grad()
 def encode_world(vae, n: int, seed: int, chunk: int = 500) -> dict[str, torch.Tensor]:
-    """Posterior means and stds (scaled) of n world images as MAR tokens [n, L, C], and labels [n]."""
+    """Posterior means and stds (scaled) of n world images as MAR tokens [n, L, C], and labels [n] (on CPU; the
+    VAE encodes on its own device)."""
     means, stds, labels = [], [], []
     scale = vae.config.scaling_factor
     for start in range(0, n, chunk):
         images, lab = world_images(min(chunk, n - start), seed, "train", start=start)
-        dist = vae.encode(images).latent_dist
-        means.append((dist.mean * scale).flatten(2).transpose(1, 2))
-        stds.append((dist.std * scale).flatten(2).transpose(1, 2))
+        dist = vae.encode(images.to(vae.device)).latent_dist
+        means.append((dist.mean * scale).flatten(2).transpose(1, 2).cpu())
+        stds.append((dist.std * scale).flatten(2).transpose(1, 2).cpu())
         labels.append(lab)
     return {"means": torch.cat(means), "stds": torch.cat(stds), "labels": torch.cat(labels)}
 
 
 # ----------------------------------------------------------------------------------------------------- MAR
-def world_mar(kind: str) -> MARModel:
-    return MARModel(**WORLD_MAR_COMMON, **WORLD_MAR[kind])
+def world_mar(kind: str, arch: dict[str, int] | None = None) -> MARModel:
+    """A fresh world MAR of `kind` ("target" or "draft"), with `arch` in place of its WORLD_MAR fields if given."""
+    return MARModel(**WORLD_MAR_COMMON, **(arch or WORLD_MAR[kind]))
 
 
 def train_mar(kind: str, data: dict[str, torch.Tensor], steps: int, batch_size: int, lr: float, ema_rate: float,
               seed: int, quiet: bool, state_path: Path | None = None, checkpoint_every: int = 500,
-              init_from: Path | None = None, mask_rates: str = "official") -> tuple[MARModel, dict]:
+              init_from: Path | None = None, mask_rates: str = "official", arch: dict[str, int] | None = None,
+              device: str = "cpu") -> tuple[MARModel, dict]:
     """A world MAR of `kind` trained on posterior samples of the cached latents; returns its EMA copy. Resumes
     from state_path (model, EMA, optimiser, step, generator) when it exists and saves it every checkpoint_every
     steps; init_from: a saved MARModel folder to start from (warm start: model and EMA) instead of fresh weights;
-    mask_rates: "official" (truncated normal on [mask_ratio_min, 1]) or "cosine" (`cosine_mask_rate`)."""
+    mask_rates: "official" (truncated normal on [mask_ratio_min, 1]) or "cosine" (`cosine_mask_rate`); arch: the
+    architecture fields (default WORLD_MAR[kind]; a warm start takes its folder's); device: where the model trains
+    (the random draws stay on a CPU generator, so a run's sequence of batches does not depend on the device)."""
     torch.manual_seed(seed)
-    model = world_mar(kind).train()
     if init_from is not None:
-        model.load_state_dict(MARModel.from_pretrained(init_from).state_dict())
+        model = MARModel.from_pretrained(init_from).train()
+    else:
+        model = world_mar(kind, arch).train()
+    model.to(device)
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.02)
     gen = torch.Generator().manual_seed(seed)
     first, seconds = 0, 0.0
     if state_path is not None and state_path.is_file():
-        state = torch.load(state_path, weights_only=True)
+        state = torch.load(state_path, weights_only=True, map_location=device)
         model.load_state_dict(state["model"])
         ema.load_state_dict(state["ema"])
         opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["generator"])
+        gen.set_state(state["generator"].cpu())
         first, seconds = int(state["step"]), float(state["seconds"])
     means, stds, labels = data["means"], data["stds"], data["labels"]
     null = model.config.num_classes
@@ -182,13 +207,13 @@ def train_mar(kind: str, data: dict[str, torch.Tensor], steps: int, batch_size: 
         rows = torch.randint(0, means.shape[0], (batch_size,), generator=gen)
         tokens = means[rows] + stds[rows] * torch.randn(means[rows].shape, generator=gen)  # [B, L, C]
         label = drop_labels(labels[rows], model.config.label_drop_prob, null, gen)
+        tokens, label = tokens.to(device), label.to(device)
         rate = cosine_mask_rate(gen) if mask_rates == "cosine" else None
         loss = model.training_loss(tokens, label, gen, mask_rate=rate)
         optimizer_step(opt, loss, step, steps, lr)
         with torch.no_grad():
             decay = min(ema_rate, (1 + step) / (10 + step))  # warm-up of the EMA rate
-            for p_ema, p in zip(ema.parameters(), model.parameters()):
-                p_ema.lerp_(p, 1 - decay)
+            torch._foreach_lerp_(list(ema.parameters()), list(model.parameters()), 1 - decay)
         if step % 50 == 0:
             bar.set_postfix(loss=f"{loss.item():.4f}")
         if state_path is not None and checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
@@ -198,18 +223,19 @@ def train_mar(kind: str, data: dict[str, torch.Tensor], steps: int, batch_size: 
             os.replace(state_path.with_suffix(".tmp"), state_path)
     info = {"steps": steps, "batch_size": batch_size, "lr": lr, "ema": ema_rate, "final_loss": loss.item(),
             "seconds": time.perf_counter() - start, "parameters": sum(p.numel() for p in model.parameters()),
-            "init_from": str(init_from) if init_from else None, "mask_rates": mask_rates}
+            "init_from": str(init_from) if init_from else None, "mask_rates": mask_rates,
+            "arch": {k: model.config[k] for k in WORLD_MAR[kind]}, "device": str(device)}
     if state_path is not None:
         state_path.unlink(missing_ok=True)
-    return ema, info
+    return ema.cpu(), info
 
 
 def evaluate(pipe, which: str, per_class: int, seed: int) -> dict:
     """Judge accuracy and world-FID of vanilla MAR (the target or the draft alone) at the pipeline defaults."""
     call = pipe.as_mar_pipeline(which)
     call.set_progress_bar_config(disable=True)
-    return judge_generation(lambda labels, gens: call(class_labels=labels, generator=gens, output_type="pt").images,
-                            per_class, seed)
+    return judge_generation(
+        lambda labels, gens: call(class_labels=labels, generator=gens, output_type="pt").images.cpu(), per_class, seed)
 
 
 # ----------------------------------------------------------------------------------------------------- run
@@ -224,7 +250,8 @@ def _card(command: str, info: dict) -> str:
                  f"x {vae.get('batch_size')} images | {vae.get('seconds', 0):.0f} s |")
     for kind in ("target", "draft"):
         t = info.get(kind, {})
-        lines.append(f"| {kind} | MARModel {json.dumps(WORLD_MAR[kind])}, {t.get('parameters', 0) / 1e6:.2f}M params | "
+        arch = json.dumps(t.get("arch", WORLD_MAR[kind]))
+        lines.append(f"| {kind} | MARModel {arch}, {t.get('parameters', 0) / 1e6:.2f}M params | "
                      f"{t.get('steps')} steps x {t.get('batch_size')}, EMA {t.get('ema')}, final loss "
                      f"{t.get('final_loss', 0):.3f} | {t.get('seconds', 0):.0f} s |")
     lines += ["", "## Quality (world judge)", ""]
@@ -242,6 +269,12 @@ def _card(command: str, info: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     stages, folder, work = open_training(args, STAGES)
+    device = torch.device(args.device)
+    check(device.type != "cuda" or torch.cuda.is_available(),
+          f"--device {args.device}: CUDA is not available here; use --device cpu.")
+    arch = parse_arch(args.target_arch)
+    check(not (args.target_arch and args.init_target),
+          "--target-arch and --init-target: a warm start keeps its folder's architecture; drop one of them.")
     out, info = folder.out, folder.info
     from diffusers import AutoencoderKL
 
@@ -252,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         info["recon"] = evaluate_vae(vae, 1000, args.seed)
         folder.record()
     check((out / "vae" / "config.json").is_file(), f"no VAE in {out}/vae: run the 'vae' stage first.")
-    vae = AutoencoderKL.from_pretrained(out / "vae").eval().requires_grad_(False)
+    vae = AutoencoderKL.from_pretrained(out / "vae").eval().requires_grad_(False).to(device)
 
     cache, data = work / f"latents-{args.num_train_images}-seed{args.seed}.pt", None
     for kind, steps in (("target", args.target_steps), ("draft", args.draft_steps)):
@@ -263,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
         previous = info.get(kind) if init is not None else None
         model, info[kind] = train_mar(kind, data, steps, args.mar_batch_size, args.mar_lr, args.ema, args.seed,
                                       args.quiet, work / f"{kind}-state.pt", args.checkpoint_every, init,
-                                      args.mask_rates)
+                                      args.mask_rates, arch if kind == "target" else None, device)
         if previous:
             info[kind]["previous"] = previous
         folder.save(model, kind)
@@ -277,12 +310,14 @@ def run(args: argparse.Namespace) -> int:
             model.register_to_config(timestep_spacing=WORLD_MAR_COMMON["timestep_spacing"])
         pipe = CSpDPipeline(target=models["target"], draft=models["draft"], vae=vae)
         pipe.save_pretrained(out)
+        pipe.to(device)
         info["eval"] = {key: evaluate(pipe, key, args.eval_images_per_class, args.seed) for key in ("target", "draft")}
         folder.record()
         command = explicit_command("mmspec train mar", args, [
             "out", "seed", "vae_steps", "vae_batch_size", "vae_lr", "kl_weight", "object_weight", "num_train_images",
             "target_steps", "draft_steps", "mar_batch_size", "mar_lr", "ema", "mask_rates", "eval_images_per_class",
-            "threads"])
+            "threads", "device"])
+        command += "".join(f" --target-arch {pair}" for pair in args.target_arch)
         (out / "README.md").write_text(_card(command, info))
         print(json.dumps(info["eval"], indent=2))
     print(f"wrote {out}")

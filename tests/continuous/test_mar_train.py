@@ -53,6 +53,20 @@ def test_an_interrupted_training_resumes_to_the_same_weights(tmp_path, monkeypat
         assert torch.equal(a, b)
 
 
+def test_target_arch_overrides_the_world_architecture(tmp_path):
+    arch = mar_train.parse_arch(["embed_dim=96", "decoder_depth=1"])
+    assert arch == {**mar_train.WORLD_MAR["target"], "embed_dim": 96, "decoder_depth": 1}
+    data = {"means": torch.randn(8, 64, 16), "stds": 0.1 * torch.ones(8, 64, 16), "labels": torch.arange(8)}
+    model, info = mar_train.train_mar("target", data, steps=1, batch_size=2, lr=1e-3, ema_rate=0.9, seed=0,
+                                      quiet=True, arch=arch)
+    assert model.config.embed_dim == 96 and len(model.decoder_blocks) == 1 and info["arch"] == arch
+    assert info["parameters"] == model.num_parameters()
+    for pairs, message in ((["width=3"], "KEY one of"), (["embed_dim=0"], "positive integer"),
+                           (["embed_dim"], "KEY=VALUE"), (["embed_dim=90"], "multiple of num_heads")):
+        with pytest.raises(InputError, match=message):
+            mar_train.parse_arch(pairs)
+
+
 def test_timestep_spacings():
     assert respaced_timesteps(100, spacing="leading")[-1].item() == 990
     assert respaced_timesteps(100)[-1].item() == 999
