@@ -115,6 +115,11 @@ class FeatureTreeDrafter:
         self.pending: PendingPairs | None = None
 
     @property
+    def max_draft_nodes(self) -> int:
+        """Tree nodes one verify writes into the target's cache (the root included): room the target must keep."""
+        return self.total
+
+    @property
     def forwards(self) -> int:
         return self.runner.forwards
 

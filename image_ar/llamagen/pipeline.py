@@ -132,8 +132,10 @@ class LlamaGenPipeline(DiffusionPipeline):
         from mmspec.lm import LMTarget  # the target: the transformer with CFG, under the sampling params
 
         block = self.transformer.config.block_size
-        target = LMTarget(self.transformer, params, max_new_tokens=block, guidance_scale=ctx.guidance_scale,
-                          prefill_fn=ctx.prefill_fn)
+        # room for the largest verify: a tree drafter says its node budget; chains and windows fit in 64 drafts
+        draft_room = max(64, getattr(drafter, "max_draft_nodes", 0))
+        target = LMTarget(self.transformer, params, max_new_tokens=block, max_draft_nodes=draft_room,
+                          guidance_scale=ctx.guidance_scale, prefill_fn=ctx.prefill_fn)
         for model in (self.transformer, self.draft_transformer):  # positions are bounded here; no per-call sync
             if model is not None:
                 model.check_positions = False
