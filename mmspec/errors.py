@@ -56,6 +56,18 @@ def check_positive_int(name: str, value: int, minimum: int = 1) -> None:
     )
 
 
+def check_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch.device if it is cpu, or cuda where torch sees a CUDA device (InputError otherwise)."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError):
+        resolved = None
+    check(resolved is not None and resolved.type in ("cpu", "cuda"), f"device must be cpu or cuda, got {device!r}.")
+    check(resolved.type != "cuda" or torch.cuda.is_available(),
+          "device 'cuda' was asked for but torch sees no CUDA device; use --device cpu.")
+    return resolved
+
+
 def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int | None], what: str = "") -> None:
     """Check `tensor.shape` against `expected`, where None matches any size.
 

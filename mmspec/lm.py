@@ -135,6 +135,10 @@ class GuidedRunner:
         self.cache.commit_path(self.rows(path), self.rows(keep))
 
 
+# draft entries (chain drafts, window positions or tree nodes) an LMTarget's cache keeps room for by default
+DRAFT_ROOM = 64
+
+
 class LMTarget:
     """A CachedLM as the loop's target; p is the model's distribution under `params` (temperature, top-k/p).
 
@@ -142,8 +146,9 @@ class LMTarget:
     (default: a token prompt; `cfg_prompt_pair` for a (cond, uncond) pair of prompts).
     """
 
-    def __init__(self, model: CachedLM, params: SamplingParams, max_new_tokens: int, max_draft_nodes: int = 64, *,
-                 guidance_scale: float | torch.Tensor | None = None, prefill_fn: PrefillFn = prefill_prompt):
+    def __init__(self, model: CachedLM, params: SamplingParams, max_new_tokens: int,
+                 max_draft_nodes: int = DRAFT_ROOM, *, guidance_scale: float | torch.Tensor | None = None,
+                 prefill_fn: PrefillFn = prefill_prompt):
         self.runner = GuidedRunner(model, guidance_scale, prefill_fn)
         self.params = params
         self.extra_capacity = max_new_tokens + max_draft_nodes + 1

@@ -266,6 +266,8 @@ def test_bad_numbers_are_input_errors(tmp_path, capsys):
         assert "mmspec: error:" in capsys.readouterr().err
     with pytest.raises(InputError, match="unknown option 'depth' for bench family 'toy'"):
         run_bench("toy", settings=BenchSettings(options={"depth": "3"}))
+    with pytest.raises(InputError, match="device must be cpu or cuda, got 'gpu'"):
+        run_bench("toy", settings=BenchSettings(device="gpu"))
 
 
 def test_results_are_written_to_an_existing_directory(tmp_path):

@@ -39,7 +39,7 @@ from continuous.mar.model import MARModel, cosine_mask_rate
 from continuous.mar.vae import world_vae
 from mmspec.data import NUM_CLASSES
 from mmspec.data.artifacts import explicit_command
-from mmspec.errors import check
+from mmspec.errors import check, check_device
 from mmspec.world_training import (
     add_runtime_arguments,
     add_staged_arguments,
@@ -269,9 +269,7 @@ def _card(command: str, info: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     stages, folder, work = open_training(args, STAGES)
-    device = torch.device(args.device)
-    check(device.type != "cuda" or torch.cuda.is_available(),
-          f"--device {args.device}: CUDA is not available here; use --device cpu.")
+    device = check_device(args.device)
     arch = parse_arch(args.target_arch)
     check(not (args.target_arch and args.init_target),
           "--target-arch and --init-target: a warm start keeps its folder's architecture; drop one of them.")

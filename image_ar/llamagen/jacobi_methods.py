@@ -18,9 +18,10 @@ from image_ar.llamagen.methods import ACCEPT_PARAMS, MethodContext, acceptance_r
 from image_ar.llamagen.rope import grid_size_of
 from mmspec.errors import check, check_positive_int
 from mmspec.jacobi import JacobiDrafter, check_init, check_interval
+from mmspec.lm import DRAFT_ROOM
 
-# LMTarget (as the pipeline builds it) keeps room for 64 draft entries after the last token
-MAX_WINDOW = 65
+# LMTarget (as the pipeline builds it) keeps room for DRAFT_ROOM draft entries after the last token
+MAX_WINDOW = DRAFT_ROOM + 1
 GSD_EMBEDDINGS = ("codebook", "target", None)
 
 

@@ -129,11 +129,11 @@ class LlamaGenPipeline(DiffusionPipeline):
                             generator, batch)
         drafter, rule = build_method(method, ctx, **(method_kwargs or {}))
 
-        from mmspec.lm import LMTarget  # the target: the transformer with CFG, under the sampling params
+        from mmspec.lm import DRAFT_ROOM, LMTarget  # the target: the transformer with CFG, under the sampling params
 
         block = self.transformer.config.block_size
-        # room for the largest verify: a tree drafter says its node budget; chains and windows fit in 64 drafts
-        draft_room = max(64, getattr(drafter, "max_draft_nodes", 0))
+        # room for the largest verify: a tree drafter says its node budget; chains and windows fit in DRAFT_ROOM
+        draft_room = max(DRAFT_ROOM, getattr(drafter, "max_draft_nodes", 0))
         target = LMTarget(self.transformer, params, max_new_tokens=block, max_draft_nodes=draft_room,
                           guidance_scale=ctx.guidance_scale, prefill_fn=ctx.prefill_fn)
         for model in (self.transformer, self.draft_transformer):  # positions are bounded here; no per-call sync

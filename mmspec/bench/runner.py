@@ -30,7 +30,7 @@ from mmspec.bench.configs import MethodConfig, parse_method_list
 from mmspec.bench.memory import PeakMemory
 from mmspec.bench.records import batch_records
 from mmspec.bench.registry import REFERENCE_METHOD, BenchSettings, Family, MethodOutput, Sample, get_family
-from mmspec.errors import InputError, check, check_nonnegative, check_positive_int
+from mmspec.errors import InputError, check, check_device, check_nonnegative, check_positive_int
 from mmspec.phases import PhaseTimes, record_phases, synchronize
 from mmspec.stats import SpecStats
 
@@ -142,10 +142,7 @@ def check_run_args(batch_sizes: Sequence[int], repeats: int, warmup: int, settin
     check_positive_int("num_samples", settings.num_samples)
     check_positive_int("max_new_tokens", settings.max_new_tokens)
     check_nonnegative("temperature", settings.temperature)
-    device = torch.device(settings.device)
-    check(device.type in ("cpu", "cuda"), f"device must be cpu or cuda, got {settings.device!r}.")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError("device 'cuda' was asked for but torch sees no CUDA device; use --device cpu.")
+    check_device(settings.device)
 
 
 def _check_output(output: Any, batch: Sequence[Sample], label: str) -> MethodOutput:

@@ -53,7 +53,7 @@ def test_an_interrupted_training_resumes_to_the_same_weights(tmp_path, monkeypat
         assert torch.equal(a, b)
 
 
-def test_target_arch_overrides_the_world_architecture(tmp_path):
+def test_target_arch_overrides_the_world_architecture(tmp_path, capsys):
     arch = mar_train.parse_arch(["embed_dim=96", "decoder_depth=1"])
     assert arch == {**mar_train.WORLD_MAR["target"], "embed_dim": 96, "decoder_depth": 1}
     data = {"means": torch.randn(8, 64, 16), "stds": 0.1 * torch.ones(8, 64, 16), "labels": torch.arange(8)}
@@ -61,6 +61,10 @@ def test_target_arch_overrides_the_world_architecture(tmp_path):
                                       quiet=True, arch=arch)
     assert model.config.embed_dim == 96 and len(model.decoder_blocks) == 1 and info["arch"] == arch
     assert info["parameters"] == model.num_parameters()
+    # a bad --device is refused before any stage runs
+    args = ["train", "mar", "--out", str(tmp_path / "o"), "--work-dir", str(tmp_path / "w"), "--device", "gpu"]
+    assert main(args) == 2
+    assert "device must be cpu or cuda, got 'gpu'" in capsys.readouterr().err and not (tmp_path / "o").exists()
     for pairs, message in ((["width=3"], "KEY one of"), (["embed_dim=0"], "positive integer"),
                            (["embed_dim"], "KEY=VALUE"), (["embed_dim=90"], "multiple of num_heads")):
         with pytest.raises(InputError, match=message):
