@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from demos.common import launch  # noqa: E402
 from mmspec.bench.plots import per_position_figure  # noqa: E402
-from mmspec.cli.family_io import resolve_class, world_class_names  # noqa: E402
+from mmspec.cli.family_io import resolve_class, sampling_defaults, world_class_names  # noqa: E402
 from mmspec.cli.generate import GENERATE_FAMILIES, make_grid, parse_method_args  # noqa: E402
 from mmspec.errors import InputError, check  # noqa: E402
 
@@ -61,6 +61,10 @@ class ModelStore:
                 pipe.set_progress_bar_config(disable=False, leave=False)  # tqdm -> the page's progress bar
                 self._pipes[family] = pipe
             return self._pipes[family]
+
+    def default_guidance(self, family: str) -> float:
+        """The CFG scale the family's pipeline uses by default (MAR: its model's own)."""
+        return sampling_defaults(self.adapter(family), load=lambda: self.pipeline(family))["guidance_scale"]
 
 
 def speculative_methods(family: str) -> list[str]:
@@ -187,6 +191,12 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
         return (result["vanilla"], result["method"], summary_markdown(result["stats"]), result["stats"],
                 result["figure"])
 
+    def guidance_for(family):
+        try:
+            return store.default_guidance(family)
+        except InputError as err:
+            raise gr.Error(str(err), print_exception=False) from None
+
     def methods_for(family):
         return gr.Dropdown(choices=speculative_methods(family), value=DEFAULT_METHOD[family])
 
@@ -201,7 +211,7 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
             method_args = gr.Textbox(label="method parameters", placeholder="e.g. gamma=4, align=false")
         with gr.Row():
             num_images = gr.Slider(1, MAX_IMAGES, value=4, step=1, label="images")
-            guidance = gr.Number(value=ModelStore.adapter(family).DEFAULTS["guidance_scale"], label="CFG scale")
+            guidance = gr.Number(value=store.default_guidance(family), label="CFG scale")
             temperature = gr.Number(value=1.0, label="temperature")
             top_k = gr.Number(value=0, precision=0, label="top-k (0 = off)")
             top_p = gr.Number(value=1.0, label="top-p (1 = off)")
@@ -216,7 +226,7 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
             plot = gr.Plot(label="per-position acceptance rate", show_label=False)
             stats = gr.JSON(label="stats")
         family_box.change(methods_for, family_box, method_box)
-        family_box.change(lambda f: ModelStore.adapter(f).DEFAULTS["guidance_scale"], family_box, guidance)
+        family_box.change(guidance_for, family_box, guidance)
         button.click(run, [family_box, method_box, class_box, method_args, num_images, guidance, temperature, top_k,
                            top_p, seed], [vanilla_image, method_image, summary, stats, plot], api_name="generate")
     return app.queue(default_concurrency_limit=concurrency, max_size=max_queue)

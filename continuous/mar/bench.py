@@ -23,7 +23,7 @@ from mmspec.bench.image_family import class_inputs, image_options, image_outputs
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
 from mmspec.errors import InputError
 
-BENCH_DEFAULTS = {**DEFAULTS, "top_k": 0, "top_p": 1.0}
+BENCH_DEFAULTS = {**DEFAULTS, "guidance_scale": None, "top_k": 0, "top_p": 1.0}  # None: the target's own
 
 
 def _options(settings: BenchSettings) -> dict[str, Any]:

@@ -22,6 +22,8 @@ on keys; the converter
    - heads (not in the weights): `args.model` (`mar_base` 12, `mar_large` 16, `mar_huge` 16), else the official
      size of that width (768 -> 12, 1024 -> 16, 1280 -> 16), else the caller must pass `num_heads=`
      (`decoder_num_heads=` likewise when the decoder is wider or narrower than the encoder);
+   - `default_guidance_scale`: the paper's evaluation cfg of the official size (base 2.9, large 3.0, huge 3.2; the
+     training `args.cfg` is not it), else 3.0; `default_cfg_schedule` "linear";
 4. builds the model with its parameters on the meta device (no random initialisation of the ~1B parameters of
    MAR-H) and loads with `mmspec.checkpoints.load_into` (keys and shapes checked, one `CheckpointError`
    listing every problem).
@@ -52,6 +54,7 @@ WEIGHTS = {"ema": "model_ema", "model": "model"}
 # the official sizes: args.model -> (width, encoder/decoder heads); widths -> heads
 OFFICIAL_MODELS = {"mar_base": (768, 12), "mar_large": (1024, 16), "mar_huge": (1280, 16)}
 OFFICIAL_HEADS = {width: heads for width, heads in OFFICIAL_MODELS.values()}
+OFFICIAL_EVAL_CFG = {"mar_base": 2.9, "mar_large": 3.0, "mar_huge": 3.2}  # the paper's FID setting per size
 OFFICIAL_DEFAULTS = {"vae_stride": 16, "patch_size": 1, "vae_embed_dim": 16}
 # official `args` attributes that are MARModel arguments of the same name
 ARGS_FIELDS = ("img_size", "vae_stride", "patch_size", "vae_embed_dim", "num_sampling_steps", "label_drop_prob",
@@ -153,6 +156,10 @@ def infer_mar_config(sd: Mapping[str, torch.Tensor], args: object = None, **know
         cfg["num_heads"] = _heads(width, model_name, "num_heads")
     if cfg.get("decoder_num_heads") is None and dec_width != width:
         cfg["decoder_num_heads"] = _heads(dec_width, model_name, "decoder_num_heads")
+    official = model_name if model_name in OFFICIAL_EVAL_CFG else next(
+        (name for name, (w, _) in OFFICIAL_MODELS.items() if w == width), None)
+    if official is not None:
+        cfg.setdefault("default_guidance_scale", OFFICIAL_EVAL_CFG[official])
     for name, w in (("num_heads", width), ("decoder_num_heads", dec_width)):
         heads = cfg.get(name)
         if heads is not None and w % heads:

@@ -105,15 +105,16 @@ class CSpDPipeline(DiffusionPipeline):
     @torch.no_grad()
     def __call__(self, class_labels: int | list[int] | torch.Tensor | None = None, gamma: int = 8,
                  prefill_ratio: float = 0.05, align: bool = True, rule: CSpDRule | None = None,
-                 num_sampling_steps: int = 100, guidance_scale: float = 3.0, cfg_schedule: str = "linear",
+                 num_sampling_steps: int = 100, guidance_scale: float | None = None, cfg_schedule: str | None = None,
                  temperature: float = 1.0, num_images_per_prompt: int = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
                  return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None):
         """Generate images with CSpD. gamma: window size; prefill_ratio: share of tokens the target makes alone
         first; align: trajectory alignment; rule: the acceptance rule (default the paper's `CSpDRule()`;
         `CSpDRule.reference_code()` for the public code's variants). Other arguments as `MARPipeline` with
-        num_iter = the token count. out.stats: SpecStats (target / draft forwards, acceptance per window position,
-        extra: residual_samples, residual_fallbacks)."""
+        num_iter = the token count (guidance_scale / cfg_schedule None: the target's defaults). out.stats:
+        SpecStats (target / draft forwards, acceptance per window position, extra: residual_samples,
+        residual_fallbacks)."""
         target, draft = self.target, self.draft
         seq, channels = target.seq_len, target.token_channels
         check_positive_int("gamma", gamma)

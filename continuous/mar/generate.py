@@ -6,7 +6,8 @@ decoding with the draft MAR).
 The folder is a `CSpDPipeline` (the embedded default, or `mmspec convert mar --draft ...`) or a single-model
 `MARPipeline` (vanilla only). Method parameters (`--method-arg KEY=VALUE`): vanilla takes num_iter (default the
 token count), num_sampling_steps, cfg_schedule; cspd takes gamma, prefill_ratio, align, criterion ("paper" or
-"reference_code"), num_sampling_steps, cfg_schedule. MAR has no top-k / top-p.
+"reference_code"), num_sampling_steps, cfg_schedule. MAR has no top-k / top-p. The guidance scale and cfg_schedule
+default to the target model's own (`MARModel.config.default_guidance_scale` / `default_cfg_schedule`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,17 @@ def load(model_path: str | None, device: str) -> CSpDPipeline | MARPipeline:
                                 device=device)
 
 
+def _model(pipe: CSpDPipeline | MARPipeline):
+    return pipe.target if isinstance(pipe, CSpDPipeline) else pipe.transformer
+
+
 def num_classes(pipe: CSpDPipeline | MARPipeline) -> int:
-    model = pipe.target if isinstance(pipe, CSpDPipeline) else pipe.transformer
-    return model.config.num_classes
+    return _model(pipe).config.num_classes
+
+
+def sampling_defaults(pipe: CSpDPipeline | MARPipeline) -> dict:
+    """`DEFAULTS` with the (target) model's own guidance scale."""
+    return {**DEFAULTS, "guidance_scale": float(_model(pipe).config.default_guidance_scale)}
 
 
 def method_pipeline(pipe: CSpDPipeline | MARPipeline, method: str, method_kwargs: dict) -> tuple:
@@ -62,7 +71,7 @@ def call_options(options: dict) -> dict:
     """The pipeline's sampling keyword arguments from generate's options (no top-k / top-p for MAR)."""
     for key in ("top_k", "top_p"):
         check(options.get(key) is None, f"MAR samples continuous tokens: --{key.replace('_', '-')} does not apply.")
-    return {k: options[k] for k in ("guidance_scale", "temperature")}
+    return {k: options[k] for k in ("guidance_scale", "temperature") if options.get(k) is not None}
 
 
 def run_stats(out) -> SpecStats:

@@ -6,7 +6,9 @@ Facts from ../shared/reference/continuous.md (MAR). Parameter names follow the o
 (`z_proj`, `z_proj_ln`, `class_emb`, `fake_latent`, `encoder_pos_embed_learned`, `encoder_blocks.{i}.attn.qkv`,
 `decoder_embed`, `mask_token`, `decoder_pos_embed_learned`, `diffusion_pos_embed_learned`, `diffloss.net...`), so
 the official `checkpoint-last.pth` loads by name. `timestep_spacing` is the sampler's step placement ("linspace",
-the official default, or "leading"; see `continuous.mar.diffusion.respaced_timesteps`). Sizes: base 12/12 x 768
+the official default, or "leading"; see `continuous.mar.diffusion.respaced_timesteps`). `default_guidance_scale` and
+`default_cfg_schedule` are the sampling settings a pipeline call uses when it leaves them unset (official: 3.0,
+"linear"; the world models ship 2.0, "constant": docs/mar.md). Sizes: base 12/12 x 768
 (DiffLoss d6 w1024), large 16/16 x 1024 (d8 w1280), huge 20/20 x 1280 (d12 w1536); any size from the config.
 
 Glossary: *tokens* [B, L, C] are VAE latents, patchified (C = vae_embed_dim x patch_size^2); *known* [B, L] marks the
@@ -33,6 +35,8 @@ from continuous.mar.diffloss import DiffLoss
 from continuous.mar.diffusion import TIMESTEP_SPACINGS
 from mmspec.errors import check
 
+CFG_SCHEDULES = ("linear", "constant")  # MAR's cfg_schedule options (official `sample_tokens`)
+
 
 class MARModel(ModelMixin, ConfigMixin):
     """MAR with its diffusion head (see the module docstring). The null class (index num_classes) is the learned
@@ -46,10 +50,15 @@ class MARModel(ModelMixin, ConfigMixin):
                  mask_ratio_min: float = 0.7, attn_dropout: float = 0.1, proj_dropout: float = 0.1,
                  diffloss_d: int = 6, diffloss_w: int = 1024, num_sampling_steps: int = 100,
                  diffusion_batch_mul: int = 4, timestep_spacing: str = "linspace",
-                 pos_embed_init: str = "normal") -> None:
+                 pos_embed_init: str = "normal", default_guidance_scale: float = 3.0,
+                 default_cfg_schedule: str = "linear") -> None:
         super().__init__()
         check(timestep_spacing in TIMESTEP_SPACINGS,
               f"timestep_spacing must be one of {TIMESTEP_SPACINGS}, got {timestep_spacing!r}.")
+        check(isinstance(default_guidance_scale, (int, float)) and default_guidance_scale >= 1.0,
+              f"default_guidance_scale must be a number >= 1.0, got {default_guidance_scale!r}.")
+        check(default_cfg_schedule in CFG_SCHEDULES,
+              f"default_cfg_schedule must be one of {CFG_SCHEDULES}, got {default_cfg_schedule!r}.")
         check(pos_embed_init in ("normal", "sincos"),
               f"pos_embed_init must be 'normal' or 'sincos', got {pos_embed_init!r}.")
         check(img_size % (vae_stride * patch_size) == 0,

@@ -26,13 +26,11 @@ from diffusers import AutoencoderKL, DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from continuous.mar.diffusion import Trajectory
-from continuous.mar.model import MARModel
+from continuous.mar.model import CFG_SCHEDULES, MARModel
 from continuous.mar.vae import decode_latents, vae_stride
 from mmspec.errors import check, check_positive_int
 from mmspec.pipeline_io import check_generators, check_output_type, class_labels_tensor, format_images
 from mmspec.sampling import Generators, generator_list
-
-CFG_SCHEDULES = ("linear", "constant")
 
 
 @dataclass
@@ -100,11 +98,14 @@ def draw_randomness(generator: Generators, batch: int, seq_len: int, steps: int,
     return orders.to(device), noise[:, :, 0], noise[:, :, 1:]
 
 
-def prepare_run(model: MARModel, class_labels: Any, guidance_scale: float, cfg_schedule: str, temperature: float,
-                num_sampling_steps: int, num_images_per_prompt: int, generator: Generators,
+def prepare_run(model: MARModel, class_labels: Any, guidance_scale: float | None, cfg_schedule: str | None,
+                temperature: float, num_sampling_steps: int, num_images_per_prompt: int, generator: Generators,
                 output_type: str) -> MARRun:
-    """Check a call's arguments (clear errors) and draw its randomness."""
+    """Check a call's arguments (clear errors) and draw its randomness. guidance_scale / cfg_schedule None: the
+    model's `default_guidance_scale` / `default_cfg_schedule`."""
     check_output_type(output_type)
+    guidance_scale = model.config.default_guidance_scale if guidance_scale is None else guidance_scale
+    cfg_schedule = model.config.default_cfg_schedule if cfg_schedule is None else cfg_schedule
     check(isinstance(guidance_scale, (int, float)) and guidance_scale >= 1.0,
           f"guidance_scale must be a number >= 1.0 (1.0 = no guidance, MAR's convention), got {guidance_scale!r}.")
     check(cfg_schedule in CFG_SCHEDULES, f"cfg_schedule must be one of {CFG_SCHEDULES}, got {cfg_schedule!r}.")
@@ -195,13 +196,14 @@ class MARPipeline(DiffusionPipeline):
 
     @torch.no_grad()
     def __call__(self, class_labels: int | list[int] | torch.Tensor | None = None, num_iter: int | None = None,
-                 num_sampling_steps: int = 100, guidance_scale: float = 3.0, cfg_schedule: str = "linear",
+                 num_sampling_steps: int = 100, guidance_scale: float | None = None, cfg_schedule: str | None = None,
                  temperature: float = 1.0, num_images_per_prompt: int = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
                  return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None):
         """Generate images. num_iter: MAR steps (default the token count: one token per step); guidance_scale:
-        MAR's cfg (1.0 = no unconditional half); temperature scales the diffusion noise; generator: one, or one per
-        image. callback_on_step_end(pipe, step, tokens generated, {"tokens": [N, L, C]}) after each step."""
+        MAR's cfg (1.0 = no unconditional half) and cfg_schedule ("linear" or "constant"), None = the model's
+        `default_guidance_scale` / `default_cfg_schedule`; temperature scales the diffusion noise; generator: one,
+        or one per image. callback_on_step_end(pipe, step, tokens generated, {"tokens": [N, L, C]}) after each step."""
         model = self.transformer
         seq = model.seq_len
         num_iter = seq if num_iter is None else num_iter

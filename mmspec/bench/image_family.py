@@ -27,7 +27,8 @@ def image_options(settings: BenchSettings, family: str, defaults: Mapping[str, A
         raise InputError(f"unknown option(s) {sorted(unknown)} for bench family {family!r}; "
                          f"known: {', '.join(OPTIONS)}.")
     o = dict(settings.options)
-    return {"model": o.get("model"), "guidance_scale": float(o.get("guidance_scale", defaults["guidance_scale"])),
+    guidance = o.get("guidance_scale", defaults["guidance_scale"])  # None: the pipeline's own default
+    return {"model": o.get("model"), "guidance_scale": None if guidance is None else float(guidance),
             "top_k": int(o.get("top_k", defaults["top_k"])), "top_p": float(o.get("top_p", defaults["top_p"])),
             "fid_reference": int(o.get("fid_reference", 2000))}
 

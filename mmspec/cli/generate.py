@@ -14,7 +14,8 @@ then listed in the manifest; a rerun with the same job skips what the manifest l
 writes its own manifest shard, and the main process merges them into one `manifest.jsonl`. A batch that runs out
 of GPU memory is retried in halves (down to 1) without losing rows. Families plug in through
 `GENERATE_FAMILIES`: an adapter module with `METHODS`, `DEFAULTS`, `load(model_path, device)`,
-`num_classes(pipe)` and `generate(pipe, labels, generators, options)` returning the images and a `SpecStats`.
+`num_classes(pipe)` and `generate(pipe, labels, generators, options)` returning the images and a `SpecStats`, and
+optionally `sampling_defaults(pipe)` when the loaded model carries its own defaults (MAR).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 
 from mmspec.bench.files import atomic_write, atomic_write_text, prepare_output_dir
-from mmspec.cli.family_io import class_slug, resolve_class
+from mmspec.cli.family_io import class_slug, resolve_class, sampling_defaults
 from mmspec.cli.jobs import (
     MANIFEST,
     JobRow,
@@ -240,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     rows, bad = job_rows(args, n_classes) if args.job is not None else (class_rows(args, n_classes), [])
     options = {k: getattr(args, k) for k in ("guidance_scale", "temperature", "top_k", "top_p")
                if getattr(args, k) is not None}
-    options = {**family.DEFAULTS, **options, "method": args.method, "method_kwargs": method_kwargs}
+    options = {**sampling_defaults(family, pipe), **options, "method": args.method, "method_kwargs": method_kwargs}
 
     items = work_items(rows)
     if rank == 0:  # per-process figures of an earlier, interrupted run

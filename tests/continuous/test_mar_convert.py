@@ -104,11 +104,15 @@ def test_official_sizes_and_heads_are_inferred():
                               buffer_size=64, class_num=1000, diffloss_d=6, diffloss_w=1024, num_sampling_steps="100")
     expected = dict(embed_dim=768, num_heads=12, encoder_depth=12, decoder_depth=12, decoder_embed_dim=768,
                     mlp_ratio=4.0, num_classes=1000, buffer_size=64, diffloss_d=6, diffloss_w=1024, img_size=256,
-                    vae_stride=16, patch_size=1, vae_embed_dim=16, num_sampling_steps=100)
+                    vae_stride=16, patch_size=1, vae_embed_dim=16, num_sampling_steps=100,
+                    default_guidance_scale=2.9)  # the paper's evaluation cfg of MAR-B
     for with_args in (args, None):  # without args: the official stride/patch/channels and the heads of width 768
         cfg = infer_mar_config(sd, with_args)
         assert {k: cfg.get(k) for k in expected} == {**expected, **({} if with_args else {"num_sampling_steps": None})}
     assert infer_mar_config(sd, args, num_heads=8)["num_heads"] == 8  # the caller wins
+    assert infer_mar_config(sd, args, default_guidance_scale=4.0)["default_guidance_scale"] == 4.0
+    huge = argparse.Namespace(**{**vars(args), "model": "mar_huge"})  # the name wins over the width
+    assert infer_mar_config(sd, huge, num_heads=12)["default_guidance_scale"] == 3.2
     with pytest.raises(InputError, match="token grid"):
         infer_mar_config(sd, args, img_size=512)
     with pytest.raises(InputError, match="unknown MARModel argument"):

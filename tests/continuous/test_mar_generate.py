@@ -68,3 +68,27 @@ def test_bench_family_mar(folders):
     assert rows["cspd:gamma=2"].stats.num_draft_forwards > 0
     assert rows["cspd:gamma=2"].nfe <= batches * seq
     assert 0.0 <= rows["cspd:gamma=2"].quality["class_accuracy"] <= 1.0 and "world_fid" in rows["vanilla"].quality
+
+
+def test_generate_and_bench_use_the_models_own_guidance(tmp_path):
+    """A folder whose target carries default_guidance_scale / default_cfg_schedule: `mmspec generate` and the bench
+    sample with them unless told otherwise, and stats.json records the scale used."""
+    tuned = tiny_mar(2, num_classes=16, default_guidance_scale=2.0, default_cfg_schedule="constant")
+    folder = tmp_path / "tuned"
+    CSpDPipeline(target=tuned, draft=tiny_mar(3, num_classes=16, embed_dim=16), vae=tiny_vae()).save_pretrained(folder)
+    assert generate(folder, tmp_path / "own") == 0
+    assert json.loads((tmp_path / "own" / "stats.json").read_text())["sampling"]["guidance_scale"] == 2.0
+    assert generate(folder, tmp_path / "set", "--guidance-scale", "2.0", "--method-arg", "cfg_schedule=constant") == 0
+    assert generate(folder, tmp_path / "official", "--guidance-scale", "3.0", "--method-arg",
+                    "cfg_schedule=linear") == 0
+    images = sorted(os.listdir(tmp_path / "own" / "images"))
+    read = lambda run, name: (tmp_path / run / "images" / name).read_bytes()  # noqa: E731
+    assert all(read("own", name) == read("set", name) for name in images)
+    assert any(read("own", name) != read("official", name) for name in images)
+    def bench_fid(**options):  # world-FID of 4 vanilla images: equal iff the images are
+        settings = BenchSettings(num_samples=4, temperature=1.0, options={
+            "model": str(folder), "fid_reference": "64", "num_sampling_steps": "4", **options})
+        return run_bench("mar", ["vanilla"], batch_sizes=[4], repeats=1, warmup=0,
+                         settings=settings).runs[0].quality["world_fid"]
+
+    assert bench_fid() == bench_fid(guidance_scale="2.0") != bench_fid(guidance_scale="3.0")

@@ -132,6 +132,29 @@ def test_alignment_changes_the_drafts_noise_only(pipe):
     assert not torch.equal(aligned.tokens, unaligned.tokens)
 
 
+def test_unset_guidance_and_schedule_are_the_models_defaults(pipe):
+    """guidance_scale / cfg_schedule left None: the (target) model's default_guidance_scale / default_cfg_schedule
+    (official 3.0 linear unless the config says otherwise, as the world models do)."""
+    kw = dict(class_labels=[0, 3], num_sampling_steps=4, output_type="latent")
+    mar = pipe.as_mar_pipeline("target")
+    official = mar(generator=generators(2), **kw).tokens
+    assert torch.equal(official, mar(generator=generators(2), guidance_scale=3.0, cfg_schedule="linear", **kw).tokens)
+    tuned = MARPipeline(transformer=tiny_mar(2, default_guidance_scale=2.0, default_cfg_schedule="constant"),
+                        vae=pipe.vae)
+    tuned.set_progress_bar_config(disable=True)
+    own = tuned(generator=generators(2), **kw).tokens
+    assert torch.equal(own, tuned(generator=generators(2), guidance_scale=2.0, cfg_schedule="constant", **kw).tokens)
+    assert not torch.equal(own, official)  # same weights (seed 2), other sampling settings
+    cspd = CSpDPipeline(target=tuned.transformer, draft=pipe.draft, vae=pipe.vae)
+    cspd.set_progress_bar_config(disable=True)
+    explicit = cspd(generator=generators(2), gamma=2, guidance_scale=2.0, cfg_schedule="constant", **kw).tokens
+    assert torch.equal(cspd(generator=generators(2), gamma=2, **kw).tokens, explicit)
+    with pytest.raises(InputError, match="default_cfg_schedule must be one of"):
+        tiny_mar(2, default_cfg_schedule="cosine")
+    with pytest.raises(InputError, match="default_guidance_scale must be a number >= 1.0"):
+        tiny_mar(2, default_guidance_scale=0.5)
+
+
 def test_save_and_load_round_trip(pipe, tmp_path):
     pipe.save_pretrained(tmp_path)
     loaded = CSpDPipeline.from_pretrained(tmp_path)

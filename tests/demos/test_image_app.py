@@ -46,6 +46,12 @@ def test_sampling_run_and_var_code(store):
     assert stats["vanilla_seconds"] > 0 and stats["method_seconds"] > 0
 
 
+def test_the_cfg_box_starts_at_each_familys_default(store):
+    """LlamaGen and VAR pipelines default to 4.0; the embedded MAR target carries its own (2.0, constant schedule)."""
+    assert store.default_guidance("llamagen") == 4.0 and store.default_guidance("var") == 4.0
+    assert store.default_guidance("mar") == store.pipeline("mar").target.config.default_guidance_scale == 2.0
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"class_text": "  "}, "pick a class"),
     ({"class_text": "purple elephant"}, "unknown class"),
