@@ -67,3 +67,52 @@ def test_bench_phase_times_split_every_configuration(tmp_path):
     summary = json.loads((plain / "summary.json").read_text())
     assert all(row["phases"] is None for row in summary["batch_sizes"][0]["methods"])
     assert "Where the time goes" not in (plain / "summary.md").read_text()
+
+
+def test_counting_ops_attributes_work_and_syncs_to_phases():
+    """count_ops counts the ops that do work (not views) and the host syncs, by phase, 'other' outside them."""
+    import torch
+
+    from mmspec.phases import OUTSIDE
+
+    with record_phases(count_ops=True) as times:
+        a = torch.ones(4) + 1  # 2 ops outside every phase
+        with phase("verify"):
+            b = (a * 2).sum()  # mul, sum
+            a.view(2, 2).t()  # views: not counted
+            bool(b > 0)  # gt + one host sync
+        with phase("accept"):
+            torch.equal(a, a)  # a sync too
+    assert times.ops == {OUTSIDE: 2, "verify": 4, "accept": 1}
+    assert times.syncs == {"verify": 1, "accept": 1}
+    with record_phases() as plain:  # not asked: nothing counted
+        with phase("verify"):
+            torch.ones(2).sum()
+    assert plain.ops == {} and plain.calls == {"verify": 1}
+    merged = times + times
+    assert merged.ops["verify"] == 8 and merged.syncs["accept"] == 2
+
+
+def test_bench_phase_ops_counts_per_target_forward(tmp_path):
+    """--phase-ops: ops and syncs per target forward by phase; the tree method dispatches more per forward (its
+    drafter and tree bookkeeping); the table is in summary.md. The counts do not depend on timing: a second run
+    gives the same numbers."""
+    argv = ["bench", "--methods", "vanilla,tree", "--batch-sizes", "2", "--num-samples", "2",
+            "--max-new-tokens", "6", "--repeats", "1", "--warmup", "0", "--no-plots", "--device", "cpu",
+            "--quiet", "--phase-ops", *SMALL_TOY]
+    counts = []
+    for name in ("ops1", "ops2"):
+        assert main([*argv, "--out", str(tmp_path / name)]) == 0
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert "--phase-ops" in summary["command"]
+        rows = {row["method"]: row for row in summary["batch_sizes"][0]["methods"]}
+        counts.append({m: row["phases"]["ops_per_forward"] for m, row in rows.items()})
+        vanilla, tree = rows["vanilla"]["phases"], rows["tree"]["phases"]
+        assert vanilla["ops_per_forward"]["verify"] > 0 and vanilla["ops_per_forward"]["draft"] < 20
+        assert tree["ops_per_forward"]["draft"] > 5 * vanilla["ops_per_forward"]["draft"], (tree, vanilla)
+        total = tree["ops_per_forward"]["total"]
+        assert abs(total - sum(v for k, v in tree["ops_per_forward"].items() if k != "total")) < 1e-6
+        assert vanilla["syncs_per_forward"]["total"] >= 1  # the loop's one test per iteration
+        markdown = (tmp_path / name / "summary.md").read_text()
+        assert "Tensor operations per target forward" in markdown and "Where the time goes" not in markdown
+    assert counts[0] == counts[1]

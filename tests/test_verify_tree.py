@@ -7,6 +7,8 @@ from mmspec.errors import InputError
 from mmspec.testing.distributions import empirical_distribution, tv_distance, tv_tolerance
 from mmspec.tree import DraftTree, chain_as_tree
 from mmspec.verify import ChainDraft, Randomness, accept, get_rule
+from mmspec.verify.lossless import lossless_node_accept, lossless_node_reject
+from mmspec.verify.tree_walk import walk_tree
 
 V = 10
 C = 3  # children per node
@@ -58,9 +60,6 @@ def test_tree_verification_is_lossless(sampled):
 
 def test_tree_test_catches_missing_sibling_renormalisation():
     """Negative control: trying every sibling against the ORIGINAL p (no removal) must fail the check."""
-    from mmspec.verify.lossless import lossless_node_accept
-    from mmspec.verify.tree_walk import walk_tree
-
     n = 120_000
     tree, p_nodes = make_trees(n, seed=11, sampled=False)
     rand = Randomness.draw(n, N, V, torch.Generator().manual_seed(12))
@@ -158,7 +157,7 @@ def test_gsd_tree_with_group_of_one_is_lossless_tree_verification(sampled):
     p = p_nodes.expand(n, N, V)
     rand = Randomness.draw(n, N, V, torch.Generator().manual_seed(9))
     got = get_rule("gsd", group_size=1).verify_tree(tree, p, rand)
-    want = get_rule("lossless").verify_tree(tree, p, rand)
+    want = walk_tree(tree, p, rand, lossless_node_accept, lossless_node_reject)  # the sequential lossless walk
     assert torch.equal(got.output_tokens, want.output_tokens)
 
 
@@ -169,6 +168,54 @@ def test_gsd_tree_accepts_more_than_lossless_tree():
     grouped = accept("gsd", tree, p, torch.Generator().manual_seed(3), group_size=4, p_thr=0.3)
     exact = accept("lossless", tree, p, torch.Generator().manual_seed(3))
     assert grouped.num_accepted.float().mean() > exact.num_accepted.float().mean() + 0.05
+
+
+def test_one_pass_deterministic_form_keeps_p_with_repeated_siblings_and_missing_nodes():
+    """The lossless rule verifies deterministic children in one vectorised pass (`verify_tree_deterministic`). With
+    a repeated sibling token (which must never be accepted twice over) and invalid nodes, every emitted token still
+    follows p; the same trees through the sequential walk agree in distribution (both are checked against p)."""
+    n = 120_000
+    tree, p_nodes = make_trees(n, seed=5, sampled=False)
+    tree.tokens[:, 2] = tree.tokens[:, 1]  # node 2 repeats its first sibling's token
+    tree.valid[:, 3] = False  # node 3 and its children are gone
+    tree.valid[:, 10:] = False
+    tree.parents[:, 3] = -1  # as `cap_draft` leaves removed nodes
+    p = p_nodes.expand(n, N, V)
+    rand = Randomness.draw(n, N, V, torch.Generator().manual_seed(6))
+    for res in (get_rule("lossless").verify_tree(tree, p, rand),
+                walk_tree(tree, p, rand, lossless_node_accept, lossless_node_reject)):
+        out, nodes = res.output_tokens, res.accepted_nodes
+        assert not bool((nodes == 2).any()) and not bool((nodes == 3).any())
+        assert tv_distance(empirical_distribution(out[:, 0], V), p_nodes[0]) < tv_tolerance(V, n)
+        for c in (1, 4):
+            rows = nodes[:, DEPTHS[c]] == c
+            assert int(rows.sum()) > 300
+            emp = empirical_distribution(out[:, DEPTHS[c]], V, rows)
+            assert tv_distance(emp, p_nodes[c]) < tv_tolerance(V, int(rows.sum())), c
+
+
+def test_one_pass_form_catches_a_wrong_partition(monkeypatch):
+    """Negative control: if every child owned [0, p(c)) (no offset by earlier siblings), the check must fail."""
+    import mmspec.verify.tree_walk as tree_walk
+
+    n = 120_000
+    tree, p_nodes = make_trees(n, seed=11, sampled=False)
+    intervals = tree_walk.child_intervals
+    monkeypatch.setattr(tree_walk, "child_intervals", lambda *a: (lambda lower, owned, first: (
+        torch.zeros_like(lower), owned, first))(*intervals(*a)))  # every child owns [0, p(c))
+    res = tree_walk.verify_tree_deterministic(tree, p_nodes.expand(n, N, V),
+                                              Randomness.draw(n, N, V, torch.Generator().manual_seed(12)))
+    emp = empirical_distribution(res.output_tokens[:, 0], V)
+    assert tv_distance(emp, p_nodes[0]) > 5 * tv_tolerance(V, n)
+
+
+class _SequentialLossless:
+    """The lossless rule's sequential walk for deterministic children (the rule itself uses the one-pass form)."""
+
+    def verify_tree(self, tree, p, rand):
+        import mmspec.verify.lossless as lossless_module
+
+        return lossless_module.walk_tree(tree, p, rand, lossless_node_accept, lossless_node_reject)
 
 
 @pytest.mark.parametrize("rule_name", ["lossless-deterministic", "lossless-sampled", "lantern", "gsd"])
@@ -186,8 +233,8 @@ def test_stopping_the_walk_early_changes_nothing(rule_name, monkeypatch):
     sampled = rule_name == "lossless-sampled"
     codebook = torch.linspace(0, 1, V).unsqueeze(-1)  # [V, 1]
     rule = {"lantern": lambda: LanternRule(build_neighbour_table(codebook, k=4), k=4, delta=0.2),
-            "gsd": lambda: GSDRule(embeddings=torch.cat([codebook, codebook.flip(0)], -1), group_size=3)}.get(
-        rule_name, lambda: get_rule("lossless"))()
+            "gsd": lambda: GSDRule(embeddings=torch.cat([codebook, codebook.flip(0)], -1), group_size=3),
+            "lossless-deterministic": _SequentialLossless}.get(rule_name, lambda: get_rule("lossless"))()
     stopped_early = []
     for seed in range(40):
         b = 1 + seed % 4

@@ -60,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also report where each configuration's time goes (shares of wall time in the loop's "
                              "prefill, draft, verify, accept, commit and observe phases; ms per verify and draft "
                              "call); on CUDA every phase synchronises, which slows the run")
+    parser.add_argument("--phase-ops", action="store_true",
+                        help="also count the tensor operations and host syncs per target forward in each loop phase "
+                             "(the same on every device: the launch overhead a GPU step pays); counting slows every "
+                             "op, so take timings from another run")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary on stdout")
@@ -104,6 +108,8 @@ def canonical_command(args: argparse.Namespace, methods: str, batch_sizes: Seque
         parts += ["--memory", args.memory]
     if getattr(args, "phase_times", False):
         parts.append("--phase-times")
+    if getattr(args, "phase_ops", False):
+        parts.append("--phase-ops")
     if args.no_plots:
         parts.append("--no-plots")
     return shlex.join(parts + ["--out", str(args.out)])
@@ -141,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_bench(family, configs, batch_sizes=batch_sizes, repeats=args.repeats, warmup=args.warmup,
                            settings=settings, progress=not args.quiet, command=command,
                            on_batch_size_done=write_partial, tensor_memory=args.memory == "tensors",
-                           phase_times=args.phase_times)
+                           phase_times=args.phase_times, phase_ops=args.phase_ops)
     finally:
         torch.set_num_threads(threads_before)
     summary = written["summary"]

@@ -16,6 +16,9 @@ Definitions (per batch size; a "pass" is one configuration over every sample, se
   prefill, decoding images, loop bookkeeping), and milliseconds per call of `verify` (one target forward over the
   draft) and `draft` (one proposal, all the drafter's forwards of an iteration). Absent for methods that do not
   run the shared loop (VAR/CoDe, MAR/CSpD).
+- operations (with --phase-ops): tensor operations and host syncs dispatched per target forward, by phase and in
+  total ("other" also holds the pipeline around the loop, e.g. decoding images), counted on any device
+  (`mmspec.phases`, count_ops): the per-step launch and sync overhead a GPU run pays, whatever device measured it.
 
 A configuration that raised at a batch size has a row {"method", "failed": error} there instead.
 """
@@ -29,7 +32,7 @@ from typing import Any
 
 from mmspec.bench.configs import MethodConfig
 from mmspec.bench.runner import BenchResult, RunResult
-from mmspec.phases import PHASES, PhaseTimes
+from mmspec.phases import OUTSIDE, PHASES, PhaseTimes
 from mmspec.stats import SpecStats
 
 MIB = 1024 * 1024
@@ -70,7 +73,13 @@ def phase_summary(runs: Sequence[RunResult]) -> dict[str, Any] | None:
     share["other"] = max(0.0, 1.0 - sum(share.values()))
     per_call = {f"{name}_ms": 1000 * times.seconds[name] / times.calls[name]
                 for name in ("verify", "draft") if times.calls.get(name)}
-    return {"share": share, **per_call, "calls": dict(times.calls)}
+    summary = {"share": share, **per_call, "calls": dict(times.calls)}
+    forwards = sum(r.nfe for r in runs)
+    if times.ops and forwards:
+        for key, counts in (("ops_per_forward", times.ops), ("syncs_per_forward", times.syncs)):
+            per = {name: counts.get(name, 0) / forwards for name in (*PHASES, OUTSIDE)}
+            summary[key] = {**per, "total": sum(per.values())}
+    return summary
 
 
 def summarize_config(config: MethodConfig, runs: Sequence[RunResult],
@@ -190,10 +199,30 @@ def phase_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ops_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Tensor operations (and host syncs) per target forward by loop phase, or "" when none were counted."""
+    rows = [r for r in rows if (r.get("phases") or {}).get("ops_per_forward")]
+    if not rows:
+        return ""
+    columns = ("method", *PHASES, OUTSIDE, "total", "host syncs")
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
+    for row in rows:
+        ops, syncs = row["phases"]["ops_per_forward"], row["phases"]["syncs_per_forward"]
+        cells = [row["method"], *(f"{ops[name]:.0f}" for name in (*PHASES, OUTSIDE, "total")),
+                 f"{syncs['total']:.2f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _with_phases(rows: Sequence[Mapping[str, Any]]) -> str:
-    phases = phase_table(rows)
-    return markdown_table(rows) + (f"\nWhere the time goes (share of wall time per loop phase):\n\n{phases}"
-                                   if phases else "")
+    phases, ops = phase_table(rows), ops_table(rows)
+    text = markdown_table(rows)
+    if phases and not ops:  # with --phase-ops every op is hooked: its timings are not worth a table
+        text += f"\nWhere the time goes (share of wall time per loop phase):\n\n{phases}"
+    if ops:
+        text += ("\nTensor operations per target forward by loop phase (host syncs: per target forward, all "
+                 f"phases; counted with --phase-ops, so this run's timings are slowed):\n\n{ops}")
+    return text
 
 
 def tables_markdown(summary: Mapping[str, Any]) -> str:

@@ -59,7 +59,7 @@ class RunResult:
     peak_memory_bytes: list[int]  # per batch
     stats: SpecStats  # merged over batches
     quality: dict = field(default_factory=dict)
-    phases: PhaseTimes | None = None  # merged over batches, with --phase-times
+    phases: PhaseTimes | None = None  # merged over batches, with --phase-times / --phase-ops
 
     @property
     def wall_time(self) -> float:
@@ -86,6 +86,7 @@ class BenchResult:
     environment: dict
     command: str | None = None
     phase_times: bool = False
+    phase_ops: bool = False
     runs: list[RunResult] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
     completed_batch_sizes: list[int] = field(default_factory=list)
@@ -155,9 +156,11 @@ def _check_output(output: Any, batch: Sequence[Sample], label: str) -> MethodOut
 
 
 def run_config(family: Family, models: Any, config: MethodConfig, batches: Sequence[Sequence[Sample]],
-               settings: BenchSettings, meter: PeakMemory, phase_times: bool = False) -> list[_BatchRun]:
+               settings: BenchSettings, meter: PeakMemory, phase_times: bool = False,
+               phase_ops: bool = False) -> list[_BatchRun]:
     """One pass of `config` over every batch; only `Method.run` is inside the timed region (with
-    `phase_times`, the loop's phases inside it are timed too, see `mmspec.phases`)."""
+    `phase_times`, the loop's phases inside it are timed too; with `phase_ops` their tensor operations and host
+    syncs are counted, see `mmspec.phases`)."""
     device = torch.device(settings.device)
     method = family.methods[config.method]
     torch.manual_seed(settings.seed)
@@ -165,7 +168,7 @@ def run_config(family: Family, models: Any, config: MethodConfig, batches: Seque
     for batch in batches:
         meter.reset()
         synchronize(device)
-        with record_phases(device) if phase_times else nullcontext() as phases:
+        with record_phases(device, count_ops=phase_ops) if phase_times or phase_ops else nullcontext() as phases:
             start = time.perf_counter()
             output = method.run(models, batch, settings, config.params)
             synchronize(device)
@@ -196,7 +199,7 @@ def _record_pass(result: BenchResult, family: Family, step: Step, batch_runs: li
         new_tokens=[int(n) for r in batch_runs for n in r.output.new_tokens],
         peak_memory_bytes=[r.peak_memory_bytes for r in batch_runs],
         stats=_merge_stats(batch_runs), quality=quality,
-        phases=sum((r.phases for r in batch_runs), PhaseTimes()) if result.phase_times else None))
+        phases=sum((r.phases for r in batch_runs), PhaseTimes()) if result.phase_times or result.phase_ops else None))
     for run in batch_runs:
         result.records += batch_records(
             family=family.name, model_id=result.model_id, label=step.config.label, params=step.config.params,
@@ -223,7 +226,8 @@ def _run_or_fail(result: BenchResult, family: Family, models: Any, step: Step, b
     if step.config.label in failed:
         return None
     try:
-        return run_config(family, models, step.config, batches, result.settings, meter, result.phase_times)
+        return run_config(family, models, step.config, batches, result.settings, meter, result.phase_times,
+                          result.phase_ops)
     except InputError:
         raise
     except Exception as err:
@@ -250,14 +254,16 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
               batch_sizes: Sequence[int] = (1,), repeats: int = 3, warmup: int = 1,
               settings: BenchSettings | None = None, progress: bool = False, command: str | None = None,
               on_batch_size_done: Callable[[BenchResult], None] | None = None,
-              tensor_memory: bool = False, phase_times: bool = False) -> BenchResult:
+              tensor_memory: bool = False, phase_times: bool = False, phase_ops: bool = False) -> BenchResult:
     """Run every configuration interleaved (see the module docstring); returns runs and per-sample records.
 
     methods: "vanilla,tree:depth=6", a list of such strings, MethodConfigs, or None for all of the family's
     methods. `on_batch_size_done(result)` is called after each batch size (to write partial results).
     tensor_memory: measure the peak bytes of the tensors each batch allocates (slows every op; see
     `mmspec.bench.memory`) instead of the device's peak. phase_times: record where each configuration's time goes
-    (the loop's phases, `mmspec.phases`; on CUDA each phase synchronises, which slows the run).
+    (the loop's phases, `mmspec.phases`; on CUDA each phase synchronises, which slows the run). phase_ops: count
+    each phase's tensor operations and host syncs (device-independent; slows every op, so timings of such a run are
+    not comparable with others).
     """
     settings = settings or BenchSettings()
     batch_sizes = list(batch_sizes)
@@ -272,7 +278,8 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
         result = BenchResult(family=family.name, model_id=family.resolved_model_id(settings), settings=settings,
                              configs=configs, batch_sizes=batch_sizes, repeats=repeats, warmup=warmup,
                              memory_kind=meter.kind, primary_quality=family.primary_quality,
-                             environment=environment(device), command=command, phase_times=phase_times)
+                             environment=environment(device), command=command, phase_times=phase_times,
+                             phase_ops=phase_ops)
         reference_outputs: dict[tuple[int, int], list[Any]] = {}
         bar = tqdm(total=len(steps), disable=not progress, desc=f"bench {family.name}", unit="run")
         try:

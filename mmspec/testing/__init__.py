@@ -1,5 +1,6 @@
 """Small models and helpers for tests and examples: a toy causal transformer target, toy drafters, and
-distribution checks for acceptance rules, seeded generators. Nothing here is needed at inference time."""
+distribution checks for acceptance rules, seeded generators, the lossless rule's sequential tree walk. Nothing here
+is needed at inference time."""
 
 import torch
 
@@ -8,3 +9,15 @@ def seeded_generators(n: int, offset: int = 0) -> list[torch.Generator]:
     """One CPU generator per row, seeded offset, offset + 1, ...: row i's randomness does not depend on the batch
     it is generated in, so a row alone (`offset=i`) reproduces that row of a batch."""
     return [torch.Generator().manual_seed(offset + i) for i in range(n)]
+
+
+def use_sequential_lossless_walk(monkeypatch) -> None:
+    """Make the `lossless` rule verify deterministic trees with the sibling-by-sibling walk (`walk_tree`) instead of
+    its one-pass form: the same distribution, but the walk draws the numbers the relaxed rules' walk draws, so a
+    relaxed rule that moves no mass (GSD with groups of one, LANTERN with delta 0) gives the very same tokens.
+    `monkeypatch` is pytest's fixture (undone after the test)."""
+    from mmspec.verify.lossless import LosslessRule, lossless_node_accept, lossless_node_reject
+    from mmspec.verify.tree_walk import walk_tree
+
+    monkeypatch.setattr(LosslessRule, "verify_tree", lambda self, tree, target_probs, rand: walk_tree(
+        tree, target_probs, rand, lossless_node_accept, lossless_node_reject))

@@ -13,7 +13,7 @@ from mmspec.errors import check
 from mmspec.tree import DraftTree
 from mmspec.verify.base import AcceptanceRule, Randomness, VerifyResult, register_rule
 from mmspec.verify.chain import verify_chain_greedy, verify_chain_lossless
-from mmspec.verify.tree_walk import normalise, pick, verify_tree_greedy, walk_tree
+from mmspec.verify.tree_walk import normalise, pick, verify_tree_deterministic, verify_tree_greedy, walk_tree
 
 
 def lossless_node_accept(p_work: torch.Tensor, q_work: torch.Tensor | None, x: torch.Tensor,
@@ -63,6 +63,10 @@ class LosslessRule(AcceptanceRule):
         return VerifyResult(out, acc, flags, num_draft)
 
     def verify_tree(self, tree: DraftTree, target_probs: torch.Tensor, rand: Randomness) -> VerifyResult:
+        """Deterministic children: the one-pass form (`verify_tree_deterministic`); sampled children: the walk
+        (SpecInfer / RSD recursive rejection)."""
+        if not tree.sampled:
+            return verify_tree_deterministic(tree, target_probs, rand)
         return walk_tree(tree, target_probs, rand, lossless_node_accept, lossless_node_reject)
 
 

@@ -11,7 +11,10 @@ with probability p(c) and removed from p on rejection; sampled children with min
 p <- norm(max(p - q, 0)) and q <- q without c. When every child is rejected, the recovered token is sampled from
 the final p_work; at a leaf (or at max depth) the bonus token is sampled from the node's p.
 
-The loops run over the static bounds max_depth x max_children with tensor masks; rows are vectorised. On a GPU
+`verify_tree_deterministic` does the lossless rule's deterministic-children case in one vectorised pass instead
+(one uniform per node partitions [0, 1) among its children); `verify_tree_greedy` is the greedy rule.
+
+The walk's loops run over the static bounds max_depth x max_children with tensor masks; rows are vectorised. On a GPU
 (and under torch.compile) they take no data-dependent branch (no host sync); on CPU, where reading a flag costs
 nothing, each loop stops as soon as no row needs it any more (every row has accepted a child, or stopped
 descending). The iterations it skips would change nothing, so both give identical results (tested); on the
@@ -132,15 +135,64 @@ def walk_tree(tree: DraftTree, target_probs: torch.Tensor, rand: Randomness, acc
     return assemble_tree_result(tree, path, num_accepted, race(final_weights, rand.exponentials))
 
 
+def deepest_matching_node(tree: DraftTree, matches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """matches [B, N] bool (a node's own test; the root must match) -> (paths [B, N, D+1], node [B]): the deepest
+    valid node whose every ancestor matches too (lowest index on ties)."""
+    paths = tree.paths()  # [B, N, D+1]
+    on_path = paths >= 0
+    path_ok = (matches.gather(1, paths.clamp_min(0).flatten(1)).view_as(paths) | ~on_path).all(-1)  # [B, N]
+    score = torch.where(path_ok & tree.valid, tree.depths, torch.full_like(tree.depths, -1))
+    return paths, score.argmax(-1)
+
+
 def verify_tree_greedy(tree: DraftTree, target_probs: torch.Tensor) -> VerifyResult:
     """Greedy: the longest root-to-node path whose tokens equal the argmax at their parent (first on ties)."""
     best = target_probs.argmax(-1)  # [B, N] argmax after each node
     parent_best = best.gather(1, tree.parents.clamp_min(0))  # [B, N]
     matches = tree.valid & ((tree.tokens == parent_best) | (tree.parents < 0))  # root always matches
-    paths = tree.paths()  # [B, N, D+1]
-    on_path = paths >= 0
-    path_ok = (matches.gather(1, paths.clamp_min(0).flatten(1)).view_as(paths) | ~on_path).all(-1)  # [B, N]
-    score = torch.where(path_ok & tree.valid, tree.depths, torch.full_like(tree.depths, -1))
-    node = score.argmax(-1)  # [B] deepest fully matching node (lowest index on ties)
+    paths, node = deepest_matching_node(tree, matches)
     rows = torch.arange(tree.batch_size, device=tree.tokens.device)
     return assemble_tree_result(tree, paths[rows, node], tree.depths[rows, node], best[rows, node])
+
+
+def child_intervals(tree: DraftTree, target_probs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each drafted node's share of its parent's uniform: (lower [B, N] float64: the p at the parent of its earlier
+    siblings, owned [B, N] float64: its own p at the parent, 0 for the root, invalid nodes and repeated sibling
+    tokens; first_sibling [B, N]: the lowest-index node among its siblings, whose uniform the parent uses)."""
+    b, n, v = target_probs.shape
+    is_child = tree.valid & (tree.parents >= 0)  # [B, N]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=target_probs.device).tril(-1)  # [N, N] j < i
+    sibling = (tree.parents.unsqueeze(-1) == tree.parents.unsqueeze(-2)) & is_child.unsqueeze(-2)  # [B, N, N] i~j
+    repeated = (sibling & earlier & (tree.tokens.unsqueeze(-1) == tree.tokens.unsqueeze(-2))).any(-1)  # [B, N]
+    flat = tree.parents.clamp_min(0) * v + tree.tokens.clamp_min(0)  # [B, N] (parent, token) in [B, N V]
+    owned = target_probs.reshape(b, n * v).gather(1, flat).double()  # [B, N] p(token) at the parent
+    owned = torch.where(is_child & ~repeated, owned, torch.zeros_like(owned))
+    lower = ((sibling & earlier).double() @ owned.unsqueeze(-1)).squeeze(-1)  # [B, N]
+    first_sibling = (sibling & ~earlier.transpose(0, 1)).long().argmax(-1)  # [B, N] first j <= i among siblings
+    return lower, owned, first_sibling
+
+
+def verify_tree_deterministic(tree: DraftTree, target_probs: torch.Tensor, rand: Randomness) -> VerifyResult:
+    """Lossless verification of deterministic children (q = 1) in one vectorised pass: no loop over depths or
+    siblings, no host sync, the same distribution as `walk_tree` with the lossless node functions.
+
+    The sequential walk accepts sibling i with probability p(c_i) / (1 - p(c_1) - .. - p(c_{i-1})) once the earlier
+    ones were rejected, so overall child c_i with probability p(c_i), and stops with the recovered token drawn from
+    p without the children. One uniform per node decides that at once: child c_i of node n owns the interval
+    [p(c_1) + .. + p(c_{i-1}), .. + p(c_i)) of [0, 1), and is accepted iff n's uniform falls in it (a repeated
+    sibling token owns nothing, as the walk has removed it). Node n's uniform is `rand.uniforms` at its first child,
+    so a one-branch tree uses the numbers a chain of the same drafts uses and gives the same tokens. The accepted
+    path is the deepest node whose ancestors all hold their parent's accepted child; its final token is raced from
+    p without its children (recovered) or, at a leaf, from p (bonus), with `rand.exponentials`."""
+    b, n, v = target_probs.shape
+    rows = torch.arange(b, device=target_probs.device)
+    is_child = tree.valid & (tree.parents >= 0)  # [B, N] valid drafted nodes
+    lower, owned, first_sibling = child_intervals(tree, target_probs)
+    u = rand.uniforms.gather(1, first_sibling)  # [B, N] the parent's uniform
+    matches = (is_child & (lower <= u) & (u < lower + owned)) | (tree.valid & (tree.parents < 0))
+    paths, node = deepest_matching_node(tree, matches)
+    p_node = target_probs[rows, node]  # [B, V]
+    children = (is_child & (tree.parents == node.unsqueeze(-1))).to(p_node.dtype)  # [B, N]
+    drafted = torch.zeros_like(p_node).scatter_add_(1, tree.tokens.clamp_min(0), children) > 0  # [B, V] its children
+    weights = normalise(p_node.masked_fill(drafted, 0.0), p_node)
+    return assemble_tree_result(tree, paths[rows, node], tree.depths[rows, node], race(weights, rand.exponentials))

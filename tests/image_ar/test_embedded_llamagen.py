@@ -12,6 +12,7 @@ from image_ar.llamagen import LlamaGenPipeline
 from mmspec.cli import main
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.testing import seeded_generators as gens
+from mmspec.testing import use_sequential_lossless_walk
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ["docs/llamagen_pipeline.md", "docs/eagle_lantern.md"]
@@ -61,10 +62,12 @@ def test_the_documented_examples_run(doc, tmp_path, monkeypatch):
         exec(compile(block, doc, "exec"), {"__name__": "__doc_example__"})
 
 
-def test_grouped_acceptance_on_eagle_trees_with_groups_of_one_is_eagle(pipe):
-    """eagle with accept="gsd", group_size=1 is lossless tree verification: same generators, same images."""
+def test_grouped_acceptance_on_eagle_trees_with_groups_of_one_is_eagle(pipe, monkeypatch):
+    """eagle with accept="gsd", group_size=1 is lossless tree verification in its sequential form (the walk, which
+    `lossless` now replaces by the one-pass form of the same distribution): same generators, same images."""
     labels = [1, 7]
-    exact = pipe(class_labels=labels, generator=gens(2, 40), method="eagle", output_type="latent")
     grouped = pipe(class_labels=labels, generator=gens(2, 40), method="eagle",
                    method_kwargs={"accept": "gsd", "group_size": 1}, output_type="latent")
+    use_sequential_lossless_walk(monkeypatch)
+    exact = pipe(class_labels=labels, generator=gens(2, 40), method="eagle", output_type="latent")
     assert torch.equal(grouped.tokens, exact.tokens)
