@@ -218,11 +218,13 @@ class _SequentialLossless:
         return lossless_module.walk_tree(tree, p, rand, lossless_node_accept, lossless_node_reject)
 
 
-@pytest.mark.parametrize("rule_name", ["lossless-deterministic", "lossless-sampled", "lantern", "gsd"])
-def test_stopping_the_walk_early_changes_nothing(rule_name, monkeypatch):
-    """The CPU walk leaves its loops once no row needs them; the static walk (GPU) runs every iteration. With the
-    same randomness both must give identical results, on small batches where early stops really happen and with
-    ragged trees (invalid nodes)."""
+@pytest.mark.parametrize("rule_name", ["lossless-deterministic", "lossless-sampled", "lantern", "lantern-code",
+                                       "lantern-lambda", "lantern-sampled", "gsd", "gsd-sampled"])
+def test_both_walk_schedules_give_identical_results(rule_name, monkeypatch):
+    """`walk_by_rank` (every node's children at once, one static step per sibling rank: the GPU path) and
+    `walk_by_depth` (each row root to leaf, leaving its loops early: the CPU path) must give identical results with
+    the same randomness, for every rule that walks, on ragged trees (missing nodes), small batches, and trees whose
+    bound on children is above what they hold (as EAGLE-2 trees' is)."""
     from functools import partial
 
     import mmspec.verify.gsd as gsd_module
@@ -230,27 +232,40 @@ def test_stopping_the_walk_early_changes_nothing(rule_name, monkeypatch):
     import mmspec.verify.lossless as lossless_module
     from mmspec.verify import GSDRule, LanternRule, build_neighbour_table, tree_walk
 
-    sampled = rule_name == "lossless-sampled"
+    sampled = rule_name.endswith("-sampled")
     codebook = torch.linspace(0, 1, V).unsqueeze(-1)  # [V, 1]
-    rule = {"lantern": lambda: LanternRule(build_neighbour_table(codebook, k=4), k=4, delta=0.2),
+    neighbours = build_neighbour_table(codebook, k=4)
+    rule = {"lantern": lambda: LanternRule(neighbours, k=4, delta=0.2),
+            "lantern-code": lambda: LanternRule(neighbours, k=4, delta=0.2, reject="code"),
+            "lantern-lambda": lambda: LanternRule(neighbours, k=4, lam=2.0),
+            "lantern-sampled": lambda: LanternRule(neighbours, k=4, delta=0.2),
             "gsd": lambda: GSDRule(embeddings=torch.cat([codebook, codebook.flip(0)], -1), group_size=3),
+            "gsd-sampled": lambda: GSDRule(group_size=3, p_thr=0.3),
             "lossless-deterministic": _SequentialLossless}.get(rule_name, lambda: get_rule("lossless"))()
-    stopped_early = []
+    accepted_lengths = set()
     for seed in range(40):
         b = 1 + seed % 4
         tree, p_nodes = make_trees(b, seed=seed, sampled=sampled)
+        tree.max_children = C + seed % 3  # a loose bound
         gen = torch.Generator().manual_seed(100 + seed)
-        tree.valid[:, 1 + seed % (N - 1)] = bool(seed % 3)  # sometimes a leaf missing
+        tree.valid[:, 1 + seed % (N - 1)] = bool(seed % 3)  # sometimes a node missing
         p = torch.softmax(torch.randn(b, N, V, generator=gen) * 2, -1)
         rand = Randomness.draw(b, N, V, gen)
         results = {}
-        for stop_early in (True, False):
-            walk = partial(tree_walk.walk_tree, stop_early=stop_early)
+        for schedule in tree_walk.WALK_SCHEDULES:
             for module in (gsd_module, lantern_module, lossless_module):
-                monkeypatch.setattr(module, "walk_tree", walk)
-            results[stop_early] = rule.verify_tree(tree, p, rand)
-        early, static = results[True], results[False]
+                monkeypatch.setattr(module, "walk_tree", partial(tree_walk.walk_tree, schedule=schedule))
+            results[schedule] = rule.verify_tree(tree, p, rand)
         for field in ("output_tokens", "num_accepted", "accepted_flags", "num_drafted", "accepted_nodes"):
-            assert torch.equal(getattr(early, field), getattr(static, field)), (seed, field)
-        stopped_early.append(bool((early.num_accepted < tree.max_depth).any()))
-    assert any(stopped_early) and not all(stopped_early)
+            assert torch.equal(getattr(results["by_rank"], field), getattr(results["by_depth"], field)), (seed, field)
+        accepted_lengths.update(results["by_depth"].num_accepted.tolist())
+    assert accepted_lengths == {0, 1, 2}  # stops at the root, at depth 1 and at the leaves all happened
+
+
+def test_an_unknown_walk_schedule_is_a_clear_error():
+    from mmspec.verify.tree_walk import walk_tree
+
+    tree, p_nodes = make_trees(1, seed=0, sampled=False)
+    with pytest.raises(InputError, match="by_rank, by_depth"):
+        walk_tree(tree, p_nodes.expand(1, N, V), Randomness.draw(1, N, V, torch.Generator()), lossless_node_accept,
+                  lossless_node_reject, schedule="sideways")

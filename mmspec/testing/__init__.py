@@ -1,5 +1,5 @@
 """Small models and helpers for tests and examples: a toy causal transformer target, toy drafters, and
-distribution checks for acceptance rules, seeded generators, the lossless rule's sequential tree walk. Nothing here
+distribution checks for acceptance rules, seeded generators, the lossless rule's tree walk. Nothing here
 is needed at inference time."""
 
 import torch
@@ -12,9 +12,10 @@ def seeded_generators(n: int, offset: int = 0) -> list[torch.Generator]:
 
 
 def use_sequential_lossless_walk(monkeypatch) -> None:
-    """Make the `lossless` rule verify deterministic trees with the sibling-by-sibling walk (`walk_tree`) instead of
-    its one-pass form: the same distribution, but the walk draws the numbers the relaxed rules' walk draws, so a
-    relaxed rule that moves no mass (GSD with groups of one, LANTERN with delta 0) gives the very same tokens.
+    """Make the `lossless` rule verify deterministic trees with the tree walk (`walk_tree`, one uniform per child)
+    instead of its one-pass form: the same distribution, but the walk draws the numbers the relaxed rules' walk
+    draws, so a relaxed rule that moves no mass (GSD with groups of one, LANTERN with delta 0) gives the very same
+    tokens.
     `monkeypatch` is pytest's fixture (undone after the test)."""
     from mmspec.verify.lossless import LosslessRule, lossless_node_accept, lossless_node_reject
     from mmspec.verify.tree_walk import walk_tree

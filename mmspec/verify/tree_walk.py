@@ -1,9 +1,9 @@
-"""Tree verification: walk each row's draft tree from the root, trying the children of the accepted node in turn.
+"""Tree verification: the accepted path through each row's draft tree, children tried in sibling order.
 
-At each depth the children of the current node are tried in node order (for EAGLE-2 trees that is descending
-draft score). A rule supplies two pure functions on the working distributions of the current node:
+Below each node its children are tried in node order (for EAGLE-2 trees that is descending draft score). A rule
+supplies two pure functions on the working distributions at a parent, elementwise over leading axes:
 
-    accept_fn(p_work [B, V], q_work [B, V] | None, x [B], u [B] float64) -> [B] bool
+    accept_fn(p_work [..., V], q_work [..., V] | None, x [...], u [...] float64) -> [...] bool
     reject_fn(p_work, q_work, x) -> (p_work', q_work')      # the distributions for the next sibling
 
 With lossless rules this is SpecInfer / RSD multi-candidate verification: deterministic children are accepted
@@ -11,14 +11,13 @@ with probability p(c) and removed from p on rejection; sampled children with min
 p <- norm(max(p - q, 0)) and q <- q without c. When every child is rejected, the recovered token is sampled from
 the final p_work; at a leaf (or at max depth) the bonus token is sampled from the node's p.
 
-`verify_tree_deterministic` does the lossless rule's deterministic-children case in one vectorised pass instead
-(one uniform per node partitions [0, 1) among its children); `verify_tree_greedy` is the greedy rule.
-
-The walk's loops run over the static bounds max_depth x max_children with tensor masks; rows are vectorised. On a GPU
-(and under torch.compile) they take no data-dependent branch (no host sync); on CPU, where reading a flag costs
-nothing, each loop stops as soon as no row needs it any more (every row has accepted a child, or stopped
-descending). The iterations it skips would change nothing, so both give identical results (tested); on the
-LlamaGen bench's 59-node EAGLE trees (top-k 10) this cut the CPU time of tree acceptance (docs/benchmarks.md).
+`walk_tree` runs that walk on one of two schedules with identical results (tested): `walk_by_depth` follows each
+row from the root, leaving its loops once no row needs them (the CPU default: a host sync costs nothing there and
+only the accepted path is computed); `walk_by_rank` tries every node's child of sibling rank s at once,
+max_children static steps with no host sync (the GPU and torch.compile default). Relaxed rules (GSD, LANTERN) and
+sampled children use it. `verify_tree_deterministic` does the lossless rule's deterministic-children case in one
+pass without any loop (one uniform per node partitions [0, 1) among its children); `verify_tree_greedy` is the
+greedy rule.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from mmspec.errors import check
 from mmspec.sampling import race
 from mmspec.tree import DraftTree
 from mmspec.verify.base import Randomness, VerifyResult
@@ -74,17 +74,89 @@ def assemble_tree_result(tree: DraftTree, path: torch.Tensor, num_accepted: torc
                         num_drafted=tree_num_drafted(tree), accepted_nodes=path)
 
 
+def children_by_rank(tree: DraftTree) -> torch.Tensor:
+    """[B, N, C]: for every node as a parent, the index of its child of sibling rank s in column s, or -1 if it has
+    none (C = tree.max_children)."""
+    b, n = tree.tokens.shape
+    c = tree.max_children
+    rank = sibling_rank(tree)  # [B, N]
+    sel = tree.valid & (tree.parents >= 0) & (rank < c)  # [B, N] drafted nodes
+    slot = torch.where(sel, tree.parents * c + rank, torch.full_like(rank, n * c))  # [B, N] (parent, rank) or spare
+    nodes = torch.arange(n, device=tree.tokens.device).expand(b, n)
+    children = torch.full((b, n * c + 1), -1, dtype=torch.long, device=tree.tokens.device)
+    children = children.scatter(1, slot, torch.where(sel, nodes, torch.full_like(nodes, -1)))
+    return children[:, :n * c].view(b, n, c)
+
+
+WALK_SCHEDULES = ("by_rank", "by_depth")
+
+
 def walk_tree(tree: DraftTree, target_probs: torch.Tensor, rand: Randomness, accept_fn: NodeAcceptFn,
-              reject_fn: NodeRejectFn, stop_early: bool | None = None) -> VerifyResult:
+              reject_fn: NodeRejectFn, schedule: str | None = None) -> VerifyResult:
     """Verify a batch of trees. target_probs [B, N, V]: p for the token after each node.
 
-    stop_early: leave a loop once no row needs it (a host sync per iteration); None = on CPU, when not being
-    compiled by torch.compile (which wants the static loops: no graph break).
+    schedule: "by_rank" (`walk_by_rank`: every node at once, one step per sibling rank, no host sync) or "by_depth"
+    (`walk_by_depth`: each row root to leaf, leaving its loops as soon as no row needs them, a host sync per step).
+    They give identical results (tested). None = "by_depth" on CPU outside torch.compile, where a sync costs
+    nothing and following only the accepted path does the least arithmetic (on the LlamaGen bench's 59-node trees,
+    docs/benchmarks.md), else "by_rank" (the GPU path: 4x fewer operations than walking depth by depth with static
+    loops, and compilable without graph breaks).
     """
+    if schedule is None:
+        on_cpu = target_probs.device.type == "cpu" and not torch.compiler.is_compiling()
+        schedule = "by_depth" if on_cpu else "by_rank"
+    check(schedule in WALK_SCHEDULES, f"schedule must be one of {', '.join(WALK_SCHEDULES)} or None, got {schedule!r}.")
+    walk = walk_by_depth if schedule == "by_depth" else walk_by_rank
+    return walk(tree, target_probs, rand, accept_fn, reject_fn)
+
+
+def walk_by_rank(tree: DraftTree, target_probs: torch.Tensor, rand: Randomness, accept_fn: NodeAcceptFn,
+                 reject_fn: NodeRejectFn) -> VerifyResult:
+    """The walk for every node as a parent at once: step s tries each node's child of sibling rank s against that
+    node's working distributions [B, N, V], and a rejection updates them (reject_fn). After the last rank each node
+    knows its first accepted child, and its working p is what the walk samples from once all its children were
+    rejected. The accepted path is the chain of first accepted children from the root (`deepest_matching_node`).
+    Node functions apply elementwise over the leading [B, N] axes with each child's own uniform, so this is exactly
+    the root-to-leaf walk, in max_children static steps instead of max_depth x max_children."""
+    b, n, _ = target_probs.shape
+    device = target_probs.device
+    children = children_by_rank(tree)  # [B, N, C]
+    tokens = tree.tokens.gather(1, children.clamp_min(0).flatten(1)).view_as(children)  # [B, N, C] (root's: none)
+    uniforms = rand.uniforms.gather(1, children.clamp_min(0).flatten(1)).view_as(children)  # [B, N, C]
+    p_work = target_probs  # [B, N, V] p at each node (as a parent), minus its rejected children
+    q_work = tree.child_probs if tree.sampled else None  # [B, N, V] or None
+    accepted = torch.full((b, n), -1, dtype=torch.long, device=device)  # [B, N] each node's first accepted child
+
+    for s in range(tree.max_children):
+        child = children[..., s]  # [B, N] each node's child of rank s
+        x, u = tokens[..., s], uniforms[..., s]  # [B, N] its token and uniform
+        trying = (child >= 0) & (accepted < 0)  # [B, N] parents with such a child, still searching
+        ok = accept_fn(p_work, q_work, x, u) & trying
+        accepted = torch.where(ok, child, accepted)
+        rejected = (trying & ~ok).unsqueeze(-1)  # [B, N, 1]
+        p_next, q_next = reject_fn(p_work, q_work, x)
+        p_work = torch.where(rejected, p_next, p_work)
+        if q_work is not None:
+            q_work = torch.where(rejected, q_next, q_work)
+
+    nodes = torch.arange(n, device=device)
+    is_root = tree.valid & (tree.parents < 0)  # [B, N]
+    chosen = tree.valid & (tree.parents >= 0) & (accepted.gather(1, tree.parents.clamp_min(0)) == nodes)
+    paths, node = deepest_matching_node(tree, is_root | chosen)
+    rows = torch.arange(b, device=device)
+    # stopped at node: all its children rejected (the recovered token) or none there (a leaf: the bonus token)
+    final_weights = normalise(p_work[rows, node], target_probs[rows, node])  # [B, V]
+    return assemble_tree_result(tree, paths[rows, node], tree.depths[rows, node],
+                                race(final_weights, rand.exponentials))
+
+
+def walk_by_depth(tree: DraftTree, target_probs: torch.Tensor, rand: Randomness, accept_fn: NodeAcceptFn,
+                  reject_fn: NodeRejectFn) -> VerifyResult:
+    """The walk as papers write it, rows vectorised: from the root, try the current node's children in sibling
+    order with its working distributions [B, V], descend into the first accepted one; a row whose children are all
+    rejected (or that reached a leaf) stops. Each loop is left once no row needs it (a host sync per step)."""
     b, n = tree.tokens.shape
     device = tree.tokens.device
-    if stop_early is None:
-        stop_early = device.type == "cpu" and not torch.compiler.is_compiling()
     rows = torch.arange(b, device=device)
     rank = sibling_rank(tree)  # [B, N]
     child_probs = tree.child_probs if tree.sampled else None  # [B, N, V] or None
@@ -99,13 +171,13 @@ def walk_tree(tree: DraftTree, target_probs: torch.Tensor, rand: Randomness, acc
     final_weights = torch.zeros_like(p_work)
 
     for depth in range(1, tree.max_depth + 1):
-        if stop_early and not bool(active.any()):
+        if not bool(active.any()):
             break
         is_child = tree.valid & (tree.parents == cur.unsqueeze(-1))  # [B, N]
         chosen = torch.full((b,), -1, dtype=torch.long, device=device)  # [B] accepted child
         searching = active.clone()
         for s in range(tree.max_children):
-            if stop_early and not bool(searching.any()):
+            if not bool(searching.any()):
                 break
             sel = is_child & (rank == s)  # [B, N] at most one node per row
             has = sel.any(-1) & searching  # [B]
