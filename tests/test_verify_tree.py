@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mmspec.errors import InputError
+from mmspec.testing import use_sequential_lossless_walk
 from mmspec.testing.distributions import empirical_distribution, tv_distance, tv_tolerance
 from mmspec.tree import DraftTree, chain_as_tree
 from mmspec.verify import ChainDraft, Randomness, accept, get_rule
@@ -209,15 +210,6 @@ def test_one_pass_form_catches_a_wrong_partition(monkeypatch):
     assert tv_distance(emp, p_nodes[0]) > 5 * tv_tolerance(V, n)
 
 
-class _SequentialLossless:
-    """The lossless rule's sequential walk for deterministic children (the rule itself uses the one-pass form)."""
-
-    def verify_tree(self, tree, p, rand):
-        import mmspec.verify.lossless as lossless_module
-
-        return lossless_module.walk_tree(tree, p, rand, lossless_node_accept, lossless_node_reject)
-
-
 @pytest.mark.parametrize("rule_name", ["lossless-deterministic", "lossless-sampled", "lantern", "lantern-code",
                                        "lantern-lambda", "lantern-sampled", "gsd", "gsd-sampled"])
 def test_both_walk_schedules_give_identical_results(rule_name, monkeypatch):
@@ -240,8 +232,9 @@ def test_both_walk_schedules_give_identical_results(rule_name, monkeypatch):
             "lantern-lambda": lambda: LanternRule(neighbours, k=4, lam=2.0),
             "lantern-sampled": lambda: LanternRule(neighbours, k=4, delta=0.2),
             "gsd": lambda: GSDRule(embeddings=torch.cat([codebook, codebook.flip(0)], -1), group_size=3),
-            "gsd-sampled": lambda: GSDRule(group_size=3, p_thr=0.3),
-            "lossless-deterministic": _SequentialLossless}.get(rule_name, lambda: get_rule("lossless"))()
+            "gsd-sampled": lambda: GSDRule(group_size=3, p_thr=0.3)}.get(rule_name, lambda: get_rule("lossless"))()
+    if rule_name == "lossless-deterministic":  # the rule's own one-pass form does not walk
+        use_sequential_lossless_walk(monkeypatch)
     accepted_lengths = set()
     for seed in range(40):
         b = 1 + seed % 4

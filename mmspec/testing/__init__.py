@@ -15,10 +15,9 @@ def use_sequential_lossless_walk(monkeypatch) -> None:
     """Make the `lossless` rule verify deterministic trees with the tree walk (`walk_tree`, one uniform per child)
     instead of its one-pass form: the same distribution, but the walk draws the numbers the relaxed rules' walk
     draws, so a relaxed rule that moves no mass (GSD with groups of one, LANTERN with delta 0) gives the very same
-    tokens.
+    tokens. The walk is looked up at call time, so a test may swap `mmspec.verify.lossless.walk_tree` as well.
     `monkeypatch` is pytest's fixture (undone after the test)."""
-    from mmspec.verify.lossless import LosslessRule, lossless_node_accept, lossless_node_reject
-    from mmspec.verify.tree_walk import walk_tree
+    from mmspec.verify import lossless
 
-    monkeypatch.setattr(LosslessRule, "verify_tree", lambda self, tree, target_probs, rand: walk_tree(
-        tree, target_probs, rand, lossless_node_accept, lossless_node_reject))
+    monkeypatch.setattr(lossless.LosslessRule, "verify_tree", lambda self, tree, target_probs, rand: lossless.walk_tree(
+        tree, target_probs, rand, lossless.lossless_node_accept, lossless.lossless_node_reject))
