@@ -4,7 +4,9 @@ Inputs: `num_samples` class labels cycling through the classes. Methods: every m
 `image_ar.llamagen.methods` (vanilla first), run through the pipeline with one generator per image seeded by
 (seed, sample id), so a sample's randomness does not depend on its batch. Quality: judge class accuracy and
 world-FID (against held-out real world images; compare figures with equal sample counts), plus token exactness
-versus vanilla for lossless methods at temperature 0. `max_new_tokens` does not apply: an image is always
+versus vanilla for lossless methods at temperature 0, and at temperature > 0 how closely each method's tokens
+follow the target's distribution (`pit_ks` and friends, `mmspec.metrics.calibration`, scored by
+`image_ar.llamagen.scoring.target_probs`). `max_new_tokens` does not apply: an image is always
 `block_size` tokens. Family options: see `mmspec.bench.image_family`.
 """
 
@@ -15,7 +17,15 @@ from typing import Any
 
 from image_ar.llamagen.generate import DEFAULTS, load
 from image_ar.llamagen.methods import available_methods, is_lossless, method_parameters
-from mmspec.bench.image_family import class_inputs, image_options, image_outputs, image_quality, sample_generators
+from image_ar.llamagen.scoring import target_probs
+from mmspec.bench.image_family import (
+    class_inputs,
+    image_options,
+    image_outputs,
+    image_quality,
+    sample_generators,
+    token_calibration,
+)
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
 
 
@@ -49,11 +59,18 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
                          exactness=method.is_lossless(params) and settings.greedy)
 
 
+def calibration(pipe, outputs: list, settings: BenchSettings) -> dict:
+    o = _options(settings)
+    return token_calibration(lambda labels, tokens: target_probs(
+        pipe, labels, tokens, guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],
+        top_p=o["top_p"]), outputs, settings)
+
+
 def llamagen_family() -> Family:
     methods = {name: Method(_runner(name), lossless=lambda params, name=name: is_lossless(name, given(params)),
                             params=method_parameters(name))
                for name in available_methods()}
     return Family(name="llamagen", model_id=lambda s: str(_options(s)["model"] or "embedded llamagen (world)"),
                   build=build, inputs=class_inputs, methods=methods, quality=quality, primary_quality="class_accuracy",
-                  to_turn=lambda o: o["tokens"].tolist(),
+                  to_turn=lambda o: o["tokens"].tolist(), model_quality=calibration,
                   description="LlamaGen class-conditional image generation (judge accuracy, world-FID)")

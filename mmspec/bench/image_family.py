@@ -1,5 +1,5 @@
 """What the class-conditional image bench families (llamagen, var) share: their family options, the class-label
-inputs, per-image generators and the judge-based quality figures.
+inputs, per-image generators, the judge-based quality figures and the token calibration figures.
 
 Family options (`--family-option KEY=VALUE`): model (pipeline folder; default the embedded asset),
 guidance_scale, top_k, top_p (defaults: the family's pipeline defaults), fid_reference (number of held-out real
@@ -8,7 +8,7 @@ world images for world-FID, default 2000).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -76,3 +76,26 @@ def image_quality(outputs: Sequence[dict], vanilla: Sequence[dict], settings: Be
         same = [torch.equal(a["tokens"], b["tokens"]) for a, b in zip(outputs, vanilla)]
         figures["exactness"] = sum(same) / len(same)
     return figures
+
+
+# score(class_labels, tokens [N, T]) -> the target's sampling distributions [N, T, V] at every token
+TokenScorer = Callable[[list[int], torch.Tensor], torch.Tensor]
+
+
+def token_calibration(score: TokenScorer, outputs: Sequence[dict], settings: BenchSettings,
+                      batch_size: int = 32) -> dict:
+    """How closely the outputs' tokens follow the target (`mmspec.metrics.calibration`: pit_ks, its p-value,
+    excess surprisal, off-support rate), scored `batch_size` images at a time. Empty at temperature 0, where the
+    target's distribution is a point mass and the measure says nothing."""
+    from mmspec.metrics.calibration import TokenCalibration
+
+    if settings.greedy:
+        return {}
+    cal = TokenCalibration()
+    gen = torch.Generator().manual_seed(settings.seed)  # the PIT's spreading draws: same for every method
+    for start in range(0, len(outputs), batch_size):
+        chunk = outputs[start:start + batch_size]
+        tokens = torch.stack([o["tokens"] for o in chunk])  # [n, T]
+        p = score([o["label"] for o in chunk], tokens).cpu()  # [n, T, V]
+        cal.add(p, tokens, gen)
+    return cal.figures()

@@ -75,6 +75,8 @@ class MethodOutput:
 MethodFn = Callable[[Any, Sequence[Sample], BenchSettings, Mapping[str, Any]], MethodOutput]
 # quality(method, params, outputs, vanilla_outputs, settings) -> {"figure name": number or text}
 QualityFn = Callable[["Method", Mapping[str, Any], Sequence[Any], Sequence[Any], BenchSettings], dict]
+# model_quality(models, outputs, settings) -> {"figure name": number}: figures that need the built models
+ModelQualityFn = Callable[[Any, Sequence[Any], BenchSettings], dict]
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,8 @@ class Family:
     build(settings) -> models, called once; inputs(settings) -> samples, seeded and deterministic;
     to_turn(output) -> a JSON-serialisable Spec-Bench turn (token ids, text, or an image description).
     `primary_quality` names the quality figure used as the x axis of the speed-up vs quality plot.
+    `model_quality(models, outputs, settings)`, optional, adds figures that need the models (e.g. how closely the
+    outputs follow the target's distribution, `mmspec.metrics.calibration`); like `quality` it runs untimed.
     """
 
     name: str
@@ -113,6 +117,7 @@ class Family:
     primary_quality: str | None = None
     to_turn: Callable[[Any], Any] | None = None
     description: str = ""
+    model_quality: ModelQualityFn | None = None
 
     def resolved_model_id(self, settings: BenchSettings) -> str:
         return self.model_id(settings) if callable(self.model_id) else self.model_id

@@ -148,10 +148,14 @@ def summarize(result: BenchResult) -> dict[str, Any]:
 
 # ------------------------------------------------------------------------------------------ markdown
 def format_quality(quality: Mapping[str, Any]) -> str:
-    """'exactness=1.000' style; text figures verbatim."""
+    """'exactness=1.000' style (small figures such as p-values in 3 significant digits); text verbatim."""
     if not quality:
         return "—"
-    parts = [f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in quality.items()]
+
+    def number(v: float) -> str:
+        return f"{v:.3g}" if 0 < abs(v) < 0.001 else f"{v:.3f}"
+
+    parts = [f"{k}={number(v)}" if isinstance(v, float) else f"{k}={v}" for k, v in quality.items()]
     return ", ".join(parts)
 
 

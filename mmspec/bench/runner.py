@@ -184,7 +184,7 @@ def _merge_stats(batch_runs: Sequence[_BatchRun]) -> SpecStats:
     return merged
 
 
-def _record_pass(result: BenchResult, family: Family, step: Step, batch_runs: list[_BatchRun],
+def _record_pass(result: BenchResult, family: Family, models: Any, step: Step, batch_runs: list[_BatchRun],
                  reference_outputs: list[Any]) -> list[Any]:
     """Quality, RunResult and records of one recorded pass; returns the pass's outputs (in sample order)."""
     method = family.methods[step.config.method]
@@ -192,6 +192,8 @@ def _record_pass(result: BenchResult, family: Family, step: Step, batch_runs: li
     outputs = [o for run in batch_runs for o in run.output.outputs]
     reference = outputs if step.config.is_reference else reference_outputs
     quality = dict(family.quality(method, step.config.params, outputs, reference, result.settings))
+    if family.model_quality is not None:
+        quality.update(family.model_quality(models, outputs, result.settings))
     result.runs.append(RunResult(
         config=step.config, lossless=lossless, batch_size=step.batch_size, repeat=step.repeat,
         wall_times=[r.wall_time for r in batch_runs],
@@ -290,7 +292,8 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
                                           meter)
                 if batch_runs is not None and not step.warmup:
                     key = (step.batch_size, step.repeat)
-                    outputs = _record_pass(result, family, step, batch_runs, reference_outputs.get(key, []))
+                    outputs = _record_pass(result, family, models, step, batch_runs,
+                                           reference_outputs.get(key, []))
                     if step.config.is_reference:
                         reference_outputs[key] = outputs
                 bar.update(1)

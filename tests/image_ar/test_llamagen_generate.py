@@ -82,10 +82,24 @@ def test_bench_family_runs_on_a_pipeline_folder(model_dir, tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     text = json.dumps(summary)
     assert "draft-model" in text and "class_accuracy" in text and "exactness" in text
+    assert "pit_ks" not in text  # greedy: the target's distribution is a point mass, nothing to calibrate
     lines = (out / "results.jsonl").read_text().splitlines()
     assert len(lines) == 12  # 4 samples x 3 methods x 1 repeat
     grouped = [m for m in summary["batch_sizes"][0]["methods"] if m["method"] == "sjd:accept=gsd:group_size=4"]
     assert grouped and grouped[0]["lossless"] is False
+
+
+def test_bench_reports_how_closely_sampled_tokens_follow_the_target(model_dir, tmp_path):
+    out = tmp_path / "bench"
+    assert main(["bench", "--family", "llamagen", "--methods", "vanilla,sjd", "--batch-sizes", "2", "--repeats", "1",
+                 "--warmup", "0", "--num-samples", "4", "--temperature", "1", "--family-option", f"model={model_dir}",
+                 "--family-option", "top_k=16", "--family-option", "fid_reference=64", "--no-plots", "--quiet",
+                 "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for m in summary["batch_sizes"][0]["methods"]:
+        q = m["quality"]
+        assert q["calibration_tokens"] == 4 * 16 and q["off_support"] == 0.0  # top-k 16 respected
+        assert 0 < q["pit_ks"] < 1 and 0 < q["pit_ks_pvalue"] <= 1
 
 
 def test_method_parameters_list_signature_defaults_and_forwarded_keys():
