@@ -135,6 +135,21 @@ class GuidedRunner:
         self.cache.commit_path(self.rows(path), self.rows(keep))
 
 
+@torch.no_grad()
+def teacher_forced_probs(runner: GuidedRunner, inputs: Any, tokens: torch.Tensor,
+                         params: SamplingParams) -> torch.Tensor:
+    """The distributions [B, T, V] decoding samples each of the finished `tokens` [B, T] from: p[:, t] given
+    `inputs` (the prompt or condition the runner's prefill takes) and tokens[:, :t], under `params` (and the
+    runner's CFG). One prefill and one forward over the sequence, positions = cache slots as in decoding; used to
+    test how closely a method's tokens follow the target (`mmspec.metrics.calibration`)."""
+    check(tokens.dim() == 2 and tokens.shape[1] >= 1, f"tokens must be [B, T], got {tuple(tokens.shape)}.")
+    logits = [runner.prefill(inputs, extra_capacity=tokens.shape[1])]  # [B, 1, V]
+    if tokens.shape[1] > 1:
+        slots = runner.slots(tokens.shape[1] - 1)  # [B, T-1]
+        logits.append(runner.forward(tokens[:, :-1], slots, slots))  # [B, T-1, V]
+    return probs_from_params(torch.cat(logits, dim=1), params)  # [B, T, V]
+
+
 # draft entries (chain drafts, window positions or tree nodes) an LMTarget's cache keeps room for by default
 DRAFT_ROOM = 64
 

@@ -148,6 +148,24 @@ def test_sampling_reports_exactness_as_not_applicable(one_thread):
     assert {r.config.label: r.quality["exactness"] for r in result.runs} == \
         {"vanilla": "n/a (sampling)", "tree": "n/a (sampling)"}
     assert all(r.stats.num_target_forwards > 0 for r in result.runs)
+    assert all(r.quality["calibration_tokens"] == 12 for r in result.runs)  # the distribution-level figures instead
+
+
+def test_lossless_toy_methods_pass_the_token_calibration_test_and_a_bent_sampler_fails(one_thread):
+    """At temperature 1 every lossless method's tokens are exact draws from the target (PIT uniform); tokens
+    sampled at temperature 0.5 but scored at 1 (the control) are not."""
+    from mmspec.bench.toy import build_toy, toy_calibration, toy_inputs
+
+    settings = BenchSettings(num_samples=24, max_new_tokens=32, temperature=1.0,
+                             options={"dim": "16", "num_layers": "2", "num_heads": "2"})
+    result = run_bench("toy", "vanilla,draft-model,tree", batch_sizes=[8], repeats=1, warmup=0, settings=settings)
+    for r in result.runs:
+        assert r.quality["calibration_tokens"] == 24 * 32 and r.quality["pit_ks_pvalue"] > 0.001, r.config.label
+    cold = BenchSettings(num_samples=24, max_new_tokens=32, temperature=0.5, options=settings.options)
+    outputs = [o for batch in (toy_inputs(cold)[i:i + 8] for i in range(0, 24, 8))
+               for o in get_family("toy").methods["vanilla"].run(build_toy(cold), batch, cold, {}).outputs]
+    figures = toy_calibration(build_toy(settings), outputs, settings)
+    assert figures["pit_ks_pvalue"] < 1e-6 and figures["pit_mean_shift"] < 0
 
 
 # ----------------------------------------------------------------------------------------- fake family

@@ -30,6 +30,8 @@ def test_exact_samples_are_uniform():
     f = _figures(p, tokens)
     assert f["calibration_tokens"] == 4000 and f["off_support"] == 0.0
     assert f["pit_ks_pvalue"] > 0.01 and f["pit_ks"] < 0.03
+    assert f["pit_ks_stratified_null"] > 0.87 / 4000**0.5  # smaller strata: a larger null than the pooled one
+    assert f["pit_ks_stratified"] < 1.5 * f["pit_ks_stratified_null"]
     assert abs(f["pit_mean_shift"]) < 0.015 and abs(f["excess_surprisal"]) < 0.05
 
 
@@ -51,6 +53,19 @@ def test_ks_distance_is_a_lower_bound_on_the_mean_total_variation():
     tv = 0.5 * (q - p).abs().sum(-1).mean()
     f = _figures(p, sample(q, torch.Generator().manual_seed(5)))
     assert 0.01 < f["pit_ks"] <= float(tv) + 0.02
+
+
+def test_stratified_distance_sees_distortions_that_cancel_when_pooled():
+    """Flattening peaked distributions and sharpening flat ones push the pooled u opposite ways; within strata of
+    similar top probability they do not cancel, and the average is still below the mean total variation."""
+    g = torch.Generator().manual_seed(0)
+    p = (torch.randn(8000, 50, generator=g) * torch.linspace(0.5, 4.0, 8000).unsqueeze(-1)).softmax(-1)
+    bent = (p.log() / torch.where(p.amax(-1, keepdim=True) > 0.7, 1.5, 0.75)).softmax(-1)
+    tv = float(0.5 * (bent - p).abs().sum(-1).mean())
+    f = _figures(p, sample(bent, torch.Generator().manual_seed(1)))
+    assert f["pit_ks_stratified"] > f["pit_ks"] + 0.03 and f["pit_ks_stratified"] <= tv + 0.02
+    exact = _figures(p, sample(p, torch.Generator().manual_seed(1)))
+    assert exact["pit_ks_stratified"] < 1.5 * exact["pit_ks_stratified_null"]
 
 
 def test_pit_of_each_token_and_off_support_tokens():

@@ -10,7 +10,10 @@ quoting its numbers). Family options (`--family-option KEY=VALUE`): model (targe
 `assets/vlm`; drafters in MODEL/drafters/<kind>), top_p. Quality: `exactness` (fraction of answers equal to
 vanilla's token for token; lossless methods must give 1.0 at temperature 0) and `answer_contains_short` (the
 answer contains the world's short answer as a word: how often the target is right, the same for every lossless
-method at temperature 0). The drafter's prefill cost is reported as the figure `drafter_image_tokens_per_row`:
+method at temperature 0); at temperature > 0 the token calibration figures (`pit_ks`, its p-value...:
+`mmspec.metrics.calibration`; one teacher-forced target pass per answer, its EOS included) test that each
+method's tokens follow the target's distribution. The drafter's prefill cost is reported as the figure
+`drafter_image_tokens_per_row`:
 how many image tokens the drafter attends to per row (EagleVLM and MSD: all of them; ViSpec: one compressed
 token).
 """
@@ -92,6 +95,31 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
     return figures
 
 
+def calibration(models: dict, outputs: list, settings: BenchSettings) -> dict:
+    """Token calibration of sampled answers under the target (empty at temperature 0). Outputs come in sample
+    order, so the questions are `inputs(settings)`; each answer is scored with its prompt, one row at a time."""
+    from mmspec.lm import GuidedRunner, teacher_forced_probs
+    from mmspec.metrics.calibration import TokenCalibration
+    from mmspec.sampling import SamplingParams
+    from vlm.target import prefill_vlm
+
+    if settings.greedy:
+        return {}
+    vlm = models["target"]
+    params = SamplingParams(settings.temperature, 0, _options(settings)["top_p"])
+    cal = TokenCalibration()
+    gen = torch.Generator().manual_seed(settings.seed)  # the PIT's spreading draws: same for every method
+    for sample, output in zip(inputs(settings), outputs):
+        if not output["tokens"]:
+            continue
+        ex = sample.data
+        tokens = torch.tensor([output["tokens"]], device=vlm.lm.device)  # [1, T]
+        p = teacher_forced_probs(GuidedRunner(vlm.lm, None, prefill_vlm), vlm.encode([ex.image], [ex.prompt]),
+                                 tokens, params)  # [1, T, V]
+        cal.add(p.cpu(), tokens.cpu(), gen)
+    return cal.figures() if cal.num_tokens else {}
+
+
 def vlm_family() -> Family:
     tree = {"depth": DEFAULT_DEPTH, "top_k": DEFAULT_TOP_K, "total_tokens": DEFAULT_TOTAL_TOKENS}
     methods = {"vanilla": Method(_runner(None), lossless=True, description="the LLaVA target alone"),
@@ -105,5 +133,5 @@ def vlm_family() -> Family:
                                  description="SpecVLM drafter (gated elastic visual compressor), EAGLE-2 tree")}
     return Family(name="vlm", model_id=lambda s: _options(s)["model"], build=build, inputs=inputs, methods=methods,
                   quality=quality, primary_quality="answer_contains_short",
-                  to_turn=lambda o: {"text": o["text"], "token_ids": o["tokens"]},
+                  to_turn=lambda o: {"text": o["text"], "token_ids": o["tokens"]}, model_quality=calibration,
                   description="LLaVA long answers about world scenes, EagleVLM (exactness, answer accuracy)")

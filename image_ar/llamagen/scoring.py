@@ -3,7 +3,7 @@
     p = target_probs(pipe, class_labels=[0, 3], tokens=out.tokens, guidance_scale=4.0, top_k=64)  # [N, T, V]
 
 p[:, t] is the distribution vanilla decoding would sample token t from given tokens[:, :t] (the same condition,
-CFG, temperature and top-k/p filters, one forward over the whole sequence). `mmspec.metrics.calibration` uses it
+CFG, temperature and top-k/p filters; `mmspec.lm.teacher_forced_probs`). `mmspec.metrics.calibration` uses it
 to measure how closely a decoding method's tokens follow the target (the bench's `pit_ks` figures).
 """
 
@@ -13,9 +13,9 @@ import torch
 
 from image_ar.llamagen.pipeline import LlamaGenPipeline, condition_prefill
 from mmspec.errors import check
-from mmspec.lm import GuidedRunner
+from mmspec.lm import GuidedRunner, teacher_forced_probs
 from mmspec.pipeline_io import class_labels_tensor
-from mmspec.sampling import SamplingParams, probs_from_params
+from mmspec.sampling import SamplingParams
 
 
 @torch.no_grad()
@@ -33,10 +33,4 @@ def target_probs(pipe: LlamaGenPipeline, class_labels: list[int] | torch.Tensor,
     check(cond.shape[0] == tokens.shape[0], f"{cond.shape[0]} class labels for {tokens.shape[0]} token rows.")
     guided = guidance_scale != 1.0
     runner = GuidedRunner(model, guidance_scale if guided else None, condition_prefill(guided))
-    tokens = tokens.to(model.device)
-    first = runner.prefill(cond, extra_capacity=tokens.shape[1])  # [N, 1, V]
-    logits = [first]
-    if tokens.shape[1] > 1:
-        slots = runner.slots(tokens.shape[1] - 1)  # [N, T-1]; positions are slots, as in decoding
-        logits.append(runner.forward(tokens[:, :-1], slots, slots))  # [N, T-1, V]
-    return probs_from_params(torch.cat(logits, dim=1), params)  # [N, T, V]
+    return teacher_forced_probs(runner, cond, tokens.to(model.device), params)  # [N, T, V]

@@ -14,7 +14,9 @@ Methods (all lossless; greedy rule at temperature 0, the lossless rejection-samp
 - `random`: `RandomDrafter`, uniformly random drafts (a lower bound: almost nothing is accepted).
 
 Quality: `exactness` = fraction of samples whose tokens equal vanilla's token for token (temperature 0);
-'n/a (sampling)' above temperature 0, where lossless methods match vanilla in distribution, not per sample.
+'n/a (sampling)' above temperature 0, where lossless methods match vanilla in distribution, not per sample, and
+the token calibration figures test that instead (`pit_ks`, its p-value...: `mmspec.metrics.calibration`, scored
+by a teacher-forced target pass over each prompt and its generated tokens).
 Family options (`--family-option KEY=VALUE`): vocab_size, dim, num_layers, num_heads, draft_layers,
 prompt_length.
 """
@@ -29,7 +31,7 @@ import torch
 
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
 from mmspec.errors import InputError, check, check_positive_int
-from mmspec.lm import DraftModelDrafter, LMTarget, NoDrafter, TreeModelDrafter
+from mmspec.lm import DraftModelDrafter, GuidedRunner, LMTarget, NoDrafter, TreeModelDrafter, teacher_forced_probs
 from mmspec.loop import Drafter, generate
 from mmspec.sampling import SamplingParams
 from mmspec.testing.drafters import RandomDrafter
@@ -187,6 +189,26 @@ def toy_quality(method: Method, params: Mapping[str, Any], outputs: Sequence[tor
     return {"exactness": exactness(outputs, reference)}
 
 
+def toy_calibration(models: ToyModels, outputs: Sequence[torch.Tensor], settings: BenchSettings) -> dict:
+    """Token calibration of sampled outputs under the target (empty at temperature 0). Outputs come in sample
+    order, so the prompts are `toy_inputs(settings)`; rows of equal length are scored together."""
+    from mmspec.metrics.calibration import TokenCalibration
+
+    if settings.greedy:
+        return {}
+    prompts = [s.data for s in toy_inputs(settings)]
+    cal = TokenCalibration()
+    gen = torch.Generator().manual_seed(settings.seed)  # the PIT's spreading draws: same for every method
+    for length in sorted({int(o.numel()) for o in outputs if o.numel() > 0}):
+        rows = [i for i, o in enumerate(outputs) if o.numel() == length]
+        tokens = torch.stack([outputs[i] for i in rows]).to(settings.device)  # [n, length]
+        runner = GuidedRunner(models.target)
+        p = teacher_forced_probs(runner, torch.stack([prompts[i] for i in rows]).to(settings.device), tokens,
+                                 _params(settings))  # [n, length, V]
+        cal.add(p.cpu(), tokens.cpu(), gen)
+    return cal.figures() if cal.num_tokens else {}
+
+
 def toy_model_id(settings: BenchSettings) -> str:
     o = toy_options(settings)
     return f"toy-v{o['vocab_size']}-d{o['dim']}-l{o['num_layers']}"
@@ -196,7 +218,7 @@ def toy_family() -> Family:
     """The toy family's declaration (cheap: models are built by `Family.build`)."""
     return Family(
         name="toy", model_id=toy_model_id, build=build_toy, inputs=toy_inputs, quality=toy_quality,
-        primary_quality="exactness", to_turn=lambda tokens: tokens.tolist(),
+        primary_quality="exactness", to_turn=lambda tokens: tokens.tolist(), model_quality=toy_calibration,
         description="toy causal LM target (mmspec.testing.toy) with chain, tree, self and random drafters",
         methods={
             "vanilla": Method(run_vanilla, description="NoDrafter: one target forward per token"),

@@ -17,6 +17,12 @@ Figures (`TokenCalibration.figures`):
   total variation between the sampler's and the target's distributions (each token's CDF gap is the mass of a
   set of tokens). An exact sampler gives about 0.87 / sqrt(n) on average.
 - `pit_ks_pvalue`: the asymptotic p-value of that distance under exactness.
+- `pit_ks_stratified`: the same distance within strata of tokens whose target distributions have similar top
+  probabilities (`STRATA_EDGES`), averaged with the strata's token shares. Pooling lets opposite distortions
+  cancel (a rule that sharpens peaked distributions and flattens flat ones can keep the pooled u uniform); within
+  a stratum they cannot, and the average is still a lower bound on the mean per-token total variation.
+  `pit_ks_stratified_null` is its expected value for an exact sampler with the same strata sizes (it is larger
+  than the pooled null, so compare the two).
 - `pit_mean_shift`: mean u - 0.5; below 0 the sampler favours the target's likely tokens, above 0 unlikely ones.
 - `excess_surprisal`: mean of -log p_t(x_t) - H(p_t) in nats over tokens inside the target's support; 0 in
   expectation for an exact sampler (equal to KL(r || p) + H(r) - H(p) for a sampler r).
@@ -57,6 +63,11 @@ def kolmogorov_pvalue(distance: float, n: int) -> float:
     return float(min(1.0, max(0.0, 2.0 * total)))
 
 
+# strata of the target's top probability max_y p_t(y) for `pit_ks_stratified`
+STRATA_EDGES = (0.0, 0.3, 0.5, 0.7, 0.9)
+KS_NULL_MEAN = 0.8687  # E[sqrt(n) D_n] for large n: sqrt(pi / 2) ln 2
+
+
 def ks_uniform(u: torch.Tensor) -> float:
     """Kolmogorov-Smirnov distance between the empirical distribution of u (1-D) and U(0, 1)."""
     n = u.numel()
@@ -75,6 +86,7 @@ class TokenCalibration:
 
     def __init__(self) -> None:
         self.u: list[torch.Tensor] = []
+        self.top: list[torch.Tensor] = []  # the target's top probability at each token
         self.excess: list[torch.Tensor] = []
         self.off_support = 0
 
@@ -86,6 +98,7 @@ class TokenCalibration:
         p = p.float()
         v = uniform(tokens.shape, generator, device=p.device)  # [...]
         self.u.append(pit_values(p, tokens, v).flatten().cpu())
+        self.top.append(p.amax(-1).flatten().cpu())
         p_x = p.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [...]
         inside = p_x > 0
         self.off_support += int((~inside).sum())
@@ -102,6 +115,14 @@ class TokenCalibration:
         u = torch.cat(self.u)
         excess = torch.cat(self.excess)
         ks = ks_uniform(u)
-        return {"pit_ks": ks, "pit_ks_pvalue": kolmogorov_pvalue(ks, n), "pit_mean_shift": float(u.mean()) - 0.5,
+        stratum = torch.bucketize(torch.cat(self.top), torch.tensor(STRATA_EDGES[1:]), right=True)  # [n]
+        stratified = null = 0.0
+        for index in stratum.unique():
+            members = u[stratum == index]
+            share = members.numel() / n
+            stratified += share * ks_uniform(members)
+            null += share * KS_NULL_MEAN / members.numel() ** 0.5
+        return {"pit_ks": ks, "pit_ks_pvalue": kolmogorov_pvalue(ks, n), "pit_ks_stratified": stratified,
+                "pit_ks_stratified_null": null, "pit_mean_shift": float(u.mean()) - 0.5,
                 "excess_surprisal": float(excess.mean()) if excess.numel() else float("nan"),
                 "off_support": self.off_support / n, "calibration_tokens": float(n)}

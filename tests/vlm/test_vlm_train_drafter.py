@@ -145,6 +145,28 @@ def test_bench_family_vlm(target_dir, tmp_path):
     assert len((out / "results.jsonl").read_text().splitlines()) == n_methods * 3 * 2  # x samples x batch sizes
 
 
+def test_bench_reports_token_calibration_of_sampled_answers(target_dir, tmp_path):
+    """At temperature 1 each answer (its EOS included) is scored under the target: the figures count every
+    generated token, and the lossless tree method's tokens are not told apart from exact draws."""
+    from vlm.pipeline import DRAFTER_KINDS, SpeculativeVLM
+
+    if not (target_dir / "drafters" / "eagle").is_dir():
+        DRAFTER_KINDS["eagle"][0].for_target(SpeculativeVLM.from_pretrained(target_dir).lm).save_pretrained(
+            target_dir / "drafters" / "eagle")
+    out = tmp_path / "bench"
+    assert main(["bench", "--family", "vlm", "--methods", "vanilla,eagle:depth=3:top_k=3:total_tokens=8",
+                 "--batch-sizes", "3", "--repeats", "1", "--warmup", "0", "--num-samples", "6",
+                 "--max-new-tokens", "24", "--temperature", "1", "--family-option", f"model={target_dir}",
+                 "--no-plots", "--quiet", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    for method in summary["batch_sizes"][0]["methods"]:
+        answers = [r["choices"][0]["turns"][0]["token_ids"] for r in records if r["method"] == method["method"]]
+        q = method["quality"]
+        assert q["calibration_tokens"] == sum(len(a) for a in answers) > 0
+        assert q["pit_ks_pvalue"] > 0.001 and q["off_support"] == 0.0
+
+
 def test_train_vispec(target_dir, tmp_path):
     out = tmp_path / "vispec"
     assert train(target_dir, tmp_path / "work", "--kind", "vispec", "--steps", "40", "--lr", "3e-3",
