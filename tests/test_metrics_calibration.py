@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from mmspec.errors import InputError
-from mmspec.metrics.calibration import TokenCalibration, kolmogorov_pvalue, ks_uniform, pit_values
+from mmspec.metrics.calibration import (
+    TokenCalibration,
+    calibration_figures,
+    kolmogorov_pvalue,
+    ks_uniform,
+    pit_values,
+)
 from mmspec.sampling import sample
 
 
@@ -96,3 +102,13 @@ def test_mismatched_shapes_and_unfinished_tokens_are_clear_errors():
         cal.add(torch.ones(2, 5) / 5, torch.tensor([0, -1]))
     with pytest.raises(InputError, match="no tokens"):
         cal.figures()
+    assert calibration_figures([]) == {}  # the bench helper: nothing scored, no figures
+
+
+def test_figures_over_batches_equal_figures_over_one_batch_drawn_in_the_same_order():
+    p = _contexts(n=600)
+    tokens = sample(p, torch.Generator().manual_seed(3))
+    pooled = calibration_figures([(p.view(3, 200, -1), tokens.view(3, 200))], seed=7)
+    batched = calibration_figures([(p[:200], tokens[:200]), (p[200:400], tokens[200:400]),
+                                   (p[400:], tokens[400:])], seed=7)
+    assert pooled == pytest.approx(batched)

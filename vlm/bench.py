@@ -99,7 +99,7 @@ def calibration(models: dict, outputs: list, settings: BenchSettings) -> dict:
     """Token calibration of sampled answers under the target (empty at temperature 0). Outputs come in sample
     order, so the questions are `inputs(settings)`; each answer is scored with its prompt, one row at a time."""
     from mmspec.lm import GuidedRunner, teacher_forced_probs
-    from mmspec.metrics.calibration import TokenCalibration
+    from mmspec.metrics.calibration import calibration_figures
     from mmspec.sampling import SamplingParams
     from vlm.target import prefill_vlm
 
@@ -107,17 +107,15 @@ def calibration(models: dict, outputs: list, settings: BenchSettings) -> dict:
         return {}
     vlm = models["target"]
     params = SamplingParams(settings.temperature, 0, _options(settings)["top_p"])
-    cal = TokenCalibration()
-    gen = torch.Generator().manual_seed(settings.seed)  # the PIT's spreading draws: same for every method
-    for sample, output in zip(inputs(settings), outputs):
-        if not output["tokens"]:
-            continue
-        ex = sample.data
-        tokens = torch.tensor([output["tokens"]], device=vlm.lm.device)  # [1, T]
-        p = teacher_forced_probs(GuidedRunner(vlm.lm, None, prefill_vlm), vlm.encode([ex.image], [ex.prompt]),
-                                 tokens, params)  # [1, T, V]
-        cal.add(p.cpu(), tokens.cpu(), gen)
-    return cal.figures() if cal.num_tokens else {}
+
+    def scored():
+        for sample, output in zip(inputs(settings), outputs):
+            if output["tokens"]:
+                tokens = torch.tensor([output["tokens"]], device=vlm.lm.device)  # [1, T]
+                prompt = vlm.encode([sample.data.image], [sample.data.prompt])
+                yield teacher_forced_probs(GuidedRunner(vlm.lm, None, prefill_vlm), prompt, tokens, params), tokens
+
+    return calibration_figures(scored(), settings.seed)
 
 
 def vlm_family() -> Family:

@@ -87,15 +87,15 @@ def token_calibration(score: TokenScorer, outputs: Sequence[dict], settings: Ben
     """How closely the outputs' tokens follow the target (`mmspec.metrics.calibration`: pit_ks, its p-value,
     excess surprisal, off-support rate), scored `batch_size` images at a time. Empty at temperature 0, where the
     target's distribution is a point mass and the measure says nothing."""
-    from mmspec.metrics.calibration import TokenCalibration
+    from mmspec.metrics.calibration import calibration_figures
 
     if settings.greedy:
         return {}
-    cal = TokenCalibration()
-    gen = torch.Generator().manual_seed(settings.seed)  # the PIT's spreading draws: same for every method
-    for start in range(0, len(outputs), batch_size):
-        chunk = outputs[start:start + batch_size]
-        tokens = torch.stack([o["tokens"] for o in chunk])  # [n, T]
-        p = score([o["label"] for o in chunk], tokens).cpu()  # [n, T, V]
-        cal.add(p, tokens, gen)
-    return cal.figures()
+
+    def scored():
+        for start in range(0, len(outputs), batch_size):
+            chunk = outputs[start:start + batch_size]
+            tokens = torch.stack([o["tokens"] for o in chunk])  # [n, T]
+            yield score([o["label"] for o in chunk], tokens), tokens  # p [n, T, V]
+
+    return calibration_figures(scored(), settings.seed)

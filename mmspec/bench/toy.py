@@ -192,21 +192,20 @@ def toy_quality(method: Method, params: Mapping[str, Any], outputs: Sequence[tor
 def toy_calibration(models: ToyModels, outputs: Sequence[torch.Tensor], settings: BenchSettings) -> dict:
     """Token calibration of sampled outputs under the target (empty at temperature 0). Outputs come in sample
     order, so the prompts are `toy_inputs(settings)`; rows of equal length are scored together."""
-    from mmspec.metrics.calibration import TokenCalibration
+    from mmspec.metrics.calibration import calibration_figures
 
     if settings.greedy:
         return {}
     prompts = [s.data for s in toy_inputs(settings)]
-    cal = TokenCalibration()
-    gen = torch.Generator().manual_seed(settings.seed)  # the PIT's spreading draws: same for every method
-    for length in sorted({int(o.numel()) for o in outputs if o.numel() > 0}):
-        rows = [i for i, o in enumerate(outputs) if o.numel() == length]
-        tokens = torch.stack([outputs[i] for i in rows]).to(settings.device)  # [n, length]
-        runner = GuidedRunner(models.target)
-        p = teacher_forced_probs(runner, torch.stack([prompts[i] for i in rows]).to(settings.device), tokens,
-                                 _params(settings))  # [n, length, V]
-        cal.add(p.cpu(), tokens.cpu(), gen)
-    return cal.figures() if cal.num_tokens else {}
+
+    def scored():
+        for length in sorted({int(o.numel()) for o in outputs if o.numel() > 0}):
+            rows = [i for i, o in enumerate(outputs) if o.numel() == length]
+            tokens = torch.stack([outputs[i] for i in rows]).to(settings.device)  # [n, length]
+            prompt = torch.stack([prompts[i] for i in rows]).to(settings.device)  # [n, P]
+            yield teacher_forced_probs(GuidedRunner(models.target), prompt, tokens, _params(settings)), tokens
+
+    return calibration_figures(scored(), settings.seed)
 
 
 def toy_model_id(settings: BenchSettings) -> str:

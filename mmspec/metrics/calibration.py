@@ -33,6 +33,7 @@ Figures (`TokenCalibration.figures`):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -126,3 +127,14 @@ class TokenCalibration:
                 "pit_ks_stratified_null": null, "pit_mean_shift": float(u.mean()) - 0.5,
                 "excess_surprisal": float(excess.mean()) if excess.numel() else float("nan"),
                 "off_support": self.off_support / n, "calibration_tokens": float(n)}
+
+
+def calibration_figures(scored: Iterable[tuple[torch.Tensor, torch.Tensor]], seed: int = 0) -> dict[str, float]:
+    """`TokenCalibration.figures` over (p [..., V], tokens [...]) pairs, e.g. one per batch of finished sequences;
+    the PIT's spreading draws come from one CPU generator seeded by `seed` (a bench uses the same for every
+    method). Returns {} when no tokens were given."""
+    cal = TokenCalibration()
+    gen = torch.Generator().manual_seed(seed)
+    for p, tokens in scored:
+        cal.add(p.cpu(), tokens.cpu(), gen)
+    return cal.figures() if cal.num_tokens else {}
