@@ -162,9 +162,10 @@ def test_lossless_toy_methods_pass_the_token_calibration_test_and_a_bent_sampler
     for r in result.runs:
         assert r.quality["calibration_tokens"] == 24 * 32 and r.quality["pit_ks_pvalue"] > 0.001, r.config.label
     cold = BenchSettings(num_samples=24, max_new_tokens=32, temperature=0.5, options=settings.options)
-    outputs = [o for batch in (toy_inputs(cold)[i:i + 8] for i in range(0, 24, 8))
+    samples = toy_inputs(cold)
+    outputs = [o for batch in (samples[i:i + 8] for i in range(0, 24, 8))
                for o in get_family("toy").methods["vanilla"].run(build_toy(cold), batch, cold, {}).outputs]
-    figures = toy_calibration(build_toy(settings), outputs, settings)
+    figures = toy_calibration(build_toy(settings), samples, outputs, settings)
     assert figures["pit_ks_pvalue"] < 1e-6 and figures["pit_mean_shift"] < 0
 
 

@@ -95,9 +95,9 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
     return figures
 
 
-def calibration(models: dict, outputs: list, settings: BenchSettings) -> dict:
-    """Token calibration of sampled answers under the target (empty at temperature 0). Outputs come in sample
-    order, so the questions are `inputs(settings)`; each answer is scored with its prompt, one row at a time."""
+def calibration(models: dict, samples: Sequence[Sample], outputs: list, settings: BenchSettings) -> dict:
+    """Token calibration of sampled answers under the target given their questions (empty at temperature 0);
+    each answer is scored with its prompt, one row at a time."""
     from mmspec.lm import GuidedRunner, teacher_forced_probs
     from mmspec.metrics.calibration import calibration_figures
     from mmspec.sampling import SamplingParams
@@ -109,7 +109,7 @@ def calibration(models: dict, outputs: list, settings: BenchSettings) -> dict:
     params = SamplingParams(settings.temperature, 0, _options(settings)["top_p"])
 
     def scored():
-        for sample, output in zip(inputs(settings), outputs):
+        for sample, output in zip(samples, outputs):
             if output["tokens"]:
                 tokens = torch.tensor([output["tokens"]], device=vlm.lm.device)  # [1, T]
                 prompt = vlm.encode([sample.data.image], [sample.data.prompt])

@@ -59,7 +59,7 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
                          exactness=method.is_lossless(params) and settings.greedy)
 
 
-def calibration(pipe, outputs: list, settings: BenchSettings) -> dict:
+def calibration(pipe, samples: Sequence[Sample], outputs: list, settings: BenchSettings) -> dict:
     o = _options(settings)
     return token_calibration(lambda labels, tokens: target_probs(
         pipe, labels, tokens, guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],

@@ -18,7 +18,6 @@ from mmspec.pipeline_io import class_labels_tensor
 from mmspec.sampling import SamplingParams
 
 
-@torch.no_grad()
 def target_probs(pipe: LlamaGenPipeline, class_labels: list[int] | torch.Tensor, tokens: torch.Tensor,
                  guidance_scale: float = 4.0, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0) -> torch.Tensor:

@@ -75,8 +75,9 @@ class MethodOutput:
 MethodFn = Callable[[Any, Sequence[Sample], BenchSettings, Mapping[str, Any]], MethodOutput]
 # quality(method, params, outputs, vanilla_outputs, settings) -> {"figure name": number or text}
 QualityFn = Callable[["Method", Mapping[str, Any], Sequence[Any], Sequence[Any], BenchSettings], dict]
-# model_quality(models, outputs, settings) -> {"figure name": number}: figures that need the built models
-ModelQualityFn = Callable[[Any, Sequence[Any], BenchSettings], dict]
+# model_quality(models, samples, outputs, settings) -> {"figure name": number}: figures that need the built models;
+# outputs[i] is the method's output for samples[i]
+ModelQualityFn = Callable[[Any, Sequence["Sample"], Sequence[Any], BenchSettings], dict]
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,9 @@ class Family:
     build(settings) -> models, called once; inputs(settings) -> samples, seeded and deterministic;
     to_turn(output) -> a JSON-serialisable Spec-Bench turn (token ids, text, or an image description).
     `primary_quality` names the quality figure used as the x axis of the speed-up vs quality plot.
-    `model_quality(models, outputs, settings)`, optional, adds figures that need the models (e.g. how closely the
-    outputs follow the target's distribution, `mmspec.metrics.calibration`); like `quality` it runs untimed.
+    `model_quality(models, samples, outputs, settings)`, optional, adds figures that need the models and the
+    inputs (e.g. how closely the outputs follow the target's distribution given their prompts,
+    `mmspec.metrics.calibration`); like `quality` it runs untimed.
     """
 
     name: str

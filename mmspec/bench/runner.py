@@ -193,7 +193,8 @@ def _record_pass(result: BenchResult, family: Family, models: Any, step: Step, b
     reference = outputs if step.config.is_reference else reference_outputs
     quality = dict(family.quality(method, step.config.params, outputs, reference, result.settings))
     if family.model_quality is not None:
-        quality.update(family.model_quality(models, outputs, result.settings))
+        samples = [s for run in batch_runs for s in run.samples]  # in the order of `outputs`
+        quality.update(family.model_quality(models, samples, outputs, result.settings))
     result.runs.append(RunResult(
         config=step.config, lossless=lossless, batch_size=step.batch_size, repeat=step.repeat,
         wall_times=[r.wall_time for r in batch_runs],

@@ -189,14 +189,15 @@ def toy_quality(method: Method, params: Mapping[str, Any], outputs: Sequence[tor
     return {"exactness": exactness(outputs, reference)}
 
 
-def toy_calibration(models: ToyModels, outputs: Sequence[torch.Tensor], settings: BenchSettings) -> dict:
-    """Token calibration of sampled outputs under the target (empty at temperature 0). Outputs come in sample
-    order, so the prompts are `toy_inputs(settings)`; rows of equal length are scored together."""
+def toy_calibration(models: ToyModels, samples: Sequence[Sample], outputs: Sequence[torch.Tensor],
+                    settings: BenchSettings) -> dict:
+    """Token calibration of sampled outputs under the target given their samples' prompts (empty at temperature
+    0); rows of equal length are scored together."""
     from mmspec.metrics.calibration import calibration_figures
 
     if settings.greedy:
         return {}
-    prompts = [s.data for s in toy_inputs(settings)]
+    prompts = [s.data for s in samples]
 
     def scored():
         for length in sorted({int(o.numel()) for o in outputs if o.numel() > 0}):
