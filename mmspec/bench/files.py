@@ -7,6 +7,7 @@ Every file is written to a temporary name in the same directory and renamed over
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import IO
 
 from mmspec.errors import InputError
+
+_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp")
 
 
 def prepare_output_dir(path: str | os.PathLike) -> Path:
@@ -46,6 +49,31 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO], None], *, binary
         tmp.unlink(missing_ok=True)
         raise
     return target
+
+
+def _process_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files `atomic_write` left in `folder` when its process was killed mid-write.
+
+    Only files whose writer (the pid in the name) is no longer running are removed, so a live writer in
+    another process on this machine keeps its file. Returns the removed paths."""
+    removed = []
+    for tmp in Path(folder).glob(".*.tmp"):
+        match = _TEMP_NAME.fullmatch(tmp.name)
+        if match is None or int(match["pid"]) == os.getpid() or _process_running(int(match["pid"])):
+            continue
+        tmp.unlink(missing_ok=True)
+        removed.append(tmp)
+    return removed
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> Path:

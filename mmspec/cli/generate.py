@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from mmspec.bench.files import atomic_write, atomic_write_text, prepare_output_dir
+from mmspec.bench.files import atomic_write, atomic_write_text, prepare_output_dir, remove_stale_temporaries
 from mmspec.cli.family_io import class_slug, resolve_class, sampling_defaults
 from mmspec.cli.jobs import (
     MANIFEST,
@@ -244,9 +244,11 @@ def run(args: argparse.Namespace) -> int:
     options = {**sampling_defaults(family, pipe), **options, "method": args.method, "method_kwargs": method_kwargs}
 
     items = work_items(rows)
-    if rank == 0:  # per-process figures of an earlier, interrupted run
+    if rank == 0:  # leftovers of an earlier, interrupted run: per-process figures, half-written images
         for stale in out.glob(".stats.rank*.json"):
             stale.unlink()
+        remove_stale_temporaries(out / "images")
+        remove_stale_temporaries(out)
     settings = {"family": args.family, "model": args.model or "embedded default",
                 **{k: options[k] for k in ("method", "method_kwargs", "guidance_scale", "temperature", "top_k",
                                            "top_p")}}

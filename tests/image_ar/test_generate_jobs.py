@@ -145,6 +145,24 @@ def test_killed_process_resumes_to_the_same_bytes(model_dir, reference, tmp_path
     assert not list((out / "images").glob(".*.tmp"))
 
 
+def test_resume_removes_images_half_written_by_a_dead_process_only(model_dir, reference, tmp_path):
+    job = write_job(tmp_path / "job.jsonl", JOB)
+    out = tmp_path / "out"
+    (out / "images").mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    half_written = out / "images" / f".a_002.png.{dead.pid}.6cf65f6b.tmp"  # the name atomic_write gives
+    half_written.write_bytes(b"\x89PNG half")
+    live = out / "images" / f".a_001.png.{os.getppid()}.0123abcd.tmp"  # a writer still running
+    live.write_bytes(b"\x89PNG")
+    unrelated = out / "images" / ".notes.tmp"
+    unrelated.write_text("the user's")
+    assert generate(model_dir, out, job, "--max-batch", "3") == 0
+    assert images(out) == images(reference)
+    assert not half_written.exists()
+    assert live.exists() and unrelated.exists()
+
+
 def test_two_processes_cover_every_row_exactly_once(model_dir, reference, tmp_path):
     job = write_job(tmp_path / "job.jsonl", JOB)
     out = tmp_path / "out"
