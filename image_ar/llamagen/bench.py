@@ -27,6 +27,7 @@ from mmspec.bench.image_family import (
     token_calibration,
 )
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
+from mmspec.compile import compile_pipeline
 
 
 def _options(settings: BenchSettings) -> dict[str, Any]:
@@ -34,7 +35,8 @@ def _options(settings: BenchSettings) -> dict[str, Any]:
 
 
 def build(settings: BenchSettings):
-    return load(_options(settings)["model"], settings.device)
+    o = _options(settings)
+    return compile_pipeline(load(o["model"], settings.device), o["compile"], "llamagen")
 
 
 def given(params: Mapping[str, Any]) -> dict[str, Any]:

@@ -80,6 +80,19 @@ class LlamaGenPipeline(DiffusionPipeline):
         self.register_modules(transformer=transformer, vqvae=vqvae, draft_transformer=draft_transformer,
                               eagle_drafter=eagle_drafter)
 
+    def compile_forwards(self, mode: str | None = "default") -> LlamaGenPipeline:
+        """`torch.compile` the step forwards of the transformer and of the drafters present
+        (`mmspec.compile.compile_cached_lm`; "reduce-overhead" adds CUDA graphs on a GPU); `mode=None` undoes it.
+        The first image of each batch size and method pays the compilation (seconds to a minute)."""
+        from mmspec.compile import compile_cached_lm, uncompile_cached_lm
+
+        for model in (self.transformer, self.draft_transformer, self.eagle_drafter):
+            if model is not None and mode is not None:
+                compile_cached_lm(model, mode)
+            elif model is not None:
+                uncompile_cached_lm(model)
+        return self
+
     # ----------------------------------------------------------------------------------------- inputs
     def _conditions(self, class_labels, prompt_embeds, num_images_per_prompt: int) -> torch.Tensor:
         model = self.transformer

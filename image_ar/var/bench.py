@@ -18,6 +18,7 @@ from typing import Any
 from image_ar.var.generate import DEFAULTS, forward_stats, load, method_pipeline
 from mmspec.bench.image_family import class_inputs, image_options, image_outputs, image_quality, sample_generators
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
+from mmspec.compile import compile_pipeline
 
 
 def _options(settings: BenchSettings) -> dict[str, Any]:
@@ -25,7 +26,8 @@ def _options(settings: BenchSettings) -> dict[str, Any]:
 
 
 def build(settings: BenchSettings):
-    return load(_options(settings)["model"], settings.device)
+    o = _options(settings)
+    return compile_pipeline(load(o["model"], settings.device), o["compile"], "var")
 
 
 def _runner(method: str):

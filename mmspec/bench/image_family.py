@@ -3,7 +3,8 @@ inputs, per-image generators, the judge-based quality figures and the token cali
 
 Family options (`--family-option KEY=VALUE`): model (pipeline folder; default the embedded asset),
 guidance_scale, top_k, top_p (defaults: the family's pipeline defaults), fid_reference (number of held-out real
-world images for world-FID, default 2000).
+world images for world-FID, default 2000), compile (a `torch.compile` mode for the pipeline's step forwards,
+e.g. `compile=default` or `compile=reduce-overhead`; off by default; `mmspec.compile`).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Any
 import torch
 
 from mmspec.bench.registry import BenchSettings, Sample
+from mmspec.compile import COMPILE_MODES
 from mmspec.errors import InputError
 
-OPTIONS = ("model", "guidance_scale", "top_k", "top_p", "fid_reference")
+OPTIONS = ("model", "guidance_scale", "top_k", "top_p", "fid_reference", "compile")
 
 
 def image_options(settings: BenchSettings, family: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
@@ -27,10 +29,13 @@ def image_options(settings: BenchSettings, family: str, defaults: Mapping[str, A
         raise InputError(f"unknown option(s) {sorted(unknown)} for bench family {family!r}; "
                          f"known: {', '.join(OPTIONS)}.")
     o = dict(settings.options)
+    if "compile" in o and o["compile"] not in COMPILE_MODES:
+        raise InputError(f"unknown compile mode {o['compile']!r} (--family-option compile=...); "
+                         f"choose from {', '.join(COMPILE_MODES)}.")
     guidance = o.get("guidance_scale", defaults["guidance_scale"])  # None: the pipeline's own default
     return {"model": o.get("model"), "guidance_scale": None if guidance is None else float(guidance),
             "top_k": int(o.get("top_k", defaults["top_k"])), "top_p": float(o.get("top_p", defaults["top_p"])),
-            "fid_reference": int(o.get("fid_reference", 2000))}
+            "fid_reference": int(o.get("fid_reference", 2000)), "compile": o.get("compile")}
 
 
 def class_inputs(settings: BenchSettings) -> list[Sample]:

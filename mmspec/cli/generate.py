@@ -43,6 +43,7 @@ from mmspec.cli.jobs import (
     row_seed,
     work_items,
 )
+from mmspec.compile import COMPILE_MODES, compile_pipeline
 from mmspec.errors import InputError, check
 from mmspec.stats import SpecStats
 
@@ -77,6 +78,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--compile", default=None, choices=COMPILE_MODES, metavar="MODE",
+                        help="torch.compile the step forwards (llamagen): " + ", ".join(COMPILE_MODES)
+                             + "; the first batch pays the compilation")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -236,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
 
         diffusers_logging.disable_progress_bar()
     device = args.device if state is None or args.device == "cpu" else str(state.device)
-    pipe = family.load(args.model, device)
+    pipe = compile_pipeline(family.load(args.model, device), args.compile, args.family)
     n_classes = family.num_classes(pipe)
     rows, bad = job_rows(args, n_classes) if args.job is not None else (class_rows(args, n_classes), [])
     options = {k: getattr(args, k) for k in ("guidance_scale", "temperature", "top_k", "top_p")

@@ -1,0 +1,101 @@
+"""Optional `torch.compile` of the step forwards of cached models (targets and drafters).
+
+A speculative step dispatches hundreds of small operations (a tree verify, several drafter forwards, the
+acceptance rule); at the sizes of the embedded worlds each costs more in launch and dispatch overhead than in
+arithmetic. `compile_cached_lm(model, mode)` replaces the model's `forward_cached` (the one function every loop
+adapter in `mmspec.lm` calls, for chains, windows and trees alike) by a compiled one:
+
+- shapes are static (`dynamic=False`): one graph per (rows, new positions, cache capacity), which a decode has few
+  of, all seen in the first image (a bench's warm-up pass compiles them);
+- `mode="reduce-overhead"` also records CUDA graphs on a GPU: the cache's keys and values are then marked as
+  static addresses (they are written in place every step), and each output is copied out of the graph's memory
+  before the next replay can overwrite it (the logits and the `last_hidden` features EAGLE drafters read);
+- the eager forward stays at `model.eager_forward_cached`; `uncompile_cached_lm` puts it back.
+
+The compiled forward computes the same function; on a CPU it is checked token for token against the eager one
+(greedy and seeded sampling) by the tests. Value checks that synchronise with the host (e.g. LlamaGen's
+`check_positions`) should be off in compiled loops, as the pipelines already turn them off.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from mmspec.errors import check
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# graphs one compiled forward may keep (one per static shape): batch sizes x methods x the last, partial batch
+RECOMPILE_LIMIT = 64
+
+
+def uses_cuda_graphs(mode: str, device: torch.device) -> bool:
+    return device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
+
+
+def _raise_recompile_limit() -> None:
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):  # the newer name first
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+            return
+
+
+def _mark_static(cache: Any) -> Any:
+    for buffer in list(getattr(cache, "k", [])) + list(getattr(cache, "v", [])):
+        torch._dynamo.mark_static_address(buffer)
+    return cache
+
+
+def compile_cached_lm(model: torch.nn.Module, mode: str = "default") -> torch.nn.Module:
+    """Compile `model.forward_cached` in place (idempotent; a new `mode` recompiles). Returns the model."""
+    check(mode in COMPILE_MODES, f"unknown compile mode {mode!r}; choose from {', '.join(COMPILE_MODES)}.")
+    check(callable(getattr(model, "forward_cached", None)) and callable(getattr(model, "new_cache", None)),
+          f"{type(model).__name__} is not a cached model (it needs forward_cached and new_cache).")
+    uncompile_cached_lm(model)
+    _raise_recompile_limit()
+    eager_forward, eager_new_cache = model.forward_cached, model.new_cache
+    compiled = torch.compile(eager_forward, mode=mode, dynamic=False)
+    device = next(model.parameters()).device
+    cuda_graphs = uses_cuda_graphs(mode, device)
+
+    @functools.wraps(eager_forward)
+    def forward_cached(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if not cuda_graphs:
+            return compiled(*args, **kwargs)
+        torch.compiler.cudagraph_mark_step_begin()
+        logits = compiled(*args, **kwargs).clone()
+        if isinstance(getattr(model, "last_hidden", None), torch.Tensor):
+            model.last_hidden = model.last_hidden.clone()
+        return logits
+
+    @functools.wraps(eager_new_cache)
+    def new_cache(*args: Any, **kwargs: Any) -> Any:
+        cache = eager_new_cache(*args, **kwargs)
+        return _mark_static(cache) if cuda_graphs else cache
+
+    model.eager_forward_cached, model.eager_new_cache = eager_forward, eager_new_cache
+    model.forward_cached, model.new_cache = forward_cached, new_cache
+    model.compile_mode = mode
+    return model
+
+
+def uncompile_cached_lm(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo `compile_cached_lm` (no-op on a model that is not compiled)."""
+    if getattr(model, "compile_mode", None) is not None:
+        model.forward_cached, model.new_cache = model.eager_forward_cached, model.eager_new_cache
+        del model.eager_forward_cached, model.eager_new_cache
+        model.compile_mode = None
+    return model
+
+
+def compile_pipeline(pipe: Any, mode: str | None, family: str) -> Any:
+    """Compile a pipeline's cached models (`pipe.compile_forwards(mode)`), or say clearly that it cannot be.
+    `mode=None` leaves the pipeline as it is. Used by `mmspec generate --compile` and the bench's `compile` option."""
+    if mode is None:
+        return pipe
+    check(callable(getattr(pipe, "compile_forwards", None)),
+          f"the {family} pipeline has no compiled forwards (supported: llamagen); drop the compile option.")
+    return pipe.compile_forwards(mode)

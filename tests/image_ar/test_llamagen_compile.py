@@ -1,0 +1,110 @@
+"""`mmspec.compile` on the tiny LlamaGen: a compiled step forward computes what the eager one does (logits, cache
+writes, the features EAGLE reads), every method gives the eager tokens when its models are compiled (greedy and
+seeded sampling, CFG, batch 3), it can be undone, and bad modes or families are clear errors. CPU inductor."""
+
+import pytest
+import torch
+from llamagen_dummies import get_dummy_components
+from torch._dynamo.utils import counters
+
+import image_ar.llamagen.eagle_methods  # noqa: F401  (registers eagle and lantern)
+from image_ar.llamagen.eagle import LlamaGenEagleDrafter
+from image_ar.llamagen.pipeline import LlamaGenPipeline
+from mmspec.cli import main
+from mmspec.compile import compile_cached_lm, compile_pipeline, uncompile_cached_lm
+from mmspec.errors import InputError
+
+METHODS = ["vanilla", "sjd", "eagle", "draft-model"]
+
+
+def dummy_pipeline() -> LlamaGenPipeline:
+    comps = get_dummy_components()
+    torch.manual_seed(1)
+    pipe = LlamaGenPipeline(**comps, eagle_drafter=LlamaGenEagleDrafter.for_target(comps["transformer"]).eval())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def step_inputs(model, rows: int, new: int):
+    cache = model.new_cache(rows, 40)
+    cache.lengths += 3  # a committed prefix
+    slots = cache.slots(new)  # [R, S]
+    tokens = torch.randint(0, 64, (rows, new), generator=torch.Generator().manual_seed(new))
+    return tokens, slots, cache, cache.attention_mask(slots)
+
+
+@pytest.mark.parametrize("which", ["transformer", "eagle_drafter"])
+def test_compiled_step_forward_computes_the_eager_one(which):
+    pipe = dummy_pipeline()
+    model = getattr(pipe, which)
+    extra = {}
+    if which == "eagle_drafter":
+        extra["features"] = torch.randn(4, 5, model.config.dim, generator=torch.Generator().manual_seed(2))
+    tokens, slots, cache, mask = step_inputs(model, 4, 5)
+    want = model.forward_cached(tokens, slots, cache, slots, mask, **extra)  # [R, S, V]
+    want_hidden, want_k = model.last_hidden.clone(), cache.k[0].clone()
+    compile_cached_lm(model)
+    tokens, slots, cache, mask = step_inputs(model, 4, 5)
+    graphs = counters["stats"]["unique_graphs"]
+    got = model.forward_cached(tokens, slots, cache, slots, mask, **extra)
+    assert counters["stats"]["unique_graphs"] > graphs  # dynamo did compile it
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.last_hidden, want_hidden, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cache.k[0], want_k, atol=1e-6, rtol=1e-6)  # the K/V writes land in the cache
+    assert model.compile_mode == "default"
+    uncompile_cached_lm(model)
+    assert model.compile_mode is None and model.forward_cached.__func__ is type(model).forward_cached
+
+
+@pytest.fixture(scope="module")
+def eager_and_compiled():
+    eager, compiled = dummy_pipeline(), dummy_pipeline().compile_forwards("default")
+    return eager, compiled
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_gives_the_eager_tokens_with_compiled_forwards(eager_and_compiled, method):
+    eager, compiled = eager_and_compiled
+    assert compiled.transformer.compile_mode == compiled.eagle_drafter.compile_mode == "default"
+    for temperature in (0.0, 1.0):
+        runs = []
+        for pipe in (eager, compiled):
+            gens = [torch.Generator().manual_seed(10 + i) for i in range(3)]
+            out = pipe(class_labels=[0, 2, 3], guidance_scale=2.5, temperature=temperature, top_k=16,
+                       generator=gens, method=method, output_type="latent")
+            runs.append(out)
+        assert torch.equal(runs[0].tokens, runs[1].tokens), (method, temperature)
+        assert runs[0].stats.num_target_forwards == runs[1].stats.num_target_forwards
+
+
+def test_bad_modes_and_uncompilable_pipelines_are_clear_errors():
+    pipe = dummy_pipeline()
+    with pytest.raises(InputError, match="unknown compile mode 'fast'.*reduce-overhead"):
+        pipe.compile_forwards("fast")
+    with pytest.raises(InputError, match="not a cached model"):
+        compile_cached_lm(torch.nn.Linear(2, 2))
+    with pytest.raises(InputError, match="the var pipeline has no compiled forwards"):
+        compile_pipeline(object(), "default", "var")
+    assert compile_pipeline(pipe, None, "llamagen") is pipe
+    assert getattr(pipe.transformer, "compile_mode", None) is None
+
+
+def test_generate_cli_with_compile_writes_the_eager_images(tmp_path):
+    folder = tmp_path / "pipe"
+    dummy_pipeline().save_pretrained(folder)
+    images = {}
+    for name, extra in (("eager", []), ("compiled", ["--compile", "default"])):
+        out = tmp_path / name
+        assert main(["generate", "--model", str(folder), "--classes", "0,3", "--num-images", "2", "--out", str(out),
+                     "--quiet", *extra]) == 0
+        images[name] = {p.name: p.read_bytes() for p in sorted((out / "images").glob("*.png"))}
+    assert len(images["eager"]) == 4 and images["compiled"] == images["eager"]
+
+
+def test_bench_compile_option_is_checked_before_any_work(tmp_path, capsys):
+    common = ["bench", "--methods", "vanilla", "--batch-sizes", "1", "--num-samples", "1", "--repeats", "1",
+              "--warmup", "0", "--no-plots", "--quiet"]
+    assert main([*common, "--family", "llamagen", "--family-option", "compile=fast", "--out", str(tmp_path / "a")]) == 2
+    assert "unknown compile mode 'fast'" in capsys.readouterr().err
+    assert main([*common, "--family", "var", "--family-option", "compile=default", "--out", str(tmp_path / "b")]) == 2
+    assert "the var pipeline has no compiled forwards" in capsys.readouterr().err
