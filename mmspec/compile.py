@@ -8,8 +8,11 @@ adapter in `mmspec.lm` calls, for chains, windows and trees alike) by a compiled
 - shapes are static (`dynamic=False`): one graph per (rows, new positions, cache capacity), which a decode has few
   of, all seen in the first image (a bench's warm-up pass compiles them);
 - `mode="reduce-overhead"` also records CUDA graphs on a GPU: the cache's keys and values are then marked as
-  static addresses (they are written in place every step), and each output is copied out of the graph's memory
-  before the next replay can overwrite it (the logits and the `last_hidden` features EAGLE drafters read);
+  static addresses (they are written in place every step) and kept from call to call (`CachePool`: one cache per
+  shape and model, reset when handed out again, so the graphs recorded for its addresses replay instead of
+  re-recording for every image; a model then runs one generation at a time), and each output is copied out of the
+  graph's memory before the next replay can overwrite it (the logits and the `last_hidden` features EAGLE
+  drafters read);
 - the eager forward stays at `model.eager_forward_cached`; `uncompile_cached_lm` puts it back.
 
 The compiled forward computes the same function; on a CPU it is checked token for token against the eager one
@@ -20,6 +23,7 @@ The compiled forward computes the same function; on a CPU it is checked token fo
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,6 +36,7 @@ RECOMPILE_LIMIT = 64
 
 
 def uses_cuda_graphs(mode: str, device: torch.device) -> bool:
+    """Whether `torch.compile(mode=mode)` records CUDA graphs for a model on `device`."""
     return device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
 
 
@@ -43,10 +48,25 @@ def _raise_recompile_limit() -> None:
             return
 
 
-def _mark_static(cache: Any) -> Any:
-    for buffer in list(getattr(cache, "k", [])) + list(getattr(cache, "v", [])):
-        torch._dynamo.mark_static_address(buffer)
-    return cache
+class CachePool:
+    """The caches a model made, one per `new_cache` arguments, with their buffers marked as static addresses;
+    asking again for the same arguments returns the same cache, reset (its entries are stale and masked, so a
+    reused cache computes what a zeroed one does)."""
+
+    def __init__(self, new_cache: Callable[..., Any]) -> None:
+        self.new_cache = new_cache
+        self.caches: dict[tuple, Any] = {}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = (args, tuple(sorted(kwargs.items())))
+        cache = self.caches.get(key)
+        if cache is None:
+            cache = self.caches[key] = self.new_cache(*args, **kwargs)
+            for buffer in list(getattr(cache, "k", [])) + list(getattr(cache, "v", [])):
+                torch._dynamo.mark_static_address(buffer)
+        else:
+            cache.reset()
+        return cache
 
 
 def compile_cached_lm(model: torch.nn.Module, mode: str = "default") -> torch.nn.Module:
@@ -71,13 +91,10 @@ def compile_cached_lm(model: torch.nn.Module, mode: str = "default") -> torch.nn
             model.last_hidden = model.last_hidden.clone()
         return logits
 
-    @functools.wraps(eager_new_cache)
-    def new_cache(*args: Any, **kwargs: Any) -> Any:
-        cache = eager_new_cache(*args, **kwargs)
-        return _mark_static(cache) if cuda_graphs else cache
-
     model.eager_forward_cached, model.eager_new_cache = eager_forward, eager_new_cache
-    model.forward_cached, model.new_cache = forward_cached, new_cache
+    model.forward_cached = forward_cached
+    if cuda_graphs:
+        model.new_cache = CachePool(eager_new_cache)
     model.compile_mode = mode
     return model
 

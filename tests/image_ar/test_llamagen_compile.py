@@ -8,10 +8,11 @@ from llamagen_dummies import get_dummy_components
 from torch._dynamo.utils import counters
 
 import image_ar.llamagen.eagle_methods  # noqa: F401  (registers eagle and lantern)
+import mmspec.compile
 from image_ar.llamagen.eagle import LlamaGenEagleDrafter
 from image_ar.llamagen.pipeline import LlamaGenPipeline
 from mmspec.cli import main
-from mmspec.compile import compile_cached_lm, compile_pipeline, uncompile_cached_lm
+from mmspec.compile import CachePool, compile_cached_lm, compile_pipeline, uncompile_cached_lm
 from mmspec.errors import InputError
 
 METHODS = ["vanilla", "sjd", "eagle", "draft-model"]
@@ -75,6 +76,28 @@ def test_every_method_gives_the_eager_tokens_with_compiled_forwards(eager_and_co
             runs.append(out)
         assert torch.equal(runs[0].tokens, runs[1].tokens), (method, temperature)
         assert runs[0].stats.num_target_forwards == runs[1].stats.num_target_forwards
+
+
+def test_the_cuda_graph_path_reuses_caches_and_copies_outputs(monkeypatch):
+    """The bookkeeping around CUDA graphs (pooled static caches, outputs copied before the next replay), run on
+    the CPU by pretending the device records graphs; the graphs themselves need a GPU."""
+    monkeypatch.setattr(mmspec.compile, "uses_cuda_graphs", lambda mode, device: True)
+    eager, compiled = dummy_pipeline(), dummy_pipeline().compile_forwards("reduce-overhead")
+    assert isinstance(compiled.transformer.new_cache, CachePool)
+    tokens = []
+    for method in ("vanilla", "eagle"):
+        for pipe in (eager, compiled):
+            gens = [torch.Generator().manual_seed(i) for i in range(2)]
+            tokens.append(pipe(class_labels=[1, 2], top_k=16, generator=gens, method=method,
+                               output_type="latent").tokens)
+        assert torch.equal(tokens[-2], tokens[-1]), method
+    pool = compiled.transformer.new_cache
+    first = pool(4, 30)
+    first.lengths += 5
+    assert pool(4, 30) is first and int(first.lengths.sum()) == 0  # the same buffers, reset
+    assert pool(2, 30) is not first
+    compiled.compile_forwards(None)
+    assert not isinstance(compiled.transformer.new_cache, CachePool)
 
 
 def test_bad_modes_and_uncompilable_pipelines_are_clear_errors():
