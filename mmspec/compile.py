@@ -35,6 +35,12 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 RECOMPILE_LIMIT = 64
 
 
+def check_compile_mode(mode: str, where: str = "") -> None:
+    """InputError unless `mode` is a `torch.compile` mode this module knows; `where` names the option it came from."""
+    check(mode in COMPILE_MODES,
+          f"unknown compile mode {mode!r}{where}; choose from {', '.join(COMPILE_MODES)}.")
+
+
 def uses_cuda_graphs(mode: str, device: torch.device) -> bool:
     """Whether `torch.compile(mode=mode)` records CUDA graphs for a model on `device`."""
     return device.type == "cuda" and mode in ("reduce-overhead", "max-autotune")
@@ -71,7 +77,7 @@ class CachePool:
 
 def compile_cached_lm(model: torch.nn.Module, mode: str = "default") -> torch.nn.Module:
     """Compile `model.forward_cached` in place (idempotent; a new `mode` recompiles). Returns the model."""
-    check(mode in COMPILE_MODES, f"unknown compile mode {mode!r}; choose from {', '.join(COMPILE_MODES)}.")
+    check_compile_mode(mode)
     check(callable(getattr(model, "forward_cached", None)) and callable(getattr(model, "new_cache", None)),
           f"{type(model).__name__} is not a cached model (it needs forward_cached and new_cache).")
     uncompile_cached_lm(model)

@@ -87,10 +87,12 @@ class LlamaGenPipeline(DiffusionPipeline):
         from mmspec.compile import compile_cached_lm, uncompile_cached_lm
 
         for model in (self.transformer, self.draft_transformer, self.eagle_drafter):
-            if model is not None and mode is not None:
-                compile_cached_lm(model, mode)
-            elif model is not None:
+            if model is None:
+                continue
+            if mode is None:
                 uncompile_cached_lm(model)
+            else:
+                compile_cached_lm(model, mode)
         return self
 
     # ----------------------------------------------------------------------------------------- inputs

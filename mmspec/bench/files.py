@@ -16,7 +16,8 @@ from typing import IO
 
 from mmspec.errors import InputError
 
-_TEMP_NAME = re.compile(r"\.(?P<name>.+)\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp")
+# the temporary names `atomic_write` gives: .NAME.PID.HEX8.tmp
+_TEMP_NAME = re.compile(r"\..+\.(?P<pid>\d+)\.[0-9a-f]{8}\.tmp")
 
 
 def prepare_output_dir(path: str | os.PathLike) -> Path:
