@@ -209,6 +209,37 @@ def test_gsd_window_stays_inside_the_vocabulary():
     assert len(set(members.tolist())) == 4 and top.item() in members.tolist()
 
 
+def code_slice_group(p: torch.Tensor, x: int, half: int = 7) -> list[int]:
+    """The public GSD code's group, written out: ascending sort, the slice [r - half : r + half] of it (Python
+    slicing: truncated at the top, empty when r - half < 0), and the code's fallback to x alone when the slice is
+    empty (its `.max()` raises; `except` uses p(x) / q(x))."""
+    order = torch.sort(p).indices.tolist()
+    r = order.index(x)
+    window = order[r - half:r + half]
+    return window if window else [x]
+
+
+def test_gsd_reference_code_window_is_the_code_slice_at_both_ends_of_the_ranking():
+    v = 40
+    p = torch.softmax(torch.linspace(-3, 3, v), -1)  # ranks = token ids
+    rule = GSDRule.reference_code()
+    assert rule.window == "code" and rule.group_size == 14
+    loose = GSDRule(group_size=14, p_thr=1.0, window="code")
+    for x in (0, 3, 6, 7, 20, 33, 34, 38, 39):
+        members, mask = loose.group(p, torch.tensor(x))
+        assert sorted(members[mask].tolist()) == sorted(code_slice_group(p, x)), x
+    top, _ = GSDRule(group_size=14, p_thr=1.0).group(p, torch.tensor(v - 1))
+    assert len(top) == 14  # the default window shifts: the argmax token gets 13 neighbours, the code's 7
+    members, mask = loose.group(p, torch.tensor(v - 1))
+    assert mask.sum() == 8
+    # below rank 7 the code falls back to plain speculative sampling: the grouped masses are p(x) and q(x)
+    q = torch.softmax(torch.randn(v, generator=torch.Generator().manual_seed(3)), -1)
+    p_group, q_group = loose.group_masses(p, q, torch.tensor(2))
+    assert p_group.item() == pytest.approx(p[2].item()) and q_group.item() == pytest.approx(q[2].item())
+    with pytest.raises(InputError, match="window"):
+        GSDRule(window="wide")
+
+
 @pytest.mark.parametrize("kwargs, word", [({"group_size": 0}, "group_size"), ({"p_thr": 0}, "p_thr"),
                                           ({"d_thr": -1.0}, "d_thr")])
 def test_gsd_bad_parameters_are_named(kwargs, word):
@@ -249,6 +280,49 @@ def test_lantern_tree_compiles_fullgraph():
 
     args = (tree.tokens, tree.parents, tree.depths, tree.valid, p, rand.uniforms, rand.exponentials)
     assert torch.equal(torch.compile(fn, fullgraph=True, backend="eager")(*args), fn(*args))
+
+
+def reference_static_tree_mixture(p: torch.Tensor, q: torch.Tensor, table: torch.Tensor, k: int, delta: float,
+                                  zero_q_neighbourhood: bool) -> torch.Tensor:
+    """The exact output distribution [V] of one draft x ~ q judged as the reference static-tree code does
+    (jadohu/LANTERN evaluate_posterior_v1), written out independently: accept iff U <= p~(x) / q(x); on rejection
+    q is zeroed at N[x][:k+1] when mass moved (if zero_q_neighbourhood), then residual norm(max(p - q, 0))."""
+    p, q = p.double(), q.double()
+    out = torch.zeros_like(p)
+    for x in range(p.shape[0]):
+        nearest = table[x, :k].long()
+        cumulative = torch.cumsum(p[nearest], 0)
+        within = (cumulative <= delta).nonzero()
+        p_tilde = p[x] + (cumulative[within[-1, 0]] if within.numel() else 0.0)
+        accept_prob = min(1.0, float(p_tilde / q[x]))
+        q_rejected = q.clone()
+        if zero_q_neighbourhood and within.numel():
+            q_rejected[table[x, :k + 1].long()] = 0
+        residual = (p - q_rejected).clamp(min=0)
+        out[x] += q[x] * accept_prob
+        out += q[x] * (1 - accept_prob) * residual / residual.sum()
+    return out
+
+
+@pytest.mark.parametrize("reject", ["moved", "code"])
+def test_lantern_with_a_draft_distribution_matches_the_reference_rule(reject):
+    n, k, delta = 200_000, 3, 0.3
+    gen = torch.Generator().manual_seed(31)
+    p_row = torch.softmax(torch.randn(V, generator=gen) * 1.5, -1)
+    q_row = torch.softmax(torch.randn(V, generator=gen) * 1.5, -1)
+    table = build_neighbour_table(line_codebook(), k=V - 1)
+    x = torch.multinomial(q_row, n, replacement=True, generator=gen).view(n, 1)
+    rule = LanternRule(table, k=k, delta=delta, reject=reject)
+    res = rule.verify_chain(x, p_row.expand(n, 2, V), q_row.expand(n, 1, V),
+                            Randomness.draw(n, 1, V, torch.Generator().manual_seed(32)), torch.ones(n, dtype=torch.long))
+    emp = empirical_distribution(res.output_tokens[:, 0], V)
+    code = reference_static_tree_mixture(p_row, q_row, table, k, delta, zero_q_neighbourhood=True)
+    plain = reference_static_tree_mixture(p_row, q_row, table, k, delta, zero_q_neighbourhood=False)
+    tol = tv_tolerance(V, n)
+    assert tv_distance(code, plain) > 3 * tol  # the two residuals differ detectably here
+    assert tv_distance(emp, code if reject == "code" else plain) < tol
+    # with a draft distribution neither form keeps the per-candidate bound TV <= delta here
+    assert tv_distance(code, p_row) > delta and tv_distance(plain, p_row) > delta
 
 
 def test_lantern_treats_one_hot_q_rows_as_drafts_without_a_distribution():

@@ -168,19 +168,25 @@ class MARModel(ModelMixin, ConfigMixin):
         """z [B, L, D] for labels [B] (null class = num_classes)."""
         return self.predict(tokens, known, self.condition(labels))
 
-    def training_loss(self, tokens: torch.Tensor, labels: torch.Tensor, generator: torch.Generator | None = None,
-                      mask_rate: float | None = None) -> torch.Tensor:
-        """MAR's training loss on clean tokens [B, L, C]: a random order per row, the first ceil(L x rate) of it
-        masked (rate from the truncated normal on [mask_ratio_min, 1] centred at 1, std 0.25, unless given), the
-        diffusion loss of the masked tokens repeated `diffusion_batch_mul` times. Labels are used as given (drop
-        them to the null class beforehand for CFG training)."""
-        b, seq, _ = tokens.shape
+    def random_mask(self, batch: int, mask_rate: float | None = None, generator: torch.Generator | None = None,
+                    device: torch.device | str = "cpu") -> torch.Tensor:
+        """masked [B, L] (bool) of MAR training: a random order per row, its first ceil(L x rate) positions masked
+        (rate from the truncated normal on [mask_ratio_min, 1] centred at 1, std 0.25, unless given)."""
+        seq = self.seq_len
         if mask_rate is None:
             mask_rate = truncated_mask_rate(self.config.mask_ratio_min, generator)
         num_masked = max(1, min(seq, int(-(-seq * mask_rate // 1))))
-        orders = torch.argsort(torch.rand(b, seq, generator=generator), 1).to(tokens.device)  # [B, L]
-        masked = torch.zeros(b, seq, dtype=torch.bool, device=tokens.device)
-        masked.scatter_(1, orders[:, :num_masked], True)
+        orders = torch.argsort(torch.rand(batch, seq, generator=generator), 1).to(device)  # [B, L]
+        masked = torch.zeros(batch, seq, dtype=torch.bool, device=device)
+        return masked.scatter_(1, orders[:, :num_masked], True)
+
+    def training_loss(self, tokens: torch.Tensor, labels: torch.Tensor, generator: torch.Generator | None = None,
+                      mask_rate: float | None = None) -> torch.Tensor:
+        """MAR's training loss on clean tokens [B, L, C]: `random_mask` positions masked, the diffusion loss of the
+        masked tokens repeated `diffusion_batch_mul` times. Labels are used as given (drop them to the null class
+        beforehand for CFG training)."""
+        b, seq, _ = tokens.shape
+        masked = self.random_mask(b, mask_rate, generator, tokens.device)
         z = self.forward(tokens, ~masked, labels)  # [B, L, D]
         mul = self.config.diffusion_batch_mul
         return self.diffloss.loss(tokens.reshape(b * seq, -1).repeat(mul, 1), z.reshape(b * seq, -1).repeat(mul, 1),

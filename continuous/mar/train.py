@@ -32,6 +32,7 @@ import copy
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -170,6 +171,16 @@ def encode_world(vae, n: int, seed: int, chunk: int = 500) -> dict[str, torch.Te
 
 
 # ----------------------------------------------------------------------------------------------------- MAR
+# loss_fn(model, tokens [B, L, C], labels [B], generator, mask rate or None) -> scalar loss
+MARLoss = Callable[[MARModel, torch.Tensor, torch.Tensor, torch.Generator, "float | None"], torch.Tensor]
+
+
+def mar_training_loss(model: MARModel, tokens: torch.Tensor, labels: torch.Tensor, generator: torch.Generator,
+                      mask_rate: float | None) -> torch.Tensor:
+    """MAR's own diffusion loss (`MARModel.training_loss`)."""
+    return model.training_loss(tokens, labels, generator, mask_rate=mask_rate)
+
+
 def world_mar(kind: str, arch: dict[str, int] | None = None) -> MARModel:
     """A fresh world MAR of `kind` ("target" or "draft"), with `arch` in place of its WORLD_MAR fields if given."""
     return MARModel(**WORLD_MAR_COMMON, **(arch or WORLD_MAR[kind]))
@@ -178,13 +189,15 @@ def world_mar(kind: str, arch: dict[str, int] | None = None) -> MARModel:
 def train_mar(kind: str, data: dict[str, torch.Tensor], steps: int, batch_size: int, lr: float, ema_rate: float,
               seed: int, quiet: bool, state_path: Path | None = None, checkpoint_every: int = 500,
               init_from: Path | None = None, mask_rates: str = "official", arch: dict[str, int] | None = None,
-              device: str = "cpu") -> tuple[MARModel, dict]:
+              device: str = "cpu", loss_fn: MARLoss | None = None) -> tuple[MARModel, dict]:
     """A world MAR of `kind` trained on posterior samples of the cached latents; returns its EMA copy. Resumes
     from state_path (model, EMA, optimiser, step, generator) when it exists and saves it every checkpoint_every
     steps; init_from: a saved MARModel folder to start from (warm start: model and EMA) instead of fresh weights;
     mask_rates: "official" (truncated normal on [mask_ratio_min, 1]) or "cosine" (`cosine_mask_rate`); arch: the
     architecture fields (default WORLD_MAR[kind]; a warm start takes its folder's); device: where the model trains
-    (the random draws stay on a CPU generator, so a run's sequence of batches does not depend on the device)."""
+    (the random draws stay on a CPU generator, so a run's sequence of batches does not depend on the device);
+    loss_fn(model, tokens, labels, generator, mask_rate): the loss (default MAR's own `training_loss`; CSpD's draft
+    distillation passes `continuous.mar.distill.distillation_loss(target)`)."""
     torch.manual_seed(seed)
     if init_from is not None:
         model = MARModel.from_pretrained(init_from).train()
@@ -213,7 +226,7 @@ def train_mar(kind: str, data: dict[str, torch.Tensor], steps: int, batch_size: 
         label = drop_labels(labels[rows], model.config.label_drop_prob, null, gen)
         tokens, label = tokens.to(device), label.to(device)
         rate = cosine_mask_rate(gen) if mask_rates == "cosine" else None
-        loss = model.training_loss(tokens, label, gen, mask_rate=rate)
+        loss = (loss_fn or mar_training_loss)(model, tokens, label, gen, rate)
         optimizer_step(opt, loss, step, steps, lr)
         with torch.no_grad():
             decay = min(ema_rate, (1 + step) / (10 + step))  # warm-up of the EMA rate

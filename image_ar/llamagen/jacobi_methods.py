@@ -22,7 +22,6 @@ from mmspec.lm import DRAFT_ROOM
 
 # LMTarget (as the pipeline builds it) keeps room for DRAFT_ROOM draft entries after the last token
 MAX_WINDOW = DRAFT_ROOM + 1
-GSD_EMBEDDINGS = ("codebook", "target", None)
 
 
 def resolve_interval(interval: Any, block_size: int, window: int) -> tuple[int, int]:
@@ -72,20 +71,16 @@ def sjd(ctx: MethodContext, window: int = 16, init: str = "random", interval: An
 
 @register_method("gsd", lossless=lambda params: params.get("group_size", 50) == 1)
 def gsd(ctx: MethodContext, window: int = 16, init: str = "random", interval: Any = None, group_size: int = 50,
-        p_thr: float = 0.15, d_thr: float = 0.5, embeddings: str | None = "codebook") -> tuple[JacobiDrafter, Any]:
+        p_thr: float = 0.15, d_thr: float = 0.5, embeddings: str | None = "target",
+        group_window: str = "shifted") -> tuple[JacobiDrafter, Any]:
     """Grouped speculative decoding: SJD drafting, GSD's grouped acceptance (lossy).
 
     group_size 50 is the paper's PartiPrompts setting (25 for COCO; the public code hard-codes 14). p_thr 0.15
-    and d_thr 0.5 are the public code's. embeddings: the table for the distance test: "codebook" (the
-    L2-normalised VQ codebook, default), "target" (the transformer's token embeddings, as the public code uses
-    Lumina-mGPT's input embeddings) or None (probability test only).
+    and d_thr 0.5 are the public code's. embeddings: the table of the distance test: "target" (the transformer's
+    input token embeddings, as the public code uses Lumina-mGPT's; default), "codebook" (the L2-normalised VQ
+    codebook; what mmspec used before 2026-11-24) or None (probability test only). group_window: "shifted" (default)
+    or "code" (the public code's slice at the ends of the probability ranking; see mmspec.verify.gsd).
     """
-    check(embeddings in GSD_EMBEDDINGS, f"embeddings must be 'codebook', 'target' or None, got {embeddings!r}.")
     drafter = llamagen_jacobi_drafter(ctx, window, init, interval)
-    params = {"group_size": group_size, "p_thr": p_thr, "d_thr": d_thr}
-    if embeddings == "codebook":
-        return drafter, acceptance_rule(ctx, "gsd", **params)
-    from mmspec.verify import GSDRule
-
-    table = None if embeddings is None else ctx.pipeline.transformer.tok_embeddings.weight.detach().float()
-    return drafter, GSDRule(embeddings=table, **params)
+    return drafter, acceptance_rule(ctx, "gsd", group_size=group_size, p_thr=p_thr, d_thr=d_thr,
+                                    embeddings=embeddings, group_window=group_window)

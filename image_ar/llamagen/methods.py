@@ -42,13 +42,22 @@ class MethodContext:
             cache[k] = build_neighbour_table(self.pipeline.vqvae.quantize.embedding.weight.detach().float().cpu(), k)
         return cache[k]
 
-    def token_embeddings(self) -> torch.Tensor:
-        """GSD's embedding table: the L2-normalised VQ codebook (the latents the decoder sees) [V, C]."""
-        return self.pipeline.vqvae.codebook().detach().float()
+    def token_embeddings(self, table: str | None = "target") -> torch.Tensor | None:
+        """GSD's embedding table [V, C]: "target" the transformer's input token embeddings (as the official GSD code
+        uses Lumina-mGPT's `embed_tokens`; the default), "codebook" the L2-normalised VQ codebook (the latents the
+        decoder sees), None no table (probability test only)."""
+        check(table in GSD_EMBEDDINGS, f"embeddings must be 'target', 'codebook' or None, got {table!r}.")
+        if table == "target":
+            return self.pipeline.transformer.tok_embeddings.weight.detach().float()
+        if table == "codebook":
+            return self.pipeline.vqvae.codebook().detach().float()
+        return None
 
 
+GSD_EMBEDDINGS = ("target", "codebook", None)
 # acceptance modes and the parameters each takes
-MODE_PARAMS = {"lossless": (), "lantern": ("k", "delta", "lam", "reject"), "gsd": ("group_size", "p_thr", "d_thr")}
+MODE_PARAMS = {"lossless": (), "lantern": ("k", "delta", "lam", "reject"),
+               "gsd": ("group_size", "p_thr", "d_thr", "embeddings", "group_window")}
 ACCEPT_MODES = tuple(MODE_PARAMS)
 
 
@@ -56,7 +65,8 @@ def acceptance_rule(ctx: MethodContext, accept: str = "lossless", **params):
     """The acceptance rule of a method: `accept` names the mode, `params` its parameters.
 
     lossless: exact (greedy at temperature 0). lantern: k (1000), delta (0.1) or lam, reject ('moved' | 'code');
-    at temperature 0 its greedy variant. gsd: group_size (50), p_thr (0.15), d_thr (0.5).
+    at temperature 0 its greedy variant. gsd: group_size (50), p_thr (0.15), d_thr (0.5), embeddings ("target": the
+    transformer's token embeddings | "codebook" | None), group_window ("shifted" | "code": GSDRule's window).
     """
     from mmspec.verify import GSDRule, LanternRule
 
@@ -73,7 +83,8 @@ def acceptance_rule(ctx: MethodContext, accept: str = "lossless", **params):
         table = ctx.neighbour_table(min(k, ctx.pipeline.vqvae.config.codebook_size - 1))
         return LanternRule(table, k=k, greedy=ctx.params.greedy, **params)
     # gsd: at temperature 0 p is one-hot, and grouped acceptance reduces to greedy verification
-    return GSDRule(embeddings=ctx.token_embeddings(), **params)
+    table = ctx.token_embeddings(params.pop("embeddings", "target"))
+    return GSDRule(embeddings=table, window=params.pop("group_window", "shifted"), **params)
 
 
 MethodFactory = Callable[..., tuple[Any, Any]]

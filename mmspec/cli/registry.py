@@ -31,6 +31,7 @@ TRAIN_COMMANDS: dict[str, tuple[str, str]] = {
     "var": ("image_ar.var.train", "train the embedded VAR default: multi-scale VQVAE, large and small VAR (CoDe)"),
     "var-code": ("image_ar.var.train_code", "CoDe fine-tuning of a VAR pair: large on its scales, small distilled"),
     "mar": ("continuous.mar.train", "train the embedded MAR default: KL VAE, target MAR, draft MAR (CSpD)"),
+    "mar-draft": ("continuous.mar.distill", "distil a CSpD draft MAR from its target (agrees on shared trajectories)"),
     "vlm-drafter": ("vlm.train_drafter", "train a VLM drafter (EagleVLM) on a LLaVA target's own long answers"),
     "vlm": ("vlm.train", "train the embedded VLM default: a small LLaVA target on the world's questions"),
 }

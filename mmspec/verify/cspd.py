@@ -10,11 +10,16 @@ accept the draft token x0 if U < min(1, r); tokens after the first rejection are
 residual: y ~ N(mu_p, Sigma_p), kept with probability max(0, 1 - N_q(y) / (e^F N_p(y)))  (acceptance-rejection)
 ```
 It is an approximation (the paper shows FID parity empirically), not an exact guarantee. The public reference code
-departs from the paper in three ways, each a named option here (`CSpDRule.reference_code()` sets all three):
-`exponent_scale=42` divides the Gaussians' squared-distance terms by 42, `invert_variance_factor` uses -F,
-`independent_checks` verifies every window token on its own (a rejected token gets a residual sample, later tokens
-are still checked). The code leaves a zero token when its residual sampler gives up after 100 tries; this rule never
-does: it falls back to the target's own token (the target's exact sample on the shared trajectory) and counts it.
+(MarkXCloud/CSpD, `spec_decode/spec_decode_runner.py`) departs from the paper in three ways, each a named option here
+(`CSpDRule.reference_code()` sets all three):
+- `distance_scale=42`: its acceptance ratio divides each standardised distance (x - mu) / sigma by 42 BEFORE squaring,
+  so the Gaussians' squared-distance terms are divided by 42^2 = 1764 (the normalising constants are not softened).
+  Its residual sampler uses the UNsoftened densities, and so does this rule's residual, whatever the option;
+- `invert_variance_factor`: it multiplies by prod sigma_p / sigma_q over the steps before the last, i.e. uses -F;
+- `independent_checks`: it verifies every window token on its own (a rejected token gets a residual sample, later
+  tokens are still checked).
+The code leaves a zero token when its residual sampler gives up after 100 tries; this rule never does: it falls back
+to the target's own token (the target's exact sample on the shared trajectory) and counts it.
 
 Glossary: *accepted* = draft tokens kept; *residual* = the token sampled in place of the first rejected one;
 *fallback* = a residual that fell back to the target's own token. No bonus token: when every window token is
@@ -32,6 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mmspec.errors import check, check_positive_int
 from mmspec.sampling import Generators, uniform
 from mmspec.verify.base import VerifyResult
 
@@ -82,10 +88,11 @@ class ContinuousVerifyResult(VerifyResult):
 
 
 def gaussian_log_density(x: torch.Tensor, mean: torch.Tensor, log_variance: torch.Tensor,
-                         exponent_scale: float = 1.0) -> torch.Tensor:
-    """log N(x; mean, diag(exp(log_variance))) over the last dim, squared-distance term divided by exponent_scale."""
+                         distance_scale: float = 1.0) -> torch.Tensor:
+    """log N(x; mean, diag(exp(log_variance))) over the last dim; with distance_scale s the standardised distance
+    (x - mean) / sigma is divided by s before squaring (the squared term by s^2; normalising constant unchanged)."""
     squared = ((x - mean) ** 2 * torch.exp(-log_variance)).sum(-1)
-    return -0.5 * (squared / exponent_scale + log_variance.sum(-1) + x.shape[-1] * math.log(2 * math.pi))
+    return -0.5 * (squared / distance_scale ** 2 + log_variance.sum(-1) + x.shape[-1] * math.log(2 * math.pi))
 
 
 class CSpDRule:
@@ -93,20 +100,24 @@ class CSpDRule:
 
     name = "cspd"
 
-    def __init__(self, exponent_scale: float = 1.0, invert_variance_factor: bool = False,
+    def __init__(self, distance_scale: float = 1.0, invert_variance_factor: bool = False,
                  independent_checks: bool = False, max_residual_tries: int = 100) -> None:
-        self.exponent_scale = float(exponent_scale)
+        check(isinstance(distance_scale, (int, float)) and distance_scale > 0,
+              f"distance_scale must be a number > 0 (1 = the paper's criterion), got {distance_scale!r}.")
+        check_positive_int("max_residual_tries", max_residual_tries)
+        self.distance_scale = float(distance_scale)
         self.invert_variance_factor = bool(invert_variance_factor)
         self.independent_checks = bool(independent_checks)
         self.max_residual_tries = int(max_residual_tries)
 
     @classmethod
     def reference_code(cls) -> CSpDRule:
-        """The public code's criterion: exponent / 42, inverted variance factor, independent window checks."""
-        return cls(exponent_scale=42.0, invert_variance_factor=True, independent_checks=True)
+        """The public code's criterion: standardised distances / 42 (squared terms / 1764) in the acceptance ratio,
+        inverted variance factor, independent window checks."""
+        return cls(distance_scale=42.0, invert_variance_factor=True, independent_checks=True)
 
     def config(self) -> dict:
-        return {"name": self.name, "exponent_scale": self.exponent_scale,
+        return {"name": self.name, "distance_scale": self.distance_scale,
                 "invert_variance_factor": self.invert_variance_factor, "independent_checks": self.independent_checks,
                 "max_residual_tries": self.max_residual_tries}
 
@@ -117,21 +128,26 @@ class CSpDRule:
 
     def log_ratio(self, draft: GaussianPath, target: GaussianPath) -> torch.Tensor:
         """log r [B, K] of the draft tokens."""
-        s = self.exponent_scale
+        s = self.distance_scale
         return (self.step_factor(draft, target)
                 + gaussian_log_density(draft.x0, target.last_mean, target.last_log_variance, s)
                 - gaussian_log_density(draft.x0, draft.last_mean, draft.last_log_variance, s))
 
+    def residual_keep_probability(self, draft: GaussianPath, target: GaussianPath, y: torch.Tensor) -> torch.Tensor:
+        """max(0, 1 - N_q(y) / (e^F N_p(y))) [B, K, T] for proposals y [B, K, T, C] of every window position, with
+        the unsoftened last-step densities (the paper; the public code's residual sampler too)."""
+        log_q = gaussian_log_density(y, draft.last_mean.unsqueeze(2), draft.last_log_variance.unsqueeze(2))
+        log_p = gaussian_log_density(y, target.last_mean.unsqueeze(2), target.last_log_variance.unsqueeze(2))
+        excess = log_q - self.step_factor(draft, target).unsqueeze(-1) - log_p  # log(N_q / (e^F N_p)) [B, K, T]
+        return -torch.expm1(excess.clamp_max(0))
+
     def residual(self, draft: GaussianPath, target: GaussianPath,
                  rand: ContinuousRandomness) -> tuple[torch.Tensor, torch.Tensor]:
-        """A residual token for every window position [B, K, C] and whether it fell back [B, K]."""
-        s = self.exponent_scale
+        """A residual token for every window position [B, K, C] and whether it fell back [B, K]: proposals
+        y ~ N(mu_p, Sigma_p), the first one kept (acceptance-rejection), else the target's own token."""
         std = torch.exp(0.5 * target.last_log_variance).unsqueeze(2)  # [B, K, 1, C]
         y = target.last_mean.unsqueeze(2) + std * rand.residual_normals.to(std.dtype)  # [B, K, T, C]
-        log_q = gaussian_log_density(y, draft.last_mean.unsqueeze(2), draft.last_log_variance.unsqueeze(2), s)
-        log_p = gaussian_log_density(y, target.last_mean.unsqueeze(2), target.last_log_variance.unsqueeze(2), s)
-        excess = log_q - self.step_factor(draft, target).unsqueeze(-1) - log_p  # log(N_q / (e^F N_p)) [B, K, T]
-        keep_prob = -torch.expm1(excess.clamp_max(0))  # 1 - N_q / (e^F N_p), 0 where negative
+        keep_prob = self.residual_keep_probability(draft, target, y)  # [B, K, T]
         kept = rand.residual_uniforms.to(keep_prob.dtype) < keep_prob  # [B, K, T]
         found = kept.any(-1)  # [B, K]
         first = kept.to(torch.int8).argmax(-1)  # [B, K]

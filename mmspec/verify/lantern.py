@@ -12,10 +12,17 @@ On rejection of a draft without a distribution (one-hot q: Jacobi 'random' init,
 children), x and the neighbours whose mass was moved to it are removed from p, so the output for a single
 draft is exactly the relaxed distribution p~_x and TV(output, p) <= delta (`reject="moved"`, the default,
 which is what the paper's bound needs). The public code instead zeroes the k+1 nearest neighbours whenever any
-mass moved (`reject="code"`). With a draft distribution q the residual is norm(max(p - q, 0)) (the reference's
-static-tree rule); chain rows whose q is one-hot (freshly initialised Jacobi positions) count as drafts without a
-distribution. Note the bound is per candidate: trees that try several siblings, or sampled drafts, can
-move more mass in total; `mmspec bench` reports the measured effect.
+mass moved (`reject="code"`).
+
+With a draft distribution q (sampled drafts; chain rows whose q is one-hot, such as freshly initialised Jacobi
+positions, count as drafts without one) the residual is:
+- `reject="moved"`: norm(max(p - q, 0)), the lossless residual (exactly lossless at delta = 0);
+- `reject="code"`: the reference static-tree rule (jadohu/LANTERN `evaluate_posterior_v1`): when mass moved to x,
+  q is zeroed at N[x][:k+1] first, then norm(max(p - q', 0)).
+Neither keeps the TV <= delta bound: accepting with p~(x) / q(x) adds moved(x) / q(x), not moved(x), to x's
+acceptance, so the extra mass can reach sum_x moved(x) (measured in docs/verify.md). The bound holds per candidate
+for drafts without a distribution; trees that try several siblings can move more mass in total; `mmspec bench`
+reports the measured effect (token calibration).
 
 `greedy=True`: accept x iff it is the argmax of its relaxed distribution (p~(x) >= every remaining p(y)).
 """
@@ -145,6 +152,19 @@ class LanternRule(AcceptanceRule):
             drop = (moved_count > 0).unsqueeze(-1) & (position >= 0)
         return self._without(p, x, drop)
 
+    def residual(self, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        """The unnormalised weights [..., V] a rejection of draft x [...] leaves: without a distribution (q None) p
+        without x and the neighbours `reject` names; with q [..., V], max(p - q, 0), where `reject="code"` first
+        zeroes q at N[x][:k+1] when mass moved to x (the reference static-tree rule)."""
+        _, moved = self.relaxed(p, x)
+        if q is None:
+            return self.remove_rejected(p, x, moved)
+        if self.reject == "code":
+            width = min(self.k + 1, self.neighbours.shape[1])
+            nb = self._neighbours_of(x, width)  # [..., k+1]
+            q = q.scatter(-1, nb, torch.where((moved > 0).unsqueeze(-1), 0.0, q.gather(-1, nb)))
+        return (p - q).clamp_min(0)
+
     def _is_relaxed_argmax(self, p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x is the argmax of its relaxed distribution: p~(x) >= p(y) for every y not absorbed into x."""
         p_tilde, moved = self.relaxed(p, x)
@@ -165,13 +185,11 @@ class LanternRule(AcceptanceRule):
             return u * q_x < p_tilde.double()
 
         def residual_fn(p_j, q_j, x_j):
-            _, moved = self.relaxed(p_j, x_j)
-            removed = self.remove_rejected(p_j, x_j, moved)  # what a draft without a distribution leaves
             if q_j is None:
-                return removed
+                return self.residual(p_j, None, x_j)
             # rows whose q is one-hot (e.g. freshly initialised Jacobi positions) are drafts without a distribution
             one_hot = (q_j.max(-1, keepdim=True).values >= 1 - 1e-6)
-            return torch.where(one_hot, removed, (p_j - q_j).clamp_min(0))
+            return torch.where(one_hot, self.residual(p_j, None, x_j), self.residual(p_j, q_j, x_j))
 
         out, acc, flags = verify_chain(draft_tokens, target_probs, draft_probs, rand.uniforms,
                                        rand.exponentials, num_draft, accept_fn, residual_fn)
@@ -202,12 +220,10 @@ class LanternRule(AcceptanceRule):
             return u * q_x < p_tilde.double()
 
         def reject_fn(p_work, q_work, x):
+            p_next = normalise(self.residual(p_work, q_work, x), p_work)
             if q_work is None:
-                _, moved = self.relaxed(p_work, x)
-                return normalise(self.remove_rejected(p_work, x, moved), p_work), None
-            p_next = normalise((p_work - q_work).clamp_min(0), p_work)
-            q_next = normalise(q_work.scatter(-1, x.unsqueeze(-1), 0.0), torch.zeros_like(q_work))
-            return p_next, q_next
+                return p_next, None
+            return p_next, normalise(q_work.scatter(-1, x.unsqueeze(-1), 0.0), torch.zeros_like(q_work))
 
         return walk_tree(tree, target_probs, rand, accept_fn, reject_fn)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 from scipy import stats
 
+from mmspec.errors import InputError
 from mmspec.verify.cspd import ContinuousRandomness, CSpDRule, GaussianPath, gaussian_log_density
 
 
@@ -97,14 +98,71 @@ def test_a_token_is_never_left_unset_the_fallback_is_the_target_token():
 
 def test_reference_code_variants():
     rule = CSpDRule.reference_code()
-    assert rule.config() == {"name": "cspd", "exponent_scale": 42.0, "invert_variance_factor": True,
+    assert rule.config() == {"name": "cspd", "distance_scale": 42.0, "invert_variance_factor": True,
                              "independent_checks": True, "max_residual_tries": 100}
     q, p = rejecting_at(0, k=1, c=1)
-    # the exponent / 42 makes a 50-sigma token likely to pass: log r = -50^2 / 2 / 42 ~ -29.8 instead of -1250
-    assert rule.log_ratio(q, p).item() == pytest.approx(-50 ** 2 / 2 / 42)
+    # the standardised distance is divided by 42 before squaring: log r = -(50 / 42)^2 / 2 instead of -50^2 / 2
+    assert rule.log_ratio(q, p).item() == pytest.approx(-(50 / 42) ** 2 / 2)
     assert CSpDRule().log_ratio(q, p).item() == pytest.approx(-50 ** 2 / 2)
     q.log_det_steps += 2.0
     assert CSpDRule().step_factor(q, p).item() == 1.0 and rule.step_factor(q, p).item() == -1.0
+
+
+def official_acceptance_and_residual(q_mean, q_std, q_log_std_steps, p_mean, p_std, p_log_std_steps, x, y,
+                                     softening=42.0):
+    """The public code's DistributionProcessor, computed independently in probability space (float64): x1 = draft,
+    x2 = target, stds of the last step, log-stds summed over the steps before the last."""
+    dim = x.shape[-1]
+    fixed = torch.exp((p_log_std_steps - q_log_std_steps).sum(-1))
+    q_soft = torch.exp(-0.5 * (((x - q_mean) / q_std / softening) ** 2).sum(-1))
+    p_soft = torch.exp(-0.5 * (((x - p_mean) / p_std / softening) ** 2).sum(-1))
+    accept = p_soft * fixed * q_std.prod(-1) / (q_soft * p_std.prod(-1))
+
+    def pdf(v, mean, std):
+        return torch.exp(-0.5 * (((v - mean) / std) ** 2).sum(-1)) / ((2 * math.pi) ** (dim / 2) * std.prod(-1))
+
+    yq, yp = pdf(y, q_mean, q_std), pdf(y, p_mean, p_std)
+    keep = (yp - yq / fixed).clamp(min=0) / yp
+    return accept, keep
+
+
+def test_reference_code_matches_an_independent_computation_of_the_official_formula():
+    gen = torch.Generator().manual_seed(11)
+    b, k, c, steps = 3, 4, 2, 6
+
+    def rand(*shape, scale=1.0):
+        return scale * torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    log_std_q, log_std_p = rand(b, k, c, scale=0.3) - 1, rand(b, k, c, scale=0.3) - 1  # last step
+    steps_q, steps_p = rand(b, k, steps, c, scale=0.1) - 1, rand(b, k, steps, c, scale=0.1) - 1  # log-stds before it
+    mean_q, mean_p = rand(b, k, c), rand(b, k, c)
+    x0 = mean_q + rand(b, k, c, scale=0.5)
+    q = GaussianPath(x0, 2 * steps_q.sum((2, 3)), mean_q, 2 * log_std_q)
+    p = GaussianPath(mean_p, 2 * steps_p.sum((2, 3)), mean_p, 2 * log_std_p)
+    y = mean_p.unsqueeze(2) + torch.exp(log_std_p).unsqueeze(2) * rand(b, k, 5, c)  # [B, K, T, C] proposals
+    accept, keep = official_acceptance_and_residual(
+        mean_q, torch.exp(log_std_q), steps_q.sum(2), mean_p, torch.exp(log_std_p), steps_p.sum(2), x0,
+        y.movedim(2, 0), 42.0)
+    rule = CSpDRule.reference_code()
+    torch.testing.assert_close(rule.log_ratio(q, p), torch.log(accept), rtol=1e-9, atol=1e-9)
+    assert (accept > 1e-6).any() and (accept < 1).any()  # the comparison covers both sides of min(1, r)
+    torch.testing.assert_close(rule.residual_keep_probability(q, p, y), keep.movedim(0, 2), rtol=1e-9, atol=1e-12)
+    assert (keep > 0).any() and (keep < 1).any()
+    # the paper's rule is the same arithmetic without softening and with the opposite variance factor
+    paper_accept, _ = official_acceptance_and_residual(
+        mean_q, torch.exp(log_std_q), steps_p.sum(2), mean_p, torch.exp(log_std_p), steps_q.sum(2), x0,
+        y.movedim(2, 0), 1.0)
+    torch.testing.assert_close(CSpDRule().log_ratio(q, p), torch.log(paper_accept), rtol=1e-9, atol=1e-9)
+
+
+def test_the_residual_is_never_softened():
+    q, p = rejecting_at(0, k=1, c=2)
+    q.last_mean += 0.5
+    y = torch.randn(1, 1, 7, 2, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    torch.testing.assert_close(CSpDRule(distance_scale=42.0).residual_keep_probability(q, p, y),
+                               CSpDRule().residual_keep_probability(q, p, y))
+    with pytest.raises(InputError, match="distance_scale"):
+        CSpDRule(distance_scale=0)
 
 
 def test_verify_compiles_without_graph_breaks():

@@ -81,7 +81,8 @@ def test_greedy_jacobi_converges_in_fewer_forwards_on_a_predictable_model():
 
 
 @pytest.mark.parametrize("method, kwargs, rule", [("sjd", {}, str), ("gsd", {}, GSDRule),
-                                                  ("gsd", {"embeddings": "target", "group_size": 14}, GSDRule),
+                                                  ("gsd", {"embeddings": "codebook", "group_size": 14, "group_window": "code"},
+                                                   GSDRule),
                                                   ("sjd", {"accept": "lantern", "k": 8, "delta": 0.2}, LanternRule),
                                                   ("sjd", {"accept": "gsd", "group_size": 5}, GSDRule)])
 def test_sampled_methods_are_reproducible_and_valid(pipe, method, kwargs, rule):
@@ -95,6 +96,21 @@ def test_sampled_methods_are_reproducible_and_valid(pipe, method, kwargs, rule):
     ctx = MethodContext(pipe, SamplingParams(), 3.0, None, None, 3)
     drafter, built = build_method(method, ctx, **kwargs)
     assert isinstance(drafter, JacobiDrafter) and isinstance(built, rule)
+
+
+def test_gsd_measures_distances_on_the_target_embeddings_by_default(pipe):
+    """As the official GSD code (Lumina-mGPT's embed_tokens); the VQ codebook is the named option."""
+    from image_ar.llamagen.methods import MethodContext, build_method
+    from mmspec.sampling import SamplingParams
+
+    ctx = MethodContext(pipe, SamplingParams(), 3.0, None, None, 1)
+    _, default = build_method("gsd", ctx)
+    assert torch.equal(default.embeddings, pipe.transformer.tok_embeddings.weight.float())
+    assert default.window == "shifted"
+    _, codebook = build_method("gsd", ctx, embeddings="codebook", group_window="code")
+    assert torch.equal(codebook.embeddings, pipe.vqvae.codebook().float()) and codebook.window == "code"
+    _, eagle_gsd = build_method("sjd", ctx, accept="gsd")
+    assert torch.equal(eagle_gsd.embeddings, default.embeddings)
 
 
 def test_gsd_with_groups_of_one_is_token_identical_to_lossless_sjd(pipe):
@@ -143,5 +159,5 @@ def test_the_documented_example_runs_on_the_embedded_model():
 
 
 def test_parameters_of_another_acceptance_mode_are_named(pipe):
-    with pytest.raises(InputError, match="accept='gsd' takes group_size, p_thr, d_thr; got delta"):
+    with pytest.raises(InputError, match="accept='gsd' takes group_size, p_thr, d_thr, embeddings, group_window; got delta"):
         pipe(class_labels=[0], method="sjd", method_kwargs={"accept": "gsd", "delta": 0.1}, output_type="latent")
