@@ -5,8 +5,9 @@
 
 Pick a family (llamagen, var, mar), a method, a class and sampling settings; both runs use the same seeds. The
 app shows the two image grids, wall times, the speed-up, step compression (vanilla's target forwards / the
-method's), the mean acceptance length and a per-position acceptance plot. Pipelines are the `mmspec generate`
-family adapters (`mmspec.cli.generate.GENERATE_FAMILIES`), loaded lazily once per family; their tqdm bars
+method's), the mean acceptance length and a per-position acceptance plot. Families, methods and their loaders are
+the family records `mmspec generate` reads (`mmspec.families`, those with a generate hook); pipelines are
+loaded lazily once per family; their tqdm bars
 feed the page's progress bar (`gr.Progress(track_tqdm=True)`). Requests wait in a queue that runs
 `--concurrency` of them at a time. Bad input (empty class, absurd sizes, unknown method parameters) comes back
 as a message in the page, not a traceback. No network access: analytics off, system fonts, no share link.
@@ -15,7 +16,6 @@ as a message in the page, not a traceback. No network access: analytics off, sys
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import threading
 import time
@@ -29,50 +29,66 @@ import torch  # noqa: E402
 
 from demos.common import launch  # noqa: E402
 from mmspec.bench.plots import per_position_figure  # noqa: E402
-from mmspec.cli.family_io import resolve_class, sampling_defaults, world_class_names  # noqa: E402
-from mmspec.cli.generate import GENERATE_FAMILIES, make_grid, parse_method_args  # noqa: E402
+from mmspec.cli.family_io import resolve_class, world_class_names  # noqa: E402
+from mmspec.cli.generate import make_grid, parse_method_args  # noqa: E402
 from mmspec.errors import InputError, check  # noqa: E402
+from mmspec.families import FamilyRecord, available_families, get_family  # noqa: E402
 
-DEFAULT_METHOD = {"llamagen": "sjd", "var": "code", "mar": "cspd"}
+PREFERRED_METHOD = {"llamagen": "sjd"}  # shown first where a family has it; else its first speculative method
 MAX_IMAGES = 16
 LIMITS = {"guidance_scale": (0.0, 50.0), "temperature": (0.0, 10.0), "top_p": (0.0, 1.0)}
 TILE = 128  # pixels per displayed image (world images are 32 px: upscaled with nearest neighbours)
 
 
+def image_families() -> list[str]:
+    return available_families("generate")
+
+
 class ModelStore:
-    """Family adapters and their pipelines, loaded on first use (one lock: a pipeline is loaded once)."""
+    """Family records and their pipelines, loaded on first use (one lock: a pipeline is loaded once)."""
 
     def __init__(self, models: dict[str, str] | None = None, device: str = "cpu") -> None:
-        unknown = set(models or {}) - set(GENERATE_FAMILIES)
-        check(not unknown, f"--model for unknown famil(ies) {sorted(unknown)}; known: {sorted(GENERATE_FAMILIES)}.")
+        unknown = set(models or {}) - set(image_families())
+        check(not unknown, f"--model for unknown famil(ies) {sorted(unknown)}; known: {image_families()}.")
         self.models, self.device = dict(models or {}), device
         self._pipes: dict[str, object] = {}
         self._lock = threading.Lock()
 
     @staticmethod
-    def adapter(family: str):
-        check(family in GENERATE_FAMILIES, f"unknown family {family!r}; pick one of {sorted(GENERATE_FAMILIES)}.")
-        return importlib.import_module(GENERATE_FAMILIES[family])
+    def record(family: str) -> FamilyRecord:
+        check(family in image_families(), f"unknown family {family!r}; pick one of {image_families()}.")
+        return get_family(family)
 
     def pipeline(self, family: str):
         with self._lock:
             if family not in self._pipes:
-                pipe = self.adapter(family).load(self.models.get(family), self.device)
+                pipe = self.record(family).load(self.models.get(family), self.device)
                 pipe.set_progress_bar_config(disable=False, leave=False)  # tqdm -> the page's progress bar
                 self._pipes[family] = pipe
             return self._pipes[family]
 
+    def defaults(self, family: str) -> dict:
+        """The sampling settings the family uses by default (MAR: its model's own guidance; loads it then)."""
+        return self.record(family).defaults(load=lambda: self.pipeline(family))
+
     def default_guidance(self, family: str) -> float:
-        """The CFG scale the family's pipeline uses by default (MAR: its model's own)."""
-        return sampling_defaults(self.adapter(family), load=lambda: self.pipeline(family))["guidance_scale"]
+        return self.defaults(family)["guidance_scale"]
 
 
 def speculative_methods(family: str) -> list[str]:
-    return [m for m in ModelStore.adapter(family).METHODS if m != "vanilla"]
+    return [m for m in ModelStore.record(family).methods if m != "vanilla"]
 
 
-def sampling_options(family: str, guidance_scale: float, temperature: float, top_k: int, top_p: float) -> dict:
-    """The adapter's sampling options, validated; top-k 0 and top-p 1 mean 'off' (MAR has neither)."""
+def default_method(family: str) -> str:
+    methods = speculative_methods(family)
+    preferred = PREFERRED_METHOD.get(family)
+    return preferred if preferred in methods else methods[0]
+
+
+def sampling_options(family: str, defaults: dict, guidance_scale: float, temperature: float, top_k: int,
+                     top_p: float) -> dict:
+    """The family's sampling options (its `defaults`) with the page's, validated; top-k 0 and top-p 1 mean 'off';
+    a family without top-k / top-p (continuous tokens: defaults None) takes neither."""
     for name, value in (("guidance_scale", guidance_scale), ("temperature", temperature), ("top_p", top_p)):
         low, high = LIMITS[name]
         check(isinstance(value, (int, float)) and low <= value <= high,
@@ -80,10 +96,9 @@ def sampling_options(family: str, guidance_scale: float, temperature: float, top
     check(isinstance(top_k, (int, float)) and top_k >= 0 and int(top_k) == top_k,
           f"top-k must be a whole number >= 0 (0 = off), got {top_k!r}.")
     check(top_p > 0, "top-p must be > 0 (1 = off).")
-    adapter = ModelStore.adapter(family)
-    options = {**adapter.DEFAULTS, "guidance_scale": float(guidance_scale), "temperature": float(temperature)}
-    if family == "mar":
-        check(top_k == 0 and top_p == 1, "MAR samples continuous tokens: set top-k to 0 and top-p to 1 (off).")
+    options = {**defaults, "guidance_scale": float(guidance_scale), "temperature": float(temperature)}
+    if defaults.get("top_k") is None:
+        check(top_k == 0 and top_p == 1, f"{family} samples continuous tokens: set top-k to 0 and top-p to 1 (off).")
     else:
         options.update(top_k=int(top_k), top_p=float(top_p))
     return options
@@ -95,9 +110,10 @@ def parse_method_text(text: str) -> dict:
     return parse_method_args(items)
 
 
-def vanilla_kwargs(family: str, method_kwargs: dict) -> dict:
+def vanilla_kwargs(family: str, method: str, method_kwargs: dict) -> dict:
     """The method parameters vanilla decoding shares with the method (MAR: num_sampling_steps, cfg_schedule)."""
-    shared = getattr(ModelStore.adapter(family), "PARAMS", {}).get("vanilla", set()) - {"num_iter"}
+    record = ModelStore.record(family)
+    shared = set(record.methods["vanilla"].params) & set(record.get_method(method).params)
     return {k: v for k, v in method_kwargs.items() if k in shared}
 
 
@@ -109,10 +125,10 @@ def display_grid(images: list):
     return grid.resize((grid.width * scale, grid.height * scale), PIL.Image.NEAREST)
 
 
-def timed_generate(adapter, pipe, labels: list[int], seed: int, options: dict):
+def timed_generate(record: FamilyRecord, pipe, labels: list[int], seed: int, options: dict):
     generators = [torch.Generator().manual_seed(seed + i) for i in range(len(labels))]
     start = time.perf_counter()
-    images, stats = adapter.generate(pipe, labels, generators, options)
+    images, stats = record.generate(pipe, labels, generators, options)
     return images, stats, time.perf_counter() - start
 
 
@@ -120,7 +136,7 @@ def compare(store: ModelStore, family: str, method: str, class_text: str, method
             guidance_scale: float, temperature: float, top_k: int, top_p: float, seed: int) -> dict:
     """Vanilla and `method` on the same class and seeds; the grids, a stats dict and the per-position figure.
     Raises InputError for bad input (before any generation where it can be told in advance)."""
-    adapter = ModelStore.adapter(family)
+    record = ModelStore.record(family)
     check(method in speculative_methods(family),
           f"unknown method {method!r} for {family}; pick one of {', '.join(speculative_methods(family))}.")
     check(class_text is not None and str(class_text).strip(),
@@ -129,17 +145,18 @@ def compare(store: ModelStore, family: str, method: str, class_text: str, method
           f"number of images must be a whole number from 1 to {MAX_IMAGES}, got {num_images!r}.")
     check(isinstance(seed, (int, float)) and int(seed) == seed and 0 <= seed < 2**31,
           f"seed must be a whole number in [0, 2^31), got {seed!r}.")
-    method_kwargs = parse_method_text(method_text)
-    options = sampling_options(family, guidance_scale, temperature, top_k, top_p)
+    method_kwargs = record.get_method(method).check_given(parse_method_text(method_text), family)
+    sampling_options(family, record.defaults(), guidance_scale, temperature, top_k, top_p)  # before loading
     pipe = store.pipeline(family)
-    label = resolve_class(str(class_text).strip(), adapter.num_classes(pipe))
+    options = sampling_options(family, store.defaults(family), guidance_scale, temperature, top_k, top_p)
+    label = resolve_class(str(class_text).strip(), record.num_classes(pipe))
     labels, seed = [label] * int(num_images), int(seed)
 
+    shared = vanilla_kwargs(family, method, method_kwargs)
     base, base_stats, base_time = timed_generate(
-        adapter, pipe, labels, seed, {**options, "method": "vanilla", "method_kwargs": vanilla_kwargs(family,
-                                                                                                   method_kwargs)})
+        record, pipe, labels, seed, {**options, "method": "vanilla", "method_kwargs": shared})
     spec, spec_stats, spec_time = timed_generate(
-        adapter, pipe, labels, seed, {**options, "method": method, "method_kwargs": method_kwargs})
+        record, pipe, labels, seed, {**options, "method": method, "method_kwargs": method_kwargs})
     drafted = spec_stats.num_drafts > 0
     stats = {
         "family": family, "method": method, "method_kwargs": method_kwargs, "class": label,
@@ -177,7 +194,7 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
               max_queue: int = 16) -> gr.Blocks:
     """The Blocks app (queued; call `.launch()`); `store` defaults to the embedded models on the CPU."""
     store = store or ModelStore()
-    check(family in GENERATE_FAMILIES, f"unknown family {family!r}; pick one of {sorted(GENERATE_FAMILIES)}.")
+    check(family in image_families(), f"unknown family {family!r}; pick one of {image_families()}.")
     names = world_class_names(16) or []
 
     def run(family, method, class_text, method_text, num_images, guidance_scale, temperature, top_k, top_p, seed,
@@ -198,14 +215,14 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
             raise gr.Error(str(err), print_exception=False) from None
 
     def methods_for(family):
-        return gr.Dropdown(choices=speculative_methods(family), value=DEFAULT_METHOD[family])
+        return gr.Dropdown(choices=speculative_methods(family), value=default_method(family))
 
     with gr.Blocks(title="mmspec: speculative image generation", analytics_enabled=False) as app:
         gr.Markdown("# mmspec: speculative vs vanilla image generation\nSame class, same seeds; the method's "
                     "images on the right. World images are 32 px, shown enlarged.")
         with gr.Row():
-            family_box = gr.Dropdown(sorted(GENERATE_FAMILIES), value=family, label="family")
-            method_box = gr.Dropdown(speculative_methods(family), value=DEFAULT_METHOD[family], label="method")
+            family_box = gr.Dropdown(image_families(), value=family, label="family")
+            method_box = gr.Dropdown(speculative_methods(family), value=default_method(family), label="method")
             class_box = gr.Dropdown(names, value=names[0] if names else None, allow_custom_value=True,
                                     label="class (name or id)")
             method_args = gr.Textbox(label="method parameters", placeholder="e.g. gamma=4, align=false")
@@ -245,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", default=[], metavar="FAMILY=PATH",
                         help="a pipeline folder for a family (default: the embedded asset); repeatable")
-    parser.add_argument("--family", default="llamagen", choices=sorted(GENERATE_FAMILIES), help="family shown first")
+    parser.add_argument("--family", default="llamagen", help="family shown first (one with a generate hook)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=7860)

@@ -50,8 +50,10 @@ class VLMStore:
         self._lock = threading.Lock()
 
     def drafters(self) -> list[str]:
-        found = sorted(p.name for p in (self.folder / "drafters").glob("*") if (p / "config.json").is_file())
-        return [*found, "none"]
+        """The drafter kinds of the VLM family record saved in the folder, then "none" (the target alone)."""
+        from vlm.family import drafter_kinds_in
+
+        return [*drafter_kinds_in(self.folder), "none"]
 
     def get(self, drafter: str):
         from vlm.pipeline import SpeculativeVLM

@@ -114,11 +114,11 @@ def uncompile_cached_lm(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def compile_pipeline(pipe: Any, mode: str | None, family: str) -> Any:
+def compile_pipeline(pipe: Any, mode: str | None) -> Any:
     """Compile a pipeline's cached models (`pipe.compile_forwards(mode)`), or say clearly that it cannot be.
     `mode=None` leaves the pipeline as it is. Used by `mmspec generate --compile` and the bench's `compile` option."""
     if mode is None:
         return pipe
     check(callable(getattr(pipe, "compile_forwards", None)),
-          f"the {family} pipeline has no compiled forwards (supported: llamagen); drop the compile option.")
+          f"the {type(pipe).__name__} has no compiled forwards (compile_forwards); drop the compile option.")
     return pipe.compile_forwards(mode)

@@ -1,15 +1,26 @@
-"""Inputs and outputs shared by the image pipelines: class labels and per-image generators in, float images in
-[0, 1] out as PIL images, numpy arrays or torch tensors."""
+"""The shape every image pipeline call shares (LlamaGen, VAR, MAR, CSpD, CoDe): check the class inputs and make the
+rows the models run (`class_run_fields` -> a `ClassRun`), run the family's loop, then `finish_generation`: decode,
+format (PIL images, numpy arrays or torch tensors in [0, 1], or the tokens for "latent") and return a
+`GenerationOutput` (images, tokens, stats).
+
+    run = ScaleRun(**class_run_fields(class_labels, 1, num_classes, generator, "pil", guided=True, device="cpu"),
+                   ...)                                   # a family's own settings on top
+    return finish_generation(pipe, tokens, lambda: decode(tokens), output_type, return_dict, stats)
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import PIL.Image
 import torch
+from diffusers.utils import BaseOutput
 
 from mmspec.errors import InputError, check
+from mmspec.stats import SpecStats
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
@@ -48,3 +59,57 @@ def format_images(images: torch.Tensor, output_type: str) -> Any:
     if output_type == "np":
         return array
     return [PIL.Image.fromarray((a * 255).round().astype(np.uint8)) for a in array]
+
+
+# ------------------------------------------------------------------------------------- the shape of a call
+@dataclass
+class ClassRun:
+    """The checked class inputs of one pipeline call: labels [B] (each class repeated num_images_per_prompt times),
+    the rows the models run [R] (the labels, then the null class for each with CFG: R = 2B, else B) and whether
+    guidance runs. Families extend it with their own settings (VAR: per-scale sampling; MAR: its randomness)."""
+
+    labels: torch.Tensor
+    rows: torch.Tensor
+    guided: bool
+
+
+def class_run_fields(class_labels: Any, num_images_per_prompt: int, num_classes: int, generator: Any,
+                     output_type: str, guided: bool, device: torch.device | str) -> dict[str, Any]:
+    """Check a call's shared arguments (clear errors, before any work) and return the `ClassRun` fields: labels,
+    rows (null class = num_classes) and guided."""
+    check_output_type(output_type)
+    check(isinstance(num_images_per_prompt, int) and num_images_per_prompt >= 1,
+          f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}.")
+    labels = class_labels_tensor(class_labels, num_images_per_prompt, num_classes, device)
+    check_generators(generator, labels.shape[0])
+    rows = torch.cat([labels, torch.full_like(labels, num_classes)]) if guided else labels
+    return {"labels": labels, "rows": rows, "guided": guided}
+
+
+@dataclass
+class GenerationOutput(BaseOutput):
+    """What every image pipeline returns: images (PIL list, np [N, H, W, 3] or torch [N, 3, H, W] in [0, 1] by
+    output_type; the tokens for "latent"), the generated tokens (discrete ids [N, L] or continuous [N, L, C]) and
+    the run's `SpecStats` (target forwards = the main model's, draft forwards = the helper's)."""
+
+    images: Any
+    tokens: torch.Tensor
+    stats: SpecStats
+
+    @property
+    def num_forwards(self) -> int:
+        """Transformer forwards of the batch, every model counted."""
+        return self.stats.num_target_forwards + self.stats.num_draft_forwards
+
+
+def finish_generation(pipe: Any, tokens: torch.Tensor, decode: Callable[[], torch.Tensor], output_type: str,
+                      return_dict: bool, stats: SpecStats, output_cls: type[GenerationOutput] = GenerationOutput,
+                      **extra: Any) -> Any:
+    """The end of every call: decode() -> images [N, 3, H, W] in [0, 1] (skipped for "latent", which returns the
+    tokens), free offloaded models, and return `output_cls(images, tokens, stats, **extra)` or, without return_dict,
+    the tuple (images, tokens, stats)."""
+    images = tokens if output_type == "latent" else format_images(decode(), output_type)
+    pipe.maybe_free_model_hooks()
+    if not return_dict:
+        return images, tokens, stats
+    return output_cls(images=images, tokens=tokens, stats=stats, **extra)

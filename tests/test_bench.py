@@ -257,12 +257,12 @@ def test_method_parameters_are_parsed_and_checked(fake):
 
 
 def test_unknown_family_and_method_are_clear_errors(fake, tmp_path, capsys):
-    with pytest.raises(InputError, match=r"unknown bench family 'nope'; known families: .*fake.*toy"):
+    with pytest.raises(InputError, match=r"unknown family 'nope'; known families: .*fake.*toy"):
         get_family("nope")
     with pytest.raises(InputError, match=r"unknown method 'c' for bench family 'fake'; known methods: vanilla, a, b"):
         parse_method_list("a,c", get_family("fake"))
     assert main(["bench", "--family", "nope", "--out", str(tmp_path / "o1")]) == 2
-    assert "unknown bench family 'nope'" in capsys.readouterr().err
+    assert "unknown family 'nope'" in capsys.readouterr().err
     assert main(["bench", "--family", "toy", "--methods", "tree,eagle9", "--out", str(tmp_path / "o2")]) == 2
     err = capsys.readouterr().err
     assert "unknown method 'eagle9'" in err and "draft-model, self-draft, tree, random" in err

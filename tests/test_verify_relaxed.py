@@ -223,8 +223,8 @@ def test_gsd_reference_code_window_is_the_code_slice_at_both_ends_of_the_ranking
     v = 40
     p = torch.softmax(torch.linspace(-3, 3, v), -1)  # ranks = token ids
     rule = GSDRule.reference_code()
-    assert rule.window == "code" and rule.group_size == 14
-    loose = GSDRule(group_size=14, p_thr=1.0, window="code")
+    assert rule.group_window == "code" and rule.group_size == 14
+    loose = GSDRule(group_size=14, p_thr=1.0, group_window="code")
     for x in (0, 3, 6, 7, 20, 33, 34, 38, 39):
         members, mask = loose.group(p, torch.tensor(x))
         assert sorted(members[mask].tolist()) == sorted(code_slice_group(p, x)), x
@@ -237,7 +237,7 @@ def test_gsd_reference_code_window_is_the_code_slice_at_both_ends_of_the_ranking
     p_group, q_group = loose.group_masses(p, q, torch.tensor(2))
     assert p_group.item() == pytest.approx(p[2].item()) and q_group.item() == pytest.approx(q[2].item())
     with pytest.raises(InputError, match="window"):
-        GSDRule(window="wide")
+        GSDRule(group_window="wide")
 
 
 @pytest.mark.parametrize("kwargs, word", [({"group_size": 0}, "group_size"), ({"p_thr": 0}, "p_thr"),
@@ -313,8 +313,8 @@ def test_lantern_with_a_draft_distribution_matches_the_reference_rule(reject):
     table = build_neighbour_table(line_codebook(), k=V - 1)
     x = torch.multinomial(q_row, n, replacement=True, generator=gen).view(n, 1)
     rule = LanternRule(table, k=k, delta=delta, reject=reject)
-    res = rule.verify_chain(x, p_row.expand(n, 2, V), q_row.expand(n, 1, V),
-                            Randomness.draw(n, 1, V, torch.Generator().manual_seed(32)), torch.ones(n, dtype=torch.long))
+    rand = Randomness.draw(n, 1, V, torch.Generator().manual_seed(32))
+    res = rule.verify_chain(x, p_row.expand(n, 2, V), q_row.expand(n, 1, V), rand, torch.ones(n, dtype=torch.long))
     emp = empirical_distribution(res.output_tokens[:, 0], V)
     code = reference_static_tree_mixture(p_row, q_row, table, k, delta, zero_q_neighbourhood=True)
     plain = reference_static_tree_mixture(p_row, q_row, table, k, delta, zero_q_neighbourhood=False)

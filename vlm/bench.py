@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 
-from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
+from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import InputError
-from vlm.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
+from vlm.family import FAMILY, TREE
 
 OPTIONS = ("model", "top_p")
 
@@ -45,12 +45,13 @@ def _options(settings: BenchSettings) -> dict[str, Any]:
 
 def build(settings: BenchSettings) -> dict:
     """The target (loaded once) and every drafter found in MODEL/drafters/<kind>."""
-    from vlm.pipeline import DRAFTER_KINDS, SpeculativeVLM, load_drafter
+    from vlm.family import drafter_kinds_in
+    from vlm.pipeline import SpeculativeVLM, load_drafter
 
     model = Path(_options(settings)["model"])
     vlm = SpeculativeVLM.from_pretrained(model, device=settings.device)
-    drafters = {kind: load_drafter(model / "drafters" / kind, kind).to(settings.device) for kind in DRAFTER_KINDS
-                if (model / "drafters" / kind / "config.json").is_file()}
+    drafters = {kind: load_drafter(model / "drafters" / kind, kind).to(settings.device)
+                for kind in drafter_kinds_in(model)}
     return {"target": vlm, "drafters": drafters, "folder": model}
 
 
@@ -61,10 +62,13 @@ def inputs(settings: BenchSettings) -> list[Sample]:
     return [Sample(question_id=i, category=ex.qa.kind, data=ex) for i, ex in enumerate(examples)]
 
 
-def _runner(kind: str | None):
-    def run(models: dict, batch: Sequence[Sample], settings: BenchSettings, params: Mapping[str, Any]) -> MethodOutput:
+def _runner(record):
+    kind = None if record.run is None else record.name
+
+    def run(models: dict, batch: Sequence[Sample], settings: BenchSettings, given: Mapping[str, Any]) -> MethodOutput:
         from vlm.pipeline import SpeculativeVLM
 
+        params = {**TREE, **record.check_given(given, "vlm")}  # vanilla too: its target's cache room
         vlm = models["target"]
         if kind is not None:
             if kind not in models["drafters"]:
@@ -72,8 +76,7 @@ def _runner(kind: str | None):
                                  f"with `mmspec train vlm-drafter --kind {kind} --target {models['folder']}`.")
             vlm = SpeculativeVLM(vlm.model, vlm.processor, models["drafters"][kind])
         use_drafter = kind is not None
-        tree = (params.get("depth", DEFAULT_DEPTH), params.get("top_k", DEFAULT_TOP_K),
-                params.get("total_tokens", DEFAULT_TOTAL_TOKENS))
+        tree = (params.get("depth"), params.get("top_k"), params.get("total_tokens"))
         examples = [s.data for s in batch]
         out = vlm.generate([ex.image for ex in examples], [ex.prompt for ex in examples], settings.max_new_tokens,
                            settings.temperature, _options(settings)["top_p"], tree=tree, batch_size=len(batch),
@@ -119,17 +122,8 @@ def calibration(models: dict, samples: Sequence[Sample], outputs: list, settings
 
 
 def vlm_family() -> Family:
-    tree = {"depth": DEFAULT_DEPTH, "top_k": DEFAULT_TOP_K, "total_tokens": DEFAULT_TOTAL_TOKENS}
-    methods = {"vanilla": Method(_runner(None), lossless=True, description="the LLaVA target alone"),
-               "eagle": Method(_runner("eagle"), lossless=True, params=tree,
-                               description="EagleVLM drafter, EAGLE-2 dynamic tree, lossless tree verification"),
-               "vispec": Method(_runner("vispec"), lossless=True, params=tree,
-                                description="ViSpec drafter (compressed image token + global feature), EAGLE-2 tree"),
-               "msd": Method(_runner("msd"), lossless=True, params=tree,
-                             description="MSD drafter (raw visual embeddings at image positions), EAGLE-2 tree"),
-               "specvlm": Method(_runner("specvlm"), lossless=True, params=tree,
-                                 description="SpecVLM drafter (gated elastic visual compressor), EAGLE-2 tree")}
-    return Family(name="vlm", model_id=lambda s: _options(s)["model"], build=build, inputs=inputs, methods=methods,
-                  quality=quality, primary_quality="answer_contains_short",
+
+    return Family(name="vlm", model_id=lambda s: _options(s)["model"], build=build, inputs=inputs,
+                  methods=methods_of(FAMILY, _runner), quality=quality, primary_quality="answer_contains_short",
                   to_turn=lambda o: {"text": o["text"], "token_ids": o["tokens"]}, model_quality=calibration,
-                  description="LLaVA long answers about world scenes, EagleVLM (exactness, answer accuracy)")
+                  description=FAMILY.description)

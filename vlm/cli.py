@@ -35,9 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", default=None, help="a .jsonl / .csv job file with columns id, image, prompt")
     parser.add_argument("--out", default=None, help="output folder of a job (answers.jsonl, stats.json)")
     parser.add_argument("--model", default=None, help="target folder (default: the embedded assets/vlm)")
-    parser.add_argument("--drafter", default="auto",
+    from vlm.family import DRAFTER_KINDS  # the VLM family record's methods
+
+    parser.add_argument("--drafter", default="auto", choices=[*DRAFTER_KINDS, "none", "auto"],
                         help="drafter kind in MODEL/drafters, 'none' (vanilla), or 'auto' (default: the first of "
-                             "eagle, vispec, msd, specvlm found, else none)")
+                             f"{', '.join(DRAFTER_KINDS)} found, else none)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -78,9 +80,9 @@ def load_vlm(args: argparse.Namespace):
                          "`mmspec train vlm-drafter --kind eagle`), or pass --model DIR.")
     drafter = None if args.drafter == "none" else args.drafter
     if args.drafter == "auto":
-        from vlm.pipeline import DRAFTER_KINDS
+        from vlm.family import drafter_kinds_in
 
-        found = [k for k in DRAFTER_KINDS if (folder / "drafters" / k / "config.json").is_file()]
+        found = drafter_kinds_in(folder)
         drafter = found[0] if found else None
         print(f"drafter: {drafter or 'none (the target alone)'}", file=sys.stderr)
     return SpeculativeVLM.from_pretrained(folder, drafter, device=args.device)

@@ -68,6 +68,10 @@ class VLMEagleDrafter(ModelMixin, ConfigMixin):
         self.last_hidden: torch.Tensor | None = None  # [R, S, H] output features of the last forward_cached
 
     # ------------------------------------------------------------------------------------------ target
+    def image_tokens_attended(self, num_image_tokens: int) -> float:
+        """How many image tokens this drafter attends to per row (its prefill cost): all of them."""
+        return num_image_tokens
+
     @classmethod
     def for_target(cls, target: LlavaCachedLM, **overrides: Any) -> VLMEagleDrafter:
         """A fresh drafter shaped like the target's text model, attached to it."""
@@ -194,3 +198,6 @@ class VLMEagleTreeDrafter(FeatureTreeDrafter):
             self.runner.commit_chain(lengths - 1)
         last = (lengths - 1).view(b, 1, 1).expand(-1, -1, features.shape[-1])
         self.pending = PendingPairs(state.last_token, features.gather(1, last)[:, 0], self.width)
+
+
+VLMEagleDrafter.loop_drafter = VLMEagleTreeDrafter  # what the loop runs for this drafter model

@@ -75,3 +75,6 @@ def msd_visual_probability(step: int, steps: int) -> float:
     if epoch >= 39:
         return 1.0
     return (epoch - 20) / 20
+
+
+VLMMSDDrafter.loop_drafter = VLMMSDTreeDrafter  # what the loop runs for this drafter model

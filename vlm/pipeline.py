@@ -30,21 +30,10 @@ from mmspec.lm import LMTarget, NoDrafter
 from mmspec.loop import generate
 from mmspec.sampling import SamplingParams
 from mmspec.stats import SpecStats
-from vlm.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS, VLMEagleDrafter, VLMEagleTreeDrafter
-from vlm.msd import VLMMSDDrafter, VLMMSDTreeDrafter
-from vlm.specvlm import VLMSpecVLMDrafter, VLMSpecVLMTreeDrafter
+from vlm.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
+from vlm.family import drafter_model
 from vlm.target import LlavaCachedLM, VLMInputs, prefill_vlm
-from vlm.vispec import VLMViSpecDrafter, VLMViSpecTreeDrafter
 from vlm.world import build_prompt, num_image_tokens
-
-# kind -> (drafter model class, its loop drafter)
-DRAFTER_KINDS = {"eagle": (VLMEagleDrafter, VLMEagleTreeDrafter), "vispec": (VLMViSpecDrafter, VLMViSpecTreeDrafter),
-                 "msd": (VLMMSDDrafter, VLMMSDTreeDrafter), "specvlm": (VLMSpecVLMDrafter, VLMSpecVLMTreeDrafter)}
-
-
-def tree_drafter_class(drafter) -> type:
-    """The loop drafter of a drafter model (the most specific kind it is an instance of)."""
-    return next(tree for model, tree in reversed(DRAFTER_KINDS.values()) if isinstance(drafter, model))
 
 
 @dataclass
@@ -57,12 +46,12 @@ class VLMOutput:
 
 def load_drafter(folder: str | Path, kind: str):
     """A drafter of `kind` saved in `folder` (not yet attached to a target)."""
-    check(kind in DRAFTER_KINDS, f"unknown drafter kind {kind!r}; available: {', '.join(DRAFTER_KINDS)}.")
+    model = drafter_model(kind)
     folder = Path(folder)
     check((folder / "config.json").is_file(),
           f"no {kind} drafter in {folder} (config.json missing); train one with "
           f"`mmspec train vlm-drafter --kind {kind} --target TARGET_DIR`.")
-    return DRAFTER_KINDS[kind][0].from_pretrained(folder)
+    return model.from_pretrained(folder)
 
 
 def piece_text(tokenizer, ids: list[int]) -> str:
@@ -119,9 +108,7 @@ class SpeculativeVLM:
         without a drafter."""
         if self.drafter is None:
             return None
-        if isinstance(self.drafter, VLMSpecVLMDrafter):
-            return float(self.drafter.compressor.sizes_tensor()[self.drafter.last_choice].float().mean())
-        return 1 if isinstance(self.drafter, VLMViSpecDrafter) else num_image_tokens(self.processor)
+        return self.drafter.image_tokens_attended(num_image_tokens(self.processor))
 
     def prompt_text(self, prompt: str) -> str:
         check(isinstance(prompt, str) and prompt.strip(), "every prompt must be a non-empty string.")
@@ -176,8 +163,8 @@ class SpeculativeVLM:
         b = inputs.input_ids.shape[0]
         target = LMTarget(self.lm, params, max_new_tokens, max_draft_nodes=total, prefill_fn=prefill_vlm)
         if use_drafter and self.drafter is not None:
-            drafter = tree_drafter_class(self.drafter)(self.drafter, self.lm, params, top_k=top_k, depth=depth,
-                                                       total_tokens=total)
+            drafter = self.drafter.loop_drafter(self.drafter, self.lm, params, top_k=top_k, depth=depth,
+                                                total_tokens=total)
         else:
             drafter = NoDrafter()
         rounds: list[list[list[int]]] = [[] for _ in range(b)]  # per row: the tokens of each round

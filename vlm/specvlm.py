@@ -75,6 +75,10 @@ class ElasticCompressor(nn.Module):
 class VLMSpecVLMDrafter(VLMEagleDrafter):
     """EagleVLM + elastic compressor + question-aware gate (see the module docstring)."""
 
+    def image_tokens_attended(self, num_image_tokens: int) -> float:
+        """The compressed size the gate chose (the last batch's rows averaged)."""
+        return float(self.compressor.sizes_tensor()[self.last_choice].float().mean())
+
     @register_to_config
     def __init__(self, hidden_size: int = 4096, num_attention_heads: int = 32, num_key_value_heads: int | None = None,
                  intermediate_size: int = 11008, rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
@@ -199,3 +203,6 @@ class VLMSpecVLMTreeDrafter(VLMEagleTreeDrafter):
         self.position_offset = lengths - layout["count"]  # next element: position P_b at slot count_b
         last = (lengths - 1).view(b, 1, 1).expand(-1, -1, features.shape[-1])
         self.pending = PendingPairs(state.last_token, features.gather(1, last)[:, 0], self.width)
+
+
+VLMSpecVLMDrafter.loop_drafter = VLMSpecVLMTreeDrafter  # what the loop runs for this drafter model

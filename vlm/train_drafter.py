@@ -41,8 +41,9 @@ from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_comman
 from mmspec.errors import check, check_positive_int
 from mmspec.feature_drafter import feature_drafter_loss
 from mmspec.world_training import card_head, optimizer_step, write_info
+from vlm.family import DRAFTER_KINDS, drafter_model
 from vlm.msd import msd_visual_probability, text_pair_positions
-from vlm.pipeline import DRAFTER_KINDS, SpeculativeVLM
+from vlm.pipeline import SpeculativeVLM
 from vlm.target import VLMInputs, prefill_vlm
 from vlm.world import world_vqa_examples
 
@@ -238,7 +239,7 @@ def drafter_state_path(args: argparse.Namespace, work: Path) -> Path:
 def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, work: Path) -> tuple[Any, dict]:
     torch.manual_seed(args.seed)
     lm = vlm.lm
-    drafter = DRAFTER_KINDS[args.kind][0].for_target(lm, input_norm=not args.no_input_norm).train()
+    drafter = drafter_model(args.kind).for_target(lm, input_norm=not args.no_input_norm).train()
     loss_fn = LOSSES[args.kind]
     text_steps = int(args.steps * args.text_only_fraction) if args.kind == "vispec" else 0
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)

@@ -63,6 +63,10 @@ class VisionAdaptor(nn.Module):
 class VLMViSpecDrafter(VLMEagleDrafter):
     """EagleVLM drafter + vision adaptor + img_fc (see the module docstring)."""
 
+    def image_tokens_attended(self, num_image_tokens: int) -> float:
+        """One compressed image token per row."""
+        return 1
+
     @register_to_config
     def __init__(self, hidden_size: int = 4096, num_attention_heads: int = 32, num_key_value_heads: int | None = None,
                  intermediate_size: int = 11008, rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
@@ -168,3 +172,6 @@ class VLMViSpecTreeDrafter(VLMEagleTreeDrafter):
         drafter.global_feature = layout["g"]  # every decoded element is text after the image
         last = (lengths - 1).view(b, 1, 1).expand(-1, -1, features.shape[-1])
         self.pending = PendingPairs(state.last_token, features.gather(1, last)[:, 0], self.width)
+
+
+VLMViSpecDrafter.loop_drafter = VLMViSpecTreeDrafter  # what the loop runs for this drafter model

@@ -18,9 +18,9 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from continuous.mar.generate import DEFAULTS, call_options, load, method_pipeline, run_stats
+from continuous.mar.family import DEFAULTS, FAMILY, call_options, load
 from mmspec.bench.image_family import class_inputs, image_options, image_outputs, image_quality, sample_generators
-from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
+from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of
 from mmspec.errors import InputError
 
 BENCH_DEFAULTS = {**DEFAULTS, "guidance_scale": None, "top_k": 0, "top_p": 1.0}  # None: the target's own
@@ -42,15 +42,15 @@ def build(settings: BenchSettings):
     return load(_options(settings)["model"], settings.device)
 
 
-def _runner(method: str):
-    def run(pipe, batch: Sequence[Sample], settings: BenchSettings, params: Mapping[str, Any]) -> MethodOutput:
+def _runner(record):
+    def run(pipe, batch: Sequence[Sample], settings: BenchSettings, given: Mapping[str, Any]) -> MethodOutput:
         o = _options(settings)
-        call, extra = method_pipeline(pipe, method, {k: v for k, v in params.items() if v is not None})
+        call, extra = record.build(pipe, given, FAMILY.name)
         sampling = call_options({"guidance_scale": o["guidance_scale"], "temperature": settings.temperature})
         out = call(class_labels=[int(s.data) for s in batch], generator=sample_generators(batch, settings),
-                   output_type="pt", num_sampling_steps=o["num_sampling_steps"], **sampling, **extra)
+                   output_type="pt", **{"num_sampling_steps": o["num_sampling_steps"], **sampling, **extra})
         return MethodOutput(outputs=image_outputs(out.images, out.tokens, batch),
-                            new_tokens=[out.tokens.shape[1]] * len(batch), stats=run_stats(out))
+                            new_tokens=[out.tokens.shape[1]] * len(batch), stats=out.stats)
 
     return run
 
@@ -60,12 +60,8 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
 
 
 def mar_family() -> Family:
-    methods = {"vanilla": Method(_runner("vanilla"), lossless=True, params={"num_iter": None},
-                                 description="the target MAR alone (num_iter default: one token per step)"),
-               "cspd": Method(_runner("cspd"), lossless=False,
-                              params={"gamma": None, "prefill_ratio": None, "align": None, "criterion": None},
-                              description="CSpD: draft MAR window of gamma tokens, one target pass verifies it")}
     return Family(name="mar", model_id=lambda s: str(_options(s)["model"] or "embedded mar (world)"),
-                  build=build, inputs=class_inputs, methods=methods, quality=quality, primary_quality="class_accuracy",
+                  build=build, inputs=class_inputs, methods=methods_of(FAMILY, _runner), quality=quality,
+                  primary_quality="class_accuracy",
                   to_turn=lambda o: {"label": o["label"], "tokens_shape": list(o["tokens"].shape)},
-                  description="MAR class-conditional generation and CSpD (judge accuracy, world-FID)")
+                  description=FAMILY.description)

@@ -5,8 +5,9 @@ window of gamma tokens, one per step along the image's order, and the target ver
     out = pipe(class_labels=[3, 7], gamma=8, prefill_ratio=0.05, generator=gens)
     out.images, out.stats.draft_acceptance_rate, out.stats.extra["residual_fallbacks"]
 
-The loop (per batch, rows ragged): the target alone makes the first ceil(prefill_ratio x L) tokens (one per step,
-"pre-filling"); then, while a row has tokens left:
+The loop (`cspd_loop`, per batch, rows ragged; its phases are timed like the discrete loop's, `mmspec.phases`):
+the target alone makes the first ceil(prefill_ratio x L) tokens (one per step, "pre-filling"); then, while a row has
+tokens left:
 1. draft: gamma MAR forwards; forward k sees the row's verified tokens and its own window tokens 0..k-1 and samples
    window token k (the next position in the row's order) with the diffusion head;
 2. verify: ONE target forward whose encoder sees the tokens verified before the window and whose decoder predicts
@@ -22,6 +23,7 @@ value for its place in the order (as vanilla MAR with num_iter = L). `as_mar_pip
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +45,8 @@ from continuous.mar.pipeline import (
     scatter_tokens,
 )
 from mmspec.errors import check, check_positive_int
+from mmspec.phases import phase
+from mmspec.sampling import Generators
 from mmspec.stats import SpecStats
 from mmspec.verify.cspd import ContinuousRandomness, CSpDRule, GaussianPath
 
@@ -80,6 +84,61 @@ def verify_window(target: MARModel, run: MARRun, tokens: torch.Tensor, known: to
     return gaussian_path(sample_at(target, run, tokens, known, positions, cfg), tokens.shape[0], run.temperature)
 
 
+# on_progress(tokens verified in every row so far, tokens [B, L, C]) after each pre-filling step and window
+Progress = Callable[[int, torch.Tensor], Any]
+
+
+def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRun, gamma: int, prefill_ratio: float,
+              rule: CSpDRule, generator: Generators = None, on_progress: Progress | None = None,
+              ) -> tuple[torch.Tensor, SpecStats]:
+    """CSpD over one batch (see the module docstring): pre-filling by the target, then draft -> verify -> accept ->
+    commit windows of `gamma` tokens until every row has its L tokens. Returns tokens [B, L, C] and the stats
+    (target / draft forwards, acceptance per window position; extra: residual_samples, residual_fallbacks)."""
+    seq, channels, device = target.seq_len, target.token_channels, target.device
+    b = run.labels.shape[0]
+    tokens = torch.zeros(b, seq, channels, device=device, dtype=target.dtype)
+    known = torch.zeros(b, seq, dtype=torch.bool, device=device)
+    done = torch.zeros(b, dtype=torch.long, device=device)  # [B] tokens verified per row
+    stats = SpecStats()
+    with phase("prefill"):
+        for _ in range(math.ceil(prefill_ratio * seq)):  # the target alone, one token per step
+            positions = run.orders[:, done[0]].unsqueeze(1)  # [B, 1] (every row at the same place)
+            cfg = cfg_value(run, max(1, seq - int(done[0]) - 1), seq)
+            traj = sample_at(target, run, tokens, known, positions, cfg)
+            tokens, known = scatter_tokens(tokens, known, positions, traj.x0.unsqueeze(1))
+            done += 1
+            stats.num_target_forwards += 1
+            if on_progress is not None:
+                on_progress(int(done.min()), tokens)
+    while bool((done < seq).any()):  # the one host sync per window
+        active = done < seq
+        window = torch.minimum(torch.full_like(done, gamma), seq - done)  # [B] ragged window sizes
+        index = (done.unsqueeze(1) + torch.arange(gamma, device=device)).clamp_max(seq - 1)  # [B, K]
+        positions = run.orders.gather(1, index)  # [B, K] (past the end: repeats, never kept)
+        in_window = torch.arange(gamma, device=device) < window.unsqueeze(1)
+        cfg = torch.as_tensor(cfg_value(run, (seq - index - 1).clamp_min(1), seq), dtype=run.x_start.dtype,
+                              device=device).expand(b, gamma)  # [B, K]
+        with phase("draft"):
+            q = draft_window(draft, run, draft_noise, tokens, known, positions, cfg, in_window)
+        stats.num_draft_forwards += gamma
+        with phase("verify"):
+            p = verify_window(target, run, tokens, known, positions, cfg)
+        stats.num_target_forwards += 1
+        with phase("accept"):
+            rand = ContinuousRandomness.draw(b, gamma, rule.max_residual_tries, channels, generator, device)
+            result = rule.verify(q, p, window, rand)  # finished rows: window 0
+        with phase("commit"):
+            keep = torch.arange(gamma, device=device) < result.num_emitted.unsqueeze(1)  # [B, K]
+            tokens, known = scatter_tokens(tokens, known, positions, result.output_tokens.to(tokens.dtype), keep)
+            done = done + result.num_emitted
+        stats.record(result, active)
+        stats.add_extra("residual_samples", int(result.residual.sum()))
+        stats.add_extra("residual_fallbacks", int(result.fallback.sum()))
+        if on_progress is not None:
+            on_progress(int(done.min()), tokens)
+    return tokens, stats
+
+
 class CSpDPipeline(DiffusionPipeline):
     """A target MAR, a draft MAR sharing its token grid and classes, and their KL VAE."""
 
@@ -114,59 +173,31 @@ class CSpDPipeline(DiffusionPipeline):
         `CSpDRule.reference_code()` for the public code's variants). Other arguments as `MARPipeline` with
         num_iter = the token count (guidance_scale / cfg_schedule None: the target's defaults). out.stats:
         SpecStats (target / draft forwards, acceptance per window position, extra: residual_samples,
-        residual_fallbacks)."""
-        target, draft = self.target, self.draft
-        seq, channels = target.seq_len, target.token_channels
+        residual_fallbacks). callback_on_step_end(pipe, target forwards so far, tokens verified in every row,
+        {"tokens": [N, L, C]}) after each pre-filling step and window."""
+        target, seq = self.target, self.target.seq_len
         check_positive_int("gamma", gamma)
         check(isinstance(prefill_ratio, (int, float)) and 0 <= prefill_ratio <= 1,
               f"prefill_ratio must be in [0, 1], got {prefill_ratio!r}.")
         check(isinstance(temperature, (int, float)) and temperature > 0,
               f"CSpD compares the two heads' Gaussians, so temperature must be > 0, got {temperature!r}.")
-        rule = rule or CSpDRule()
         run = prepare_run(target, class_labels, guidance_scale, cfg_schedule, temperature, num_sampling_steps,
                           num_images_per_prompt, generator, output_type)
-        b, device = run.labels.shape[0], target.device
         draft_noise = run
         if not align:  # the draft's own noise, drawn after everything the target uses
-            _, x_start, step_noise = draw_randomness(generator, b, seq, num_sampling_steps, channels, device)
-            draft_noise = MARRun(**{**run.__dict__, "x_start": x_start.to(run.x_start.dtype),
-                                    "step_noise": step_noise.to(run.x_start.dtype)})
-        tokens = torch.zeros(b, seq, channels, device=device, dtype=target.dtype)
-        known = torch.zeros(b, seq, dtype=torch.bool, device=device)
-        done = torch.zeros(b, dtype=torch.long, device=device)  # [B] tokens verified per row
-        stats = SpecStats()
+            _, x_start, step_noise = draw_randomness(generator, run.labels.shape[0], seq, num_sampling_steps,
+                                                     target.token_channels, target.device)
+            draft_noise = dataclasses.replace(run, x_start=x_start.to(run.x_start.dtype),
+                                              step_noise=step_noise.to(run.x_start.dtype))
         with self.progress_bar(total=seq) as bar:
-            for _ in range(math.ceil(prefill_ratio * seq)):  # pre-filling: the target alone, one token per step
-                positions = run.orders[:, done[0]].unsqueeze(1)  # [B, 1] (every row at the same place)
-                cfg = cfg_value(run, max(1, seq - int(done[0]) - 1), seq)
-                traj = sample_at(target, run, tokens, known, positions, cfg)
-                tokens, known = scatter_tokens(tokens, known, positions, traj.x0.unsqueeze(1))
-                done += 1
-                stats.num_target_forwards += 1
-                bar.update(1)
-            while bool((done < seq).any()):
-                active = done < seq
-                window = torch.minimum(torch.full_like(done, gamma), seq - done)  # [B] ragged window sizes
-                index = (done.unsqueeze(1) + torch.arange(gamma, device=device)).clamp_max(seq - 1)  # [B, K]
-                positions = run.orders.gather(1, index)  # [B, K] (past the end: repeats, never kept)
-                in_window = torch.arange(gamma, device=device) < window.unsqueeze(1)
-                cfg = torch.as_tensor(cfg_value(run, (seq - index - 1).clamp_min(1), seq), dtype=run.x_start.dtype,
-                                      device=device).expand(b, gamma)  # [B, K]
-                q = draft_window(draft, run, draft_noise, tokens, known, positions, cfg, in_window)  # 1. draft
-                stats.num_draft_forwards += gamma
-                p = verify_window(target, run, tokens, known, positions, cfg)  # 2. verify
-                stats.num_target_forwards += 1
-                # 3. accept
-                rand = ContinuousRandomness.draw(b, gamma, rule.max_residual_tries, channels, generator, device)
-                result = rule.verify(q, p, window, rand)  # finished rows: window 0
-                stats.record(result, active)
-                stats.add_extra("residual_samples", int(result.residual.sum()))
-                stats.add_extra("residual_fallbacks", int(result.fallback.sum()))
-                keep = torch.arange(gamma, device=device) < result.num_emitted.unsqueeze(1)  # [B, K]
-                tokens, known = scatter_tokens(tokens, known, positions, result.output_tokens.to(tokens.dtype), keep)
-                before = int(done.min())
-                done = done + result.num_emitted
-                bar.update(int(done.min()) - before)
+            forwards = [0]
+
+            def on_progress(verified: int, tokens: torch.Tensor) -> None:
+                bar.update(verified - bar.n)
+                forwards[0] += 1
                 if callback_on_step_end is not None:
-                    callback_on_step_end(self, stats.num_target_forwards, int(done.min()), {"tokens": tokens})
-        return finish_run(self, target, self.vae, tokens, output_type, return_dict, stats.num_target_forwards, stats)
+                    callback_on_step_end(self, forwards[0], verified, {"tokens": tokens})
+
+            tokens, stats = cspd_loop(target, self.draft, run, draft_noise, gamma, prefill_ratio, rule or CSpDRule(),
+                                      generator, on_progress)
+        return finish_run(self, target, self.vae, tokens, output_type, return_dict, stats)

@@ -23,41 +23,30 @@ from typing import Any
 
 import torch
 from diffusers import AutoencoderKL, DiffusionPipeline
-from diffusers.utils import BaseOutput
 
 from continuous.mar.diffusion import Trajectory
 from continuous.mar.model import CFG_SCHEDULES, MARModel
 from continuous.mar.vae import decode_latents, vae_stride
 from mmspec.errors import check, check_positive_int
-from mmspec.pipeline_io import check_generators, check_output_type, class_labels_tensor, format_images
+from mmspec.pipeline_io import ClassRun, GenerationOutput, class_run_fields, finish_generation
 from mmspec.sampling import Generators, generator_list
+from mmspec.stats import SpecStats
+
+MARPipelineOutput = GenerationOutput  # images, tokens [N, L, C], stats (CSpD's, or the target's forwards)
 
 
 @dataclass
-class MARPipelineOutput(BaseOutput):
-    """images (output_type), tokens [N, L, C], target forwards of the batch, and CSpD's stats (None for vanilla)."""
+class MARRun(ClassRun):
+    """A call's class inputs (`ClassRun`), its sampling settings and its randomness: orders [B, L], x_T [B, L, C],
+    step noise [B, L, S, C]."""
 
-    images: Any
-    tokens: torch.Tensor
-    num_forwards: int
-    stats: Any = None
-
-
-@dataclass
-class MARRun:
-    """The checked settings and randomness of one call: labels [B], rows [R] (labels, then the null class with
-    CFG), orders [B, L], x_T [B, L, C], step noise [B, L, S, C]."""
-
-    labels: torch.Tensor
-    rows: torch.Tensor
-    guided: bool
-    guidance_scale: float
-    cfg_schedule: str
-    temperature: float
-    num_sampling_steps: int
-    orders: torch.Tensor
-    x_start: torch.Tensor
-    step_noise: torch.Tensor
+    guidance_scale: float = 1.0
+    cfg_schedule: str = "linear"
+    temperature: float = 1.0
+    num_sampling_steps: int = 100
+    orders: torch.Tensor | None = None
+    x_start: torch.Tensor | None = None
+    step_noise: torch.Tensor | None = None
 
 
 def masked_after(step: int, num_iter: int, seq_len: int, remaining: int) -> int:
@@ -103,7 +92,6 @@ def prepare_run(model: MARModel, class_labels: Any, guidance_scale: float | None
                 output_type: str) -> MARRun:
     """Check a call's arguments (clear errors) and draw its randomness. guidance_scale / cfg_schedule None: the
     model's `default_guidance_scale` / `default_cfg_schedule`."""
-    check_output_type(output_type)
     guidance_scale = model.config.default_guidance_scale if guidance_scale is None else guidance_scale
     cfg_schedule = model.config.default_cfg_schedule if cfg_schedule is None else cfg_schedule
     check(isinstance(guidance_scale, (int, float)) and guidance_scale >= 1.0,
@@ -111,15 +99,13 @@ def prepare_run(model: MARModel, class_labels: Any, guidance_scale: float | None
     check(cfg_schedule in CFG_SCHEDULES, f"cfg_schedule must be one of {CFG_SCHEDULES}, got {cfg_schedule!r}.")
     check(isinstance(temperature, (int, float)) and temperature >= 0, f"temperature must be >= 0, got {temperature!r}.")
     check_positive_int("num_sampling_steps", num_sampling_steps)
-    check_positive_int("num_images_per_prompt", num_images_per_prompt)
-    labels = class_labels_tensor(class_labels, num_images_per_prompt, model.config.num_classes, model.device)
-    check_generators(generator, labels.shape[0])
-    guided = guidance_scale != 1.0
-    rows = torch.cat([labels, torch.full_like(labels, model.config.num_classes)]) if guided else labels
-    orders, x_start, step_noise = draw_randomness(generator, labels.shape[0], model.seq_len, num_sampling_steps,
-                                                  model.token_channels, model.device)
-    return MARRun(labels, rows, guided, float(guidance_scale), cfg_schedule, float(temperature), num_sampling_steps,
-                  orders, x_start.to(model.dtype), step_noise.to(model.dtype))
+    fields = class_run_fields(class_labels, num_images_per_prompt, model.config.num_classes, generator, output_type,
+                              guided=guidance_scale != 1.0, device=model.device)
+    orders, x_start, step_noise = draw_randomness(generator, fields["labels"].shape[0], model.seq_len,
+                                                  num_sampling_steps, model.token_channels, model.device)
+    return MARRun(**fields, guidance_scale=float(guidance_scale), cfg_schedule=cfg_schedule,
+                  temperature=float(temperature), num_sampling_steps=num_sampling_steps, orders=orders,
+                  x_start=x_start.to(model.dtype), step_noise=step_noise.to(model.dtype))
 
 
 def gather_positions(values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -163,16 +149,10 @@ def scatter_tokens(tokens: torch.Tensor, known: torch.Tensor, positions: torch.T
 
 
 def finish_run(pipe: DiffusionPipeline, model: MARModel, vae: AutoencoderKL, tokens: torch.Tensor, output_type: str,
-               return_dict: bool, num_forwards: int, stats: Any = None):
+               return_dict: bool, stats: SpecStats):
     """Decode the tokens into the requested output (tokens only for "latent")."""
-    if output_type == "latent":
-        images = tokens
-    else:
-        images = format_images(((decode_latents(vae, model.unpatchify(tokens)) + 1) / 2).clamp(0, 1), output_type)
-    pipe.maybe_free_model_hooks()
-    if not return_dict:
-        return images, tokens
-    return MARPipelineOutput(images=images, tokens=tokens, num_forwards=num_forwards, stats=stats)
+    return finish_generation(pipe, tokens, lambda: (decode_latents(vae, model.unpatchify(tokens)) + 1) / 2,
+                             output_type, return_dict, stats)
 
 
 def check_fits_vae(name: str, model: MARModel, vae: AutoencoderKL) -> None:
@@ -224,4 +204,5 @@ class MARPipeline(DiffusionPipeline):
                 bar.update(1)
                 if callback_on_step_end is not None:
                     callback_on_step_end(self, step, done, {"tokens": tokens})
-        return finish_run(self, model, self.vae, tokens, output_type, return_dict, num_iter)
+        return finish_run(self, model, self.vae, tokens, output_type, return_dict,
+                          SpecStats(num_target_forwards=num_iter))

@@ -4,7 +4,7 @@
 - `load_llamagen_gpt`: loads official `c2i_*.pt` / `t2i_*.pt` / FSDP `consolidated.pth` files (`convert_gpt.py`).
 - 2D rotary embedding helpers (`rope.py`).
 - `LlamaGenVQ`: the VQ image tokenizer (`vq.py`), `load_llamagen_vq` for official `vq_ds*.pt` files.
-- `LlamaGenPipeline`: generation with any decoding method of `methods.py` (`pipeline.py`).
+- `LlamaGenPipeline`: generation with any decoding method (`pipeline.py`; the methods are declared in `family.py`).
 
 See docs/llamagen.md.
 """
@@ -13,7 +13,6 @@ from image_ar.llamagen.convert_gpt import infer_llamagen_config, load_llamagen_g
 from image_ar.llamagen.convert_vq import convert_llamagen_vq, infer_llamagen_vq_config, load_llamagen_vq
 from image_ar.llamagen.gpt import PRESETS as GPT_PRESETS
 from image_ar.llamagen.gpt import LlamaGenGPT, LlamaGenGPTOutput, LlamaGenKVCache, ffn_hidden_dim
-from image_ar.llamagen.methods import available_methods, register_method
 from image_ar.llamagen.pipeline import LlamaGenPipeline, LlamaGenPipelineOutput
 from image_ar.llamagen.rope import apply_rope, rope_table_2d
 from image_ar.llamagen.vq import PRESETS as VQ_PRESETS
@@ -29,11 +28,9 @@ __all__ = [
     "LlamaGenVQOutput",
     "VQLossWeights",
     "VQLosses",
-    "available_methods",
     "convert_llamagen_vq",
     "infer_llamagen_vq_config",
     "load_llamagen_vq",
-    "register_method",
     "vq_loss",
     "LlamaGenGPT",
     "LlamaGenGPTOutput",

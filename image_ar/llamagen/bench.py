@@ -1,7 +1,7 @@
 """The `llamagen` bench family: the LlamaGen pipeline (embedded default or `--family-option model=PATH`).
 
-Inputs: `num_samples` class labels cycling through the classes. Methods: every method registered in
-`image_ar.llamagen.methods` (vanilla first), run through the pipeline with one generator per image seeded by
+Inputs: `num_samples` class labels cycling through the classes. Methods: every method of the family record
+(`image_ar.llamagen.family`, vanilla first), run through the pipeline with one generator per image seeded by
 (seed, sample id), so a sample's randomness does not depend on its batch. Quality: judge class accuracy and
 world-FID (against held-out real world images; compare figures with equal sample counts), plus token exactness
 versus vanilla for lossless methods at temperature 0, and at temperature > 0 how closely each method's tokens
@@ -15,8 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from image_ar.llamagen.generate import DEFAULTS, load
-from image_ar.llamagen.methods import available_methods, is_lossless, method_parameters
+from image_ar.llamagen.family import DEFAULTS, FAMILY, load
 from image_ar.llamagen.scoring import target_probs
 from mmspec.bench.image_family import (
     class_inputs,
@@ -26,7 +25,7 @@ from mmspec.bench.image_family import (
     sample_generators,
     token_calibration,
 )
-from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
+from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of
 from mmspec.compile import compile_pipeline
 
 
@@ -36,20 +35,15 @@ def _options(settings: BenchSettings) -> dict[str, Any]:
 
 def build(settings: BenchSettings):
     o = _options(settings)
-    return compile_pipeline(load(o["model"], settings.device), o["compile"], "llamagen")
+    return compile_pipeline(load(o["model"], settings.device), o["compile"])
 
 
-def given(params: Mapping[str, Any]) -> dict[str, Any]:
-    """The parameters a configuration sets (None = not given, see `methods.method_parameters`)."""
-    return {k: v for k, v in params.items() if v is not None}
-
-
-def _runner(method: str):
-    def run(pipe, batch: Sequence[Sample], settings: BenchSettings, params: Mapping[str, Any]) -> MethodOutput:
+def _runner(record):
+    def run(pipe, batch: Sequence[Sample], settings: BenchSettings, given: Mapping[str, Any]) -> MethodOutput:
         o = _options(settings)
         out = pipe(class_labels=[int(s.data) for s in batch], generator=sample_generators(batch, settings),
                    guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],
-                   top_p=o["top_p"], method=method, method_kwargs=given(params), output_type="pt")
+                   top_p=o["top_p"], method=record.name, method_kwargs=dict(given), output_type="pt")
         return MethodOutput(outputs=image_outputs(out.images, out.tokens, batch),
                             new_tokens=[out.tokens.shape[1]] * len(batch), stats=out.stats)
 
@@ -69,10 +63,7 @@ def calibration(pipe, samples: Sequence[Sample], outputs: list, settings: BenchS
 
 
 def llamagen_family() -> Family:
-    methods = {name: Method(_runner(name), lossless=lambda params, name=name: is_lossless(name, given(params)),
-                            params=method_parameters(name))
-               for name in available_methods()}
     return Family(name="llamagen", model_id=lambda s: str(_options(s)["model"] or "embedded llamagen (world)"),
-                  build=build, inputs=class_inputs, methods=methods, quality=quality, primary_quality="class_accuracy",
-                  to_turn=lambda o: o["tokens"].tolist(), model_quality=calibration,
-                  description="LlamaGen class-conditional image generation (judge accuracy, world-FID)")
+                  build=build, inputs=class_inputs, methods=methods_of(FAMILY, _runner), quality=quality,
+                  primary_quality="class_accuracy", to_turn=lambda o: o["tokens"].tolist(), model_quality=calibration,
+                  description=FAMILY.description)

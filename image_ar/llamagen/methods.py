@@ -1,28 +1,50 @@
-"""Decoding methods of the LlamaGen pipeline: each builds a drafter and an acceptance rule for the shared loop.
+"""The building blocks of the LlamaGen methods (declared in `image_ar.llamagen.family`): what a method may use
+(`MethodContext`), its acceptance rule by mode (`acceptance_rule`), the Jacobi drafter of `sjd` / `gsd` and the
+EAGLE-2 tree drafter of `eagle` / `lantern`.
 
-A method is a function `make(ctx, **kwargs) -> (drafter, rule)` registered under a name; the pipeline's
-`method=` argument and `mmspec generate --method` pick it. Issue-by-issue the registry grows (SJD, GSD, LANTERN,
-EAGLE); every method runs through `mmspec.loop.generate`, batched, with classifier-free guidance as one 2B batch.
+    ctx = MethodContext(pipe, SamplingParams(1.0), guidance_scale=4.0, prefill_fn=..., generator=gens, batch_size=2)
+    rule = acceptance_rule(ctx, "lantern", delta=0.2)          # LanternRule over the VQ codebook's neighbours
+    drafter = llamagen_jacobi_drafter(ctx, window=16)           # SJD's window over the VQ vocabulary
+
+A rule's parameters and their defaults are its constructor's (`mmspec.verify`); the pipeline supplies what comes
+from the models: LANTERN's neighbour table (from the VQ codebook, built once per pipeline and k), GSD's embedding
+table (`embeddings`: "target" the transformer's input token embeddings, "codebook" the VQ codebook, None), and the
+greedy variants at temperature 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from mmspec.errors import InputError, check
-from mmspec.lm import DraftModelDrafter, NoDrafter, PrefillFn
+from image_ar.llamagen.eagle import EagleTreeDrafter
+from image_ar.llamagen.rope import grid_size_of
+from mmspec.errors import InputError, check, check_positive_int
+from mmspec.families import parameters_of
+from mmspec.jacobi import JacobiDrafter, check_init, check_interval
+from mmspec.lm import DRAFT_ROOM, PrefillFn
 from mmspec.sampling import SamplingParams
+from mmspec.verify import AcceptanceRule, GSDRule, LanternRule
+
+# LMTarget (as the pipeline builds it) keeps room for DRAFT_ROOM draft entries after the last token
+MAX_WINDOW = DRAFT_ROOM + 1
+# acceptance modes a method's `accept` may name, and the parameters the pipeline supplies to their rules itself
+ACCEPT_RULES: dict[str, type[AcceptanceRule] | None] = {"lossless": None, "lantern": LanternRule, "gsd": GSDRule}
+SUPPLIED = ("neighbours", "greedy")
+GSD_EMBEDDINGS = ("target", "codebook", None)
+# the GSD embedding table is named, not passed: "target" by default (as the official GSD code)
+GSD_TABLE = {"embeddings": "target"}
+TRAIN_HINT = ("train one with `mmspec train llamagen-drafter --pipeline PIPELINE --out PIPELINE/eagle_drafter` "
+              "(it registers the component in PIPELINE/model_index.json), or pass eagle_drafter= to the pipeline")
 
 
 @dataclass
 class MethodContext:
-    """What a method may use to build its drafter."""
+    """What a method may use to build its drafter and rule."""
 
-    pipeline: Any  # the LlamaGenPipeline (its transformer, vqvae, optional draft_transformer)
+    pipeline: Any  # the LlamaGenPipeline (its transformer, vqvae, optional draft_transformer and eagle_drafter)
     params: SamplingParams  # the target's sampling settings
     guidance_scale: float | None  # None = no CFG
     prefill_fn: PrefillFn  # runs the condition for a model: (model, labels/embeddings, extra) -> (cache, logits)
@@ -34,13 +56,13 @@ class MethodContext:
 
     def neighbour_table(self, k: int) -> torch.Tensor:
         """LANTERN's latent-neighbour table of the VQ codebook (raw codebook vectors, as the reference code), built
-        once per pipeline and kept on it."""
-        cache = self.pipeline.__dict__.setdefault("_mmspec_neighbour_tables", {})
-        if k not in cache:
+        once per pipeline and k (`LlamaGenPipeline.lantern_tables`)."""
+        tables = self.pipeline.lantern_tables
+        if k not in tables:
             from mmspec.verify import build_neighbour_table
 
-            cache[k] = build_neighbour_table(self.pipeline.vqvae.quantize.embedding.weight.detach().float().cpu(), k)
-        return cache[k]
+            tables[k] = build_neighbour_table(self.pipeline.vqvae.quantize.embedding.weight.detach().float().cpu(), k)
+        return tables[k]
 
     def token_embeddings(self, table: str | None = "target") -> torch.Tensor | None:
         """GSD's embedding table [V, C]: "target" the transformer's input token embeddings (as the official GSD code
@@ -54,122 +76,72 @@ class MethodContext:
         return None
 
 
-GSD_EMBEDDINGS = ("target", "codebook", None)
-# acceptance modes and the parameters each takes
-MODE_PARAMS = {"lossless": (), "lantern": ("k", "delta", "lam", "reject"),
-               "gsd": ("group_size", "p_thr", "d_thr", "embeddings", "group_window")}
-ACCEPT_MODES = tuple(MODE_PARAMS)
+def accept_params(mode: str) -> dict[str, Any]:
+    """The parameters (with defaults) acceptance mode `mode` takes: its rule constructor's, less what the pipeline
+    supplies, with GSD's table named."""
+    rule = ACCEPT_RULES[mode]
+    if rule is None:
+        return {}
+    return {**parameters_of(rule, skip=SUPPLIED), **(GSD_TABLE if rule is GSDRule else {})}
 
 
-def acceptance_rule(ctx: MethodContext, accept: str = "lossless", **params):
-    """The acceptance rule of a method: `accept` names the mode, `params` its parameters.
-
-    lossless: exact (greedy at temperature 0). lantern: k (1000), delta (0.1) or lam, reject ('moved' | 'code');
-    at temperature 0 its greedy variant. gsd: group_size (50), p_thr (0.15), d_thr (0.5), embeddings ("target": the
-    transformer's token embeddings | "codebook" | None), group_window ("shifted" | "code": GSDRule's window).
-    """
-    from mmspec.verify import GSDRule, LanternRule
-
-    if accept not in MODE_PARAMS:
-        raise InputError(f"unknown acceptance mode {accept!r}; choose one of {', '.join(ACCEPT_MODES)}.")
-    unknown = sorted(set(params) - set(MODE_PARAMS[accept]))
+def acceptance_rule(ctx: MethodContext, accept: str = "lossless", **given: Any) -> AcceptanceRule | str:
+    """The acceptance rule of a method: `accept` names the mode, `given` the parameters of its rule that a caller
+    set (the rule's defaults apply to the rest). lossless is exact (greedy at temperature 0); lantern is LANTERN
+    over the VQ codebook's neighbours (its greedy variant at temperature 0); gsd is GSD's grouped rule (at
+    temperature 0 p is one-hot and it reduces to greedy verification)."""
+    if accept not in ACCEPT_RULES:
+        raise InputError(f"unknown acceptance mode {accept!r}; choose one of {', '.join(ACCEPT_RULES)}.")
+    takes = accept_params(accept)
+    unknown = sorted(set(given) - set(takes))
     if unknown:
-        takes = ", ".join(MODE_PARAMS[accept]) or "no parameters"
-        raise InputError(f"accept={accept!r} takes {takes}; got {', '.join(unknown)}.")
+        raise InputError(f"accept={accept!r} takes {', '.join(takes) or 'no parameters'}; got {', '.join(unknown)}.")
     if accept == "lossless":
         return ctx.rule_name()
     if accept == "lantern":
-        k = int(params.pop("k", 1000))
-        table = ctx.neighbour_table(min(k, ctx.pipeline.vqvae.config.codebook_size - 1))
-        return LanternRule(table, k=k, greedy=ctx.params.greedy, **params)
-    # gsd: at temperature 0 p is one-hot, and grouped acceptance reduces to greedy verification
-    table = ctx.token_embeddings(params.pop("embeddings", "target"))
-    return GSDRule(embeddings=table, window=params.pop("group_window", "shifted"), **params)
+        k = min(int(given.pop("k", takes["k"])), ctx.pipeline.vqvae.config.codebook_size - 1)
+        return LanternRule(ctx.neighbour_table(k), k=k, greedy=ctx.params.greedy, **given)
+    return GSDRule(embeddings=ctx.token_embeddings(given.pop("embeddings", GSD_TABLE["embeddings"])), **given)
 
 
-MethodFactory = Callable[..., tuple[Any, Any]]
-# lossless(params) -> whether the method keeps the target distribution exactly with these parameters
-LosslessFn = Callable[[dict], bool]
-_METHODS: dict[str, MethodFactory] = {}
-_LOSSLESS: dict[str, LosslessFn] = {}
-_PASSTHROUGH: dict[str, tuple[str, ...]] = {}
-# the parameters `acceptance_rule` takes for its non-default modes (what a method's `**accept_params` may hold)
-ACCEPT_PARAMS = tuple(name for names in MODE_PARAMS.values() for name in names)
+# ------------------------------------------------------------------------------------------------ drafters
+def resolve_interval(interval: Any, block_size: int, window: int) -> tuple[int, int]:
+    """The image-token indices where Jacobi runs: None = the whole image, "reference" = the official LlamaGen
+    script's (3, block_size - window - 2) (docs/sjd_gsd.md), or (start, end) with 0 <= start < end <= block_size."""
+    if interval is None:
+        return 0, block_size
+    if interval == "reference":
+        interval = (3, block_size - window - 2)
+        check(interval[1] > interval[0], f"interval='reference' is ({interval[0]}, {interval[1]}), empty for "
+                                         f"block_size {block_size} and window {window}; pass (start, end).")
+    start, end = check_interval(interval)
+    end = block_size if end is None else end
+    check(start < block_size and end <= block_size,
+          f"interval {interval!r} must lie inside the image: 0 <= start < end <= block_size ({block_size}).")
+    return start, end
 
 
-def accepts_losslessly(params: dict) -> bool:
-    """The default: exact unless an `accept` mode other than 'lossless' is chosen."""
-    return params.get("accept", "lossless") == "lossless"
+def llamagen_jacobi_drafter(ctx: MethodContext, window: int = 16, init: str = "random",
+                            interval: Any = None) -> JacobiDrafter:
+    """A JacobiDrafter over the pipeline's VQ vocabulary: `window` positions re-sampled from the target every
+    forward; init "random" (Lumina-mGPT setting) | "repeat_horizon" (LlamaGen t2i setting) | "sample_horizon";
+    interval None (the whole image), "reference" or (start, end) image-token indices (a row drafts only when its
+    next token index is >= start, never a token index >= end). The image row width feeds the horizon inits; the
+    user's generator(s) draw; greedy tails at temperature 0."""
+    check_positive_int("window", window)
+    check(window <= MAX_WINDOW, f"window must be <= {MAX_WINDOW} (the target's cache keeps room for "
+                                f"{MAX_WINDOW - 1} drafts), got {window}.")
+    check_init(init)
+    config = ctx.pipeline.transformer.config
+    start, end = resolve_interval(interval, config.block_size, window)
+    return JacobiDrafter(config.vocab_size, window, init, interval=(start, end), generator=ctx.generator,
+                         greedy=ctx.params.greedy, row_width=grid_size_of(config.block_size))
 
 
-def register_method(name: str, lossless: LosslessFn = accepts_losslessly,
-                    passthrough: tuple[str, ...] = ()) -> Callable[[MethodFactory], MethodFactory]:
-    """Register `make(ctx, **params) -> (drafter, rule)` under `name`; `lossless(params)` says whether it is exact;
-    `passthrough` names the parameters its `**kwargs` forwards (listed by `method_parameters`)."""
-
-    def wrap(fn: MethodFactory) -> MethodFactory:
-        _METHODS[name] = fn
-        _LOSSLESS[name] = lossless
-        _PASSTHROUGH[name] = tuple(passthrough)
-        return fn
-
-    return wrap
-
-
-def available_methods() -> list[str]:
-    return list(_METHODS)
-
-
-def is_lossless(name: str, params: dict | None = None) -> bool:
-    """Whether method `name` with `params` keeps the target's output distribution exactly."""
-    if name not in _METHODS:
-        raise InputError(f"unknown LlamaGen method {name!r}; available: {', '.join(available_methods())}.")
-    return _LOSSLESS[name](dict(params or {}))
-
-
-def method_parameters(name: str) -> dict[str, Any]:
-    """The parameters method `name` takes, with their defaults; those its `**kwargs` forwards default to None
-    (None = not given: callers drop None values before building the method)."""
-    import inspect
-
-    if name not in _METHODS:
-        raise InputError(f"unknown LlamaGen method {name!r}; available: {', '.join(available_methods())}.")
-    params = {p.name: p.default for p in list(inspect.signature(_METHODS[name]).parameters.values())[1:]
-              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    return {**params, **{key: None for key in _PASSTHROUGH[name] if key not in params}}
-
-
-def build_method(name: str, ctx: MethodContext, **kwargs) -> tuple[Any, Any]:
-    if name not in _METHODS:
-        raise InputError(f"unknown LlamaGen method {name!r}; available: {', '.join(available_methods())}.")
-    try:
-        return _METHODS[name](ctx, **kwargs)
-    except TypeError as err:
-        raise InputError(f"bad parameters for method {name!r}: {err}") from None
-
-
-@register_method("vanilla")
-def vanilla(ctx: MethodContext) -> tuple[Any, Any]:
-    """One target forward per token (the reference every method is compared with)."""
-    return NoDrafter(), ctx.rule_name()
-
-
-@register_method("draft-model")
-def draft_model(ctx: MethodContext, num_draft_tokens: int = 4, draft_temperature: float | None = None) -> tuple:
-    """Classic speculative sampling with the pipeline's small `draft_transformer` (same VQ vocabulary), which
-    drafts with the same CFG and sampling settings (its own temperature if given); lossless."""
-    draft = ctx.pipeline.draft_transformer
-    check(draft is not None, "method 'draft-model' needs a pipeline with a draft_transformer component.")
-    target = ctx.pipeline.transformer
-    check(draft.config.vocab_size == target.config.vocab_size,
-          f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the target's "
-          f"({target.config.vocab_size}); they must share the VQ codebook.")
-    params = ctx.params if draft_temperature is None else SamplingParams(draft_temperature, ctx.params.top_k,
-                                                                         ctx.params.top_p)
-    drafter = DraftModelDrafter(draft, num_draft_tokens, params, ctx.generator, guidance_scale=ctx.guidance_scale,
-                                prefill_fn=ctx.prefill_fn)
-    return drafter, ctx.rule_name()
-
-
-# method modules register themselves on import (they need register_method and acceptance_rule defined above)
-from image_ar.llamagen import eagle_methods, jacobi_methods  # noqa: E402,F401  (eagle, lantern, sjd, gsd)
+def eagle_tree_drafter(ctx: MethodContext, method: str, **tree: Any) -> EagleTreeDrafter:
+    """The pipeline's eagle_drafter as the loop's EAGLE-2 tree drafter with `tree` = top_k, depth, total_tokens
+    (defaults: `EagleTreeDrafter`'s), drafting with the target's CFG scale; InputError when there is none."""
+    model = getattr(ctx.pipeline, "eagle_drafter", None)
+    if model is None:
+        raise InputError(f"method {method!r} needs a pipeline with an eagle_drafter component; {TRAIN_HINT}.")
+    return EagleTreeDrafter(model, ctx.pipeline.transformer, ctx.params, guidance_scale=ctx.guidance_scale, **tree)

@@ -7,39 +7,33 @@
 The transformer generates `block_size` VQ tokens in raster order through the shared draft-verify loop
 (`mmspec.loop.generate`); classifier-free guidance runs the conditional and unconditional halves as one batch of
 2B rows fed the same sampled token (LlamaGen's way). The VQ decoder turns the tokens into images. `method=`
-picks the decoding method (`image_ar.llamagen.methods`), e.g. "vanilla" or "draft-model".
+picks the decoding method, e.g. "vanilla", "sjd" or "eagle" (declared in `image_ar.llamagen.family`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import PIL.Image
 import torch
 from diffusers import DiffusionPipeline
-from diffusers.utils import BaseOutput
 
+from image_ar.llamagen.family import FAMILY
 from image_ar.llamagen.gpt import LlamaGenGPT
-from image_ar.llamagen.methods import MethodContext, build_method
+from image_ar.llamagen.methods import MethodContext
 from image_ar.llamagen.vq import LlamaGenVQ
 from mmspec.errors import check
 from mmspec.loop import generate
-from mmspec.pipeline_io import check_generators, check_output_type, class_labels_tensor, format_images
+from mmspec.pipeline_io import (
+    GenerationOutput,
+    check_generators,
+    check_output_type,
+    class_run_fields,
+    finish_generation,
+)
 from mmspec.sampling import SamplingParams
-from mmspec.stats import SpecStats
 
-
-@dataclass
-class LlamaGenPipelineOutput(BaseOutput):
-    """images: PIL list, np [N, H, W, 3] in [0, 1], or torch [N, 3, H, W] in [0, 1] (output_type); for
-    output_type='latent' the token grid. tokens: [N, block_size]. stats: the run's SpecStats."""
-
-    images: list[PIL.Image.Image] | np.ndarray | torch.Tensor
-    tokens: torch.Tensor
-    stats: SpecStats
+LlamaGenPipelineOutput = GenerationOutput  # images, tokens [N, block_size], stats (the run's SpecStats)
 
 
 def condition_prefill(guided: bool, cond_mask: torch.Tensor | None = None):
@@ -61,11 +55,6 @@ def condition_prefill(guided: bool, cond_mask: torch.Tensor | None = None):
     return prefill
 
 
-def tokens_to_images(vqvae: LlamaGenVQ, tokens: torch.Tensor, output_type: str):
-    """Decode [N, h*w] tokens to images in [0, 1] as PIL / np / pt."""
-    return format_images((vqvae.decode_code(tokens) + 1) / 2, output_type)  # [N, 3, H, W] in [0, 1]
-
-
 class LlamaGenPipeline(DiffusionPipeline):
     """LlamaGen target + VQ tokenizer, and optional drafters: a small draft LlamaGen (method draft-model) and an
     EAGLE drafter over the target's features (methods eagle, lantern)."""
@@ -79,6 +68,7 @@ class LlamaGenPipeline(DiffusionPipeline):
         super().__init__()
         self.register_modules(transformer=transformer, vqvae=vqvae, draft_transformer=draft_transformer,
                               eagle_drafter=eagle_drafter)
+        self.lantern_tables: dict[int, torch.Tensor] = {}  # LANTERN's neighbour tables of the VQ codebook, per k
 
     def compile_forwards(self, mode: str | None = "default") -> LlamaGenPipeline:
         """`torch.compile` the step forwards of the transformer and of the drafters present
@@ -96,17 +86,25 @@ class LlamaGenPipeline(DiffusionPipeline):
         return self
 
     # ----------------------------------------------------------------------------------------- inputs
-    def _conditions(self, class_labels, prompt_embeds, num_images_per_prompt: int) -> torch.Tensor:
+    def _conditions(self, class_labels, prompt_embeds, num_images_per_prompt: int, generator,
+                    output_type: str) -> torch.Tensor:
+        """The checked conditions [N] (class ids) or [N, cls_token_num, caption_dim] (caption features)."""
         model = self.transformer
         device = model.device
         if model.config.model_type == "c2i":
             check(prompt_embeds is None,
                   "this is a class-conditional (c2i) model: pass class_labels, not prompt_embeds.")
-            return class_labels_tensor(class_labels, num_images_per_prompt, model.config.num_classes, device)
+            return class_run_fields(class_labels, num_images_per_prompt, model.config.num_classes, generator,
+                                    output_type, guided=False, device=device)["labels"]
+        check_output_type(output_type)
+        check(isinstance(num_images_per_prompt, int) and num_images_per_prompt >= 1,
+              f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}.")
         check(class_labels is None, "this is a text-conditional (t2i) model: pass prompt_embeds, not class_labels.")
         check(isinstance(prompt_embeds, torch.Tensor) and prompt_embeds.dim() == 3,
               "prompt_embeds must be [B, cls_token_num, caption_dim] caption features (e.g. flan-t5-xl).")
-        return prompt_embeds.repeat_interleave(num_images_per_prompt, dim=0).to(device)
+        cond = prompt_embeds.repeat_interleave(num_images_per_prompt, dim=0).to(device)
+        check_generators(generator, cond.shape[0])
+        return cond
 
     # ------------------------------------------------------------------------------------------- call
     @torch.no_grad()
@@ -125,24 +123,20 @@ class LlamaGenPipeline(DiffusionPipeline):
         the batch it was generated in). callback_on_step_end(pipe, step, num_tokens, {"tokens": [N, T]}) runs
         after every loop iteration (read-only; return {"stop": True} to end early, e.g. a UI's cancel button).
         """
-        check_output_type(output_type)
-        check(isinstance(num_images_per_prompt, int) and num_images_per_prompt >= 1,
-              f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}.")
         check(isinstance(guidance_scale, (int, float)), f"guidance_scale must be a number, got {guidance_scale!r}.")
         for name in callback_on_step_end_tensor_inputs or []:
             check(name in self._callback_tensor_inputs,
                   f"callback tensor input {name!r} not available; choose from {self._callback_tensor_inputs}.")
         params = SamplingParams(temperature, top_k, top_p)
-        cond = self._conditions(class_labels, prompt_embeds, num_images_per_prompt)
+        cond = self._conditions(class_labels, prompt_embeds, num_images_per_prompt, generator, output_type)
         batch = cond.shape[0]
-        check_generators(generator, batch)
         guided = guidance_scale != 1.0
         cond_mask = None
         if prompt_embeds_mask is not None:
             cond_mask = prompt_embeds_mask.bool().repeat_interleave(num_images_per_prompt, dim=0).to(cond.device)
         ctx = MethodContext(self, params, guidance_scale if guided else None, condition_prefill(guided, cond_mask),
                             generator, batch)
-        drafter, rule = build_method(method, ctx, **(method_kwargs or {}))
+        drafter, rule = FAMILY.get_method(method).build(ctx, method_kwargs, "LlamaGen")
 
         from mmspec.lm import DRAFT_ROOM, LMTarget  # the target: the transformer with CFG, under the sampling params
 
@@ -170,12 +164,7 @@ class LlamaGenPipeline(DiffusionPipeline):
             bar.update(block - bar.n)
 
         tokens = gen.tokens  # [N, block]
-        if output_type == "latent":
-            images: Any = tokens
-        else:
+        if output_type != "latent":
             check(bool((tokens >= 0).all()), "generation stopped early; no image to decode (use output_type='latent').")
-            images = tokens_to_images(self.vqvae, tokens, output_type)
-        self.maybe_free_model_hooks()
-        if not return_dict:
-            return images, tokens, gen.stats
-        return LlamaGenPipelineOutput(images=images, tokens=tokens, stats=gen.stats)
+        return finish_generation(self, tokens, lambda: (self.vqvae.decode_code(tokens) + 1) / 2, output_type,
+                                 return_dict, gen.stats)

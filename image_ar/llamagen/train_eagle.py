@@ -233,7 +233,6 @@ def measure_acceptance(pipe: LlamaGenPipeline, n: int, seed: int) -> dict:
     time and (world pipelines) the world judge's class accuracy of vanilla / eagle / lantern on n images
     (classes round-robin, one generator per image), one batch each, at temperature 0 and at the pipeline's
     default sampling (guidance 4.0, temperature 1.0, no top-k / top-p)."""
-    import image_ar.llamagen.eagle_methods  # noqa: F401  (registers eagle and lantern)
     from mmspec.metrics import class_accuracy
 
     check_positive_int("eval images", n)

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from image_ar.var.generate import DEFAULTS, forward_stats, load, method_pipeline
+from image_ar.var.family import DEFAULTS, FAMILY, load
 from mmspec.bench.image_family import class_inputs, image_options, image_outputs, image_quality, sample_generators
-from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
+from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of
 from mmspec.compile import compile_pipeline
 
 
@@ -27,19 +27,18 @@ def _options(settings: BenchSettings) -> dict[str, Any]:
 
 def build(settings: BenchSettings):
     o = _options(settings)
-    return compile_pipeline(load(o["model"], settings.device), o["compile"], "var")
+    return compile_pipeline(load(o["model"], settings.device), o["compile"])
 
 
-def _runner(method: str):
-    def run(pipe, batch: Sequence[Sample], settings: BenchSettings, params: Mapping[str, Any]) -> MethodOutput:
+def _runner(record):
+    def run(pipe, batch: Sequence[Sample], settings: BenchSettings, given: Mapping[str, Any]) -> MethodOutput:
         o = _options(settings)
-        call, extra = method_pipeline(pipe, method, {k: v for k, v in params.items() if v is not None})
+        call, extra = record.build(pipe, given, FAMILY.name)
         out = call(class_labels=[int(s.data) for s in batch], generator=sample_generators(batch, settings),
                    guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],
                    top_p=o["top_p"], output_type="pt", **extra)
-        stats = forward_stats(len(call.vqvae.config.patch_nums), out.draft_steps)
         return MethodOutput(outputs=image_outputs(out.images, out.tokens, batch),
-                            new_tokens=[out.tokens.shape[1]] * len(batch), stats=stats)
+                            new_tokens=[out.tokens.shape[1]] * len(batch), stats=out.stats)
 
     return run
 
@@ -50,11 +49,7 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
 
 
 def var_family() -> Family:
-    methods = {"vanilla": Method(_runner("vanilla"), lossless=True,
-                                 description="the large VAR alone (CoDe's baseline)"),
-               "code": Method(_runner("code"), lossless=False, params={"draft_steps": None},
-                              description="CoDe: large model for the first draft_steps scales, small for the rest")}
     return Family(name="var", model_id=lambda s: str(_options(s)["model"] or "embedded var (world)"),
-                  build=build, inputs=class_inputs, methods=methods, quality=quality, primary_quality="class_accuracy",
-                  to_turn=lambda o: o["tokens"].tolist(),
-                  description="VAR next-scale class-conditional generation and CoDe (judge accuracy, world-FID)")
+                  build=build, inputs=class_inputs, methods=methods_of(FAMILY, _runner), quality=quality,
+                  primary_quality="class_accuracy", to_turn=lambda o: o["tokens"].tolist(),
+                  description=FAMILY.description)

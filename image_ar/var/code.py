@@ -99,5 +99,4 @@ class CoDePipeline(DiffusionPipeline):
                 cache = (refiner_prefill(self.refiner, quantizer, run, state, n) if n > 0
                          else self.refiner.new_cache(run.rows.shape[0], device=run.labels.device))
                 generate_scales(self.refiner, quantizer, run, state, cache, range(n, n_scales), generator, on_scale)
-        forwards = n_scales + (1 if 0 < n < n_scales else 0)  # the refiner's prefill is one more forward
-        return finish_run(self, self.vqvae, state, output_type, return_dict, forwards, n)
+        return finish_run(self, self.vqvae, state, output_type, return_dict, n)  # stats count the hand-over prefill

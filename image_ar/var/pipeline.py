@@ -11,7 +11,9 @@ logits = (1 + t) cond - t uncond, i.e. `cfg_combine` with scale 1 + t; then temp
 scale), top-k, top-p, and sampling from the user's generator(s); the codes update f_hat through the quantiser.
 `generate_scales` is the loop as a free function over a range of scales, so collaborative decoding (CoDe) can run
 scales 0..N-1 with one model and the rest with another; `prepare_run`, `scale_progress` and `finish_run` are
-the rest of a call, shared by both pipelines.
+the rest of a call, shared by both pipelines, in the shape every image pipeline has (`mmspec.pipeline_io`): the
+output is a `GenerationOutput` (images, tokens, stats: the large model's forwards as target forwards, the small
+one's, its hand-over prefill included, as draft forwards) plus CoDe's split.
 """
 
 from __future__ import annotations
@@ -22,25 +24,22 @@ from typing import Any
 
 import torch
 from diffusers import DiffusionPipeline
-from diffusers.utils import BaseOutput
 
 from image_ar.var.quantizer import MultiScaleQuantizer
 from image_ar.var.transformer import VARTransformer
 from image_ar.var.vqvae import VARVQVAE
 from mmspec.cache import StaticKVCache
 from mmspec.errors import check
-from mmspec.pipeline_io import check_generators, check_output_type, class_labels_tensor, format_images
+from mmspec.pipeline_io import ClassRun, GenerationOutput, class_run_fields, finish_generation
 from mmspec.sampling import Generators, SamplingParams, cfg_combine, sample_logits, split_cfg_batch
+from mmspec.stats import SpecStats
 
 
 @dataclass
-class VARPipelineOutput(BaseOutput):
-    """images (output_type), tokens [N, L] (the codes of every scale, concatenated), transformer forwards of the
-    batch, and CoDe's split (None for vanilla)."""
+class VARPipelineOutput(GenerationOutput):
+    """A `GenerationOutput` (tokens [N, L]: the codes of every scale, concatenated) and CoDe's split (None for
+    vanilla)."""
 
-    images: Any
-    tokens: torch.Tensor
-    num_forwards: int
     draft_steps: int | None = None
 
 
@@ -79,39 +78,32 @@ def check_fits_vqvae(name: str, model: VARTransformer, vqvae: VARVQVAE) -> None:
           f"the {name}'s vocabulary differs from the VQVAE's codebook size.")
 
 
-def cfg_rows(labels: torch.Tensor, num_classes: int, guided: bool) -> torch.Tensor:
-    """The rows a model runs: labels [B], then the null class for each with CFG -> [R] (R = 2B, or B)."""
-    return torch.cat([labels, torch.full_like(labels, num_classes)]) if guided else labels
-
-
 @dataclass
-class ScaleRun:
-    """The checked settings of one pipeline call: labels [B], the CFG rows [R], per-scale sampling parameters
-    and guidance scales."""
+class ScaleRun(ClassRun):
+    """A call's class inputs (`ClassRun`) and its per-scale sampling parameters and guidance scales."""
 
-    labels: torch.Tensor
-    rows: torch.Tensor
-    guided: bool
-    params: list[SamplingParams]
-    guidance: list[float]
+    params: list[SamplingParams] = field(default_factory=list)
+    guidance: list[float] = field(default_factory=list)
 
 
 def prepare_run(model: VARTransformer, class_labels: Any, guidance_scale: float, temperature: float | Sequence[float],
                 top_k: int, top_p: float, num_images_per_prompt: int, generator: Generators,
                 output_type: str) -> ScaleRun:
     """Check a call's arguments (clear errors) and resolve them per scale."""
-    check_output_type(output_type)
     check(isinstance(guidance_scale, (int, float)) and guidance_scale >= 0,
           f"guidance_scale must be a number >= 0, got {guidance_scale!r}.")
-    check(isinstance(num_images_per_prompt, int) and num_images_per_prompt >= 1,
-          f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}.")
     n_scales = len(model.patch_nums)
+    fields = class_run_fields(class_labels, num_images_per_prompt, model.config.num_classes, generator, output_type,
+                              guided=guidance_scale > 0, device=model.device)
     params = [SamplingParams(t, top_k, top_p) for t in per_scale(temperature, n_scales, "temperature")]
-    labels = class_labels_tensor(class_labels, num_images_per_prompt, model.config.num_classes, model.device)
-    check_generators(generator, labels.shape[0])
-    guided = guidance_scale > 0
-    return ScaleRun(labels, cfg_rows(labels, model.config.num_classes, guided), guided, params,
-                    guidance_schedule(guidance_scale, n_scales))
+    return ScaleRun(**fields, params=params, guidance=guidance_schedule(guidance_scale, n_scales))
+
+
+def forward_stats(num_scales: int, draft_steps: int | None) -> SpecStats:
+    """Large-model forwards as target forwards, small-model forwards (hand-over prefill included) as draft ones."""
+    n = num_scales if draft_steps is None else draft_steps
+    small = (num_scales - n) + (1 if 0 < n < num_scales else 0)
+    return SpecStats(num_target_forwards=n, num_draft_forwards=small)
 
 
 def scale_progress(pipe: DiffusionPipeline, bar: Any, model: VARTransformer,
@@ -127,15 +119,12 @@ def scale_progress(pipe: DiffusionPipeline, bar: Any, model: VARTransformer,
 
 
 def finish_run(pipe: DiffusionPipeline, vqvae: VARVQVAE, state: ScaleState, output_type: str, return_dict: bool,
-               num_forwards: int, draft_steps: int | None = None):
-    """Decode the final f_hat into the requested output (tokens only for "latent")."""
+               draft_steps: int | None = None):
+    """Decode the final f_hat into the requested output (tokens only for "latent"), with the forward counts."""
     tokens = torch.cat(state.pyramid, 1)  # [N, L]
-    images = tokens if output_type == "latent" else format_images((vqvae.fhat_to_images(state.f_hat) + 1) / 2,
-                                                                   output_type)
-    pipe.maybe_free_model_hooks()
-    if not return_dict:
-        return images, tokens
-    return VARPipelineOutput(images=images, tokens=tokens, num_forwards=num_forwards, draft_steps=draft_steps)
+    stats = forward_stats(len(state.pyramid), draft_steps)
+    return finish_generation(pipe, tokens, lambda: (vqvae.fhat_to_images(state.f_hat) + 1) / 2, output_type,
+                             return_dict, stats, VARPipelineOutput, draft_steps=draft_steps)
 
 
 def generate_scales(model: VARTransformer, quantizer: MultiScaleQuantizer, run: ScaleRun, state: ScaleState,
@@ -194,4 +183,4 @@ class VARPipeline(DiffusionPipeline):
         with self.progress_bar(total=len(model.patch_nums)) as bar:
             state = generate_scales(model, self.vqvae.quantize, run, ScaleState(), cache, range(len(model.patch_nums)),
                                     generator, scale_progress(self, bar, model, callback_on_step_end))
-        return finish_run(self, self.vqvae, state, output_type, return_dict, len(model.patch_nums))
+        return finish_run(self, self.vqvae, state, output_type, return_dict)

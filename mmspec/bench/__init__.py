@@ -5,7 +5,8 @@
                        settings=BenchSettings(num_samples=16, max_new_tokens=64))
     summary = write_outputs(result, "runs/toy")   # results.jsonl, summary.md, summary.json, PNG plots
 
-Pipelines offer their methods through the family registry (`register_family`, see `mmspec.bench.registry`);
+Families offer their methods through their records (`mmspec.families`; bench-only ones: `register_family`, see
+`mmspec.bench.registry`);
 the `toy` family (`mmspec.bench.toy`) proves the harness on the toy LM target. docs/benchmarks.md explains
 every column and plot.
 """
@@ -13,7 +14,6 @@ every column and plot.
 from mmspec.bench.configs import MethodConfig, parse_method_list
 from mmspec.bench.output import write_outputs
 from mmspec.bench.registry import (
-    BUILTIN_FAMILIES,
     REFERENCE_METHOD,
     BenchSettings,
     Family,
@@ -22,13 +22,14 @@ from mmspec.bench.registry import (
     Sample,
     available_families,
     get_family,
+    methods_of,
     register_family,
     unregister_family,
 )
 from mmspec.bench.runner import BenchResult, RunResult, plan_steps, run_bench
 
 __all__ = [
-    "BUILTIN_FAMILIES", "REFERENCE_METHOD", "BenchResult", "BenchSettings", "Family", "Method", "MethodConfig",
-    "MethodOutput", "RunResult", "Sample", "available_families", "get_family", "parse_method_list", "plan_steps",
+    "REFERENCE_METHOD", "BenchResult", "BenchSettings", "Family", "Method", "MethodConfig", "MethodOutput",
+    "RunResult", "Sample", "available_families", "get_family", "methods_of", "parse_method_list", "plan_steps",
     "register_family", "run_bench", "unregister_family", "write_outputs",
 ]

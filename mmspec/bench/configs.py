@@ -3,7 +3,9 @@
     "vanilla,draft-model,tree:depth=6:top_k=8"  ->  three configurations, labelled as written
 
 A configuration is `NAME[:KEY=VALUE[:KEY=VALUE...]]`; values are read as bool, int, float, else text, and
-override the method's defaults (an unknown key is an error). The reference configuration (plain `vanilla`) is
+override the method's defaults (an unknown key is an error). `given` holds what the configuration sets (what the
+method's run receives, so the constructors' own defaults apply to the rest); `params` the defaults with those on
+top (what reports show). The reference configuration (plain `vanilla`) is
 always included and always runs first (it is added when the list does not name it, moved to the front when the
 list names it elsewhere), so every method's quality and speed-up can be taken against it within the same pass.
 """
@@ -11,7 +13,7 @@ list names it elsewhere), so every method's quality and speed-up can be taken ag
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mmspec.bench.registry import REFERENCE_METHOD, Family
@@ -25,6 +27,7 @@ class MethodConfig:
     label: str
     method: str
     params: Mapping[str, Any]
+    given: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def is_reference(self) -> bool:
@@ -51,16 +54,16 @@ def parse_config(text: str, family: Family) -> MethodConfig:
         raise InputError(f"unknown method {name!r} for bench family {family.name!r}; known methods: "
                          f"{', '.join(family.methods)}.")
     defaults = dict(family.methods[name].params)
-    params = dict(defaults)
+    given = {}
     for item in assignments:
         key, sep, value = item.partition("=")
         check(sep == "=" and key != "", f"method parameter {item!r} in {text!r} must be KEY=VALUE.")
         if key not in defaults:
             known = ", ".join(defaults) or "none"
             raise InputError(f"method {name!r} has no parameter {key!r}; its parameters: {known}.")
-        params[key] = parse_value(value)
+        given[key] = parse_value(value)
     label = name if not assignments else ":".join([name, *assignments])
-    return MethodConfig(label=label, method=name, params=params)
+    return MethodConfig(label=label, method=name, params={**defaults, **given}, given=given)
 
 
 def parse_method_list(methods: str | Sequence[str] | None, family: Family) -> list[MethodConfig]:

@@ -1,10 +1,11 @@
-"""The family registry: how a pipeline offers its methods to `mmspec bench`.
+"""How a family offers its methods to `mmspec bench`: the bench view of a family record (`mmspec.families`).
 
-A *family* is one model setup (the toy LM, LlamaGen, VAR, MAR, a VLM) with the methods that run on it. It is
-declared by a cheap, argument-free factory that returns a `Family`; the harness calls `Family.build` once per
-bench to make the models (shared by every method), `Family.inputs` once for the seeded inputs, then each
-`Method.run` on batches of those inputs, and `Family.quality` on each method's outputs against the vanilla
-outputs of the same repeat.
+A bench `Family` is one model setup (the toy LM, LlamaGen, VAR, MAR, a VLM) with the methods that run on it. A
+family record's `bench` hook returns it; the harness calls `Family.build` once per bench to make the models (shared
+by every method), `Family.inputs` once for the seeded inputs, then each `Method.run` on batches of those inputs
+(with the parameters a configuration sets), and `Family.quality` on each method's outputs against the vanilla
+outputs of the same repeat. `methods_of(record, runner)` turns the record's methods into bench methods, so a method
+declared once in its family shows up here with its parameters, defaults and losslessness.
 
     from mmspec.bench import Family, Method, MethodOutput, register_family
 
@@ -14,20 +15,19 @@ outputs of the same repeat.
                                                                           params={"window": 16})},
                       quality=my_quality, primary_quality="class_accuracy")
 
-    register_family("mine", my_family)
+    register_family("mine", my_family)   # a bench-only family record (mmspec.families.register_family)
 
-In-tree families are listed in `BUILTIN_FAMILIES` as "module:factory" strings and imported only when used
-(add one line there for a new pipeline); anything else calls `register_family` at import time.
+Families are found the way every command finds them (`mmspec.families`: the `mmspec.families` entry points, plus
+records registered at run time).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmspec.errors import InputError, check
+from mmspec.errors import check
 from mmspec.stats import SpecStats
 
 REFERENCE_METHOD = "vanilla"
@@ -127,56 +127,51 @@ class Family:
 
 FamilyFactory = Callable[[], Family]
 
-# in-tree families, imported lazily: name -> "module:factory"
-BUILTIN_FAMILIES: dict[str, str] = {
-    "toy": "mmspec.bench.toy:toy_family",
-    "llamagen": "image_ar.llamagen.bench:llamagen_family",
-    "var": "image_ar.var.bench:var_family",
-    "mar": "continuous.mar.bench:mar_family",
-    "vlm": "vlm.bench:vlm_family",
-}
 
-_FAMILIES: dict[str, FamilyFactory] = {}
+def methods_of(record: Any, runner: Callable[[Any], MethodFn]) -> dict[str, Method]:
+    """Bench methods from a family record's methods (`mmspec.families.MethodRecord`): runner(method record) makes
+    each one's `run`; parameters, defaults, losslessness and descriptions come from the record."""
+    return {name: Method(runner(m), lossless=m.is_lossless, params=dict(m.params), description=m.description)
+            for name, m in record.methods.items()}
 
 
 def register_family(name: str, factory: FamilyFactory, *, replace: bool = False) -> None:
-    """Make `factory` (no arguments -> Family) available as `mmspec bench --family NAME`.
+    """Make `factory` (no arguments -> Family) available as `mmspec bench --family NAME`: a bench-only family record.
 
     The factory must be cheap (no model building: that is `Family.build`). Registering a taken name raises
     InputError unless `replace=True`.
     """
+    from mmspec.families import FamilyRecord
+    from mmspec.families import register_family as register_record
+
     check(isinstance(name, str) and name != "", f"family name must be a non-empty string, got {name!r}.")
     check(callable(factory), f"factory for family {name!r} must be callable, got {type(factory).__name__}.")
-    if not replace:
-        check(name not in _FAMILIES, f"bench family {name!r} is already registered; pass replace=True to override.")
-    _FAMILIES[name] = factory
+    register_record(FamilyRecord(name=name, bench=factory), replace=replace)
 
 
 def unregister_family(name: str) -> None:
     """Remove a family registered with `register_family` (no error if absent)."""
-    _FAMILIES.pop(name, None)
+    from mmspec.families import unregister_family as unregister_record
+
+    unregister_record(name)
 
 
 def available_families() -> list[str]:
-    """Every family name `get_family` accepts, sorted."""
-    return sorted(set(_FAMILIES) | set(BUILTIN_FAMILIES))
+    """Every family name `get_family` accepts (families with a bench hook), sorted."""
+    from mmspec.families import available_families as families_with
 
-
-def _load_builtin(spec: str) -> FamilyFactory:
-    module_name, _, attr = spec.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
+    return families_with("bench")
 
 
 def get_family(name: str) -> Family:
-    """The Family registered as `name`; InputError listing the known families otherwise."""
-    if name in _FAMILIES:
-        factory = _FAMILIES[name]
-    elif name in BUILTIN_FAMILIES:
-        factory = _load_builtin(BUILTIN_FAMILIES[name])
-    else:
-        raise InputError(f"unknown bench family {name!r}; known families: {', '.join(available_families())}.")
-    family = factory()
-    check(isinstance(family, Family), f"the factory of bench family {name!r} returned "
+    """The bench Family of the family record `name`; InputError listing the known families otherwise."""
+    from mmspec.families import get_family as get_record
+
+    record = get_record(name)
+    check(record.bench is not None, f"family {name!r} has no bench hook; families with one: "
+                                    f"{', '.join(available_families())}.")
+    family = record.bench()
+    check(isinstance(family, Family), f"the bench hook of family {name!r} returned "
           f"{type(family).__name__}, expected mmspec.bench.Family.")
     check(REFERENCE_METHOD in family.methods,
           f"bench family {name!r} must offer a {REFERENCE_METHOD!r} method (the reference every method is "

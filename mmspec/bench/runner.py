@@ -170,7 +170,7 @@ def run_config(family: Family, models: Any, config: MethodConfig, batches: Seque
         synchronize(device)
         with record_phases(device, count_ops=phase_ops) if phase_times or phase_ops else nullcontext() as phases:
             start = time.perf_counter()
-            output = method.run(models, batch, settings, config.params)
+            output = method.run(models, batch, settings, config.given)
             synchronize(device)
             wall = time.perf_counter() - start
         runs.append(_BatchRun(batch, _check_output(output, batch, config.label), wall, meter.peak(), phases))

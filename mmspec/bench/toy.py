@@ -5,7 +5,8 @@ model made of the target's first `draft_layers` blocks with the target's embeddi
 layer-skip style drafter: it agrees with the target often without any training). Inputs: `num_samples`
 prompts of `prompt_length` random tokens from a generator seeded by `--seed`.
 
-Methods (all lossless; greedy rule at temperature 0, the lossless rejection-sampling rule above 0):
+Methods (declared on the record `FAMILY`; all lossless; greedy rule at temperature 0, the lossless
+rejection-sampling rule above 0):
 
 - `vanilla`: `NoDrafter`, one target forward per token (the reference).
 - `draft-model`: `DraftModelDrafter` with the truncated draft model, `k` tokens per step.
@@ -29,8 +30,9 @@ from typing import Any
 
 import torch
 
-from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample
+from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of
 from mmspec.errors import InputError, check, check_positive_int
+from mmspec.families import FamilyRecord
 from mmspec.lm import DraftModelDrafter, GuidedRunner, LMTarget, NoDrafter, TreeModelDrafter, teacher_forced_probs
 from mmspec.loop import Drafter, generate
 from mmspec.sampling import SamplingParams
@@ -136,43 +138,59 @@ def _check_draft_size(name: str, value: Any) -> None:
     check(value <= MAX_DRAFT, f"{name} must be <= {MAX_DRAFT} for the toy family, got {value}.")
 
 
-def run_vanilla(models: ToyModels, batch: Sequence[Sample], settings: BenchSettings,
-                params: Mapping[str, Any]) -> MethodOutput:
-    return decode(models, batch, settings, NoDrafter(), draft_nodes=1)
+@dataclass
+class ToyRun:
+    """What a toy method runs on: the shared models, one batch of samples and the bench settings."""
+
+    models: ToyModels
+    batch: Sequence[Sample]
+    settings: BenchSettings
 
 
-def _chain(model: ToyTransformer, models: ToyModels, batch: Sequence[Sample], settings: BenchSettings,
-           k: int) -> MethodOutput:
+FAMILY = FamilyRecord("toy", "toy causal LM target (mmspec.testing.toy) with chain, tree, self and random drafters",
+                      bench=lambda: toy_family())
+
+
+@FAMILY.method()
+def vanilla(run: ToyRun) -> MethodOutput:
+    """NoDrafter: one target forward per token."""
+    return decode(run.models, run.batch, run.settings, NoDrafter(), draft_nodes=1)
+
+
+def _chain(run: ToyRun, model: ToyTransformer, k: int) -> MethodOutput:
     _check_draft_size("k", k)
-    drafter = DraftModelDrafter(model, k, _params(settings), _row_generators(batch, settings, stream=1))
-    return decode(models, batch, settings, drafter, draft_nodes=k + 1)
+    drafter = DraftModelDrafter(model, k, _params(run.settings), _row_generators(run.batch, run.settings, stream=1))
+    return decode(run.models, run.batch, run.settings, drafter, draft_nodes=k + 1)
 
 
-def run_draft_model(models: ToyModels, batch: Sequence[Sample], settings: BenchSettings,
-                    params: Mapping[str, Any]) -> MethodOutput:
-    return _chain(models.draft, models, batch, settings, params["k"])
+@FAMILY.method()
+def draft_model(run: ToyRun, k: int = 4) -> MethodOutput:
+    """DraftModelDrafter with the truncated (draft_layers) model."""
+    return _chain(run, run.models.draft, k)
 
 
-def run_self_draft(models: ToyModels, batch: Sequence[Sample], settings: BenchSettings,
-                   params: Mapping[str, Any]) -> MethodOutput:
-    return _chain(models.target, models, batch, settings, params["k"])
+@FAMILY.method()
+def self_draft(run: ToyRun, k: int = 4) -> MethodOutput:
+    """The target drafts for itself (upper bound)."""
+    return _chain(run, run.models.target, k)
 
 
-def run_tree(models: ToyModels, batch: Sequence[Sample], settings: BenchSettings,
-             params: Mapping[str, Any]) -> MethodOutput:
-    top_k, depth, total = params["top_k"], params["depth"], params["total_tokens"]
-    _check_draft_size("depth", depth)
-    check_positive_int("total_tokens", total, minimum=2)
-    drafter = TreeModelDrafter(models.draft, top_k=top_k, depth=depth, total_tokens=total)
-    return decode(models, batch, settings, drafter, draft_nodes=total)
+@FAMILY.method(params=(TreeModelDrafter,), skip=("guidance_scale", "prefill_fn"))
+def tree(run: ToyRun, **given: Any) -> MethodOutput:
+    """TreeModelDrafter (EAGLE-2 dynamic tree) with the truncated model."""
+    drafter = TreeModelDrafter(run.models.draft, **given)
+    _check_draft_size("depth", drafter.depth)
+    check_positive_int("total_tokens", drafter.total, minimum=2)
+    return decode(run.models, run.batch, run.settings, drafter, draft_nodes=drafter.total)
 
 
-def run_random(models: ToyModels, batch: Sequence[Sample], settings: BenchSettings,
-               params: Mapping[str, Any]) -> MethodOutput:
-    k = params["k"]
+@FAMILY.method()
+def random(run: ToyRun, k: int = 4) -> MethodOutput:
+    """RandomDrafter (lower bound)."""
     _check_draft_size("k", k)
-    drafter = RandomDrafter(models.vocab_size, k, seed=settings.seed + int(batch[0].question_id), ragged=False)
-    return decode(models, batch, settings, drafter, draft_nodes=k + 1)
+    drafter = RandomDrafter(run.models.vocab_size, k, seed=run.settings.seed + int(run.batch[0].question_id),
+                            ragged=False)
+    return decode(run.models, run.batch, run.settings, drafter, draft_nodes=k + 1)
 
 
 def exactness(outputs: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> float:
@@ -215,19 +233,11 @@ def toy_model_id(settings: BenchSettings) -> str:
 
 
 def toy_family() -> Family:
-    """The toy family's declaration (cheap: models are built by `Family.build`)."""
-    return Family(
-        name="toy", model_id=toy_model_id, build=build_toy, inputs=toy_inputs, quality=toy_quality,
-        primary_quality="exactness", to_turn=lambda tokens: tokens.tolist(), model_quality=toy_calibration,
-        description="toy causal LM target (mmspec.testing.toy) with chain, tree, self and random drafters",
-        methods={
-            "vanilla": Method(run_vanilla, description="NoDrafter: one target forward per token"),
-            "draft-model": Method(run_draft_model, params={"k": 4},
-                                  description="DraftModelDrafter with the truncated (draft_layers) model"),
-            "self-draft": Method(run_self_draft, params={"k": 4},
-                                 description="the target drafts for itself (upper bound)"),
-            "tree": Method(run_tree, params={"top_k": 4, "depth": 4, "total_tokens": 16},
-                           description="TreeModelDrafter (EAGLE-2 dynamic tree) with the truncated model"),
-            "random": Method(run_random, params={"k": 4}, description="RandomDrafter (lower bound)"),
-        },
-    )
+    """The toy family's bench view (cheap: models are built by `Family.build`)."""
+
+    def runner(record):
+        return lambda models, batch, settings, given: record.build(ToyRun(models, batch, settings), given, "toy")
+
+    return Family(name="toy", model_id=toy_model_id, build=build_toy, inputs=toy_inputs, quality=toy_quality,
+                  primary_quality="exactness", to_turn=lambda tokens: tokens.tolist(), model_quality=toy_calibration,
+                  description=FAMILY.description, methods=methods_of(FAMILY, runner))

@@ -1,6 +1,7 @@
 """The `mmspec` command line: `mmspec <command> ...` and `mmspec train <model> ...`.
 
-Subcommands are listed in `mmspec.cli.registry` and imported lazily.
+Subcommands are found by `mmspec.cli.registry` (the core's own, and the families' entry points) and imported
+lazily.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from mmspec.cli.registry import COMMANDS, CONVERT_COMMANDS, TRAIN_COMMANDS
+from mmspec.cli.registry import GROUPS, all_commands, command_help
 from mmspec.errors import MMSpecError
 
 
@@ -18,12 +19,21 @@ def _load(module_name: str):
     return importlib.import_module(module_name)
 
 
-def _add_lazy(subparsers, name: str, module_name: str, help_text: str, argv_has: bool):
-    parser = subparsers.add_parser(name, help=help_text, description=help_text)
+def _add_lazy(subparsers, name: str, module_name: str, argv_has: bool, wants_help: bool = False):
+    help_text = command_help(module_name)
+    parser = subparsers.add_parser(name, help=help_text, description=help_text,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.set_defaults(_module=module_name)
     if argv_has:  # only import the module whose command is being run (or whose --help is asked)
-        _load(module_name).add_arguments(parser)
+        module = _load(module_name)
+        module.add_arguments(parser)
+        if wants_help and hasattr(module, "help_epilog"):  # text that costs imports: only for --help
+            parser.epilog = module.help_epilog()
     return parser
+
+
+GROUP_HELP = {"train": "train the embedded-world models and drafters (they ship in assets/)",
+              "convert": "convert official checkpoints into pipeline folders"}
 
 
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
@@ -35,15 +45,19 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 
     parser.add_argument("--version", action="version", version=f"mmspec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
-    for name, (module, help_text) in COMMANDS.items():
-        _add_lazy(sub, name, module, help_text, argv_has=name in argv[:1])
-    for group, commands, help_text in (
-            ("train", TRAIN_COMMANDS, "train the embedded-world models and drafters (they ship in assets/)"),
-            ("convert", CONVERT_COMMANDS, "convert official checkpoints into pipeline folders")):
-        group_parser = sub.add_parser(group, help=help_text, description=help_text)
+    commands = all_commands()
+    wants_help = "-h" in argv or "--help" in argv
+    for name, module in commands.items():
+        if "." not in name:
+            _add_lazy(sub, name, module, argv_has=name in argv[:1], wants_help=wants_help)
+    for group in GROUPS:
+        group_parser = sub.add_parser(group, help=GROUP_HELP[group], description=GROUP_HELP[group])
         group_sub = group_parser.add_subparsers(dest=f"{group}_command", metavar="<model>")
-        for name, (module, command_help) in commands.items():
-            _add_lazy(group_sub, name, module, command_help, argv_has=argv[:1] == [group] and name in argv[1:2])
+        for name, module in sorted(commands.items()):
+            prefix, _, model = name.partition(".")
+            if prefix == group:
+                _add_lazy(group_sub, model, module, argv_has=argv[:1] == [group] and model in argv[1:2],
+                          wants_help=wants_help)
     return parser
 
 

@@ -1,5 +1,5 @@
-"""What every `mmspec generate` family adapter shares: loading a pipeline folder with clear errors, a loaded
-pipeline's sampling defaults, and class ids / world class names on the command line.
+"""What the families' `load` and `mmspec generate` share: loading a pipeline folder with clear errors, and class ids /
+world class names on the command line.
 
     pipe = load_pipeline_folder(LlamaGenPipeline, model_path, ASSETS_DIR / "llamagen", family="LlamaGen",
                                 made_by="mmspec train llamagen", converted_by="mmspec convert llamagen ...",
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from mmspec.errors import InputError, check
 
@@ -48,14 +49,15 @@ def load_pipeline_folder(pipeline_cls: type | tuple[type, ...], model_path: str 
     return pipe
 
 
-def sampling_defaults(adapter, pipe=None, *, load: Callable[[], object] | None = None) -> dict:
-    """The sampling options (guidance_scale, temperature, top_k, top_p) a family's pipeline uses when the user sets
-    none: the adapter's `sampling_defaults(pipe)` where the loaded model carries its own (MAR), else `DEFAULTS`.
-    Give the loaded `pipe`, or `load` to load it only for such an adapter."""
-    resolve = getattr(adapter, "sampling_defaults", None)
-    if resolve is None:
-        return dict(adapter.DEFAULTS)
-    return dict(resolve(pipe if pipe is not None else load()))
+def folder_loader(pipeline_cls: type | tuple[type, ...], default: Path, *, family: str, made_by: str,
+                  converted_by: str) -> Callable[[str | None, str], Any]:
+    """A family record's `load(model_path, device)`: `load_pipeline_folder` with the family's classes and hints."""
+
+    def load(model_path: str | None, device: str):
+        return load_pipeline_folder(pipeline_cls, model_path, default, family=family, made_by=made_by,
+                                    converted_by=converted_by, device=device)
+
+    return load
 
 
 def world_class_names(num_classes: int) -> list[str] | None:

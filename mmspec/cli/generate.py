@@ -12,16 +12,14 @@ image is written atomically (temporary file, then rename) and only
 then listed in the manifest; a rerun with the same job skips what the manifest lists. Under `accelerate launch`
 (or torchrun) the work items are split between the processes (accelerate's `split_between_processes`), each
 writes its own manifest shard, and the main process merges them into one `manifest.jsonl`. A batch that runs out
-of GPU memory is retried in halves (down to 1) without losing rows. Families plug in through
-`GENERATE_FAMILIES`: an adapter module with `METHODS`, `DEFAULTS`, `load(model_path, device)`,
-`num_classes(pipe)` and `generate(pipe, labels, generators, options)` returning the images and a `SpecStats`, and
-optionally `sampling_defaults(pipe)` when the loaded model carries its own defaults (MAR).
+of GPU memory is retried in halves (down to 1) without losing rows. Families plug in through their records
+(`mmspec.families`): every family whose record has a `generate` hook (with `load`, `num_classes`,
+`sampling_defaults` and its methods) is a `--family` here, and `--help` lists each one's methods and parameters.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import time
@@ -30,7 +28,7 @@ from pathlib import Path
 import torch
 
 from mmspec.bench.files import atomic_write, atomic_write_text, prepare_output_dir, remove_stale_temporaries
-from mmspec.cli.family_io import class_slug, resolve_class, sampling_defaults
+from mmspec.cli.family_io import class_slug, resolve_class
 from mmspec.cli.jobs import (
     MANIFEST,
     JobRow,
@@ -45,15 +43,33 @@ from mmspec.cli.jobs import (
 )
 from mmspec.compile import COMPILE_MODES, compile_pipeline
 from mmspec.errors import InputError, check
+from mmspec.families import FamilyRecord, available_families, get_family
 from mmspec.stats import SpecStats
 
-GENERATE_FAMILIES = {"llamagen": "image_ar.llamagen.generate", "var": "image_ar.var.generate",
-                     "mar": "continuous.mar.generate"}
 GRID_LIMIT = 256  # images; larger runs get no grid.png
 
 
+def help_epilog() -> str:
+    """Each family's methods with their parameters and defaults, and what they keep (--help only: it imports every
+    family's record)."""
+    import textwrap
+
+    lines = ["methods (--method NAME, parameters as --method-arg KEY=VALUE, defaults shown):"]
+    for name in available_families("generate"):
+        lines.append(f"  --family {name}:")
+        for m in get_family(name).methods.values():
+            kind = "lossless" if m.is_lossless() else "lossy"
+            lines += textwrap.wrap(f"{m.name} ({kind}): {m.description}", 100, initial_indent="    ",
+                                   subsequent_indent="      ")
+            params = ", ".join(f"{k}={v!r}" for k, v in m.params.items()) or "no parameters"
+            lines += textwrap.wrap(params, 100, initial_indent="      ", subsequent_indent="      ")
+    return "\n".join(lines)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--family", default="llamagen", choices=sorted(GENERATE_FAMILIES), help="model family")
+    parser.add_argument("--family", default=None,
+                        help=f"model family: one of {', '.join(available_families())} whose record has a generate hook "
+                             "(default: the first of those, alphabetically); --help lists them with their methods")
     parser.add_argument("--job", default=None,
                         help="job file (.jsonl or .csv; columns id, class, count, seed), instead of --classes")
     parser.add_argument("--classes", default=None,
@@ -64,9 +80,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default="vanilla", help="decoding method (see the family's docs)")
     parser.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a method parameter, repeatable (e.g. --method-arg num_draft_tokens=4)")
-    parser.add_argument("--draft-steps", type=int, default=None,
-                        help="CoDe (--family var --method code): scales made by the large model (default: all but "
-                             "the last two)")
     parser.add_argument("--model", default=None, help="pipeline folder (default: the embedded asset)")
     parser.add_argument("--seed", type=int, default=0, help="base seed of rows without their own seed")
     parser.add_argument("--max-batch", "--batch-size", dest="max_batch", type=int, default=16,
@@ -79,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--compile", default=None, choices=COMPILE_MODES, metavar="MODE",
-                        help="torch.compile the step forwards (llamagen): " + ", ".join(COMPILE_MODES)
+                        help="torch.compile the pipeline's step forwards where it has them: " + ", ".join(COMPILE_MODES)
                              + "; the first batch pays the compilation")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -164,7 +177,7 @@ class Runner:
     shapes, which can flip a rare sample, so this is what makes resumed and sharded runs byte-identical. After an
     out-of-memory error the chunks are halved (deterministically) until they fit."""
 
-    def __init__(self, family, pipe, options: dict, out: Path, manifest: ManifestWriter, max_batch: int,
+    def __init__(self, family: FamilyRecord, pipe, options: dict, out: Path, manifest: ManifestWriter, max_batch: int,
                  settings: dict, done: set) -> None:
         self.family, self.pipe, self.options, self.out = family, pipe, options, out
         self.manifest, self.limit, self.settings, self.done = manifest, max_batch, settings, done
@@ -222,14 +235,12 @@ def run(args: argparse.Namespace) -> int:
     check(args.max_batch >= 1, f"--max-batch must be >= 1, got {args.max_batch}.")
     if args.job is not None:
         check(args.classes is None, "pass either --job or --classes, not both.")
-    family = importlib.import_module(GENERATE_FAMILIES[args.family])
-    check(args.method in family.METHODS,
-          f"unknown method {args.method!r} for {args.family}; available: {', '.join(family.METHODS)}.")
-    method_kwargs = parse_method_args(args.method_arg)
-    if args.draft_steps is not None:
-        check(args.family == "var" and args.method == "code",
-              "--draft-steps is CoDe's split: use it with --family var --method code.")
-        method_kwargs["draft_steps"] = args.draft_steps
+    args.family = args.family or available_families("generate")[0]
+    family = get_family(args.family)
+    check(family.generate is not None, f"family {args.family!r} does not generate images; pick one of "
+                                       f"{', '.join(available_families('generate'))}.")
+    method = family.get_method(args.method)
+    method_kwargs = method.check_given(parse_method_args(args.method_arg), args.family)
     state = _process_state(args.device)
     rank = 0 if state is None else state.process_index
     out = prepare_output_dir(args.out)  # fails before any work if the folder is not writable
@@ -240,12 +251,12 @@ def run(args: argparse.Namespace) -> int:
 
         diffusers_logging.disable_progress_bar()
     device = args.device if state is None or args.device == "cpu" else str(state.device)
-    pipe = compile_pipeline(family.load(args.model, device), args.compile, args.family)
+    pipe = compile_pipeline(family.load(args.model, device), args.compile)
     n_classes = family.num_classes(pipe)
     rows, bad = job_rows(args, n_classes) if args.job is not None else (class_rows(args, n_classes), [])
     options = {k: getattr(args, k) for k in ("guidance_scale", "temperature", "top_k", "top_p")
                if getattr(args, k) is not None}
-    options = {**sampling_defaults(family, pipe), **options, "method": args.method, "method_kwargs": method_kwargs}
+    options = {**family.defaults(pipe), **options, "method": args.method, "method_kwargs": method_kwargs}
 
     items = work_items(rows)
     if rank == 0:  # leftovers of an earlier, interrupted run: per-process figures, half-written images

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.errors import InputError, check, check_distribution, check_finite, check_shape
+from mmspec.errors import InputError, check, check_distribution, check_shape
 from mmspec.sampling import Generators
 from mmspec.tree import DraftTree
 from mmspec.verify import gsd, lantern, lossless  # noqa: F401  (register the rules)
@@ -28,6 +28,8 @@ from mmspec.verify.base import (
     available_rules,
     get_rule,
     register_rule,
+    rule_class,
+    rule_keeps_distribution,
 )
 from mmspec.verify.gsd import GSDRule
 from mmspec.verify.lantern import LanternRule, build_neighbour_table, load_or_build_neighbour_table
@@ -36,7 +38,7 @@ from mmspec.verify.lossless import GreedyRule, LosslessRule
 __all__ = [
     "AcceptanceRule", "ChainDraft", "Draft", "DraftTree", "GSDRule", "GreedyRule", "LanternRule", "LosslessRule",
     "Randomness", "VerifyResult", "accept", "available_rules", "build_neighbour_table", "get_rule",
-    "load_or_build_neighbour_table", "register_rule", "validate_draft",
+    "load_or_build_neighbour_table", "register_rule", "rule_class", "rule_keeps_distribution", "validate_draft",
 ]
 
 
@@ -77,14 +79,7 @@ def validate_draft(rule: AcceptanceRule, draft: Draft, target_probs: torch.Tenso
             check_shape("tree child_probs (q)", draft.child_probs, [b, draft.num_nodes, v], "[B, N, V]")
     else:
         raise InputError(f"draft must be a ChainDraft or a DraftTree, got {type(draft).__name__}.")
-    if isinstance(rule, GreedyRule):
-        check_finite("target_probs", target_probs)  # logits are fine for greedy
-    else:
-        check_distribution("target_probs (p)", target_probs)
-    if isinstance(rule, LanternRule):
-        lantern.check_neighbour_table(rule.neighbours, v)
-    if isinstance(rule, GSDRule) and rule.embeddings is not None and rule.embeddings.shape[0] != v:
-        raise InputError(f"GSD embeddings have {rule.embeddings.shape[0]} rows but the vocabulary has {v}.")
+    rule.check_inputs(target_probs)
 
 
 def accept(rule: str | AcceptanceRule, draft: Draft, target_probs: torch.Tensor,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.errors import InputError
+from mmspec.errors import InputError, check_distribution
 from mmspec.sampling import Generators, exponential, uniform
 from mmspec.tree import DraftTree
 
@@ -80,13 +80,26 @@ class VerifyResult:
 
 
 class AcceptanceRule:
-    """Base class: subclasses set `name`, `lossless`, and implement the shapes they support."""
+    """Base class: subclasses set `name`, `lossless`, and implement the shapes they support; a rule whose
+    exactness depends on its parameters overrides `keeps_distribution`, and one that needs more of its inputs than
+    a distribution over the vocabulary extends `check_inputs`."""
 
     name: str = "base"
-    lossless: bool = False  # output distribution equals the target's exactly
+    lossless: bool = False  # output distribution equals the target's exactly (with the rule's parameters)
     uses_randomness: bool = True
     supports_chain: bool = True
     supports_tree: bool = True
+
+    @classmethod
+    def keeps_distribution(cls, **params) -> bool:
+        """Whether a rule built with these constructor parameters keeps the target's distribution exactly (what a
+        method record reports as `lossless` before anything is built). Default: the class's `lossless`."""
+        return cls.lossless
+
+    def check_inputs(self, target_probs: torch.Tensor) -> None:
+        """Check the target's distributions [B, positions, V] for this rule (InputError naming the problem):
+        probabilities by default; rules with tables over the vocabulary also check the tables cover V."""
+        check_distribution("target_probs (p)", target_probs)
 
     def verify_chain(self, draft_tokens: torch.Tensor, target_probs: torch.Tensor,
                      draft_probs: torch.Tensor | None, rand: Randomness,
@@ -118,15 +131,30 @@ def available_rules() -> list[str]:
     return sorted(_RULES)
 
 
+def rule_class(name: str) -> type[AcceptanceRule]:
+    """The rule class registered as `name` (InputError listing the rules otherwise)."""
+    if name not in _RULES:
+        raise InputError(f"unknown acceptance rule {name!r}; available: {', '.join(available_rules())}.")
+    return _RULES[name]
+
+
+def rule_keeps_distribution(name: str, params: dict) -> bool:
+    """`keeps_distribution` of rule `name` with the entries of `params` its constructor takes."""
+    import inspect
+
+    cls = rule_class(name)
+    taken = inspect.signature(cls.__init__).parameters
+    return cls.keeps_distribution(**{k: v for k, v in params.items() if k in taken})
+
+
 def get_rule(name: str | AcceptanceRule, **params) -> AcceptanceRule:
     """A rule by name with its parameters, e.g. `get_rule("lantern", neighbours=table, delta=0.1)`."""
     if isinstance(name, AcceptanceRule):
         if params:
             raise InputError("pass parameters either to get_rule with a name, or to the rule's constructor.")
         return name
-    if name not in _RULES:
-        raise InputError(f"unknown acceptance rule {name!r}; available: {', '.join(available_rules())}.")
+    cls = rule_class(name)
     try:
-        return _RULES[name](**params)
+        return cls(**params)
     except TypeError as err:
         raise InputError(f"bad parameters for acceptance rule {name!r}: {err}") from None

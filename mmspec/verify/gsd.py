@@ -16,7 +16,7 @@ overlap: measured, it fails on about 5% of random (p, q) pairs, and GSD's output
 Defaults follow the paper (g = 50, its PartiPrompts setting; g = 25 for COCO). E is the target's own input-embedding
 table in the official code (Lumina-mGPT's `embed_tokens`); which table a pipeline passes is its choice
 (LlamaGen: `embeddings="target"` by default, `"codebook"` for the VQ codebook). Near the ends of the ranking the
-window is placed by `window`:
+window is placed by `group_window`:
 - "shifted" (default): moved to stay inside the vocabulary, so every group has g members;
 - "code" (the public code's slice `[r - 7 : r + 7]` with g = 14): truncated at the top of the ranking (the argmax
   token gets g//2 lower-ranked neighbours), and for r < g//2 the slice is empty, the code's `max()` of it raises and
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.errors import check, check_positive_int
+from mmspec.errors import InputError, check, check_positive_int
 from mmspec.tree import DraftTree
 from mmspec.verify.base import AcceptanceRule, Randomness, VerifyResult, register_rule
 from mmspec.verify.chain import lossless_residual, verify_chain
@@ -53,27 +53,39 @@ class GSDRule(AcceptanceRule):
     supports_tree = True
 
     def __init__(self, group_size: int = 50, p_thr: float = 0.15, d_thr: float = 0.5,
-                 embeddings: torch.Tensor | None = None, window: str = "shifted") -> None:
+                 embeddings: torch.Tensor | None = None, group_window: str = "shifted") -> None:
         check_positive_int("group_size (g)", group_size)
         check(isinstance(p_thr, (int, float)) and p_thr > 0, f"p_thr must be > 0, got {p_thr!r}.")
         check(isinstance(d_thr, (int, float)) and d_thr > 0, f"d_thr must be > 0, got {d_thr!r}.")
         check(embeddings is None or (isinstance(embeddings, torch.Tensor) and embeddings.dim() == 2),
               "embeddings must be a [V, C] token-embedding table (e.g. the VQ codebook) or None.")
-        check(window in GSD_WINDOWS, f"window must be one of {GSD_WINDOWS}, got {window!r}.")
+        check(group_window in GSD_WINDOWS, f"group_window must be one of {GSD_WINDOWS}, got {group_window!r}.")
         self.group_size = group_size
         self.p_thr = p_thr
         self.d_thr = d_thr
         self.embeddings = embeddings
-        self.window = window
+        self.group_window = group_window
+        self.lossless = self.keeps_distribution(group_size=group_size)
+
+    @classmethod
+    def keeps_distribution(cls, group_size: int = 50, **_) -> bool:
+        """Exact only with groups of one (plain speculative sampling)."""
+        return group_size == 1
+
+    def check_inputs(self, target_probs: torch.Tensor) -> None:
+        super().check_inputs(target_probs)
+        v = target_probs.shape[-1]
+        if self.embeddings is not None and self.embeddings.shape[0] != v:
+            raise InputError(f"GSD embeddings have {self.embeddings.shape[0]} rows but the vocabulary has {v}.")
 
     @classmethod
     def reference_code(cls, embeddings: torch.Tensor | None = None) -> GSDRule:
         """The public code's settings: g = 14, p_thr = 0.15, d_thr = 0.5, its window at the ends of the ranking."""
-        return cls(group_size=14, p_thr=0.15, d_thr=0.5, embeddings=embeddings, window="code")
+        return cls(group_size=14, p_thr=0.15, d_thr=0.5, embeddings=embeddings, group_window="code")
 
     def config(self) -> dict:
         return {"name": self.name, "group_size": self.group_size, "p_thr": self.p_thr, "d_thr": self.d_thr,
-                "embeddings": self.embeddings is not None, "window": self.window}
+                "embeddings": self.embeddings is not None, "group_window": self.group_window}
 
     def group(self, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """p [..., V], x [...] -> (group token ids [..., g], membership mask m [..., g]); with window="code" the
@@ -84,7 +96,7 @@ class GSDRule(AcceptanceRule):
         rank_of = torch.empty_like(order).scatter_(-1, order, torch.arange(v, device=p.device).expand_as(order))
         rank = rank_of.gather(-1, x.clamp_min(0).unsqueeze(-1))  # [..., 1]
         offsets = torch.arange(g, device=p.device)  # [g]
-        if self.window == "shifted":
+        if self.group_window == "shifted":
             slots = (rank - g // 2).clamp(0, v - g) + offsets  # [..., g]
             in_slice = torch.ones_like(slots, dtype=torch.bool)
         else:  # the code's slice: truncated at the top; empty below rank g//2, where the code falls back to x alone

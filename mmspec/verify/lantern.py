@@ -114,6 +114,16 @@ class LanternRule(AcceptanceRule):
         self.reject = reject
         self.greedy = greedy
         self.uses_randomness = not greedy
+        self.lossless = self.keeps_distribution(delta=delta, lam=lam)
+
+    @classmethod
+    def keeps_distribution(cls, delta: float | None = 0.1, lam: float | None = None, **_) -> bool:
+        """Exact only when no mass can move: delta 0 (LANTERN) or lam 1 (LANTERN++)."""
+        return lam == 1 if lam is not None else delta == 0
+
+    def check_inputs(self, target_probs: torch.Tensor) -> None:
+        super().check_inputs(target_probs)
+        check_neighbour_table(self.neighbours, target_probs.shape[-1])
 
     def config(self) -> dict:
         return {"name": self.name, "k": self.k, "delta": self.delta, "lam": self.lam, "reject": self.reject,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from mmspec.errors import check
+from mmspec.errors import check, check_finite
 from mmspec.tree import DraftTree
 from mmspec.verify.base import AcceptanceRule, Randomness, VerifyResult, register_rule
 from mmspec.verify.chain import verify_chain_greedy, verify_chain_lossless
@@ -77,6 +77,9 @@ class GreedyRule(AcceptanceRule):
     name = "greedy"
     lossless = True
     uses_randomness = False
+
+    def check_inputs(self, target_probs: torch.Tensor) -> None:
+        check_finite("target_probs", target_probs)  # logits are fine: only the argmax matters
 
     def verify_chain(self, draft_tokens: torch.Tensor, target_probs: torch.Tensor,
                      draft_probs: torch.Tensor | None, rand: Randomness | None,

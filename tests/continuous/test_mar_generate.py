@@ -49,7 +49,7 @@ def test_generate_errors_are_clear(folders, tmp_path, capsys):
     assert generate(cspd_dir, tmp_path / "b", "--top-k", "5") == 2
     assert "--top-k does not apply" in capsys.readouterr().err
     assert generate(cspd_dir, tmp_path / "c", "--method", "vanilla", "--method-arg", "gamma=2") == 2
-    assert "takes ['cfg_schedule', 'num_iter', 'num_sampling_steps'], got ['gamma']" in capsys.readouterr().err
+    assert "mar method 'vanilla' takes num_iter, num_sampling_steps, cfg_schedule; got gamma" in capsys.readouterr().err
     assert generate(cspd_dir, tmp_path / "d", "--method", "cspd", "--method-arg", "criterion=magic") == 2
     assert "criterion must be one of" in capsys.readouterr().err
     assert generate(cspd_dir, tmp_path / "e", "--method", "cspd", "--temperature", "0") == 2

@@ -1,6 +1,7 @@
-"""MAR and CSpD pipelines on tiny models: the diffusion arithmetic samples the right distribution, the ragged
-encoder equals the per-row one, batch independence and seeding, CSpD's exact special cases (gamma 1 with the
-target as draft, full pre-filling) equal vanilla MAR, ragged windows fill every token, save/load, clear errors."""
+"""MAR and CSpD pipelines on tiny models: the shared pipeline tests (`mmspec.testing.pipeline_tester`), the diffusion
+arithmetic samples the right distribution, the ragged encoder equals the per-row one, CSpD's exact special cases
+(gamma 1 with the target as draft, full pre-filling) equal vanilla MAR, ragged windows fill every token, the phases
+of CSpD's loop are timed, clear errors."""
 
 import math
 
@@ -12,6 +13,8 @@ from continuous.mar.cspd import CSpDPipeline
 from continuous.mar.diffusion import GaussianDiffusion, respaced_timesteps
 from continuous.mar.pipeline import MARPipeline, step_sizes
 from mmspec.errors import InputError
+from mmspec.phases import record_phases
+from mmspec.testing.pipeline_tester import PipelineTesterMixin
 from mmspec.verify.cspd import CSpDRule
 
 
@@ -77,6 +80,34 @@ def test_step_schedule_covers_every_token():
     assert [n for n, _ in step_sizes(16, 16)] == [1] * 16
 
 
+class TestMARPipeline(PipelineTesterMixin):
+    pipeline_class = MARPipeline
+    image_shape, token_shape, num_classes = (16, 16), (16, 16), 4
+    batch_tolerance = 1e-4  # the ragged encoder's batched arithmetic
+    extra_bad_inputs = (({"num_iter": 99}, "num_iter must be an integer in"),
+                        ({"guidance_scale": 0.5}, "guidance_scale must be a number >= 1.0"),
+                        ({"cfg_schedule": "cosine"}, "cfg_schedule"))
+
+    def get_dummy_components(self) -> dict:
+        return {"transformer": tiny_mar(2), "vae": tiny_vae()}
+
+    def get_dummy_inputs(self) -> dict:
+        return {"num_sampling_steps": 4}
+
+
+class TestCSpDPipeline(PipelineTesterMixin):
+    pipeline_class = CSpDPipeline
+    image_shape, token_shape, num_classes = (16, 16), (16, 16), 4
+    batch_tolerance = 1e-4
+    extra_bad_inputs = (({"temperature": 0}, "temperature must be > 0"), ({"gamma": 0}, "gamma"))
+
+    def get_dummy_components(self) -> dict:
+        return {"target": tiny_mar(2), "draft": tiny_mar(3, embed_dim=16), "vae": tiny_vae()}
+
+    def get_dummy_inputs(self) -> dict:
+        return {"gamma": 2, "num_sampling_steps": 4}
+
+
 @pytest.fixture(scope="module")
 def pipe():
     p = CSpDPipeline(target=tiny_mar(2), draft=tiny_mar(3, embed_dim=16), vae=tiny_vae())
@@ -84,18 +115,17 @@ def pipe():
     return p
 
 
-def test_vanilla_is_seeded_and_batch_independent(pipe):
-    mar = pipe.as_mar_pipeline("target")
-    kw = dict(num_sampling_steps=10, output_type="latent")
-    batch = mar(class_labels=[0, 1, 2], generator=generators(3), **kw).tokens
-    again = mar(class_labels=[0, 1, 2], generator=generators(3), **kw).tokens
-    alone = mar(class_labels=[2], generator=generators(1, offset=2), **kw).tokens
-    assert torch.equal(batch, again)
-    torch.testing.assert_close(batch[2:], alone, atol=1e-4, rtol=1e-4)
-    fewer = mar(class_labels=[0, 1, 2], generator=generators(3), num_iter=4, **kw)
+def test_fewer_iterations_predict_several_tokens_per_step(pipe):
+    fewer = pipe.as_mar_pipeline("target")(class_labels=[0, 1, 2], generator=generators(3), num_iter=4,
+                                           num_sampling_steps=10, output_type="latent")
     assert fewer.num_forwards == 4 and fewer.tokens.abs().sum(-1).gt(0).all()
-    images = mar(class_labels=[0], generator=generators(1), num_sampling_steps=3, output_type="pt").images
-    assert images.shape == (1, 3, 16, 16) and 0 <= images.min() and images.max() <= 1
+
+
+def test_cspd_loop_phases_are_timed(pipe):
+    with record_phases("cpu") as times:
+        out = pipe(class_labels=[0, 1], generator=generators(2), gamma=3, num_sampling_steps=3, output_type="latent")
+    assert set(times.calls) == {"prefill", "draft", "verify", "accept", "commit"}
+    assert times.calls["verify"] == out.stats.num_target_forwards - math.ceil(0.05 * pipe.target.seq_len)
 
 
 def test_cspd_with_the_target_as_draft_and_gamma_1_is_vanilla_mar(pipe):
@@ -155,26 +185,7 @@ def test_unset_guidance_and_schedule_are_the_models_defaults(pipe):
         tiny_mar(2, default_guidance_scale=0.5)
 
 
-def test_save_and_load_round_trip(pipe, tmp_path):
-    pipe.save_pretrained(tmp_path)
-    loaded = CSpDPipeline.from_pretrained(tmp_path)
-    loaded.set_progress_bar_config(disable=True)
-    kw = dict(class_labels=[1], gamma=2, num_sampling_steps=4, output_type="latent")
-    assert torch.equal(loaded(generator=generators(1), **kw).tokens, pipe(generator=generators(1), **kw).tokens)
-
-
-def test_clear_errors(pipe):
-    mar = pipe.as_mar_pipeline("draft")
-    with pytest.raises(InputError, match="temperature must be > 0"):
-        pipe(class_labels=[0], temperature=0)
-    with pytest.raises(InputError, match="num_iter must be an integer in"):
-        mar(class_labels=[0], num_iter=99)
-    with pytest.raises(InputError, match="guidance_scale must be a number >= 1.0"):
-        mar(class_labels=[0], guidance_scale=0.5)
-    with pytest.raises(InputError, match="cfg_schedule"):
-        mar(class_labels=[0], cfg_schedule="cosine")
-    with pytest.raises(InputError, match="gamma"):
-        pipe(class_labels=[0], gamma=0)
+def test_mismatched_models_are_clear_errors(pipe):
     with pytest.raises(InputError, match="token grid"):
         CSpDPipeline(target=pipe.target, draft=tiny_mar(4, num_classes=7), vae=pipe.vae)
     with pytest.raises(InputError, match="vae_stride"):

@@ -74,7 +74,7 @@ def test_bad_input_is_a_clear_message(store, kwargs, message):
 
 
 def test_mar_rejects_top_k_before_loading(store):
-    with pytest.raises(InputError, match="MAR samples continuous tokens"):
+    with pytest.raises(InputError, match="mar samples continuous tokens"):
         compare(store, "mar", "cspd", "red circle", "", 1, 3.0, 1.0, 5, 1.0, 0)
 
 

@@ -119,7 +119,7 @@ def test_the_embedded_default_offers_its_drafters_and_highlights_drafts():
     """With no --model the app serves assets/vlm and its shipped drafters (eagle first); a real answer there shows
     accepted drafts highlighted and equals the target alone."""
     default = VLMStore()
-    assert default.drafters() == ["eagle", "msd", "specvlm", "vispec", "none"]
+    assert default.drafters() == ["eagle", "vispec", "msd", "specvlm", "none"]  # the VLM family record's order
     image = example_images(1)[0]
     question = "Describe the image. Answer in detail."
     segments, stats = final(answer_stream(default, image, question, "eagle", **{**SETTINGS, "max_new_tokens": 48}))

@@ -16,7 +16,7 @@ import pytest
 import torch
 from llamagen_dummies import get_dummy_components
 
-import image_ar.llamagen.generate as llamagen_generate
+from image_ar.llamagen.family import FAMILY as LLAMAGEN
 from image_ar.llamagen.pipeline import LlamaGenPipeline
 from mmspec.cli import main
 
@@ -101,7 +101,7 @@ def test_a_row_alone_makes_the_images_it_makes_in_the_job(model_dir, reference, 
 
 def test_interrupted_run_resumes_to_the_same_bytes(model_dir, reference, tmp_path, monkeypatch):
     calls = {"n": 0}
-    real = llamagen_generate.generate
+    real = LLAMAGEN.generate
 
     def interrupted(*args):
         calls["n"] += 1
@@ -109,11 +109,11 @@ def test_interrupted_run_resumes_to_the_same_bytes(model_dir, reference, tmp_pat
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(llamagen_generate, "generate", interrupted)
+    monkeypatch.setattr(LLAMAGEN, "generate", interrupted)
     job = write_job(tmp_path / "job.jsonl", JOB)
     assert generate(model_dir, tmp_path / "out", job, "--max-batch", "3") == 130
     assert len(manifest(tmp_path / "out")) == 6  # two chunks of three finished before Ctrl-C
-    monkeypatch.setattr(llamagen_generate, "generate", real)
+    monkeypatch.setattr(LLAMAGEN, "generate", real)
     assert generate(model_dir, tmp_path / "out", job, "--max-batch", "3") == 0
     assert json.loads((tmp_path / "out" / "stats.json").read_text())["made_this_run"] == 2
     assert [(r["id"], r["index"]) for r in manifest(tmp_path / "out")] == KEYS
@@ -123,7 +123,7 @@ def test_interrupted_run_resumes_to_the_same_bytes(model_dir, reference, tmp_pat
 def test_killed_process_resumes_to_the_same_bytes(model_dir, reference, tmp_path):
     job = write_job(tmp_path / "job.jsonl", JOB)
     out = tmp_path / "out"
-    slow = ("import time, image_ar.llamagen.generate as g; real = g.generate\n"
+    slow = ("import time\nfrom image_ar.llamagen.family import FAMILY as g\nreal = g.generate\n"
             "def slow(*a):\n    time.sleep(0.3)\n    return real(*a)\n"
             "g.generate = slow\nfrom mmspec.cli import main\n"
             f"main(['generate', '--model', {str(model_dir)!r}, '--job', {str(job)!r}, '--out', {str(out)!r}, "
@@ -208,7 +208,7 @@ def test_malformed_job_files_stop_before_any_work_or_are_skipped(model_dir, tmp_
 
 def test_out_of_memory_batches_are_retried_smaller_without_losing_rows(model_dir, reference, tmp_path,
                                                                        monkeypatch):
-    real = llamagen_generate.generate
+    real = LLAMAGEN.generate
 
     def small_gpu(pipe, labels, generators, options):
         if len(labels) > 2:
@@ -217,7 +217,7 @@ def test_out_of_memory_batches_are_retried_smaller_without_losing_rows(model_dir
 
     job = write_job(tmp_path / "job.jsonl", JOB)
     assert generate(model_dir, tmp_path / "batches-of-2", job, "--max-batch", "2") == 0
-    monkeypatch.setattr(llamagen_generate, "generate", small_gpu)
+    monkeypatch.setattr(LLAMAGEN, "generate", small_gpu)
     assert generate(model_dir, tmp_path / "out", job, "--max-batch", "8") == 0
     stats = json.loads((tmp_path / "out" / "stats.json").read_text())
     assert stats["oom_backoffs"] == 2 and stats["made_this_run"] == 8  # 8 -> 4 -> 2

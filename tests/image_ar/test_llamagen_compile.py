@@ -7,7 +7,6 @@ import torch
 from llamagen_dummies import get_dummy_components
 from torch._dynamo.utils import counters
 
-import image_ar.llamagen.eagle_methods  # noqa: F401  (registers eagle and lantern)
 import mmspec.compile
 from image_ar.llamagen.eagle import LlamaGenEagleDrafter
 from image_ar.llamagen.pipeline import LlamaGenPipeline
@@ -106,9 +105,9 @@ def test_bad_modes_and_uncompilable_pipelines_are_clear_errors():
         pipe.compile_forwards("fast")
     with pytest.raises(InputError, match="not a cached model"):
         compile_cached_lm(torch.nn.Linear(2, 2))
-    with pytest.raises(InputError, match="the var pipeline has no compiled forwards"):
-        compile_pipeline(object(), "default", "var")
-    assert compile_pipeline(pipe, None, "llamagen") is pipe
+    with pytest.raises(InputError, match="the object has no compiled forwards"):
+        compile_pipeline(object(), "default")
+    assert compile_pipeline(pipe, None) is pipe
     assert getattr(pipe.transformer, "compile_mode", None) is None
 
 
@@ -130,4 +129,4 @@ def test_bench_compile_option_is_checked_before_any_work(tmp_path, capsys):
     assert main([*common, "--family", "llamagen", "--family-option", "compile=fast", "--out", str(tmp_path / "a")]) == 2
     assert "unknown compile mode 'fast'" in capsys.readouterr().err
     assert main([*common, "--family", "var", "--family-option", "compile=default", "--out", str(tmp_path / "b")]) == 2
-    assert "the var pipeline has no compiled forwards" in capsys.readouterr().err
+    assert "the CoDePipeline has no compiled forwards" in capsys.readouterr().err

@@ -47,7 +47,7 @@ def test_bad_requests_are_clear_errors(model_dir, tmp_path, capsys):
     assert run_generate(model_dir, tmp_path, "--classes", "purple blob") == 2
     assert "unknown class" in capsys.readouterr().err
     assert run_generate(model_dir, tmp_path, "--method", "nope") == 2
-    assert "unknown method" in capsys.readouterr().err
+    assert "unknown llamagen method 'nope'; available: vanilla" in capsys.readouterr().err
     assert run_generate(tmp_path / "missing", tmp_path / "o") == 2
     assert "model_index.json" in capsys.readouterr().err
     blocker = tmp_path / "file"
@@ -102,13 +102,22 @@ def test_bench_reports_how_closely_sampled_tokens_follow_the_target(model_dir, t
         assert 0 < q["pit_ks"] < 1 and 0 < q["pit_ks_pvalue"] <= 1
 
 
-def test_method_parameters_list_signature_defaults_and_forwarded_keys():
-    from image_ar.llamagen.methods import method_parameters
+def test_method_parameters_are_read_from_the_constructors_they_forward_to():
+    import inspect
 
-    eagle = method_parameters("eagle")
-    assert eagle["depth"] == 4 and eagle["accept"] == "lossless" and eagle["group_size"] is None
-    assert method_parameters("lantern")["top_k"] is None and method_parameters("lantern")["delta"] == 0.1
-    assert method_parameters("vanilla") == {}
+    from image_ar.llamagen.eagle import EagleTreeDrafter
+    from image_ar.llamagen.family import FAMILY
+    from mmspec.verify import GSDRule, LanternRule
+
+    def default(cls, name):
+        return inspect.signature(cls).parameters[name].default
+
+    eagle, lantern = FAMILY.methods["eagle"].params, FAMILY.methods["lantern"].params
+    assert eagle["depth"] == default(EagleTreeDrafter, "depth") and eagle["accept"] == "lossless"
+    assert eagle["group_size"] == default(GSDRule, "group_size") and eagle["embeddings"] == "target"
+    assert lantern["top_k"] == default(EagleTreeDrafter, "top_k") and lantern["delta"] == default(LanternRule, "delta")
+    assert "neighbours" not in lantern and "greedy" not in lantern and "guidance_scale" not in lantern
+    assert FAMILY.methods["vanilla"].params == {}
 
 
 def test_model_that_is_not_a_llamagen_pipeline_is_a_one_line_error(model_dir, tmp_path, capsys):

@@ -1,9 +1,9 @@
-"""LlamaGenPipeline with tiny dummy components (diffusers' PipelineTesterMixin style)."""
+"""LlamaGenPipeline with tiny dummy components: the shared pipeline tests (`mmspec.testing.pipeline_tester`) and
+LlamaGen's own (greedy CFG against full forwards, the draft model, stopping from the callback, lossless methods)."""
 
 import inspect
 
 import numpy as np
-import PIL.Image
 import pytest
 import torch
 from llamagen_dummies import get_dummy_components
@@ -11,6 +11,7 @@ from llamagen_dummies import get_dummy_components
 from image_ar.llamagen.pipeline import LlamaGenPipeline, LlamaGenPipelineOutput
 from mmspec.errors import InputError
 from mmspec.sampling import cfg_combine
+from mmspec.testing.pipeline_tester import PipelineTesterMixin
 
 
 def get_dummy_inputs(seed: int = 0, n: int = 2) -> dict:
@@ -25,47 +26,30 @@ def pipe():
     return p
 
 
-def test_call_signature_follows_diffusers_conventions():
+class TestLlamaGenPipeline(PipelineTesterMixin):
+    pipeline_class = LlamaGenPipeline
+    image_shape, token_shape, num_classes = (16, 16), (16,), 4
+    extra_bad_inputs = (({"method": "nope"}, "unknown"), ({"top_p": 0.0}, "top_p"),
+                        ({"method": "draft-model", "method_kwargs": {"bogus": 1}}, "takes num_draft_tokens"))
+
+    def get_dummy_components(self) -> dict:
+        return get_dummy_components()
+
+    def get_dummy_inputs(self) -> dict:
+        return {"guidance_scale": 3.0, "top_k": 16}
+
+
+def test_call_signature_has_the_sampling_and_text_arguments():
     params = inspect.signature(LlamaGenPipeline.__call__).parameters
-    for name in ("class_labels", "guidance_scale", "num_images_per_prompt", "generator", "output_type", "return_dict",
-                 "callback_on_step_end", "callback_on_step_end_tensor_inputs", "temperature", "top_k", "top_p",
-                 "prompt_embeds"):
+    for name in ("guidance_scale", "callback_on_step_end_tensor_inputs", "temperature", "top_k", "top_p",
+                 "prompt_embeds", "method", "method_kwargs"):
         assert name in params
-    assert params["output_type"].default == "pil" and params["return_dict"].default is True
 
 
-def test_output_shapes_and_types(pipe):
+def test_vanilla_makes_one_target_forward_per_token(pipe):
     out = pipe(**get_dummy_inputs())
-    assert isinstance(out, LlamaGenPipelineOutput)
-    assert out.images.shape == (2, 16, 16, 3) and out.images.min() >= 0 and out.images.max() <= 1
-    assert out.tokens.shape == (2, 16) and (out.tokens >= 0).all() and (out.tokens < 64).all()
-    assert out.stats.num_target_forwards == 16  # vanilla: one forward per token
-    pil = pipe(**{**get_dummy_inputs(), "output_type": "pil"}).images
-    assert isinstance(pil[0], PIL.Image.Image) and pil[0].size == (16, 16)
-    pt = pipe(**{**get_dummy_inputs(), "output_type": "pt"}).images
-    assert pt.shape == (2, 3, 16, 16)
-    assert torch.equal(pipe(**{**get_dummy_inputs(), "output_type": "latent"}).images, out.tokens)
-
-
-def test_dict_and_tuple_outputs_agree(pipe):
-    as_dict = pipe(**get_dummy_inputs())
-    images, tokens, stats = pipe(**get_dummy_inputs(), return_dict=False)
-    assert np.array_equal(as_dict.images, images) and torch.equal(as_dict.tokens, tokens)
-
-
-def test_seeded_determinism_and_batch_of_one_equals_single(pipe):
-    a = pipe(**get_dummy_inputs(seed=3, n=3))
-    b = pipe(**get_dummy_inputs(seed=3, n=3))
-    assert torch.equal(a.tokens, b.tokens)
-    single = pipe(class_labels=[1], guidance_scale=3.0, top_k=16, generator=[torch.Generator().manual_seed(4)],
-                  output_type="np")
-    assert torch.equal(single.tokens[0], a.tokens[1])
-
-
-def test_num_images_per_prompt(pipe):
-    out = pipe(class_labels=[0, 3], num_images_per_prompt=3, guidance_scale=2.0,
-               generator=torch.Generator().manual_seed(0), output_type="np")
-    assert out.images.shape[0] == 6 and out.tokens.shape == (6, 16)
+    assert isinstance(out, LlamaGenPipelineOutput) and out.stats.num_target_forwards == 16
+    assert (out.tokens >= 0).all() and (out.tokens < 64).all()
 
 
 @torch.no_grad()
@@ -113,7 +97,7 @@ def test_callback_sees_tokens_and_can_stop(pipe):
     assert (out.tokens == -1).any()  # stopped early; latents returned as they were
 
 
-def test_save_and_load_round_trip(pipe, tmp_path):
+def test_save_and_load_keep_the_draft_model(pipe, tmp_path):
     pipe.save_pretrained(tmp_path)
     loaded = LlamaGenPipeline.from_pretrained(tmp_path)
     loaded.set_progress_bar_config(disable=True)
@@ -134,24 +118,17 @@ def test_pipeline_without_draft_model_explains_what_is_missing(tmp_path):
     assert LlamaGenPipeline.from_pretrained(tmp_path).draft_transformer is None
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"class_labels": [7]}, "outside"), ({"class_labels": None}, "class_labels"),
-    ({"class_labels": [0], "output_type": "jpg"}, "output_type"), ({"class_labels": [0], "method": "nope"}, "unknown"),
-    ({"class_labels": [0], "top_p": 0.0}, "top_p"), ({"class_labels": [0], "num_images_per_prompt": 0}, "num_images"),
-    ({"class_labels": [0, 1], "generator": [torch.Generator()]}, "generators"),
-    ({"class_labels": [0], "method": "draft-model", "method_kwargs": {"bogus": 1}}, "bad parameters"),
-])
-def test_bad_inputs_are_clear_errors(pipe, kwargs, match):
-    with pytest.raises(InputError, match=match):
-        pipe(**kwargs)
-
-
 def test_methods_declare_whether_they_are_lossless():
-    from image_ar.llamagen.methods import available_methods, is_lossless
+    from image_ar.llamagen.family import FAMILY
 
-    assert {"vanilla", "draft-model", "sjd", "gsd", "eagle", "lantern"} <= set(available_methods())
+    def is_lossless(name, params=None):
+        return FAMILY.get_method(name).is_lossless(params)
+
+    assert {"vanilla", "draft-model", "sjd", "gsd", "eagle", "lantern"} <= set(FAMILY.methods)
     assert is_lossless("vanilla") and is_lossless("draft-model") and is_lossless("sjd") and is_lossless("eagle")
     assert not is_lossless("sjd", {"accept": "lantern"}) and not is_lossless("gsd") and not is_lossless("lantern")
     assert is_lossless("gsd", {"group_size": 1}) and is_lossless("lantern", {"delta": 0.0})
+    assert is_lossless("lantern", {"lam": 1}) and not is_lossless("lantern", {"lam": 2})
+    assert is_lossless("eagle", {"accept": "gsd", "group_size": 1})
     with pytest.raises(InputError, match="unknown"):
         is_lossless("nope")

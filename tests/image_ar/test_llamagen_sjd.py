@@ -1,4 +1,4 @@
-"""LlamaGen methods `sjd` and `gsd` (image_ar/llamagen/jacobi_methods.py) on the tiny dummy pipeline.
+"""LlamaGen methods `sjd` and `gsd` (declared in image_ar/llamagen/family.py) on the tiny dummy pipeline.
 
 Greedy SJD with CFG equals the full-forward greedy reference token for token; sampled SJD / GSD / SJD with
 LANTERN acceptance are reproducible with seeds and per-image independent of the batch; GSD with groups of one is
@@ -13,8 +13,7 @@ import pytest
 import torch
 from llamagen_dummies import get_dummy_components
 
-import image_ar.llamagen.jacobi_methods  # noqa: F401  (registers sjd and gsd)
-from image_ar.llamagen.methods import available_methods
+from image_ar.llamagen.family import FAMILY
 from image_ar.llamagen.pipeline import LlamaGenPipeline
 from mmspec.errors import InputError
 from mmspec.jacobi import JacobiDrafter
@@ -52,7 +51,7 @@ def reference_greedy_cfg(transformer, labels, scale):
 
 
 def test_methods_are_registered():
-    assert {"sjd", "gsd"} <= set(available_methods())
+    assert {"sjd", "gsd"} <= set(FAMILY.methods)
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"init": "repeat_horizon", "window": 4}, {"init": "sample_horizon"},
@@ -80,9 +79,10 @@ def test_greedy_jacobi_converges_in_fewer_forwards_on_a_predictable_model():
     assert sjd.stats.num_target_forwards < van.stats.num_target_forwards / 2
 
 
-@pytest.mark.parametrize("method, kwargs, rule", [("sjd", {}, str), ("gsd", {}, GSDRule),
-                                                  ("gsd", {"embeddings": "codebook", "group_size": 14, "group_window": "code"},
-                                                   GSDRule),
+CODE_GSD = {"embeddings": "codebook", "group_size": 14, "group_window": "code"}
+
+
+@pytest.mark.parametrize("method, kwargs, rule", [("sjd", {}, str), ("gsd", {}, GSDRule), ("gsd", CODE_GSD, GSDRule),
                                                   ("sjd", {"accept": "lantern", "k": 8, "delta": 0.2}, LanternRule),
                                                   ("sjd", {"accept": "gsd", "group_size": 5}, GSDRule)])
 def test_sampled_methods_are_reproducible_and_valid(pipe, method, kwargs, rule):
@@ -90,26 +90,26 @@ def test_sampled_methods_are_reproducible_and_valid(pipe, method, kwargs, rule):
     assert torch.equal(a.tokens, b.tokens)
     assert a.tokens.shape == (3, 16) and (a.tokens >= 0).all() and (a.tokens < 64).all()
     assert a.stats.num_target_forwards <= 16
-    from image_ar.llamagen.methods import MethodContext, build_method
+    from image_ar.llamagen.methods import MethodContext
     from mmspec.sampling import SamplingParams
 
     ctx = MethodContext(pipe, SamplingParams(), 3.0, None, None, 3)
-    drafter, built = build_method(method, ctx, **kwargs)
+    drafter, built = FAMILY.get_method(method).build(ctx, kwargs)
     assert isinstance(drafter, JacobiDrafter) and isinstance(built, rule)
 
 
 def test_gsd_measures_distances_on_the_target_embeddings_by_default(pipe):
     """As the official GSD code (Lumina-mGPT's embed_tokens); the VQ codebook is the named option."""
-    from image_ar.llamagen.methods import MethodContext, build_method
+    from image_ar.llamagen.methods import MethodContext
     from mmspec.sampling import SamplingParams
 
     ctx = MethodContext(pipe, SamplingParams(), 3.0, None, None, 1)
-    _, default = build_method("gsd", ctx)
+    _, default = FAMILY.get_method("gsd").build(ctx)
     assert torch.equal(default.embeddings, pipe.transformer.tok_embeddings.weight.float())
-    assert default.window == "shifted"
-    _, codebook = build_method("gsd", ctx, embeddings="codebook", group_window="code")
-    assert torch.equal(codebook.embeddings, pipe.vqvae.codebook().float()) and codebook.window == "code"
-    _, eagle_gsd = build_method("sjd", ctx, accept="gsd")
+    assert default.group_window == "shifted"
+    _, codebook = FAMILY.get_method("gsd").build(ctx, {"embeddings": "codebook", "group_window": "code"})
+    assert torch.equal(codebook.embeddings, pipe.vqvae.codebook().float()) and codebook.group_window == "code"
+    _, eagle_gsd = FAMILY.get_method("sjd").build(ctx, {"accept": "gsd"})
     assert torch.equal(eagle_gsd.embeddings, default.embeddings)
 
 
@@ -159,5 +159,6 @@ def test_the_documented_example_runs_on_the_embedded_model():
 
 
 def test_parameters_of_another_acceptance_mode_are_named(pipe):
-    with pytest.raises(InputError, match="accept='gsd' takes group_size, p_thr, d_thr, embeddings, group_window; got delta"):
+    takes = "group_size, p_thr, d_thr, embeddings, group_window"
+    with pytest.raises(InputError, match=f"accept='gsd' takes {takes}; got delta"):
         pipe(class_labels=[0], method="sjd", method_kwargs={"accept": "gsd", "delta": 0.1}, output_type="latent")

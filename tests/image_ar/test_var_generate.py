@@ -10,7 +10,7 @@ from var_dummies import PNS, get_dummy_components
 
 from image_ar.var import VARPipeline, VARTransformer
 from image_ar.var.code import CoDePipeline
-from image_ar.var.generate import forward_stats
+from image_ar.var.pipeline import forward_stats
 from mmspec.bench import BenchSettings, run_bench
 from mmspec.cli import main
 
@@ -55,7 +55,7 @@ def test_generate_vanilla_is_the_large_model_alone_and_code_splits(folders, tmp_
     assert generate(var_dir, tmp_path / "v2") == 0
     for name in os.listdir(tmp_path / "v" / "images"):  # CoDe folder's vanilla == the single-model folder
         assert (tmp_path / "v" / "images" / name).read_bytes() == (tmp_path / "v2" / "images" / name).read_bytes()
-    assert generate(code_dir, tmp_path / "c", "--method", "code", "--draft-steps", "1") == 0
+    assert generate(code_dir, tmp_path / "c", "--method", "code", "--method-arg", "draft_steps=1") == 0
     stats = json.loads((tmp_path / "c" / "stats.json").read_text())
     assert stats["method_kwargs"] == {"draft_steps": 1}
     # 4 images in one batch: the large model made 1 scale, the small one 2 plus its hand-over prefill
@@ -63,7 +63,7 @@ def test_generate_vanilla_is_the_large_model_alone_and_code_splits(folders, tmp_
     assert sorted(os.listdir(tmp_path / "c" / "images")) == ["class0_000.png", "class0_001.png", "class2_000.png",
                                                              "class2_001.png"]
     # the full split is the large model alone
-    assert generate(code_dir, tmp_path / "c3", "--method", "code", "--draft-steps", str(len(PNS))) == 0
+    assert generate(code_dir, tmp_path / "c3", "--method", "code", "--method-arg", f"draft_steps={len(PNS)}") == 0
     for name in os.listdir(tmp_path / "v" / "images"):
         assert (tmp_path / "v" / "images" / name).read_bytes() == (tmp_path / "c3" / "images" / name).read_bytes()
 
@@ -72,12 +72,12 @@ def test_generate_errors_are_clear(folders, tmp_path, capsys):
     code_dir, var_dir = folders
     assert generate(var_dir, tmp_path / "a", "--method", "code") == 2
     assert "needs a CoDe folder" in capsys.readouterr().err
-    assert generate(code_dir, tmp_path / "b", "--method", "vanilla", "--draft-steps", "1") == 2
-    assert "--draft-steps is CoDe's split" in capsys.readouterr().err
-    assert generate(code_dir, tmp_path / "c", "--method", "code", "--draft-steps", "9") == 2
+    assert generate(code_dir, tmp_path / "b", "--method", "vanilla", "--method-arg", "draft_steps=1") == 2
+    assert "var method 'vanilla' takes no parameters; got draft_steps" in capsys.readouterr().err
+    assert generate(code_dir, tmp_path / "c", "--method", "code", "--method-arg", "draft_steps=9") == 2
     assert "draft_steps must be an integer in [0, 3]" in capsys.readouterr().err
     assert generate(code_dir, tmp_path / "d", "--method", "code", "--method-arg", "depth=2") == 2
-    assert "takes only draft_steps" in capsys.readouterr().err
+    assert "var method 'code' takes draft_steps; got depth" in capsys.readouterr().err
     assert main(["generate", "--family", "llamagen", "--model", str(code_dir), "--out", str(tmp_path / "e"),
                  "--quiet"]) == 2
     assert "holds a CoDePipeline pipeline, not a LlamaGenPipeline" in capsys.readouterr().err

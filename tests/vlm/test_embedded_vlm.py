@@ -9,7 +9,8 @@ import pytest
 
 from mmspec.cli import main
 from mmspec.data.artifacts import ASSETS_DIR
-from vlm.pipeline import DRAFTER_KINDS, SpeculativeVLM
+from vlm.family import DRAFTER_KINDS
+from vlm.pipeline import SpeculativeVLM
 from vlm.train import evaluate
 from vlm.world import world_vqa_examples
 

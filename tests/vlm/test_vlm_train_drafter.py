@@ -119,10 +119,11 @@ def test_mmspec_vlm_command(target_dir, tmp_path, capsys):
 def test_bench_family_vlm(target_dir, tmp_path):
     """`mmspec bench --family vlm` on the tiny target with every drafter kind: all exact at temperature 0, their
     figures and the drafters' image-token counts reported."""
-    from vlm.pipeline import DRAFTER_KINDS, SpeculativeVLM
+    from vlm.family import DRAFTER_KINDS, drafter_model
+    from vlm.pipeline import SpeculativeVLM
 
     vlm = SpeculativeVLM.from_pretrained(target_dir)
-    for kind, (cls, _) in DRAFTER_KINDS.items():
+    for kind, cls in ((k, drafter_model(k)) for k in DRAFTER_KINDS):
         if not (target_dir / "drafters" / kind).is_dir():
             cls.for_target(vlm.lm).save_pretrained(target_dir / "drafters" / kind)
     tree = ":depth=3:top_k=3:total_tokens=8"
@@ -148,10 +149,11 @@ def test_bench_family_vlm(target_dir, tmp_path):
 def test_bench_reports_token_calibration_of_sampled_answers(target_dir, tmp_path):
     """At temperature 1 each answer (its EOS included) is scored under the target: the figures count every
     generated token, and the lossless tree method's tokens are not told apart from exact draws."""
-    from vlm.pipeline import DRAFTER_KINDS, SpeculativeVLM
+    from vlm.family import drafter_model
+    from vlm.pipeline import SpeculativeVLM
 
     if not (target_dir / "drafters" / "eagle").is_dir():
-        DRAFTER_KINDS["eagle"][0].for_target(SpeculativeVLM.from_pretrained(target_dir).lm).save_pretrained(
+        drafter_model("eagle").for_target(SpeculativeVLM.from_pretrained(target_dir).lm).save_pretrained(
             target_dir / "drafters" / "eagle")
     out = tmp_path / "bench"
     assert main(["bench", "--family", "vlm", "--methods", "vanilla,eagle:depth=3:top_k=3:total_tokens=8",

@@ -1,0 +1,90 @@
+"""The MAR family record: its pipeline folders, its `mmspec generate` / demo / bench hooks, and its two methods,
+`vanilla` (the target MAR alone) and `cspd` (continuous speculative decoding with the draft MAR), declared once here
+(`mmspec.families`).
+
+    mmspec generate --family mar --method cspd --method-arg gamma=8 --classes "red circle" --out out/
+
+A folder is a `CSpDPipeline` (the embedded default, or `mmspec convert mar --draft ...`) or a single-model
+`MARPipeline` (vanilla only). A method's run gives `(the pipeline to call, its extra keyword arguments)`. vanilla
+takes num_iter (default the token count), num_sampling_steps, cfg_schedule; cspd takes gamma, prefill_ratio, align,
+num_sampling_steps, cfg_schedule, `criterion` ("paper", the default, or "reference_code": the public code's
+criterion, `CSpDRule.reference_code()`) and any `CSpDRule` option on top of the criterion's (distance_scale,
+invert_variance_factor, independent_checks, max_residual_tries). MAR has no top-k / top-p. The guidance scale and
+cfg_schedule default to the target model's own (`MARModel.config.default_guidance_scale` / `default_cfg_schedule`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from continuous.mar.cspd import CSpDPipeline
+from continuous.mar.pipeline import MARPipeline
+from mmspec.cli.family_io import folder_loader
+from mmspec.data.artifacts import ASSETS_DIR
+from mmspec.errors import InputError, check
+from mmspec.families import FamilyRecord, method_call_generate, parameters_of, split
+from mmspec.verify.cspd import CSpDRule
+
+DEFAULTS = {"guidance_scale": 3.0, "temperature": 1.0, "top_k": None, "top_p": None}
+SHARED = ("num_sampling_steps", "cfg_schedule")  # the call parameters vanilla and cspd share
+CRITERIA = {"paper": CSpDRule, "reference_code": CSpDRule.reference_code}
+
+
+load = folder_loader((CSpDPipeline, MARPipeline), ASSETS_DIR / "mar", family="MAR", made_by="mmspec train mar",
+                     converted_by="mmspec convert mar --target checkpoint-last.pth --vae kl16.ckpt "
+                                  "[--draft checkpoint-last.pth] --out DIR")
+
+
+def target_model(pipe: CSpDPipeline | MARPipeline):
+    return pipe.target if isinstance(pipe, CSpDPipeline) else pipe.transformer
+
+
+def sampling_defaults(pipeline) -> dict:
+    """`DEFAULTS` with the (target) model's own guidance scale (`pipeline()` gives the loaded pipeline, or None
+    where the caller has not loaded it: then the static `DEFAULTS`)."""
+    pipe = pipeline()
+    if pipe is None:
+        return dict(DEFAULTS)
+    return {**DEFAULTS, "guidance_scale": float(target_model(pipe).config.default_guidance_scale)}
+
+
+def call_options(options: dict) -> dict:
+    """The pipeline's sampling keyword arguments from generate's options (no top-k / top-p for MAR)."""
+    for key in ("top_k", "top_p"):
+        check(options.get(key) is None, f"MAR samples continuous tokens: --{key.replace('_', '-')} does not apply.")
+    return {k: options[k] for k in ("guidance_scale", "temperature") if options.get(k) is not None}
+
+
+def bench():
+    from continuous.mar.bench import mar_family
+
+    return mar_family()
+
+
+FAMILY = FamilyRecord("mar", "MAR class-conditional generation and CSpD (judge accuracy, world-FID)",
+                      default_model=ASSETS_DIR / "mar", load=load,
+                      num_classes=lambda pipe: target_model(pipe).config.num_classes,
+                      sampling_defaults=sampling_defaults, bench=bench)
+FAMILY.generate = method_call_generate(FAMILY, call_options)
+
+
+@FAMILY.method(params=(parameters_of(MARPipeline.__call__, only=("num_iter", *SHARED)),))
+def vanilla(pipe: CSpDPipeline | MARPipeline, **given: Any) -> tuple[MARPipeline, dict[str, Any]]:
+    """The target MAR alone (num_iter default: one token per step, CSpD's baseline; fewer = the fast multi-token
+    baseline)."""
+    return (pipe.as_mar_pipeline("target") if isinstance(pipe, CSpDPipeline) else pipe), given
+
+
+@FAMILY.method(params=(parameters_of(CSpDPipeline.__call__, only=("gamma", "prefill_ratio", "align", *SHARED)),
+                       {"criterion": "paper"}, CSpDRule), lossless=False)
+def cspd(pipe: CSpDPipeline | MARPipeline, **given: Any) -> tuple[CSpDPipeline, dict[str, Any]]:
+    """CSpD: the draft MAR proposes a window of gamma tokens, one target pass verifies it (criterion "paper" or
+    "reference_code", CSpDRule options on top)."""
+    if not isinstance(pipe, CSpDPipeline):
+        raise InputError("method 'cspd' needs a CSpD folder (a target and a draft MAR sharing the VAE); this one "
+                         "holds a single MARPipeline. Make one with `mmspec convert mar --draft ...`.")
+    criterion = given.pop("criterion", "paper")
+    call, rule, _ = split(given, CSpDPipeline.__call__, CSpDRule)
+    check(criterion in CRITERIA, f"criterion must be one of {sorted(CRITERIA)}, got {criterion!r}.")
+    preset = {k: v for k, v in CRITERIA[criterion]().config().items() if k != "name"}
+    return pipe, {**call, "rule": CSpDRule(**{**preset, **rule})}

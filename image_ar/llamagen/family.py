@@ -1,0 +1,132 @@
+"""The LlamaGen family record: its pipeline folders, its `mmspec generate` / demo / bench hooks, and every decoding
+method of `LlamaGenPipeline`, each declared once here (`mmspec.families`).
+
+    pipe(class_labels=[0, 5], method="sjd", method_kwargs={"window": 16, "accept": "lantern", "delta": 0.1})
+
+A method builds `(drafter, rule)` for the shared loop from a `MethodContext`; its parameters and defaults are read
+from the drafter and rule constructors it forwards to (`image_ar.llamagen.methods`), its losslessness from the
+acceptance rule its parameters select. See docs/llamagen_pipeline.md, docs/sjd_gsd.md and docs/eagle_lantern.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from image_ar.llamagen.eagle import EagleTreeDrafter
+from image_ar.llamagen.methods import (
+    ACCEPT_RULES,
+    GSD_TABLE,
+    SUPPLIED,
+    MethodContext,
+    acceptance_rule,
+    eagle_tree_drafter,
+    llamagen_jacobi_drafter,
+)
+from mmspec.data.artifacts import ASSETS_DIR
+from mmspec.errors import check
+from mmspec.families import FamilyRecord, split
+from mmspec.lm import DraftModelDrafter, NoDrafter
+from mmspec.sampling import SamplingParams
+from mmspec.stats import SpecStats
+from mmspec.verify import GSDRule, LanternRule, rule_keeps_distribution
+
+DEFAULTS = {"guidance_scale": 4.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+TREE = (EagleTreeDrafter,)  # top_k, depth, total_tokens
+TREE_SKIP = ("guidance_scale",)
+ACCEPT = ({"accept": "lossless"}, LanternRule, GSDRule, GSD_TABLE)  # `accept` and every mode's rule parameters
+
+
+def load(model_path: str | None, device: str):
+    from image_ar.llamagen.pipeline import LlamaGenPipeline
+    from mmspec.cli.family_io import load_pipeline_folder
+
+    return load_pipeline_folder(LlamaGenPipeline, model_path, ASSETS_DIR / "llamagen", family="LlamaGen",
+                                made_by="mmspec train llamagen",
+                                converted_by="mmspec convert llamagen --gpt c2i_*.pt --vq vq_ds16_*.pt --out DIR",
+                                device=device)
+
+
+def generate(pipe, labels: list[int], generators: list[torch.Generator], options: dict) -> tuple[list, SpecStats]:
+    out = pipe(class_labels=labels, generator=generators, output_type="pil", **options)
+    return out.images, out.stats
+
+
+def bench():
+    from image_ar.llamagen.bench import llamagen_family
+
+    return llamagen_family()
+
+
+FAMILY = FamilyRecord("llamagen", "LlamaGen class-conditional image generation (judge accuracy, world-FID)",
+                      default_model=ASSETS_DIR / "llamagen", load=load, generate=generate,
+                      num_classes=lambda pipe: pipe.transformer.config.num_classes,
+                      sampling_defaults=lambda pipeline: DEFAULTS, bench=bench)
+
+
+def rule_lossless(mode: str | None = None):
+    """`lossless(params)` of a method whose rule is `mode` (None: the one its `accept` parameter names), read from
+    that rule with the parameters."""
+
+    def lossless(params: Mapping[str, Any]) -> bool:
+        rule = ACCEPT_RULES.get(mode or params.get("accept", "lossless"), LanternRule)
+        return rule is None or rule_keeps_distribution(rule.name, dict(params))
+
+    return lossless
+
+
+@FAMILY.method()
+def vanilla(ctx: MethodContext) -> tuple:
+    """One target forward per token (the reference every method is compared with)."""
+    return NoDrafter(), ctx.rule_name()
+
+
+@FAMILY.method()
+def draft_model(ctx: MethodContext, num_draft_tokens: int = 4, draft_temperature: float | None = None) -> tuple:
+    """Classic speculative sampling with the pipeline's small draft_transformer (same VQ vocabulary, same CFG and
+    sampling settings, its own temperature if given); lossless."""
+    draft = ctx.pipeline.draft_transformer
+    check(draft is not None, "method 'draft-model' needs a pipeline with a draft_transformer component.")
+    target = ctx.pipeline.transformer
+    check(draft.config.vocab_size == target.config.vocab_size,
+          f"the draft model's vocabulary ({draft.config.vocab_size}) differs from the target's "
+          f"({target.config.vocab_size}); they must share the VQ codebook.")
+    params = ctx.params if draft_temperature is None else SamplingParams(draft_temperature, ctx.params.top_k,
+                                                                         ctx.params.top_p)
+    drafter = DraftModelDrafter(draft, num_draft_tokens, params, ctx.generator, guidance_scale=ctx.guidance_scale,
+                                prefill_fn=ctx.prefill_fn)
+    return drafter, ctx.rule_name()
+
+
+@FAMILY.method(params=(llamagen_jacobi_drafter, *ACCEPT), skip=SUPPLIED, lossless=rule_lossless())
+def sjd(ctx: MethodContext, **given: Any) -> tuple:
+    """Speculative Jacobi decoding: a window of drafts re-sampled from the target every forward; accept="lossless"
+    (exact; greedy at temperature 0), "lantern" or "gsd" with that rule's parameters."""
+    jacobi, rule = split(given, llamagen_jacobi_drafter)
+    return llamagen_jacobi_drafter(ctx, **jacobi), acceptance_rule(ctx, **rule)
+
+
+@FAMILY.method(params=(llamagen_jacobi_drafter, GSDRule, GSD_TABLE), skip=SUPPLIED, lossless=rule_lossless("gsd"))
+def gsd(ctx: MethodContext, **given: Any) -> tuple:
+    """Grouped speculative decoding: SJD drafting, GSD's grouped acceptance (lossy; g = 50 is the paper's
+    PartiPrompts setting, the public code's is 14 with group_window="code")."""
+    jacobi, rule = split(given, llamagen_jacobi_drafter)
+    return llamagen_jacobi_drafter(ctx, **jacobi), acceptance_rule(ctx, "gsd", **rule)
+
+
+@FAMILY.method(params=(*TREE, *ACCEPT), skip=(*SUPPLIED, *TREE_SKIP), lossless=rule_lossless())
+def eagle(ctx: MethodContext, **given: Any) -> tuple:
+    """EAGLE-2 dynamic trees from the eagle_drafter (top_k children per frontier node, depth levels, total_tokens
+    nodes including the root), lossless tree verification by default (accept= another mode)."""
+    tree, rule = split(given, *TREE)
+    return eagle_tree_drafter(ctx, "eagle", **tree), acceptance_rule(ctx, **rule)
+
+
+@FAMILY.method(params=(*TREE, LanternRule), skip=(*SUPPLIED, *TREE_SKIP), lossless=rule_lossless("lantern"))
+def lantern(ctx: MethodContext, **given: Any) -> tuple:
+    """LANTERN: EAGLE-2 trees + relaxed acceptance over the VQ codebook's latent neighbours (k, delta, or the
+    LANTERN++ lam)."""
+    tree, rule = split(given, *TREE)
+    return eagle_tree_drafter(ctx, "lantern", **tree), acceptance_rule(ctx, "lantern", **rule)

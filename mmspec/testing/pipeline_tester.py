@@ -1,0 +1,144 @@
+"""One set of tests every class-conditional image pipeline passes (diffusers' `PipelineTesterMixin` style): the call
+conventions, every output type, the tuple output, seeded determinism and batch-of-one equals in-batch,
+num_images_per_prompt, save / load, the step callback, and clear errors for bad inputs.
+
+A family's test module declares one class:
+
+    class TestVARPipeline(PipelineTesterMixin):
+        pipeline_class = VARPipeline
+        image_shape = (8, 8)            # H, W of the decoded images
+        token_shape = (21,)             # per image: discrete ids (L,) or continuous tokens (L, C)
+        num_classes = 3
+
+        def get_dummy_components(self): return {"transformer": ..., "vqvae": ...}
+        def get_dummy_inputs(self): return {"guidance_scale": 4.0}   # call arguments besides labels/generators
+
+and gets every test below (pytest collects them; `extra_bad_inputs` adds the family's own bad calls). Families
+whose batched arithmetic may round differently from a batch of one set `batch_tolerance`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import numpy as np
+import PIL.Image
+import pytest
+import torch
+
+from mmspec.errors import InputError
+from mmspec.pipeline_io import GenerationOutput
+from mmspec.stats import SpecStats
+from mmspec.testing import seeded_generators
+
+CALL_PARAMETERS = ("class_labels", "num_images_per_prompt", "generator", "output_type", "return_dict",
+                   "callback_on_step_end")
+
+
+class PipelineTesterMixin:
+    """Shared pipeline tests (see the module docstring)."""
+
+    pipeline_class: type
+    image_shape: tuple[int, int]
+    token_shape: tuple[int, ...]
+    num_classes: int
+    batch_tolerance: float = 0.0  # 0: the in-batch row equals the row alone bit for bit
+    extra_bad_inputs: tuple[tuple[dict, str], ...] = ()
+
+    def get_dummy_components(self) -> dict:
+        raise NotImplementedError
+
+    def get_dummy_inputs(self) -> dict:
+        return {}
+
+    # ------------------------------------------------------------------------------------------- helpers
+    @pytest.fixture(scope="class")
+    def pipe(self):
+        pipe = self.pipeline_class(**self.get_dummy_components())
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    def call(self, pipe, labels: list[int], seed: int = 0, **kwargs: Any):
+        """The pipeline on `labels` with one generator per image (seeded seed, seed + 1, ...)."""
+        inputs = {**self.get_dummy_inputs(), "class_labels": labels, "generator": seeded_generators(len(labels), seed),
+                  "output_type": "latent", **kwargs}
+        return pipe(**inputs)
+
+    def labels(self, n: int) -> list[int]:
+        return [i % self.num_classes for i in range(n)]
+
+    # --------------------------------------------------------------------------------------------- tests
+    def test_call_signature_follows_diffusers_conventions(self):
+        params = inspect.signature(self.pipeline_class.__call__).parameters
+        missing = [name for name in CALL_PARAMETERS if name not in params]
+        assert not missing, f"{self.pipeline_class.__name__}.__call__ lacks {missing}"
+        assert params["output_type"].default == "pil" and params["return_dict"].default is True
+
+    @pytest.mark.parametrize("output_type", ["pil", "np", "pt", "latent"])
+    def test_output_types(self, pipe, output_type):
+        out = self.call(pipe, self.labels(2), output_type=output_type)
+        assert isinstance(out, GenerationOutput) and isinstance(out.stats, SpecStats)
+        assert tuple(out.tokens.shape) == (2, *self.token_shape) and out.stats.num_target_forwards > 0
+        h, w = self.image_shape
+        if output_type == "pil":
+            assert isinstance(out.images[0], PIL.Image.Image) and out.images[0].size == (w, h)
+        elif output_type == "np":
+            assert out.images.shape == (2, h, w, 3) and 0 <= out.images.min() <= out.images.max() <= 1
+        elif output_type == "pt":
+            assert out.images.shape == (2, 3, h, w) and 0 <= float(out.images.min()) <= float(out.images.max()) <= 1
+        else:
+            assert torch.equal(out.images, out.tokens)
+
+    def test_dict_and_tuple_outputs_agree(self, pipe):
+        as_dict = self.call(pipe, self.labels(2), output_type="np")
+        images, tokens, stats = self.call(pipe, self.labels(2), output_type="np", return_dict=False)
+        assert np.array_equal(as_dict.images, images) and torch.equal(as_dict.tokens, tokens)
+        assert stats.num_target_forwards == as_dict.stats.num_target_forwards
+
+    def test_seeded_runs_repeat_and_batch_of_one_equals_in_batch(self, pipe):
+        labels = self.labels(3)
+        a, b = self.call(pipe, labels, seed=3).tokens, self.call(pipe, labels, seed=3).tokens
+        assert torch.equal(a, b)
+        alone = self.call(pipe, labels[1:2], seed=4).tokens  # row 1 of the batch used generator 3 + 1
+        if self.batch_tolerance:
+            torch.testing.assert_close(alone, a[1:2], atol=self.batch_tolerance, rtol=self.batch_tolerance)
+        else:
+            assert torch.equal(alone, a[1:2])
+        assert not torch.equal(a, self.call(pipe, labels, seed=30).tokens)
+
+    def test_num_images_per_prompt(self, pipe):
+        out = pipe(**{**self.get_dummy_inputs(), "class_labels": self.labels(2), "num_images_per_prompt": 2,
+                      "generator": torch.Generator().manual_seed(0), "output_type": "pt"})
+        assert out.images.shape[0] == 4 and tuple(out.tokens.shape) == (4, *self.token_shape)
+
+    def test_save_and_load_round_trip(self, pipe, tmp_path):
+        pipe.save_pretrained(tmp_path)
+        loaded = self.pipeline_class.from_pretrained(tmp_path)
+        loaded.set_progress_bar_config(disable=True)
+        before = self.call(pipe, self.labels(2), seed=5).tokens
+        assert torch.equal(self.call(loaded, self.labels(2), seed=5).tokens, before)
+
+    def test_callback_sees_the_tokens_after_each_step(self, pipe):
+        seen = []
+        self.call(pipe, self.labels(2), callback_on_step_end=lambda p, step, n, kw: seen.append(
+            (step, n, tuple(kw["tokens"].shape))))
+        assert seen, "callback_on_step_end was never called"
+        assert all(shape[0] == 2 for _, _, shape in seen)
+        assert [n for _, n, _ in seen] == sorted(n for _, n, _ in seen)  # tokens so far never go back
+
+    @pytest.mark.parametrize("kind", ["label outside", "no labels", "output_type", "generators", "num_images"])
+    def test_bad_inputs_are_clear_errors(self, pipe, kind):
+        bad = {"label outside": ({"class_labels": [self.num_classes]}, "outside"),
+               "no labels": ({"class_labels": None}, "class_labels"),
+               "output_type": ({"output_type": "gif"}, "output_type"),
+               "generators": ({"class_labels": [0, 0], "generator": [torch.Generator()]}, "generators"),
+               "num_images": ({"num_images_per_prompt": 0}, "num_images_per_prompt")}
+        kwargs, match = bad[kind]
+        with pytest.raises(InputError, match=match):
+            pipe(**{**self.get_dummy_inputs(), "class_labels": [0], **kwargs})
+
+    def test_family_bad_inputs_are_clear_errors(self, pipe):
+        for kwargs, match in self.extra_bad_inputs:
+            with pytest.raises(InputError, match=match):
+                pipe(**{**self.get_dummy_inputs(), "class_labels": [0], **kwargs})

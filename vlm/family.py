@@ -1,0 +1,56 @@
+"""The VLM family record: the LLaVA target folder, its bench hook, and its methods, declared once here
+(`mmspec.families`): `vanilla` (the target alone) and one method per drafter kind, whose `run` is the drafter model
+class (loaded from `MODEL/drafters/<kind>` or built for a target with `for_target`; its `loop_drafter` is what the
+loop runs). Every method is lossless (tree verification); their parameters are the EAGLE-2 tree's (top_k, depth,
+total_tokens: `VLMEagleTreeDrafter`'s defaults). `mmspec vlm`, `mmspec train vlm-drafter`, the bench and the VLM demo
+read the kinds from here.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mmspec.data.artifacts import ASSETS_DIR
+from mmspec.errors import check
+from mmspec.families import FamilyRecord, parameters_of
+from vlm.eagle import VLMEagleDrafter, VLMEagleTreeDrafter
+from vlm.msd import VLMMSDDrafter
+from vlm.specvlm import VLMSpecVLMDrafter
+from vlm.vispec import VLMViSpecDrafter
+
+TREE = parameters_of(VLMEagleTreeDrafter)  # top_k, depth, total_tokens
+
+
+def load(model_path: str | None, device: str):
+    from vlm.pipeline import SpeculativeVLM
+
+    return SpeculativeVLM.from_pretrained(model_path or ASSETS_DIR / "vlm", device=device)
+
+
+def bench():
+    from vlm.bench import vlm_family
+
+    return vlm_family()
+
+
+FAMILY = FamilyRecord("vlm", "LLaVA long answers about world scenes with speculative drafters (exactness, answers)",
+                      default_model=ASSETS_DIR / "vlm", load=load, bench=bench)
+FAMILY.add("vanilla", None, {}, description="the LLaVA target alone")
+for kind, model, what in (("eagle", VLMEagleDrafter, "EagleVLM drafter"),
+                          ("vispec", VLMViSpecDrafter, "ViSpec drafter (compressed image token + global feature)"),
+                          ("msd", VLMMSDDrafter, "MSD drafter (raw visual embeddings at image positions)"),
+                          ("specvlm", VLMSpecVLMDrafter, "SpecVLM drafter (gated elastic visual compressor)")):
+    FAMILY.add(kind, model, TREE, description=f"{what}, EAGLE-2 dynamic tree, lossless tree verification")
+
+DRAFTER_KINDS = tuple(name for name in FAMILY.methods if name != "vanilla")
+
+
+def drafter_model(kind: str) -> type:
+    """The drafter model class of method `kind` (InputError naming the kinds otherwise)."""
+    check(kind in DRAFTER_KINDS, f"unknown drafter kind {kind!r}; available: {', '.join(DRAFTER_KINDS)}.")
+    return FAMILY.methods[kind].run
+
+
+def drafter_kinds_in(folder: str | Path) -> list[str]:
+    """The kinds with a saved drafter in FOLDER/drafters/<kind>, in the record's order."""
+    return [k for k in DRAFTER_KINDS if (Path(folder) / "drafters" / k / "config.json").is_file()]
