@@ -71,7 +71,10 @@ def rule_lossless(mode: str | None = None):
     that rule with the parameters."""
 
     def lossless(params: Mapping[str, Any]) -> bool:
-        rule = ACCEPT_RULES.get(mode or params.get("accept", "lossless"), LanternRule)
+        name = mode or params.get("accept", "lossless")
+        if name not in ACCEPT_RULES:  # an unknown mode: building the method says so
+            return False
+        rule = ACCEPT_RULES[name]
         return rule is None or rule_keeps_distribution(rule.name, dict(params))
 
     return lossless

@@ -22,16 +22,18 @@ import torch
 from mmspec.bench.configs import parse_method_list
 from mmspec.bench.files import prepare_output_dir
 from mmspec.bench.output import RESULTS_FILE, SUMMARY_JSON, SUMMARY_MD, write_outputs
-from mmspec.bench.registry import BenchSettings, available_families, get_family
+from mmspec.bench.registry import BenchSettings, get_family
 from mmspec.bench.report import tables_markdown
 from mmspec.bench.runner import BenchResult, check_run_args, run_bench
 from mmspec.errors import InputError, check_positive_int
+from mmspec.families import available_families
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the `mmspec bench` options on `parser`."""
     parser.add_argument("--family", default="toy",
-                        help=f"model family to benchmark (default toy; known: {', '.join(available_families())})")
+                        help=f"model family to benchmark (default toy; families: {', '.join(available_families())}; "
+                             "those with a bench hook run)")
     parser.add_argument("--methods", default=None,
                         help="comma-separated configurations NAME[:KEY=VALUE...], e.g. vanilla,draft-model,"
                              "tree:depth=6 (default: every method of the family; vanilla is always added)")

@@ -42,6 +42,23 @@ def test_generate_vanilla_and_cspd(folders, tmp_path):
     assert len(os.listdir(tmp_path / "c" / "images")) == 4
 
 
+def test_cspd_criteria_are_presets_that_rule_options_refine(folders):
+    """criterion picks the paper's rule or the public code's; CSpDRule's own options change it on top."""
+    from continuous.mar.family import FAMILY
+    from mmspec.verify.cspd import CSpDRule
+
+    pipe = FAMILY.load(str(folders[0]), "cpu")
+    cspd = FAMILY.get_method("cspd")
+    _, paper = cspd.build(pipe, {"gamma": 3})
+    assert paper == {"gamma": 3, "rule": paper["rule"]} and paper["rule"].config() == CSpDRule().config()
+    _, code = cspd.build(pipe, {"criterion": "reference_code"})
+    assert code["rule"].config() == CSpDRule.reference_code().config()
+    _, mixed = cspd.build(pipe, {"criterion": "reference_code", "invert_variance_factor": False,
+                                 "independent_checks": False})
+    assert mixed["rule"].config() == CSpDRule(distance_scale=42.0).config()  # softened, the paper's sign and stop
+    assert not cspd.is_lossless() and FAMILY.get_method("vanilla").is_lossless()
+
+
 def test_generate_errors_are_clear(folders, tmp_path, capsys):
     cspd_dir, mar_dir = folders
     assert generate(mar_dir, tmp_path / "a", "--method", "cspd") == 2
