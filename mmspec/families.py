@@ -120,7 +120,9 @@ class FamilyRecord:
     num_classes(pipe); sampling_defaults(pipeline) -> {guidance_scale, temperature, top_k, top_p} used when a
     caller sets none, where `pipeline()` returns the loaded pipeline for a family whose model carries its own
     defaults (MAR), loading it only then, or None when the caller will not load it (the family then returns its
-    static defaults); bench() -> `mmspec.bench.Family`. Hooks a family does not have stay None."""
+    static defaults); bench() -> `mmspec.bench.Family`; profile(pipe) -> {name: (model, run_forward(batch, width))}
+    for the models whose forward costs `mmspec profile` measures (`mmspec.cost`). Hooks a family does not have stay
+    None."""
 
     name: str
     description: str = ""
@@ -130,6 +132,7 @@ class FamilyRecord:
     num_classes: Callable[[Any], int] | None = None
     sampling_defaults: Callable[[Any], dict] | None = None
     bench: Callable[[], Any] | None = None
+    profile: Callable[[Any], dict[str, tuple[Any, Callable[[int, int], None]]]] | None = None
     methods: dict[str, MethodRecord] = field(default_factory=dict)
 
     def method(self, name: str | None = None, *, params: tuple[ParamSource, ...] = (), skip: tuple[str, ...] = (),

@@ -60,10 +60,25 @@ def bench():
     return llamagen_family()
 
 
+def profile(pipe) -> dict:
+    """The target and the draft model as the loop runs them: the class condition prefilled, CFG at the pipeline's
+    default scale (one 2B batch), then W new tokens scored per forward."""
+    from image_ar.llamagen.pipeline import condition_prefill
+    from mmspec.cost import lm_forward_runner
+
+    def labels(batch: int) -> torch.Tensor:
+        return torch.arange(batch, device=pipe.transformer.device) % pipe.transformer.config.num_classes
+
+    models = {"transformer": pipe.transformer, "draft_transformer": pipe.draft_transformer}
+    return {name: (model, lm_forward_runner(model, labels, DEFAULTS["guidance_scale"], condition_prefill(True),
+                                            max_width=model.config.block_size))
+            for name, model in models.items() if model is not None}
+
+
 FAMILY = FamilyRecord("llamagen", "LlamaGen class-conditional image generation (judge accuracy, world-FID)",
                       default_model=ASSETS_DIR / "llamagen", load=load, generate=generate,
                       num_classes=lambda pipe: pipe.transformer.config.num_classes,
-                      sampling_defaults=lambda pipeline: DEFAULTS, bench=bench)
+                      sampling_defaults=lambda pipeline: DEFAULTS, bench=bench, profile=profile)
 
 
 def rule_lossless(mode: str | None = None):

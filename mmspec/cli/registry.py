@@ -24,6 +24,7 @@ CORE_COMMANDS: dict[str, str] = {
     "selfcheck": "mmspec.cli.selfcheck",
     "generate": "mmspec.cli.generate",
     "bench": "mmspec.bench.cli",
+    "profile": "mmspec.cli.profile",
     "train.tokenizer": "mmspec.data.train_tokenizer",
     "train.judge": "mmspec.metrics.train_judge",
 }

@@ -150,3 +150,12 @@ def test_convert_official_files_into_a_pipeline_folder(model_dir, tmp_path):
     a = (tmp_path / "imgs" / "images" / "class1_000.png").read_bytes()
     run_generate(model_dir, tmp_path / "ref", "--classes", "1", "--num-images", "1")
     assert a == (tmp_path / "ref" / "images" / "class1_000.png").read_bytes()
+
+
+def test_profile_measures_the_target_and_the_draft_model(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    assert main(["profile", "--family", "llamagen", "--model", str(model_dir), "--batch-sizes", "1,3", "--widths",
+                 "1,16", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "transformer: ms per forward" in out and "draft_transformer: ms per forward" in out
+    assert out.count("| 3 |") == 2 and len(list((tmp_path / "profiles").glob("*.json"))) == 2

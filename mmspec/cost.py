@@ -1,0 +1,150 @@
+"""What a forward costs on this device: measured tables of seconds per forward of a cached model, for B rows of n new
+tokens each after a prefix, so a draft budget can weigh drafting k tokens (the drafter's steps plus a verify of
+k + 1 positions) against a plain one-token step (../shared/reference/budgets.md: speed-up = E[tokens per step] /
+(T_draft + T_verify(B, n)); on this 2-core CPU a 64-token verify costs 1.7-4x a one-token step, on a GPU about one
+step until it is compute-bound: measure, never assume).
+
+    times = measure_forward_times(run, batch_sizes=(1, 8), widths=(1, 2, 4, 8, 16))   # run(batch, width) = 1 fwd
+    times.seconds_at(8, 12)                                  # interpolated between the measured widths
+    table = cached_profile(profile_key(model, device="cpu"), lambda: times)   # JSON under the cache folder
+
+Tables are cached per (model fingerprint, device, dtype, torch threads, torch version) under `MMSPEC_CACHE`
+(default `~/.cache/mmspec`) in `profiles/<key>.json`, written atomically; `mmspec profile --family NAME` measures a
+family's models and prints the tables (docs/benchmarks.md, "What a forward costs").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from mmspec.errors import check, check_positive_int
+from mmspec.phases import synchronize
+
+# run_forward(batch, width): one forward of `batch` rows with `width` new tokens each (timed by the caller)
+RunForward = Callable[[int, int], None]
+
+
+@dataclass
+class ForwardTimes:
+    """Median seconds of one forward [len(batch_sizes)][len(widths)], measured at every (batch, width) pair."""
+
+    batch_sizes: list[int]
+    widths: list[int]
+    seconds: list[list[float]]
+
+    def seconds_at(self, batch: int, width: int) -> float:
+        """Seconds of one forward of `batch` rows x `width` tokens: linear between measured widths (and batch sizes),
+        extrapolated linearly beyond the largest, clamped at the smallest."""
+        return _interpolate(self.batch_sizes, [self._at_width(i, width) for i in range(len(self.batch_sizes))],
+                            batch)
+
+    def _at_width(self, row: int, width: int) -> float:
+        return _interpolate(self.widths, self.seconds[row], width)
+
+    def relative(self) -> list[list[float]]:
+        """Each entry over the one-token forward of its batch size: what a verify of n costs in plain steps."""
+        return [[s / row[0] for s in row] for row in self.seconds]
+
+
+def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear y(x) through (xs, ys) (xs increasing): clamped below the first point, the last segment's
+    slope beyond the last."""
+    if len(xs) == 1 or x <= xs[0]:
+        return float(ys[0])
+    for i in range(1, len(xs)):
+        if x <= xs[i] or i == len(xs) - 1:
+            slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
+            return float(max(ys[i - 1] + slope * (x - xs[i - 1]), 0.0))
+    return float(ys[-1])
+
+
+def measure_forward_times(run_forward: RunForward, batch_sizes: Sequence[int], widths: Sequence[int],
+                          repeats: int = 5, warmup: int = 2, device: torch.device | str = "cpu",
+                          progress: Callable[[str], None] | None = None) -> ForwardTimes:
+    """Time `run_forward(batch, width)` (median of `repeats` after `warmup` calls) at every pair, interleaving the
+    widths of a batch size so that a change of the machine's load touches them all alike."""
+    batch_sizes, widths = sorted(set(batch_sizes)), sorted(set(widths))
+    for value in (*batch_sizes, *widths):
+        check_positive_int("batch size / width", value)
+    check_positive_int("repeats", repeats)
+    device = torch.device(device)
+    table = []
+    for batch in batch_sizes:
+        if progress is not None:
+            progress(f"batch {batch}: widths {', '.join(map(str, widths))}")
+        for width in widths:
+            for _ in range(warmup):
+                run_forward(batch, width)
+        samples: dict[int, list[float]] = {w: [] for w in widths}
+        for _ in range(repeats):
+            for width in widths:
+                synchronize(device)
+                start = time.perf_counter()
+                run_forward(batch, width)
+                synchronize(device)
+                samples[width].append(time.perf_counter() - start)
+        table.append([sorted(samples[w])[len(samples[w]) // 2] for w in widths])
+    return ForwardTimes(list(batch_sizes), list(widths), table)
+
+
+# ------------------------------------------------------------------------------------------------- caching
+def cache_dir() -> Path:
+    return Path(os.environ.get("MMSPEC_CACHE", Path.home() / ".cache" / "mmspec"))
+
+
+def profile_key(model: torch.nn.Module, device: torch.device | str, extra: str = "") -> str:
+    """A file-name key of what a measurement depends on: the model's class, size and config, the device, its dtype,
+    torch's CPU threads and version (and `extra`, e.g. the prefix length or CFG)."""
+    param = next(model.parameters(), None)
+    dtype = str(param.dtype) if param is not None else "none"
+    config = json.dumps(dict(getattr(model, "config", {}) or {}), sort_keys=True, default=str)
+    size = sum(p.numel() for p in model.parameters())
+    text = "|".join([type(model).__name__, str(size), config, str(torch.device(device)), dtype,
+                     str(torch.get_num_threads()), torch.__version__, extra])
+    return f"{type(model).__name__.lower()}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+
+
+def cached_profile(key: str, measure: Callable[[], ForwardTimes], refresh: bool = False) -> ForwardTimes:
+    """The table cached under `key`, or `measure()` it and cache it (atomically) when it is missing or `refresh`."""
+    path = cache_dir() / "profiles" / f"{key}.json"
+    if path.is_file() and not refresh:
+        try:
+            return ForwardTimes(**json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError):
+            pass  # a damaged file is measured again
+    times = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(times)))
+    tmp.replace(path)
+    return times
+
+
+def lm_forward_runner(model, make_inputs: Callable[[int], object], guidance_scale: float | None = None,
+                      prefill_fn=None, max_width: int = 64) -> RunForward:
+    """`run_forward` of a `mmspec.lm.CachedLM` the way the loop runs it: per batch size, one prefill of
+    `make_inputs(batch)` (with `prefill_fn`, default a token prompt; CFG as one 2B batch when `guidance_scale` is
+    set), then each timed call scores `width` new tokens after that prefix without committing them."""
+    from mmspec.lm import GuidedRunner, prefill_prompt
+
+    runners: dict[int, GuidedRunner] = {}
+
+    @torch.no_grad()
+    def run(batch: int, width: int) -> None:
+        check(width <= max_width, f"width {width} exceeds the profile's room ({max_width}).")
+        if batch not in runners:
+            runners[batch] = GuidedRunner(model, guidance_scale, prefill_fn or prefill_prompt)
+            runners[batch].prefill(make_inputs(batch), max_width + 1)
+        runner = runners[batch]
+        slots = runner.slots(width)  # [B, W]
+        runner.forward(torch.zeros_like(slots), slots, slots)
+
+    return run

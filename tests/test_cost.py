@@ -1,0 +1,82 @@
+"""`mmspec.cost`: forward-time tables (interpolation, measuring, the JSON cache) and `mmspec profile` on a family
+record's profile hook."""
+
+import json
+
+import pytest
+import torch
+
+from mmspec.cli import main
+from mmspec.cost import ForwardTimes, cached_profile, lm_forward_runner, measure_forward_times, profile_key
+from mmspec.families import FamilyRecord, register_family, unregister_family
+from mmspec.testing.toy import toy_model
+
+
+def test_tables_interpolate_between_and_extrapolate_beyond_the_measured_points():
+    times = ForwardTimes([1, 8], [1, 4, 16], [[1.0, 2.0, 5.0], [2.0, 4.0, 10.0]])
+    assert times.seconds_at(1, 4) == 2.0 and times.seconds_at(8, 16) == 10.0
+    assert times.seconds_at(1, 10) == pytest.approx(3.5)  # halfway between widths 4 and 16
+    assert times.seconds_at(1, 28) == pytest.approx(8.0)  # the last segment's slope
+    assert times.seconds_at(1, 0) == 1.0 and times.seconds_at(0, 4) == 2.0  # clamped below
+    assert times.seconds_at(4.5, 1) == pytest.approx(1.5)  # between batch sizes
+    assert times.relative() == [[1.0, 2.0, 5.0], [1.0, 2.0, 5.0]]
+
+
+def test_measuring_calls_every_cell_and_keeps_the_median():
+    calls = []
+
+    def run(batch, width):
+        calls.append((batch, width))
+
+    times = measure_forward_times(run, [2, 1], [4, 1, 4], repeats=3, warmup=1)
+    assert times.batch_sizes == [1, 2] and times.widths == [1, 4]
+    assert len(calls) == 2 * 2 * (3 + 1) and set(calls) == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    assert all(s >= 0 for row in times.seconds for s in row)
+
+
+def test_tables_are_cached_per_key_and_measured_again_on_request(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    made = []
+
+    def measure():
+        made.append(1)
+        return ForwardTimes([1], [1, 2], [[0.5, 0.75]])
+
+    first = cached_profile("k", measure)
+    assert cached_profile("k", measure) == first and len(made) == 1
+    assert json.loads((tmp_path / "profiles" / "k.json").read_text())["seconds"] == [[0.5, 0.75]]
+    cached_profile("k", measure, refresh=True)
+    (tmp_path / "profiles" / "k.json").write_text("{broken")
+    cached_profile("k", measure)
+    assert len(made) == 3
+    model = toy_model(seed=0)
+    assert profile_key(model, "cpu") == profile_key(model, "cpu") != profile_key(toy_model(seed=0, dim=16), "cpu")
+
+
+def test_the_lm_runner_scores_new_tokens_without_committing_them():
+    model = toy_model(seed=0, max_positions=64)
+    run = lm_forward_runner(model, lambda b: torch.zeros(b, 3, dtype=torch.long), max_width=8)
+    for width in (1, 8, 4):
+        run(2, width)  # the same prefix every time: nothing is committed
+    with pytest.raises(Exception, match="exceeds the profile's room"):
+        run(2, 9)
+
+
+def test_mmspec_profile_prints_the_tables_of_a_family_hook(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    model = toy_model(seed=0, max_positions=64)
+    record = FamilyRecord("scratch-profile", load=lambda path, device: model, profile=lambda pipe: {
+        "target": (pipe, lm_forward_runner(pipe, lambda b: torch.zeros(b, 2, dtype=torch.long), max_width=8))})
+    register_family(record)
+    try:
+        args = ["profile", "--family", "scratch-profile", "--batch-sizes", "1,2", "--widths", "1,4", "--repeats", "1"]
+        assert main(args) == 0
+        out = capsys.readouterr().out
+        assert "target: ms per forward" in out and "| 2 |" in out and "(1.00x)" in out
+        assert len(list((tmp_path / "profiles").glob("*.json"))) == 1
+        assert main([*args[:-2], "--widths", "0"]) == 2
+        assert "--widths must be comma-separated positive integers" in capsys.readouterr().err
+        assert main(["profile", "--family", "toy"]) == 2
+        assert "has no profile hook; families with one: " in capsys.readouterr().err
+    finally:
+        unregister_family("scratch-profile")
