@@ -193,6 +193,7 @@ class JacobiDrafter:
         if row_width is not None:
             check_positive_int("row_width", row_width)
         self.vocab_size, self.window, self.k = vocab_size, window, window - 1
+        self.step_k = self.k  # drafts of the next window (a draft budget may ask for fewer)
         self.init = check_init(init)
         self.start, self.end = check_interval(interval)
         self.generator, self.greedy, self.row_width = generator, bool(greedy), row_width
@@ -206,6 +207,15 @@ class JacobiDrafter:
                 "greedy": self.greedy, "row_width": self.row_width}
 
     # ------------------------------------------------------------------------------------------- protocol
+    @property
+    def draft_sizes(self) -> range:
+        """Window drafts a budget may ask for: 0 (a plain step) to window - 1."""
+        return range(0, self.k + 1)
+
+    def set_draft_size(self, k: int) -> None:
+        check(0 < k <= self.k, f"draft size must be in [1, {self.k}], got {k}.")
+        self.step_k = k
+
     def begin(self, inputs: Any, state: DecodeState) -> None:
         b, k, device = state.batch_size, self.k, state.done.device
         self.tail_tokens = torch.zeros(b, k, dtype=torch.long, device=device)  # [B, K]
@@ -216,12 +226,13 @@ class JacobiDrafter:
     def propose(self, state: DecodeState) -> ChainDraft:
         check(self.tail_len is not None, "JacobiDrafter.propose called before begin(); run it through "
                                          "mmspec.loop.generate.")
-        b, k, device = state.batch_size, self.k, state.done.device
+        b, k, device = state.batch_size, self.step_k, state.done.device
         if k == 0:
             return ChainDraft(torch.empty(b, 0, dtype=torch.long, device=device))
-        init = self._init_tokens(state)  # [B, K]
+        init = self._init_tokens(state, k)  # [B, k]
         num = draft_counts(state.num_generated, k, self.start, self.end)  # [B]
-        tokens, probs = jacobi_draft(self.tail_tokens, self.tail_probs, self.tail_len, init, num)
+        tokens, probs = jacobi_draft(self.tail_tokens[:, :k], self.tail_probs[:, :k], self.tail_len.clamp_max(k),
+                                     init, num)
         return ChainDraft(tokens, probs, num)
 
     def observe(self, state: DecodeState, draft: ChainDraft, result: VerifyResult, active: torch.Tensor,
@@ -229,23 +240,40 @@ class JacobiDrafter:
         if target_probs.shape[-1] != self.vocab_size or target_probs.dim() != 3:
             raise InputError(f"JacobiDrafter(vocab_size={self.vocab_size}) got target distributions of shape "
                              f"{list(target_probs.shape)}; expected [B, K+1, {self.vocab_size}].")
-        if self.k == 0:
+        k = target_probs.shape[1] - 1  # this window's drafts
+        if k == 0:
             rows = torch.arange(target_probs.shape[0], device=target_probs.device)
             self.last_mode = torch.where(active, target_probs[rows, 0].argmax(-1), self.last_mode)
             return
-        shape = (target_probs.shape[0], self.k, self.vocab_size)
-        exps = None if self.greedy else exponential(shape, self.generator, target_probs.device)  # [B, K, V]
+        shape = (target_probs.shape[0], k, self.vocab_size)
+        exps = None if self.greedy else exponential(shape, self.generator, target_probs.device)  # [B, k, V]
         tokens, probs, length, mode = jacobi_update(target_probs, result.num_accepted,
                                                     draft.resolved_num_draft(), exps)
         self.last_mode = torch.where(active, mode, self.last_mode)
-        self.tail_tokens = torch.where(active.unsqueeze(-1), tokens, self.tail_tokens)
-        self.tail_probs = torch.where(active.view(-1, 1, 1), probs, self.tail_probs)
-        self.tail_len = torch.where(active, length, self.tail_len)
+        self._set_tail(tokens, probs, length, active)
+
+    def skip(self, state: DecodeState, result: VerifyResult, active: torch.Tensor,
+             target_probs: torch.Tensor) -> None:
+        """The loop made a plain step: its token takes the first carried draft's place, so the tail moves left by
+        one (each draft keeps the q it was sampled from); with no tail the new left neighbour's distribution is P_0."""
+        rows = torch.arange(target_probs.shape[0], device=target_probs.device)
+        self.last_mode = torch.where(active & (self.tail_len == 0), target_probs[rows, 0].argmax(-1), self.last_mode)
+        self._set_tail(self.tail_tokens[:, 1:], self.tail_probs[:, 1:], (self.tail_len - 1).clamp_min(0), active)
 
     # -------------------------------------------------------------------------------------------- helpers
-    def _init_tokens(self, state: DecodeState) -> torch.Tensor:
-        """[B, K] tokens for new positions (only the slots past each row's tail are used)."""
-        b, k, device = state.batch_size, self.k, state.done.device
+    def _set_tail(self, tokens: torch.Tensor, probs: torch.Tensor, length: torch.Tensor, active: torch.Tensor) -> None:
+        """Rows `active` [B] take the carried drafts tokens [B, k], probs [B, k, V] (k <= K; the rest is padding)
+        and their count [B]."""
+        k = tokens.shape[1]
+        keep = active.unsqueeze(-1)
+        self.tail_tokens = torch.cat([torch.where(keep, tokens, self.tail_tokens[:, :k]), self.tail_tokens[:, k:]], 1)
+        self.tail_probs = torch.cat([torch.where(keep.unsqueeze(-1), probs, self.tail_probs[:, :k]),
+                                     self.tail_probs[:, k:]], 1)
+        self.tail_len = torch.where(active, length, self.tail_len)
+
+    def _init_tokens(self, state: DecodeState, k: int) -> torch.Tensor:
+        """[B, k] tokens for new positions (only the slots past each row's tail are used)."""
+        b, device = state.batch_size, state.done.device
         rand = random_tokens(b, k, self.vocab_size, self.generator, device)  # [B, K], drawn in every mode
         if self.init == "repeat_horizon":
             known = last_tail_token(self.tail_tokens, self.tail_len, state.last_token)  # [B]

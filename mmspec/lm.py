@@ -195,8 +195,15 @@ class NoDrafter:
     """Proposes nothing: the loop becomes vanilla decoding (one target forward per token)."""
 
     forwards = 0
+    draft_sizes = (0,)
 
     def begin(self, inputs, state: DecodeState) -> None:
+        pass
+
+    def set_draft_size(self, k: int) -> None:
+        pass
+
+    def skip(self, state, result, active, target_probs) -> None:
         pass
 
     def propose(self, state: DecodeState) -> ChainDraft:
@@ -245,13 +252,23 @@ class DraftModelDrafter:
         check_positive_int("num_draft_tokens", num_draft_tokens)
         self.runner = GuidedRunner(model, guidance_scale, prefill_fn)
         self.k, self.params, self.generator = num_draft_tokens, params, generator
+        self.max_k = num_draft_tokens
+
+    @property
+    def draft_sizes(self) -> range:
+        """Draft counts a budget may ask for: 0 (a plain step) to num_draft_tokens."""
+        return range(0, self.max_k + 1)
+
+    def set_draft_size(self, k: int) -> None:
+        check(0 < k <= self.max_k, f"draft size must be in [1, {self.max_k}], got {k}.")
+        self.k = k
 
     @property
     def forwards(self) -> int:
         return self.runner.forwards
 
     def begin(self, inputs: Any, state: DecodeState) -> None:
-        self.runner.prefill(inputs, state.max_new_tokens + self.k + 2)
+        self.runner.prefill(inputs, state.max_new_tokens + self.max_k + 2)
         self.pending = PendingTokens(state.last_token, 2)
 
     def propose(self, state: DecodeState) -> ChainDraft:
@@ -271,12 +288,20 @@ class DraftModelDrafter:
     def observe(self, state: DecodeState, draft: ChainDraft, result: VerifyResult, active: torch.Tensor,
                 target_probs: torch.Tensor) -> None:
         # the drafter ran the pending tokens and drafts x_1..x_{K-1}; keep what the target committed
-        n = result.num_accepted
-        self.runner.commit_chain((self.pending.count + n.clamp_max(self.k - 1)) * active)
-        all_accepted = n == self.k
+        n, k = result.num_accepted, draft.tokens.shape[1]
+        self.runner.commit_chain((self.pending.count + n.clamp_max(k - 1)) * active)
+        all_accepted = n == k
         two = torch.stack([draft.tokens[:, -1], result.final_tokens], 1)
         one = torch.stack([result.final_tokens, result.final_tokens], 1)
         self.pending.set(torch.where(all_accepted.unsqueeze(-1), two, one), 1 + all_accepted.long(), active)
+
+    def skip(self, state: DecodeState, result: VerifyResult, active: torch.Tensor,
+             target_probs: torch.Tensor) -> None:
+        """The loop made a plain step without drafts: run and keep the pending tokens, the final token pends."""
+        feed_pending(self.runner, self.pending)
+        self.runner.commit_chain(self.pending.count * active)
+        final = result.final_tokens
+        self.pending.set(torch.stack([final, final], 1), torch.ones_like(final), active)
 
 
 class CandidatePool:

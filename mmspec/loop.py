@@ -104,7 +104,9 @@ class Target(Protocol):
 
 
 class Drafter(Protocol):
-    """Proposes drafts; may keep its own cache. `forwards` counts its model calls (for stats)."""
+    """Proposes drafts; may keep its own cache. `forwards` counts its model calls (for stats). A drafter that a
+    draft budget can steer also has `draft_sizes` (the sizes it can draft, 0 = a plain step), `set_draft_size(k)`
+    and `skip(state, result, active, target_probs)` (learn a plain step's token instead of `observe`)."""
 
     forwards: int
 
@@ -149,11 +151,13 @@ def cap_draft(draft: Draft, room: torch.Tensor) -> Draft:
 def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, inputs: Any, *, batch_size: int,
              max_new_tokens: int, generator: Generators = None, eos_token_id: int | None = None,
              device: torch.device | str = "cpu", callback: StepCallback | None = None,
-             validate: str = "first") -> GenerationOutput:
+             validate: str = "first", budget: Any = None) -> GenerationOutput:
     """Generate up to `max_new_tokens` per row with speculative decoding (vanilla with `NoDrafter`).
 
     validate: "first" checks the rule's inputs on the first iteration only (cheap), "always" on every one,
-    "never" skips the checks.
+    "never" skips the checks. budget: a draft budget (`mmspec.budget.AutoBudget`) that picks each step's draft size
+    (`drafter.set_draft_size(k)`; 0 = a plain step, after which `drafter.skip(...)` replaces `observe`); None =
+    the drafter's own size every step.
     """
     check(validate in ("first", "always", "never"), f"validate must be first/always/never, got {validate!r}.")
     rule = get_rule(rule)
@@ -177,9 +181,15 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         active = ~state.done
         if not bool(active.any()):  # the one host sync per iteration
             break
+        size = None if budget is None else budget.choose(state.batch_size)
         # never draft past the end: a row with r tokens left may accept at most r - 1 drafts
         with phase("draft"):
-            draft = cap_draft(drafter.propose(state), state.max_new_tokens - state.num_generated - 1)
+            if size == 0:  # a plain step: the drafter is not asked
+                draft = no_draft
+            else:
+                if size is not None:
+                    drafter.set_draft_size(size)
+                draft = cap_draft(drafter.propose(state), state.max_new_tokens - state.num_generated - 1)
         with phase("verify"):
             target_probs = target.verify(state, draft)
         stats.num_target_forwards += 1
@@ -189,7 +199,13 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         with phase("commit"):
             target.commit(state, draft, result, active)
         with phase("observe"):
-            drafter.observe(state, draft, result, active, target_probs)
+            if size == 0:
+                drafter.skip(state, result, active, target_probs)
+            else:
+                drafter.observe(state, draft, result, active, target_probs)
+        if budget is not None:
+            budget.observe(result, active)
+            stats.add_extra(f"budget_{size}", 1)  # steps at each draft size (the bench's histogram)
         stats.record(result, active)
         state.append(result, active)
         state.iteration += 1
