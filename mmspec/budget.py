@@ -10,7 +10,11 @@ size k (chain drafts or Jacobi window drafts; 0 = a plain one-token step) that m
 
 a_j is estimated from the verdicts of earlier steps of this run (all rows pooled), shrunk towards the pooled rate of
 every position (a Beta prior of strength `prior_strength`), and positions never reached yet take the rate of the
-deepest one reached, so the policy keeps exploring longer drafts while they pay.
+deepest one reached. Because a drafter's acceptance can depend on the size itself (a Jacobi window's tail converges
+better in a long window), E[tokens | k] blends that position model with the mean tokens actually emitted per row at
+size k (weight: rows seen at k against `prior_strength`), plus an exploration bonus that shrinks as size k is
+used (deterministic: sqrt(log(steps + 1) / (steps at k + 1)) x `explore`), so sizes that were never tried get a
+turn while they could pay.
 
 Why it stays lossless: k is chosen from past verdicts and the measured costs only, before any token of this step is
 drafted; a drafted token is never dropped because of its own value, and the verifier's randomness is fresh. The
@@ -24,7 +28,7 @@ are a deterministic function of the run's own history: a seeded run repeats exac
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -43,7 +47,7 @@ class AutoBudget:
     k): the drafter's. `chosen` counts how often each size was picked (the bench's histogram)."""
 
     def __init__(self, sizes: Iterable[int], verify_seconds: VerifySeconds, draft_seconds: DraftSeconds | None = None,
-                 prior_rate: float = 0.5, prior_strength: float = 4.0) -> None:
+                 prior_rate: float = 0.8, prior_strength: float = 4.0) -> None:
         self.sizes = sorted({0, *(int(k) for k in sizes)})
         check(self.sizes[0] >= 0, f"draft sizes must be >= 0, got {self.sizes}.")
         check(0.0 < prior_rate < 1.0 and prior_strength > 0, "prior_rate must be in (0, 1), prior_strength > 0.")
@@ -52,7 +56,11 @@ class AutoBudget:
         depth = self.sizes[-1]
         self.reached = torch.zeros(depth, dtype=torch.float64)  # [K] rows that drafted position j after j-1 accepts
         self.accepted = torch.zeros(depth, dtype=torch.float64)  # [K] of those, accepted at position j
+        self.rows_at: dict[int, float] = {}  # size k -> rows verified at size k
+        self.emitted_at: dict[int, float] = {}  # size k -> tokens they emitted
         self.chosen: dict[int, int] = {}
+        self.explore = 0.5
+        self._last = 0
 
     # ------------------------------------------------------------------------------------------ estimates
     def rates(self) -> torch.Tensor:
@@ -67,11 +75,14 @@ class AutoBudget:
         return rates
 
     def expected_tokens(self, k: int, rates: torch.Tensor | None = None) -> float:
-        """E[tokens emitted per row | k drafts] = 1 + sum_i prod_{j<=i} a_j."""
+        """E[tokens emitted per row | k drafts]: the position model 1 + sum_i prod_{j<=i} a_j, blended with the mean
+        emitted per row at size k where that size ran."""
         if k == 0:
             return 1.0
         rates = self.rates() if rates is None else rates
-        return 1.0 + float(torch.cumprod(rates[:k], 0).sum())
+        model = 1.0 + float(torch.cumprod(rates[:k], 0).sum())
+        rows = self.rows_at.get(k, 0.0)
+        return (self.emitted_at.get(k, 0.0) + self.prior_strength * model) / (rows + self.prior_strength)
 
     def throughput(self, batch: int, k: int, rates: torch.Tensor | None = None) -> float:
         """Expected tokens per second per row with k drafts at this batch size."""
@@ -81,14 +92,26 @@ class AutoBudget:
     # ------------------------------------------------------------------------------------------- the loop
     def choose(self, batch: int) -> int:
         """The draft size for the next step (0 = a plain step)."""
+        import math
+
         rates = self.rates()
-        best = max(self.sizes, key=lambda k: (self.throughput(batch, k, rates), -k))
+        steps = sum(self.chosen.values())
+
+        def score(k: int) -> tuple[float, int]:
+            bonus = 0.0 if k == 0 else self.explore * math.sqrt(math.log(steps + 1) / (self.chosen.get(k, 0) + 1))
+            return self.throughput(batch, k, rates) * (1.0 + bonus), -k
+
+        best = max(self.sizes, key=score)
         self.chosen[best] = self.chosen.get(best, 0) + 1
+        self._last = best
         return best
 
     def observe(self, result: VerifyResult, active: torch.Tensor) -> None:
         """Record a chain step's verdicts: position j (1-based) was reached by rows that drafted >= j and accepted
         j - 1, and accepted by those that accepted >= j."""
+        rows = float(active.sum())
+        self.rows_at[self._last] = self.rows_at.get(self._last, 0.0) + rows
+        self.emitted_at[self._last] = self.emitted_at.get(self._last, 0.0) + float((result.num_emitted * active).sum())
         k = min(result.accepted_flags.shape[1], self.reached.shape[0])
         if k == 0:
             return
@@ -97,3 +120,67 @@ class AutoBudget:
         reached = (acc >= positions) & (drafted > positions) & active.unsqueeze(-1)  # [B, k]
         self.reached[:k] += reached.sum(0).double().cpu()
         self.accepted[:k] += (reached & (acc > positions)).sum(0).double().cpu()
+
+
+# ------------------------------------------------------------------------------------------ building one
+BUDGET_MODES = ("auto", "fixed")
+PROFILE_WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65)  # verify widths measured (interpolated between)
+
+
+def forward_table(runner, inputs, batch: int, widths: Sequence[int], device: torch.device | str):
+    """The measured forward times (`mmspec.cost`) of a loop runner's model at this batch size, as the loop runs it
+    (its prefill of `inputs`, its CFG), cached per model, device, dtype, threads, batch and widths."""
+    from mmspec.cost import cached_profile, lm_forward_runner, measure_forward_times, profile_key
+
+    widths = sorted(set(widths))
+    extra = f"fwd|B={batch}|W={widths}|cfg={runner.guidance_scale is not None}|{runner.prefill_fn.__qualname__}"
+    run = lm_forward_runner(runner.model, lambda b: inputs, runner.guidance_scale, runner.prefill_fn,
+                            max_width=widths[-1])
+    return cached_profile(profile_key(runner.model, device, extra),
+                          lambda: measure_forward_times(run, [batch], widths, repeats=7, warmup=3, device=device))
+
+
+def step_table(target, rule, inputs, batch: int, widths: Sequence[int], device: torch.device | str):
+    """The measured seconds of one loop step of the target at this batch size and n = width tokens per row: the
+    verify forward, its distributions and the acceptance rule on drafts (nothing committed), cached like
+    `forward_table`."""
+    from mmspec.cost import cached_profile, measure_forward_times, profile_key
+    from mmspec.lm import LMTarget
+    from mmspec.loop import DecodeState
+    from mmspec.verify import ChainDraft, accept
+
+    widths = sorted(set(widths))
+    runner = target.runner
+    extra = (f"step|B={batch}|W={widths}|cfg={runner.guidance_scale is not None}|{runner.prefill_fn.__qualname__}"
+             f"|{getattr(rule, 'name', rule)}|{target.params}")
+    probe = LMTarget(runner.model, target.params, 0, max_draft_nodes=widths[-1], guidance_scale=runner.guidance_scale,
+                     prefill_fn=runner.prefill_fn)
+    state = DecodeState.new(batch, 1, device)
+    generator = torch.Generator().manual_seed(0)
+    vocab = runner.model.vocab_size
+
+    @torch.no_grad()
+    def run(b: int, width: int) -> None:
+        if probe.runner.cache is None:
+            probe.prefill(inputs)
+        draft = ChainDraft(torch.randint(0, vocab, (b, width - 1), generator=generator).to(device))
+        accept(rule, draft, probe.verify(state, draft), generator, validate=False)
+
+    return cached_profile(profile_key(runner.model, device, extra),
+                          lambda: measure_forward_times(run, [batch], widths, repeats=7, warmup=3, device=device))
+
+
+def make_budget(mode: str | None, target, drafter, rule, inputs, batch: int,
+                device: torch.device | str) -> AutoBudget | None:
+    """The draft budget of a call: "auto" -> an `AutoBudget` over the drafter's sizes from the measured cost of a
+    target step (`step_table`: verify and acceptance) and of the drafter's forwards at this batch size, measured
+    once and cached; "fixed" / None -> None (the drafter's own size every step). A drafter the budget cannot steer
+    (no `draft_sizes`) keeps its size."""
+    check(mode is None or mode in BUDGET_MODES, f"budget must be one of {BUDGET_MODES} or None, got {mode!r}.")
+    sizes = getattr(drafter, "draft_sizes", None)
+    if mode in (None, "fixed") or sizes is None or max(sizes) == 0:
+        return None
+    widths = [w for w in PROFILE_WIDTHS if w <= max(sizes)] + [max(sizes) + 1]
+    verify = step_table(target, rule, inputs, batch, widths, device)
+    draft_seconds = drafter.draft_seconds(lambda runner, w: forward_table(runner, inputs, batch, w, device))
+    return AutoBudget(sizes, lambda b, n: verify.seconds_at(b, n), draft_seconds)

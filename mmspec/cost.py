@@ -70,7 +70,9 @@ def measure_forward_times(run_forward: RunForward, batch_sizes: Sequence[int], w
                           repeats: int = 5, warmup: int = 2, device: torch.device | str = "cpu",
                           progress: Callable[[str], None] | None = None) -> ForwardTimes:
     """Time `run_forward(batch, width)` (median of `repeats` after `warmup` calls) at every pair, interleaving the
-    widths of a batch size so that a change of the machine's load touches them all alike."""
+    widths of a batch size so that a change of the machine's load touches them all alike. A wider forward never
+    costs less than a narrower one, so a median below a narrower width's (noise on a busy machine) is raised to
+    it."""
     batch_sizes, widths = sorted(set(batch_sizes)), sorted(set(widths))
     for value in (*batch_sizes, *widths):
         check_positive_int("batch size / width", value)
@@ -91,7 +93,8 @@ def measure_forward_times(run_forward: RunForward, batch_sizes: Sequence[int], w
                 run_forward(batch, width)
                 synchronize(device)
                 samples[width].append(time.perf_counter() - start)
-        table.append([sorted(samples[w])[len(samples[w]) // 2] for w in widths])
+        medians = [sorted(samples[w])[len(samples[w]) // 2] for w in widths]
+        table.append([max(medians[: i + 1]) for i in range(len(medians))])  # wider never costs less: noise if so
     return ForwardTimes(list(batch_sizes), list(widths), table)
 
 

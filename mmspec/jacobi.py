@@ -216,6 +216,10 @@ class JacobiDrafter:
         check(0 < k <= self.k, f"draft size must be in [1, {self.k}], got {k}.")
         self.step_k = k
 
+    def draft_seconds(self, table) -> Any:
+        """No model of its own: drafting costs no forward (its bookkeeping is small next to a verify)."""
+        return lambda b, k: 0.0
+
     def begin(self, inputs: Any, state: DecodeState) -> None:
         b, k, device = state.batch_size, self.k, state.done.device
         self.tail_tokens = torch.zeros(b, k, dtype=torch.long, device=device)  # [B, K]

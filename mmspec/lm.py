@@ -263,6 +263,12 @@ class DraftModelDrafter:
         check(0 < k <= self.max_k, f"draft size must be in [1, {self.max_k}], got {k}.")
         self.k = k
 
+    def draft_seconds(self, table) -> Callable[[int, int], float]:
+        """(batch, k) -> seconds of k drafts: one forward over the pending tokens (2) then k - 1 one-token forwards;
+        a plain step still runs the pending tokens. table(runner, widths) gives the drafter's measured times."""
+        times = table(self.runner, [1, 2])
+        return lambda b, k: times.seconds_at(b, 2) + max(k - 1, 0) * times.seconds_at(b, 1)
+
     @property
     def forwards(self) -> int:
         return self.runner.forwards

@@ -7,7 +7,8 @@ world-FID (against held-out real world images; compare figures with equal sample
 versus vanilla for lossless methods at temperature 0, and at temperature > 0 how closely each method's tokens
 follow the target's distribution (`pit_ks` and friends, `mmspec.metrics.calibration`, scored by
 `image_ar.llamagen.scoring.target_probs`). `max_new_tokens` does not apply: an image is always
-`block_size` tokens. Family options: see `mmspec.bench.image_family`.
+`block_size` tokens. Family options: see `mmspec.bench.image_family`, plus `budget` (`fixed`, the default, or
+`auto`: `mmspec.budget` picks each step's draft size).
 """
 
 from __future__ import annotations
@@ -26,11 +27,16 @@ from mmspec.bench.image_family import (
     token_calibration,
 )
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of
+from mmspec.budget import BUDGET_MODES
 from mmspec.compile import compile_pipeline
+from mmspec.errors import check
 
 
 def _options(settings: BenchSettings) -> dict[str, Any]:
-    return image_options(settings, "llamagen", DEFAULTS)
+    options = image_options(settings, "llamagen", DEFAULTS, extra=("budget",))
+    check(options["budget"] in (None, *BUDGET_MODES),
+          f"--family-option budget must be one of {BUDGET_MODES}, got {options['budget']!r}.")
+    return options
 
 
 def build(settings: BenchSettings):
@@ -43,7 +49,8 @@ def _runner(record):
         o = _options(settings)
         out = pipe(class_labels=[int(s.data) for s in batch], generator=sample_generators(batch, settings),
                    guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],
-                   top_p=o["top_p"], method=record.name, method_kwargs=dict(given), output_type="pt")
+                   top_p=o["top_p"], method=record.name, method_kwargs=dict(given), output_type="pt",
+                   budget=o["budget"] or "fixed")
         return MethodOutput(outputs=image_outputs(out.images, out.tokens, batch),
                             new_tokens=[out.tokens.shape[1]] * len(batch), stats=out.stats)
 

@@ -22,6 +22,7 @@ from image_ar.llamagen.family import FAMILY
 from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.methods import MethodContext
 from image_ar.llamagen.vq import LlamaGenVQ
+from mmspec.budget import make_budget
 from mmspec.errors import check
 from mmspec.loop import generate
 from mmspec.pipeline_io import (
@@ -112,8 +113,8 @@ class LlamaGenPipeline(DiffusionPipeline):
                  prompt_embeds: torch.Tensor | None = None, prompt_embeds_mask: torch.Tensor | None = None,
                  guidance_scale: float = 4.0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  num_images_per_prompt: int = 1, generator: torch.Generator | list[torch.Generator] | None = None,
-                 method: str = "vanilla", method_kwargs: dict[str, Any] | None = None, output_type: str = "pil",
-                 return_dict: bool = True,
+                 method: str = "vanilla", method_kwargs: dict[str, Any] | None = None, budget: str | None = "fixed",
+                 output_type: str = "pil", return_dict: bool = True,
                  callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
                  callback_on_step_end_tensor_inputs: list[str] | None = None):
         """Generate images.
@@ -122,6 +123,10 @@ class LlamaGenPipeline(DiffusionPipeline):
         top_p 1.0 disable those filters. generator: one, or one per image (then each image is independent of
         the batch it was generated in). callback_on_step_end(pipe, step, num_tokens, {"tokens": [N, T]}) runs
         after every loop iteration (read-only; return {"stop": True} to end early, e.g. a UI's cancel button).
+        budget: "fixed" (default) drafts the method's configured size every step; "auto" (experimental) lets
+        `mmspec.budget` pick each step's draft size (0 = a plain step) from this device's measured step costs and the
+        acceptance seen so far (chain and Jacobi drafters; the first call per model, device and batch size measures
+        the costs, then they are cached).
         """
         check(isinstance(guidance_scale, (int, float)), f"guidance_scale must be a number, got {guidance_scale!r}.")
         for name in callback_on_step_end_tensor_inputs or []:
@@ -148,6 +153,7 @@ class LlamaGenPipeline(DiffusionPipeline):
         for model in (self.transformer, self.draft_transformer):  # positions are bounded here; no per-call sync
             if model is not None:
                 model.check_positions = False
+        draft_budget = make_budget(budget, target, drafter, rule, cond, batch, cond.device)
 
         with self.progress_bar(total=block) as bar:
             def on_step(state, draft, result):
@@ -160,7 +166,7 @@ class LlamaGenPipeline(DiffusionPipeline):
                 return True
 
             gen = generate(target, drafter, rule, cond, batch_size=batch, max_new_tokens=block, generator=generator,
-                           device=cond.device, callback=on_step)
+                           device=cond.device, callback=on_step, budget=draft_budget)
             bar.update(block - bar.n)
 
         tokens = gen.tokens  # [N, block]

@@ -4,7 +4,8 @@ inputs, per-image generators, the judge-based quality figures and the token cali
 Family options (`--family-option KEY=VALUE`): model (pipeline folder; default the embedded asset),
 guidance_scale, top_k, top_p (defaults: the family's pipeline defaults), fid_reference (number of held-out real
 world images for world-FID, default 2000), compile (a `torch.compile` mode for the pipeline's step forwards,
-e.g. `compile=default` or `compile=reduce-overhead`; off by default; `mmspec.compile`).
+e.g. `compile=default` or `compile=reduce-overhead`; off by default; `mmspec.compile`). A family may accept options
+of its own on top (`extra`: LlamaGen's `budget`, the pipeline's draft budget `fixed` or `auto`, `mmspec.budget`).
 """
 
 from __future__ import annotations
@@ -22,19 +23,22 @@ from mmspec.errors import InputError
 OPTIONS = ("model", "guidance_scale", "top_k", "top_p", "fid_reference", "compile")
 
 
-def image_options(settings: BenchSettings, family: str, defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """The family options of a run, parsed, with the pipeline defaults filled in."""
-    unknown = set(settings.options) - set(OPTIONS)
+def image_options(settings: BenchSettings, family: str, defaults: Mapping[str, Any],
+                  extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The family options of a run, parsed, with the pipeline defaults filled in; the family's own `extra` options
+    are passed through as text (None when not given)."""
+    unknown = set(settings.options) - set(OPTIONS) - set(extra)
     if unknown:
         raise InputError(f"unknown option(s) {sorted(unknown)} for bench family {family!r}; "
-                         f"known: {', '.join(OPTIONS)}.")
+                         f"known: {', '.join((*OPTIONS, *extra))}.")
     o = dict(settings.options)
     if "compile" in o:  # before the pipeline loads
         check_compile_mode(o["compile"], " (--family-option compile=...)")
     guidance = o.get("guidance_scale", defaults["guidance_scale"])  # None: the pipeline's own default
     return {"model": o.get("model"), "guidance_scale": None if guidance is None else float(guidance),
             "top_k": int(o.get("top_k", defaults["top_k"])), "top_p": float(o.get("top_p", defaults["top_p"])),
-            "fid_reference": int(o.get("fid_reference", 2000)), "compile": o.get("compile")}
+            "fid_reference": int(o.get("fid_reference", 2000)), "compile": o.get("compile"),
+            **{key: o.get(key) for key in extra}}
 
 
 def class_inputs(settings: BenchSettings) -> list[Sample]:

@@ -162,3 +162,21 @@ def test_parameters_of_another_acceptance_mode_are_named(pipe):
     takes = "group_size, p_thr, d_thr, embeddings, group_window"
     with pytest.raises(InputError, match=f"accept='gsd' takes {takes}; got delta"):
         pipe(class_labels=[0], method="sjd", method_kwargs={"accept": "gsd", "delta": 0.1}, output_type="latent")
+
+
+@pytest.mark.parametrize("method", ["sjd", "draft-model"])
+def test_the_auto_budget_keeps_greedy_tokens_and_repeats_seeded_samples(pipe, method, tmp_path, monkeypatch):
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))  # the measured step costs of this dummy pipeline
+    greedy = dict(class_labels=LABELS, guidance_scale=1.0, temperature=0, output_type="latent")
+    vanilla = pipe(**greedy).tokens
+    auto = pipe(**greedy, method=method, budget="auto")
+    assert torch.equal(auto.tokens, vanilla)
+    assert sum(v for k, v in auto.stats.extra.items() if k.startswith("budget_")) == auto.stats.num_target_forwards - 1
+    def auto_sampled(budget="auto"):
+        gens = [torch.Generator().manual_seed(3 + i) for i in range(len(LABELS))]
+        return pipe(class_labels=LABELS, guidance_scale=3.0, top_k=16, generator=gens, method=method,
+                    budget=budget, output_type="latent").tokens
+
+    assert torch.equal(auto_sampled(), auto_sampled())  # the cached costs decide alike every time
+    with pytest.raises(InputError, match="budget must be one of"):
+        auto_sampled("fast")
