@@ -12,9 +12,9 @@ a_j is estimated from the verdicts of earlier steps of this run (all rows pooled
 every position (a Beta prior of strength `prior_strength`), and positions never reached yet take the rate of the
 deepest one reached. Because a drafter's acceptance can depend on the size itself (a Jacobi window's tail converges
 better in a long window), E[tokens | k] blends that position model with the mean tokens actually emitted per row at
-size k (weight: rows seen at k against `prior_strength`), plus an exploration bonus that shrinks as size k is
-used (deterministic: sqrt(log(steps + 1) / (steps at k + 1)) x `explore`), so sizes that were never tried get a
-turn while they could pay.
+size k (weight: rows seen at k against `prior_strength`). The first `warmup` steps draft the drafter's full size (the
+method's configured one), so the rates are first learnt where the method was tuned; after that the choice is the
+best estimate (no random exploration: the choices are a deterministic function of the run's history).
 
 Why it stays lossless: k is chosen from past verdicts and the measured costs only, before any token of this step is
 drafted; a drafted token is never dropped because of its own value, and the verifier's randomness is fresh. The
@@ -47,7 +47,7 @@ class AutoBudget:
     k): the drafter's. `chosen` counts how often each size was picked (the bench's histogram)."""
 
     def __init__(self, sizes: Iterable[int], verify_seconds: VerifySeconds, draft_seconds: DraftSeconds | None = None,
-                 prior_rate: float = 0.8, prior_strength: float = 4.0) -> None:
+                 prior_rate: float = 0.8, prior_strength: float = 4.0, warmup: int = 3) -> None:
         self.sizes = sorted({0, *(int(k) for k in sizes)})
         check(self.sizes[0] >= 0, f"draft sizes must be >= 0, got {self.sizes}.")
         check(0.0 < prior_rate < 1.0 and prior_strength > 0, "prior_rate must be in (0, 1), prior_strength > 0.")
@@ -59,7 +59,7 @@ class AutoBudget:
         self.rows_at: dict[int, float] = {}  # size k -> rows verified at size k
         self.emitted_at: dict[int, float] = {}  # size k -> tokens they emitted
         self.chosen: dict[int, int] = {}
-        self.explore = 0.5
+        self.warmup = warmup
         self._last = 0
 
     # ------------------------------------------------------------------------------------------ estimates
@@ -92,16 +92,11 @@ class AutoBudget:
     # ------------------------------------------------------------------------------------------- the loop
     def choose(self, batch: int) -> int:
         """The draft size for the next step (0 = a plain step)."""
-        import math
-
-        rates = self.rates()
-        steps = sum(self.chosen.values())
-
-        def score(k: int) -> tuple[float, int]:
-            bonus = 0.0 if k == 0 else self.explore * math.sqrt(math.log(steps + 1) / (self.chosen.get(k, 0) + 1))
-            return self.throughput(batch, k, rates) * (1.0 + bonus), -k
-
-        best = max(self.sizes, key=score)
+        if sum(self.chosen.values()) < self.warmup:
+            best = self.sizes[-1]
+        else:
+            rates = self.rates()
+            best = max(self.sizes, key=lambda k: (self.throughput(batch, k, rates), -k))
         self.chosen[best] = self.chosen.get(best, 0) + 1
         self._last = best
         return best
