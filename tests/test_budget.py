@@ -40,17 +40,20 @@ def test_rates_count_each_position_given_the_earlier_ones_and_fill_unseen_positi
 
 
 def test_the_choice_follows_cost_and_acceptance():
-    cheap = AutoBudget(range(9), verify_seconds=lambda b, n: 1.0)
+    cheap = AutoBudget(range(9), verify_seconds=lambda b, n: 1.0, warmup=0)
     cheap.observe(result([8] * 4, [8] * 4), torch.ones(4, dtype=torch.bool))
     assert cheap.choose(1) == 8  # verify costs the same at any width: draft all you can
-    steep = AutoBudget(range(9), verify_seconds=lambda b, n: float(n))
+    steep = AutoBudget(range(9), verify_seconds=lambda b, n: float(n), warmup=0)
     steep.observe(result([0] * 4, [8] * 4), torch.ones(4, dtype=torch.bool))
     assert steep.choose(1) == 0  # every extra position costs a step and nothing is accepted: plain steps
     batch = AutoBudget(range(9), verify_seconds=lambda b, n: 1.0 + 0.05 * b * (n - 1),
-                       draft_seconds=lambda b, k: 0.1 * k)
+                       draft_seconds=lambda b, k: 0.1 * k, warmup=0)
     batch.observe(result([3] * 4, [8] * 4), torch.ones(4, dtype=torch.bool))
     assert batch.choose(1) > batch.choose(64) == 0  # wide verifies stop paying at large batch
     assert batch.chosen[0] == 1
+    warm = AutoBudget(range(9), verify_seconds=lambda b, n: float(n), warmup=2)
+    warm.observe(result([0] * 4, [8] * 4), torch.ones(4, dtype=torch.bool))
+    assert [warm.choose(1) for _ in range(3)] == [8, 8, 0]  # the configured size first, then the estimate
 
 
 class CyclingBudget:
