@@ -143,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
                             work / "distill-state.pt", args.checkpoint_every, init, "cosine", arch, device,
                             loss_fn=distillation_loss(target, args.variance_weight))
     info.update(distilled_from=str(source), variance_weight=args.variance_weight,
-                num_train_images=args.num_train_images)
+                num_train_images=args.num_train_images,
+                init_from=f"{source}/draft" if init is not None else None)  # the warm start's origin, not its copy
     model.register_to_config(**{key: target.config[key] for key in ("default_guidance_scale", "default_cfg_schedule")})
     pipe = CSpDPipeline(target=target.cpu(), draft=model, vae=vae.cpu())
     pipe.save_pretrained(out)
