@@ -5,7 +5,8 @@ depends on the device, the batch and the acceptance seen so far. `AutoBudget` pi
 size k (chain drafts or Jacobi window drafts; 0 = a plain one-token step) that maximises expected tokens per second:
 
     E[tokens | k] = 1 + sum_{i=1..k} prod_{j<=i} a_j        a_j = P(draft j accepted | drafts 1..j-1 accepted)
-    seconds(k)    = draft_seconds(B, k) + T_verify(B, k + 1)      T_verify from the measured table (mmspec.cost)
+    seconds(k)    = draft_seconds(B, k) + T_step(B, k + 1)        T_step: one target step of k + 1 tokens per row
+                                                                  (verify forward + acceptance), measured (mmspec.cost)
     k*            = argmax_k E[tokens | k] / seconds(k)           k = 0 (no drafts) is always a candidate
 
 a_j is estimated from the verdicts of earlier steps of this run (all rows pooled), shrunk towards the pooled rate of
@@ -14,7 +15,7 @@ deepest one reached. Because a drafter's acceptance can depend on the size itsel
 better in a long window), E[tokens | k] blends that position model with the mean tokens actually emitted per row at
 size k (weight: rows seen at k against `prior_strength`). The first `warmup` steps draft the drafter's full size (the
 method's configured one), so the rates are first learnt where the method was tuned; after that the choice is the
-best estimate (no random exploration: the choices are a deterministic function of the run's history).
+best estimate (no random exploration).
 
 Why it stays lossless: k is chosen from past verdicts and the measured costs only, before any token of this step is
 drafted; a drafted token is never dropped because of its own value, and the verifier's randomness is fresh. The
@@ -37,14 +38,14 @@ from mmspec.verify import VerifyResult
 
 # (batch, drafts k) -> seconds the drafter spends producing k drafts (0 for model-free drafters such as Jacobi)
 DraftSeconds = Callable[[int, int], float]
-# (batch, tokens per row) -> seconds of one target forward
+# (batch, tokens per row) -> seconds of one target step (verify forward, its distributions, the acceptance rule)
 VerifySeconds = Callable[[int, int], float]
 
 
 class AutoBudget:
     """The expected-throughput draft budget (see the module docstring). sizes: the draft counts the drafter can
-    make (0 included or not: it is always added); verify_seconds(B, n): the target's forward time; draft_seconds(B,
-    k): the drafter's. `chosen` counts how often each size was picked (the bench's histogram)."""
+    make (0 included or not: it is always added); verify_seconds(B, n): a target step's time with n tokens per row;
+    draft_seconds(B, k): the drafter's. `chosen` counts how often each size was picked."""
 
     def __init__(self, sizes: Iterable[int], verify_seconds: VerifySeconds, draft_seconds: DraftSeconds | None = None,
                  prior_rate: float = 0.8, prior_strength: float = 4.0, warmup: int = 3) -> None:
