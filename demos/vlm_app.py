@@ -94,8 +94,8 @@ def check_request(image_path, question: str, max_new_tokens, temperature, top_p,
     check(isinstance(question, str) and question.strip(), "type a question about the image.")
     check(len(question) <= 1000, f"the question is {len(question)} characters long; keep it under 1000.")
     for name, value, low, high in (("max new tokens", max_new_tokens, 1, MAX_NEW_TOKENS),
-                                   ("tree depth", depth, 1, 12), ("tree top-k", top_k, 1, 32),
-                                   ("tree size", total, 2, 256)):
+                                   ("tree depth", depth, 0, 12), ("tree top-k", top_k, 0, 32),
+                                   ("tree size", total, 0, 256)):
         check(isinstance(value, (int, float)) and int(value) == value and low <= value <= high,
               f"{name} must be a whole number from {low} to {high}, got {value!r}.")
     check(isinstance(temperature, (int, float)) and 0 <= temperature <= 5,
@@ -133,7 +133,7 @@ def answer_stream(store: VLMStore, image_path, question, drafter, max_new_tokens
         try:
             start = time.perf_counter()
             result["out"] = vlm.generate([image], [question.strip()], int(max_new_tokens), float(temperature),
-                                         float(top_p), tree=(int(depth), int(top_k), int(total)),
+                                         float(top_p), tree=tuple(int(v) or None for v in (depth, top_k, total)),
                                          generator=torch.Generator().manual_seed(int(seed)), stream=on_round)
             result["seconds"] = time.perf_counter() - start
         except Exception as err:  # handed to the request's thread
@@ -190,9 +190,9 @@ def build_app(store: VLMStore | None = None, concurrency: int = 1, max_queue: in
                     max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=96, step=1, label="max new tokens")
                     temperature = gr.Number(value=0.0, label="temperature (0 = greedy)")
                     top_p = gr.Number(value=1.0, label="top-p")
-                    depth = gr.Number(value=5, precision=0, label="tree depth")
-                    top_k = gr.Number(value=8, precision=0, label="tree top-k")
-                    total = gr.Number(value=40, precision=0, label="tree size (tokens)")
+                    depth = gr.Number(value=0, precision=0, label="tree depth (0: the drafter's paper tree)")
+                    top_k = gr.Number(value=0, precision=0, label="tree top-k (0: the paper's)")
+                    total = gr.Number(value=0, precision=0, label="tree size in tokens (0: the paper's)")
                 button = gr.Button("Answer", variant="primary")
             with gr.Column(scale=2):
                 answer = gr.HighlightedText(label="answer", color_map=COLORS, combine_adjacent=False,

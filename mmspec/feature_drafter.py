@@ -21,8 +21,11 @@ Feature bookkeeping, per row (n = tokens committed by the target, root = tok_n =
   pending pairs are (H[u_0], tok(u_1)), .., (H[u_{k-1}], tok(u_k)), (H[u_k], y). The old pending pairs are
   committed to the drafter's cache (they ran with true features); tree entries are dropped (overwritten).
 
-Children are deterministic top-k of the drafter's log-probs after the target's sampling processing (temperature,
-top-k, top-p; raw log-softmax when greedy), so lossless verification accepts a child c with probability p(c).
+Children are the deterministic top-k of the drafter's log-probs, and the tree keeps the nodes of highest cumulative
+log-prob. `child_ranking="raw"` (the default, EAGLE's code) ranks by the drafter's raw log-softmax at every
+temperature; `"processed"` ranks after the target's sampling processing (temperature, top-k, top-p). Either way
+the lossless tree rule accepts a child c with probability p(c) (the drafted set is a deterministic function of
+the drafter), so the choice changes how much is accepted, never the output distribution.
 Classifier-free guidance (`guidance_scale`): the drafter runs 2B rows and combines its logits like the target
 (`mmspec.lm.GuidedRunner`).
 """
@@ -61,10 +64,13 @@ class PendingPairs(PendingTokens):
 
 def feature_drafter_loss(pred: torch.Tensor, next_features: torch.Tensor, next_logits: torch.Tensor,
                          head: Callable[[torch.Tensor], torch.Tensor], p_weight: float = 0.1,
-                         mask: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                         mask: torch.Tensor | None = None, rank_weight: float = 0.0) -> tuple[torch.Tensor, ...]:
     """EAGLE's training loss for a feature drafter:
 
-        loss = SmoothL1(h_i, f_{i+1}) + p_weight * CE(softmax(target logits_{i+1}), log_softmax(head(h_i)))
+        loss = SmoothL1(h_i, f_{i+1}) + p_weight * (CE(softmax(target logits_{i+1}), log_softmax(head(h_i)))
+                                                    + rank_weight * top-10 ranking loss)
+
+    (rank_weight 0: EAGLE's; 0.1: ViSpec's stage 1, `topk_ranking_loss`).
 
     pred h [B, S, H], next_features f [B, S, H], next_logits [B, S, V] (the target's logits at those
     features), head: the target's LM head on drafter features; mask [B, S] bool selects the positions that count
@@ -76,9 +82,50 @@ def feature_drafter_loss(pred: torch.Tensor, next_features: torch.Tensor, next_l
              * weight).sum()
     logp = torch.log_softmax(head(pred).float(), dim=-1)  # [B, S, V]
     target_logits = next_logits.float()
-    ploss = (-(torch.softmax(target_logits, dim=-1) * logp).sum(-1) * weight).sum()
+    target_probs = torch.softmax(target_logits, dim=-1)  # [B, S, V]
+    ploss = (-(target_probs * logp).sum(-1) * weight).sum()
+    if rank_weight:
+        ploss = ploss + rank_weight * topk_ranking_loss(logp, target_probs, 10, keep)
     agree = ((logp.argmax(-1) == target_logits.argmax(-1)).float() * weight).sum()
     return vloss + p_weight * ploss, vloss.detach(), ploss.detach(), agree.detach()
+
+
+def topk_ranking_loss(draft_logits: torch.Tensor, target_probs: torch.Tensor, k: int = 10,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
+    """ViSpec's ranking loss: the Plackett-Luce negative log-likelihood of the target's top-k order under the
+    drafter's logits, -sum_j log(exp(z_j) / sum_{l >= j} exp(z_l)) with z the drafter's logits at the target's k
+    most likely tokens in decreasing order. draft_logits, target_probs [B, S, V]; mask [B, S] bool (all when
+    None); the mean over the masked positions."""
+    order = target_probs.topk(k, dim=-1).indices  # [B, S, k]
+    z = draft_logits.float().gather(-1, order)  # [B, S, k]
+    tail = torch.logcumsumexp(z.flip(-1), dim=-1).flip(-1)  # [B, S, k] log sum_{l >= j} exp(z_l)
+    nll = -(z - tail).sum(-1)  # [B, S]
+    return masked_mean(nll, mask)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """values [B, S] averaged over mask [B, S] bool (all when None)."""
+    if mask is None:
+        return values.mean()
+    weight = mask.float()
+    return (values * weight).sum() / weight.sum().clamp_min(1.0)
+
+
+def distribution_l1_loss(pred: torch.Tensor, next_logits: torch.Tensor, head: Callable[[torch.Tensor], torch.Tensor],
+                         mask: torch.Tensor | None = None, l1_weight: float = 10.0, rank_weight: float = 0.1,
+                         rank_k: int = 10) -> tuple[torch.Tensor, ...]:
+    """ViSpec's stage-2 loss (no feature regression):
+
+        loss = l1_weight * sum_v |softmax(head(h_i)) - softmax(target logits_{i+1})| + rank_weight * ranking loss
+
+    pred h [B, S, H], next_logits [B, S, V], mask [B, S] bool. Returns (loss, L1, ranking loss, top-1 agreement);
+    the last three detached."""
+    draft_logits = head(pred).float()  # [B, S, V]
+    p = torch.softmax(next_logits.float(), dim=-1)  # [B, S, V] the target's
+    l1 = masked_mean((torch.softmax(draft_logits, dim=-1) - p).abs().sum(-1), mask)
+    rank = topk_ranking_loss(draft_logits, p, rank_k, mask)
+    agree = masked_mean((draft_logits.argmax(-1) == p.argmax(-1)).float(), mask)
+    return l1_weight * l1 + rank_weight * rank, l1.detach(), rank.detach(), agree.detach()
 
 
 def gather_nodes(values: torch.Tensor, nodes: torch.Tensor) -> torch.Tensor:
@@ -98,13 +145,20 @@ def check_tree_params(top_k: int, depth: int, total_tokens: int) -> int:
     return pool
 
 
+CHILD_RANKINGS = ("raw", "processed")  # see the module docstring
+
+
 class FeatureTreeDrafter:
     """The loop's drafter: EAGLE-2 dynamic trees from a feature drafter model over the target's features (see the
     module docstring). Families subclass it and implement `begin(inputs, state)`, which makes the drafter's cache
     (`self.runner.cache`) and the first pending pairs (`self.pending`)."""
 
     def __init__(self, model, target, params: SamplingParams, *, top_k: int, depth: int, total_tokens: int,
-                 position_offset: int | torch.Tensor, guidance_scale: float | torch.Tensor | None = None):
+                 position_offset: int | torch.Tensor, guidance_scale: float | torch.Tensor | None = None,
+                 child_ranking: str = "raw"):
+        check(child_ranking in CHILD_RANKINGS, f"child_ranking must be one of {', '.join(CHILD_RANKINGS)}, got "
+                                               f"{child_ranking!r}.")
+        self.child_ranking = child_ranking
         self.max_pool = check_tree_params(top_k, depth, total_tokens)
         self.model, self.target, self.params = model, target, params
         self.top_k, self.depth, self.total = top_k, depth, total_tokens
@@ -143,7 +197,7 @@ class FeatureTreeDrafter:
 
     def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
         """CFG-combined drafter logits [..., V] -> log-probs used to rank children [..., V]."""
-        if not self.params.greedy:
+        if self.child_ranking == "processed" and not self.params.greedy:
             logits = process_logits(logits, self.params.temperature, self.params.top_k, self.params.top_p)
         return torch.log_softmax(logits.float(), dim=-1)
 

@@ -1,8 +1,9 @@
 """The `vlm` bench family: long answers about held-out world scenes from a LLaVA target, alone (`vanilla`) or with
 a drafter from MODEL/drafters/<kind> (`eagle`: EagleVLM, `vispec`: ViSpec, `msd`: MSD, `specvlm`: SpecVLM;
-params depth, top_k, total_tokens).
+params depth, top_k, total_tokens, child_ranking; the tree defaults to each drafter's paper setting, depth in
+drafted levels: EAGLE's code's depth + 1, see `vlm.eagle`).
 
-    mmspec bench --family vlm --methods vanilla,eagle,vispec,eagle:depth=7:top_k=10:total_tokens=60
+    mmspec bench --family vlm --methods vanilla,eagle,vispec,eagle:depth=6:top_k=8:total_tokens=40
 
 Inputs: `--num-samples` test-split scenes, one question each, asked with the long-answer prompt ("Answer in
 detail."): short answers hide any speed-up, so every paper lengthens them, and so does this family (say so when
@@ -80,7 +81,8 @@ def _runner(record):
         examples = [s.data for s in batch]
         out = vlm.generate([ex.image for ex in examples], [ex.prompt for ex in examples], settings.max_new_tokens,
                            settings.temperature, _options(settings)["top_p"], tree=tree, batch_size=len(batch),
-                           generator=torch.Generator().manual_seed(settings.seed), use_drafter=use_drafter)
+                           generator=torch.Generator().manual_seed(settings.seed), use_drafter=use_drafter,
+                           child_ranking=params.get("child_ranking", "raw"))
         attended = vlm.drafter_image_tokens() if use_drafter else None
         outputs = [{"tokens": ids, "text": text, "short": ex.qa.short, "drafter_image_tokens": attended}
                    for ids, text, ex in zip(out.token_ids, out.texts, examples)]

@@ -43,7 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--tree", default="5,8,40", help="EAGLE-2 tree: depth,top_k,total_tokens")
+    parser.add_argument("--tree", default=None,
+                        help="EAGLE-2 tree: depth,top_k,total_tokens, depth in drafted levels (EAGLE's code's "
+                             "depth + 1); default: the drafter's paper setting (vispec 4,8,30; msd 6,10,59; eagle "
+                             "and specvlm 8,10,60)")
     parser.add_argument("--batch-size", type=int, default=8, help="rows generated together (job files)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
@@ -63,11 +66,13 @@ def load_image(path: str | Path):
         raise InputError(f"{path} is not an image file PIL can read (PNG, JPEG, BMP, ...).") from None
 
 
-def parse_tree(text: str) -> tuple[int, int, int]:
+def parse_tree(text: str | None) -> tuple[int, int, int] | None:
+    if text is None:
+        return None
     try:
         depth, top_k, total = (int(part) for part in text.split(","))
     except ValueError:
-        raise InputError(f"--tree must be depth,top_k,total_tokens (e.g. 5,8,40), got {text!r}.") from None
+        raise InputError(f"--tree must be depth,top_k,total_tokens (e.g. 4,8,30), got {text!r}.") from None
     return depth, top_k, total
 
 

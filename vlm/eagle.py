@@ -10,13 +10,20 @@ The model (`VLMEagleDrafter`, from the facts of EAGLE's `cnets.py` and SpecVLM's
 e_i is the target's INPUT embedding at position i: the token embedding for text, the projected image feature
 for an image position (EagleVLM drafts over the full multimodal sequence), and f_{i-1} the target's final
 normed hidden state at the previous position (`LlavaCachedLM.last_hidden`), the one that predicts token i.
-h_i regresses f_i. The decoder layer is a transformers `LlamaDecoderLayer`; `input_norm=True` (the default)
-keeps its input RMSNorm, which SpecVLM found stabilises EagleVLM training; `input_norm=False` is EAGLE's
-original layer without it. The embeddings and the head are the target's, shared by `attach` (never saved).
+h_i regresses f_i. Elements marked `direct` skip fc and enter the layer as e_i itself (MSD's image positions,
+ViSpec's compressed image tokens). The decoder layer is a transformers `LlamaDecoderLayer`; `input_norm=False`
+(the default) is EAGLE's layer 0 without its input RMSNorm, as EAGLE, ViSpec and MSD ship it; `input_norm=True`
+keeps it (SpecVLM's EagleVLM added it to stabilise training). The embeddings and the head are the target's,
+shared by `attach` (never saved). An official EAGLE-format checkpoint loads with `vlm.convert.load_official_drafter`.
 
-Sequence layout: drafter element j sits at cache slot j and position j + 1 (the pair (f_j, e_{j+1})). After the
+Sequence layout: drafter element j sits at cache slot j and position j + 1 (the pair (f_j, e_{j+1})); EAGLE's code
+puts that pair at position j, a constant shift that RoPE's relative attention does not see. After the
 target's prefill of a prompt of P_b tokens, `begin` runs the prompt's P_b - 1 pairs at slots 0..P_b - 2 (rows
 ragged, each commits its own count) and the first pending pair is (f_{P_b - 1}, first generated token).
+
+Tree sizes: `depth` here is the number of drafted levels (the longest run one step can accept). EAGLE's code
+counts a root expansion plus `depth` more levels, so its depth D is depth D + 1 here. Each drafter class carries
+its paper's tree in this convention (`official_tree` = (depth, top_k, total_tokens)), the loop drafter's default.
 """
 
 from __future__ import annotations
@@ -35,20 +42,20 @@ from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams
 from vlm.target import LlavaCachedLM, VLMInputs, run_llama_layers
 
-# EAGLE-2 tree defaults (SpecVLM: top_k 10, total 60, depth 7; smaller trees suit the world's CPU runs)
-DEFAULT_TOP_K = 8
-DEFAULT_DEPTH = 5
-DEFAULT_TOTAL_TOKENS = 40
+# SpecVLM's EagleVLM tree: EAGLE's depth 7 (8 levels here), top_k 10, total 60
+SPECVLM_TREE = (8, 10, 60)
 
 
 class VLMEagleDrafter(ModelMixin, ConfigMixin):
     """EAGLE feature drafter over a LLaVA target (see the module docstring). `for_target(lm)` builds one shaped
     like the target's text model; a loaded one must be `attach`ed to the target before use."""
 
+    official_tree = SPECVLM_TREE  # (depth in levels, top_k, total_tokens): SpecVLM's setting for its EagleVLM
+
     @register_to_config
     def __init__(self, hidden_size: int = 4096, num_attention_heads: int = 32, num_key_value_heads: int | None = None,
                  intermediate_size: int = 11008, rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,
-                 max_position_embeddings: int = 4096, vocab_size: int = 32064, input_norm: bool = True,
+                 max_position_embeddings: int = 4096, vocab_size: int = 32064, input_norm: bool = False,
                  fc_bias: bool = True, attention_backend: str | None = None) -> None:
         super().__init__()
         from transformers import LlamaConfig
@@ -107,12 +114,14 @@ class VLMEagleDrafter(ModelMixin, ConfigMixin):
         return target
 
     # ------------------------------------------------------------------------------------------ forward
-    def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """fc([embeds ; features]): [R, S, H] each -> [R, S, H]."""
+    def fuse(self, embeds: torch.Tensor, features: torch.Tensor, direct: torch.Tensor | None = None) -> torch.Tensor:
+        """fc([embeds ; features]): [R, S, H] each -> [R, S, H]; elements where direct [R, S] bool is set read
+        embeds itself (no fc, no feature)."""
         check(features.shape == embeds.shape and features.shape[-1] == self.hidden_size,
               f"features must be target features {list(embeds.shape)}, got {list(features.shape)}.")
         dtype = self.fc.weight.dtype
-        return self.fc(torch.cat([embeds.to(dtype), features.to(dtype)], dim=-1))
+        x = self.fc(torch.cat([embeds.to(dtype), features.to(dtype)], dim=-1))
+        return x if direct is None else torch.where(direct.unsqueeze(-1), embeds.to(x.dtype), x)
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's LM head on drafter features [..., H] -> float32 logits [..., V]."""
@@ -131,11 +140,12 @@ class VLMEagleDrafter(ModelMixin, ConfigMixin):
         return run_llama_layers(self.layers, self.rotary_emb, x, positions, mask, backend=self.attention_backend)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor | None = None,
-                valid: torch.Tensor | None = None) -> torch.Tensor:
+                valid: torch.Tensor | None = None, direct: torch.Tensor | None = None) -> torch.Tensor:
         """Teacher-forced training forward over pairs (embeds e_{1..S} [R, S, H], features f_{0..S-1} [R, S, H])
-        with causal attention over valid [R, S] at positions (default 1..S). Returns the predicted features h
-        [R, S, H]. Drafters with their own layouts (ViSpec, SpecVLM) pass prepared embeds, features, positions."""
-        return self.run_layers(self.fuse(embeds, features), positions, valid)
+        with causal attention over valid [R, S] at positions (default 1..S); direct [R, S] bool marks elements
+        that enter as embeds alone. Returns the predicted features h [R, S, H]. Drafters with their own layouts
+        (ViSpec, SpecVLM) pass prepared embeds, features, positions."""
+        return self.run_layers(self.fuse(embeds, features, direct), positions, valid)
 
     def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
         attn = self.layers[0].self_attn
@@ -146,13 +156,13 @@ class VLMEagleDrafter(ModelMixin, ConfigMixin):
     @torch.no_grad()
     def forward_cached(self, tokens: torch.Tensor | None, positions: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor, mask: torch.Tensor, *, features: torch.Tensor,
-                       embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Pairs (tokens [R, S] or their input embeddings `embeds` [R, S, H], features [R, S, H]) at positions
-        [R, S], written to cache slots [R, S], attending through mask [R, S, T]. Returns logits [R, S, V] and sets
-        `last_hidden` [R, S, H]."""
+                       embeds: torch.Tensor | None = None, direct: torch.Tensor | None = None) -> torch.Tensor:
+        """Pairs (tokens [R, S] or their input embeddings `embeds` [R, S, H], features [R, S, H]; direct [R, S]
+        bool: enter as embeds alone) at positions [R, S], written to cache slots [R, S], attending through mask
+        [R, S, T]. Returns logits [R, S, V] and sets `last_hidden` [R, S, H]."""
         if embeds is None:
             embeds = self.target.text.embed_tokens(tokens)
-        x = run_llama_layers(self.layers, self.rotary_emb, self.fuse(embeds, features), positions, mask,
+        x = run_llama_layers(self.layers, self.rotary_emb, self.fuse(embeds, features, direct), positions, mask,
                              cache=cache, slots=slots, backend=self.attention_backend)
         self.last_hidden = x.detach()
         return self.head(x)
@@ -166,19 +176,29 @@ def _rope_theta(text_config) -> float:
 
 
 # ---------------------------------------------------------------------------------------------- loop drafter
+def official_tree_filled(drafter: VLMEagleDrafter, depth: int | None, top_k: int | None,
+                         total_tokens: int | None) -> tuple[int, int, int]:
+    """(depth, top_k, total_tokens) with the ones left None taken from the drafter's `official_tree`."""
+    given = (depth, top_k, total_tokens)
+    return tuple(value if value is not None else default for value, default in zip(given, drafter.official_tree))
+
+
 class VLMEagleTreeDrafter(FeatureTreeDrafter):
     """EAGLE-2 dynamic trees from a `VLMEagleDrafter` over a `LlavaCachedLM` target (drafter element j at
     position j + 1). `begin` runs the prompt's pairs from the target's prefill (its merged input embeddings and
-    features), ragged per row."""
+    features), ragged per row. Tree sizes left None take the drafter's `official_tree`; children are ranked by
+    the drafter's raw log-softmax (EAGLE's code) unless child_ranking="processed"."""
 
     def __init__(self, drafter: VLMEagleDrafter, target: LlavaCachedLM, params: SamplingParams, *,
-                 top_k: int = DEFAULT_TOP_K, depth: int = DEFAULT_DEPTH, total_tokens: int = DEFAULT_TOTAL_TOKENS):
+                 top_k: int | None = None, depth: int | None = None, total_tokens: int | None = None,
+                 child_ranking: str = "raw"):
+        depth, top_k, total_tokens = official_tree_filled(drafter, depth, top_k, total_tokens)
         super().__init__(drafter.attach(target), target, params, top_k=top_k, depth=depth,
-                         total_tokens=total_tokens, position_offset=1)
+                         total_tokens=total_tokens, position_offset=1, child_ranking=child_ranking)
         self.drafter = drafter
 
     def prompt_inputs(self, inputs: VLMInputs) -> dict:
-        """Extra `forward_cached` inputs of the prompt's pairs (none for EagleVLM; MSD's image mask)."""
+        """Extra `forward_cached` inputs of the prompt's pairs (none for EagleVLM; MSD's direct image mask)."""
         return {}
 
     def begin(self, inputs: VLMInputs, state: DecodeState) -> None:

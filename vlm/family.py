@@ -2,8 +2,8 @@
 (`mmspec.families`): `vanilla` (the target alone) and one method per drafter kind, whose `run` is the drafter model
 class (loaded from `MODEL/drafters/<kind>` or built for a target with `for_target`; its `loop_drafter` is what the
 loop runs). Every method is lossless (tree verification); their parameters are the EAGLE-2 tree's (top_k, depth,
-total_tokens: `VLMEagleTreeDrafter`'s defaults). `mmspec vlm`, `mmspec train vlm-drafter`, the bench and the VLM demo
-read the kinds from here.
+total_tokens; None = the drafter's paper tree, `official_tree`) and child_ranking (`VLMEagleTreeDrafter`).
+`mmspec vlm`, `mmspec train vlm-drafter`, the bench and the VLM demo read the kinds from here.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from vlm.msd import VLMMSDDrafter
 from vlm.specvlm import VLMSpecVLMDrafter
 from vlm.vispec import VLMViSpecDrafter
 
-TREE = parameters_of(VLMEagleTreeDrafter)  # top_k, depth, total_tokens
+TREE = parameters_of(VLMEagleTreeDrafter)  # top_k, depth, total_tokens, child_ranking
 
 
 def load(model_path: str | None, device: str):

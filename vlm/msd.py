@@ -20,33 +20,23 @@ from __future__ import annotations
 import torch
 
 from vlm.eagle import VLMEagleDrafter, VLMEagleTreeDrafter
-from vlm.target import VLMInputs, run_llama_layers
+from vlm.target import VLMInputs
+
+# MSD's tree: EAGLE's depth 5 (6 levels here), top_k 10, total 59
+MSD_TREE = (6, 10, 59)
 
 
 class VLMMSDDrafter(VLMEagleDrafter):
-    """EagleVLM with MSD's decoupled inputs: image positions read their raw visual embedding."""
+    """EagleVLM with MSD's decoupled inputs: image positions enter the layer as their raw visual embedding
+    (`direct`, see `vlm.eagle`)."""
 
-    def decoupled(self, embeds: torch.Tensor, features: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
-        """fc([e ; f]) at text positions, e itself at image positions (image_mask [R, S] bool)."""
-        x = self.fuse(embeds, features)
-        if image_mask is None:
-            return x
-        return torch.where(image_mask.unsqueeze(-1), embeds.to(x.dtype), x)
+    official_tree = MSD_TREE
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor | None = None,
-                image_mask: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
+                valid: torch.Tensor | None = None, direct: torch.Tensor | None = None) -> torch.Tensor:
         """Teacher-forced training forward over pairs (e_{1..S}, f_{0..S-1}) [R, S, H] at positions (default
-        1..S), image_mask [R, S] marking image positions, causal over valid [R, S]. Returns h [R, S, H]."""
-        return self.run_layers(self.decoupled(embeds, features, image_mask), positions, valid)
-
-    @torch.no_grad()
-    def forward_cached(self, tokens, positions, cache, slots, mask, *, features, embeds=None, image_mask=None):
-        if embeds is None:
-            embeds = self.target.text.embed_tokens(tokens)
-        x = run_llama_layers(self.layers, self.rotary_emb, self.decoupled(embeds, features, image_mask), positions,
-                             mask, cache=cache, slots=slots, backend=self.attention_backend)
-        self.last_hidden = x.detach()
-        return self.head(x)
+        1..S), causal over valid [R, S], direct [R, S] marking image positions. Returns h [R, S, H]."""
+        return super().forward(embeds, features, positions, valid, direct)
 
 
 class VLMMSDTreeDrafter(VLMEagleTreeDrafter):
@@ -54,7 +44,7 @@ class VLMMSDTreeDrafter(VLMEagleTreeDrafter):
 
     def prompt_inputs(self, inputs: VLMInputs) -> dict:
         ids = inputs.input_ids.to(self.target.device)
-        return {"image_mask": ids[:, 1:] == self.target.image_token_id}  # pairs (f_j, e_{j+1}): position j + 1
+        return {"direct": ids[:, 1:] == self.target.image_token_id}  # pairs (f_j, e_{j+1}): position j + 1
 
 
 def text_pair_positions(input_ids: torch.Tensor, image_token_id: int) -> torch.Tensor:

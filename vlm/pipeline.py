@@ -30,7 +30,6 @@ from mmspec.lm import LMTarget, NoDrafter
 from mmspec.loop import generate
 from mmspec.sampling import SamplingParams
 from mmspec.stats import SpecStats
-from vlm.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
 from vlm.family import drafter_model
 from vlm.target import LlavaCachedLM, VLMInputs, prefill_vlm
 from vlm.world import build_prompt, num_image_tokens
@@ -132,18 +131,22 @@ class SpeculativeVLM:
     @torch.no_grad()
     def generate(self, images: Sequence, prompts: Sequence[str], max_new_tokens: int = 128,
                  temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 tree: tuple[int, int, int] = (DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS),
+                 tree: tuple[int | None, int | None, int | None] | None = None,
                  batch_size: int = 8, generator: torch.Generator | None = None, use_drafter: bool = True,
-                 stream: Callable[[int, str, list[int]], None] | None = None) -> VLMOutput:
-        """Answers for (image, prompt) pairs; `tree` = (depth, top_k, total_tokens) of the EAGLE-2 draft tree;
+                 stream: Callable[[int, str, list[int]], None] | None = None,
+                 child_ranking: str = "raw") -> VLMOutput:
+        """Answers for (image, prompt) pairs; `tree` = (depth, top_k, total_tokens) of the EAGLE-2 draft tree, depth
+        in drafted levels (EAGLE's code's depth + 1); None (or a None entry) takes the drafter's paper setting
+        (`official_tree`); `child_ranking` "raw" (EAGLE's) or "processed" (`mmspec.feature_drafter`);
         `use_drafter=False` decodes with the target alone (vanilla)."""
         check(len(images) == len(prompts), f"{len(images)} images for {len(prompts)} prompts; give one image "
                                            "per prompt.")
         check(len(prompts) > 0, "no prompts given.")
         check_positive_int("max_new_tokens", max_new_tokens)
         check_positive_int("batch_size", batch_size)
+        tree = (None, None, None) if tree is None else tree
         check(isinstance(tree, (tuple, list)) and len(tree) == 3,
-              f"tree must be (depth, top_k, total_tokens), got {tree!r}.")
+              f"tree must be (depth, top_k, total_tokens) or None, got {tree!r}.")
         params = SamplingParams(temperature, top_k, top_p)
         eos = self.processor.tokenizer.eos_token_id
         out = VLMOutput([], [], [], SpecStats())
@@ -151,22 +154,24 @@ class SpeculativeVLM:
             rows = range(start, min(start + batch_size, len(prompts)))
             inputs = self.encode([images[i] for i in rows], [prompts[i] for i in rows])
             part = self._generate_batch(inputs, params, max_new_tokens, tree, generator, use_drafter, eos,
-                                        stream, start)
+                                        stream, start, child_ranking)
             for field_name in ("texts", "token_ids", "rounds"):
                 getattr(out, field_name).extend(getattr(part, field_name))
             out.stats = out.stats + part.stats
         return out
 
     def _generate_batch(self, inputs: VLMInputs, params: SamplingParams, max_new_tokens: int, tree, generator,
-                        use_drafter: bool, eos: int | None, stream, first_row: int) -> VLMOutput:
+                        use_drafter: bool, eos: int | None, stream, first_row: int,
+                        child_ranking: str = "raw") -> VLMOutput:
         depth, top_k, total = tree
         b = inputs.input_ids.shape[0]
-        target = LMTarget(self.lm, params, max_new_tokens, max_draft_nodes=total, prefill_fn=prefill_vlm)
         if use_drafter and self.drafter is not None:
             drafter = self.drafter.loop_drafter(self.drafter, self.lm, params, top_k=top_k, depth=depth,
-                                                total_tokens=total)
+                                                total_tokens=total, child_ranking=child_ranking)
         else:
             drafter = NoDrafter()
+        target = LMTarget(self.lm, params, max_new_tokens, max_draft_nodes=getattr(drafter, "max_draft_nodes", 1),
+                          prefill_fn=prefill_vlm)
         rounds: list[list[list[int]]] = [[] for _ in range(b)]  # per row: the tokens of each round
         seen = [0] * b
         tok = self.processor.tokenizer

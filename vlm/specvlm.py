@@ -36,11 +36,32 @@ from torch import nn
 from mmspec.errors import check
 from mmspec.feature_drafter import PendingPairs
 from mmspec.loop import DecodeState
-from vlm.eagle import VLMEagleDrafter, VLMEagleTreeDrafter
+from vlm.eagle import SPECVLM_TREE, VLMEagleDrafter, VLMEagleTreeDrafter
 from vlm.target import VLMInputs
-from vlm.vispec import VisionAdaptor
 
 PRIMITIVES = ("prune", "pool", "conv", "resample", "text_only")
+
+
+class QueryResampler(nn.Module):
+    """SpecVLM's `resample` primitive: a 1-layer Q-former, `num_queries` learned queries (init N(0, H^-1/2))
+    through a query projection cross-attending (one multi-head attention, no RoPE) to the image embeddings."""
+
+    def __init__(self, hidden_size: int, num_queries: int = 2, num_heads: int = 4) -> None:
+        super().__init__()
+        check(hidden_size % num_heads == 0, f"hidden_size {hidden_size} must be divisible by num_heads {num_heads}.")
+        self.num_heads = num_heads
+        self.queries = nn.Parameter(torch.randn(num_queries, hidden_size) * hidden_size ** -0.5)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(hidden_size, hidden_size) for _ in range(4))
+
+    def forward(self, image_embeds: torch.Tensor) -> torch.Tensor:
+        """image_embeds [N, T, H] -> [N, num_queries, H]."""
+        n, t, h = image_embeds.shape
+        d = h // self.num_heads
+        q = self.q_proj(self.queries.to(image_embeds.dtype)).view(1, -1, self.num_heads, d).transpose(1, 2)
+        k = self.k_proj(image_embeds).view(n, t, self.num_heads, d).transpose(1, 2)  # [N, heads, T, d]
+        v = self.v_proj(image_embeds).view(n, t, self.num_heads, d).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q.expand(n, -1, -1, -1), k, v)  # [N, heads, Q, d]
+        return self.o_proj(out.transpose(1, 2).reshape(n, -1, h))
 
 
 class ElasticCompressor(nn.Module):
@@ -53,7 +74,7 @@ class ElasticCompressor(nn.Module):
               f"ratio {ratio} must be a square whose root divides the {grid}x{grid} image grid.")
         self.grid, self.ratio, self.side = grid, ratio, side
         self.conv = nn.Conv2d(hidden_size, hidden_size, kernel_size=side, stride=side)
-        self.resampler = VisionAdaptor(hidden_size, num_queries, heads)
+        self.resampler = QueryResampler(hidden_size, num_queries, heads)
         self.sizes = [grid * grid // ratio] * 3 + [num_queries, 0]  # tokens per primitive
 
     def sizes_tensor(self) -> torch.Tensor:
@@ -73,7 +94,10 @@ class ElasticCompressor(nn.Module):
 
 
 class VLMSpecVLMDrafter(VLMEagleDrafter):
-    """EagleVLM + elastic compressor + question-aware gate (see the module docstring)."""
+    """EagleVLM + elastic compressor + question-aware gate (see the module docstring); layer 0 keeps its input
+    norm by default (SpecVLM's EagleVLM adds it)."""
+
+    official_tree = SPECVLM_TREE
 
     def image_tokens_attended(self, num_image_tokens: int) -> float:
         """The compressed size the gate chose (the last batch's rows averaged)."""

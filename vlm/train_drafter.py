@@ -1,25 +1,29 @@
-"""`mmspec train vlm-drafter`: train a VLM drafter (EagleVLM, ViSpec, MSD or SpecVLM) for a LLaVA target on the
-target's own long answers.
+"""`mmspec train vlm-drafter`: train a VLM drafter (EagleVLM, ViSpec, MSD or SpecVLM) for a LLaVA target on long
+answers (the target's own, or the dataset's for MSD, as each method's code does).
 
     mmspec train vlm-drafter --kind eagle --target assets/vlm          # writes assets/vlm/drafters/eagle
 
 Stages (a rerun skips finished ones unless --force):
 1. `data`: the target answers --num-train world questions (train split, the long-answer prompt, greedy,
    up to --answer-max-tokens tokens): drafters learn the target's own outputs, as ViSpec and SpecVLM prescribe
-   (a drafter trained on reference texts drafts what the target would not say). Cached in --work-dir under a
+   (a drafter trained on reference texts drafts what the target would not say); `--answers dataset` (MSD's
+   default) takes the world's own long answers instead. Cached in --work-dir under a
    fingerprint of the target's weights (`target_fingerprint`), so another target never reuses them.
-2. `drafter`: `--kind eagle` (EagleVLM): each step runs the frozen target over a batch of (prompt + answer)
-   sequences (`vlm.target.prefill_vlm`: merged input embeddings e and final normed features f) and trains the
-   drafter on the pairs (e_{i+1}, f_i + noise) to predict f_{i+1}, with EAGLE's loss
-   `SmoothL1 + --p-weight * soft CE` (`mmspec.feature_drafter.feature_drafter_loss`) on the positions that draft
-   answer tokens. Uniform feature noise of width --noise (EAGLE's 0.2), AdamW (0.9, 0.95), the world trainers'
-   schedule, gradients clipped at 0.5 (EAGLE). `--kind vispec`: the same loss over ViSpec's short layout
-   (`vlm.vispec`); the first --text-only-fraction of the steps see the text pairs alone (stage 1), the rest
-   the compressed image and global feature plus the anti-shortcut second pass (stage 2). Resumable state in
-   --work-dir every --checkpoint-every steps (per kind and target; removed once the drafter is saved). `--kind
-   msd`: MSD's decoupled inputs and its two-stage schedule (`vlm.msd.msd_visual_probability`). `--kind specvlm`:
-   the elastic compressor and its gate (straight-through Gumbel-softmax) trained with the target as online teacher
-   on every batch (`vlm.specvlm`).
+2. `drafter`: each step runs the frozen target over a batch of (prompt + answer) sequences
+   (`vlm.target.prefill_vlm`: merged input embeddings e and final normed features f) and trains the drafter on
+   the pairs (e_{i+1}, f_i + noise) to predict f_{i+1} on the positions that draft answer tokens. `--kind eagle`
+   (EagleVLM): EAGLE's loss `SmoothL1 + --p-weight * soft CE` (`mmspec.feature_drafter.feature_drafter_loss`).
+   Uniform feature noise of width --noise * 512 / L for a row of L tokens (EAGLE's code; `--noise-scaling
+   fixed` for width --noise), AdamW (0.9, 0.95), the world trainers' schedule, gradients clipped at 0.5.
+   `--kind vispec`: the official two stages (`vlm.vispec`): the first --text-only-fraction of the steps on the
+   sequences without their image (the target runs them with no image), then multimodal steps with the
+   L1-of-distributions loss over the plain and the anti-shortcut pass. `--kind msd`: MSD's decoupled inputs and
+   its schedule (`vlm.msd.msd_visual_probability`; text steps as vispec's) on the dataset's answers. `--kind
+   specvlm`: the elastic compressor and its gate (straight-through Gumbel-softmax) trained with the target as
+   online teacher on every batch (`vlm.specvlm`). Layer 0's input norm follows the kind (`--input-norm`).
+   Resumable state in --work-dir every --checkpoint-every steps (per kind and target; removed once the drafter is
+   saved). Learning rates are the world's (1e-3 for these small drafters; the papers use 3e-6 (ViSpec) and 5e-5
+   (MSD) for 7B-scale ones).
 3. `eval`: on held-out test scenes, greedy EagleVLM vs the target alone (`SpeculativeVLM`): token-for-token
    equality, mean acceptance length, step compression; written to training.json and the card README.md.
 """
@@ -39,13 +43,13 @@ from tqdm.auto import tqdm
 
 from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
 from mmspec.errors import check, check_positive_int
-from mmspec.feature_drafter import feature_drafter_loss
+from mmspec.feature_drafter import distribution_l1_loss, feature_drafter_loss
 from mmspec.world_training import card_head, optimizer_step, write_info
 from vlm.family import DRAFTER_KINDS, drafter_model
-from vlm.msd import msd_visual_probability, text_pair_positions
+from vlm.msd import msd_visual_probability
 from vlm.pipeline import SpeculativeVLM
 from vlm.target import VLMInputs, prefill_vlm
-from vlm.world import world_vqa_examples
+from vlm.world import answer_text, world_vqa_examples
 
 STAGES = ("data", "drafter", "eval")
 
@@ -62,12 +66,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--noise", type=float, default=0.2, help="width of the uniform noise on input features")
+    parser.add_argument("--noise", type=float, default=0.2, help="uniform noise on input features: width noise * "
+                        "512 / L for a row of L tokens (EAGLE's), or noise itself with --noise-scaling fixed")
+    parser.add_argument("--noise-scaling", default="eagle", choices=("eagle", "fixed"),
+                        help="eagle: width noise * 512 / L (EAGLE's code); fixed: width noise")
     parser.add_argument("--p-weight", type=float, default=0.1, help="weight of the soft cross-entropy")
-    parser.add_argument("--text-only-fraction", type=float, default=0.3,
-                        help="vispec: the first fraction of the steps trains on the text pairs alone (stage 1)")
-    parser.add_argument("--no-input-norm", action="store_true",
-                        help="EAGLE's original layer without an input norm (default: SpecVLM's input norm)")
+    parser.add_argument("--text-only-fraction", type=float, default=0.5,
+                        help="vispec: the first fraction of the steps trains on text alone (stage 1; the official "
+                             "code runs two trainings of equal length)")
+    parser.add_argument("--input-norm", default="auto", choices=("auto", "on", "off"),
+                        help="layer 0's input norm: auto = the kind's (off for eagle, vispec, msd as their code; on "
+                             "for specvlm, whose EagleVLM adds it)")
+    parser.add_argument("--answers", default="auto", choices=("auto", "target", "dataset"),
+                        help="training answers: the target's own greedy long answers, or the dataset's long answers; "
+                             "auto = dataset for msd (its code), target for the others (ViSpec, SpecVLM)")
     parser.add_argument("--checkpoint-every", type=int, default=500)
     parser.add_argument("--eval-prompts", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
@@ -76,18 +88,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ data
-def target_answers(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int, quiet: bool) -> dict[str, torch.Tensor]:
-    """The target's greedy long answers to n train-split questions: right-padded prompt + answer ids [n, T],
-    lengths [n], prompt lengths [n], images uint8 [n, 3, H, W]."""
+def target_answers(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int, quiet: bool,
+                   source: str = "target") -> dict[str, torch.Tensor]:
+    """Long answers to n train-split questions, the target's greedy ones (source "target") or the dataset's
+    (source "dataset", cut at max_tokens): right-padded prompt + answer ids [n, T], lengths [n], prompt lengths
+    [n], images uint8 [n, 3, H, W]."""
     examples = world_vqa_examples("train", n, seed=seed, long_fraction=1.0)
     rows, prompt_lengths = [], []
-    bar = tqdm(total=n, desc="target answers", disable=quiet)
+    tok = vlm.processor.tokenizer
+    bar = tqdm(total=n, desc=f"{source} answers", disable=quiet)
     for start in range(0, n, 64):
         chunk = examples[start:start + 64]
-        out = vlm.generate([ex.image for ex in chunk], [ex.prompt for ex in chunk], max_new_tokens=max_tokens,
-                           batch_size=64, use_drafter=False)
+        if source == "target":
+            answers = vlm.generate([ex.image for ex in chunk], [ex.prompt for ex in chunk], max_new_tokens=max_tokens,
+                                   batch_size=64, use_drafter=False).token_ids
+        else:
+            answers = [tok(answer_text(ex.qa, True, tok.eos_token), add_special_tokens=False)["input_ids"][:max_tokens]
+                       for ex in chunk]
         inputs = vlm.encode([ex.image for ex in chunk], [ex.prompt for ex in chunk])
-        for row, answer in enumerate(out.token_ids):
+        for row, answer in enumerate(answers):
             length = int(inputs.lengths[row])
             rows.append(inputs.input_ids[row, :length].tolist() + answer)
             prompt_lengths.append(length)
@@ -118,13 +137,20 @@ def target_fingerprint(folder: str | os.PathLike) -> str:
     return digest.hexdigest()[:12]
 
 
+def answer_source(args: argparse.Namespace) -> str:
+    """Where the training answers come from: --answers, or the kind's paper (dataset answers for MSD)."""
+    return args.answers if args.answers != "auto" else ("dataset" if args.kind == "msd" else "target")
+
+
 def answer_cache(vlm: SpeculativeVLM, args: argparse.Namespace, work: Path) -> dict[str, torch.Tensor]:
-    """The target's answers to the training questions, made once per (target, options) and kept in `work`."""
-    path = work / (f"answers-{target_fingerprint(args.target)}-{args.num_train}-seed{args.seed}"
+    """The training answers (`answer_source`), made once per (target, options) and kept in `work`."""
+    source = answer_source(args)
+    prefix = "answers" if source == "target" else "dataset-answers"
+    path = work / (f"{prefix}-{target_fingerprint(args.target)}-{args.num_train}-seed{args.seed}"
                    f"-max{args.answer_max_tokens}.pt")
     if path.is_file() and not args.force:
         return torch.load(path, weights_only=True)
-    data = target_answers(vlm, args.num_train, args.seed, args.answer_max_tokens, args.quiet)
+    data = target_answers(vlm, args.num_train, args.seed, args.answer_max_tokens, args.quiet, source)
     work.mkdir(parents=True, exist_ok=True)
     torch.save(data, path.with_suffix(".tmp"))
     os.replace(path.with_suffix(".tmp"), path)
@@ -132,17 +158,39 @@ def answer_cache(vlm: SpeculativeVLM, args: argparse.Namespace, work: Path) -> d
 
 
 # --------------------------------------------------------------------------------------------------- training
-def training_batch(vlm: SpeculativeVLM, data: dict, rows: torch.Tensor) -> tuple[VLMInputs, torch.Tensor]:
+def training_batch(vlm: SpeculativeVLM, data: dict, rows: torch.Tensor,
+                   text_only: bool = False) -> tuple[VLMInputs, torch.Tensor]:
     """VLMInputs of the chosen sequences (trimmed to their longest) and the loss mask of their pairs [B, T-1]:
-    pair i (position i + 1) counts when it predicts an answer token (i + 2 >= prompt length) inside the row."""
+    pair i (position i + 1) counts when it predicts an answer token (i + 2 >= prompt length) inside the row.
+    `text_only`: the same sequences without their image tokens and without pixels (a text corpus for the target:
+    its features never see an image)."""
     lengths, prompt_lengths = data["lengths"][rows], data["prompt_lengths"][rows]
-    width = int(lengths.max())
-    ids = data["ids"][rows, :width]
+    ids = data["ids"][rows, : int(lengths.max())]
+    pixels = None
+    if text_only:
+        keep = ids != vlm.lm.image_token_id  # [B, T]
+        dropped = (~keep).sum(-1)
+        check(bool((dropped == dropped[0]).all()), "training rows hold different numbers of image tokens.")
+        ids = ids[keep].view(ids.shape[0], -1)
+        lengths, prompt_lengths = lengths - dropped, prompt_lengths - dropped
+    else:
+        pixels = vlm.processor.image_processor(list(data["images"][rows]), return_tensors="pt")["pixel_values"]
+    width = ids.shape[1]
     mask = torch.arange(width) < lengths.unsqueeze(-1)
-    pixels = vlm.processor.image_processor(list(data["images"][rows]), return_tensors="pt")["pixel_values"]
     pair = torch.arange(width - 1)
     loss_mask = (pair + 2 >= prompt_lengths.unsqueeze(-1)) & (pair + 1 < lengths.unsqueeze(-1))  # [B, T-1]
     return VLMInputs(ids, mask.long(), pixels), loss_mask
+
+
+def feature_noise(features: torch.Tensor, lengths: torch.Tensor, width: float, scaling: str,
+                  generator: torch.Generator) -> torch.Tensor:
+    """Uniform noise for the input features [B, T, H]: (U - 0.5) * width * 512 / L_b for a row of L_b tokens
+    (EAGLE's code, scaling "eagle"), or (U - 0.5) * width (scaling "fixed")."""
+    scale = torch.full(lengths.shape, float(width))  # [B]
+    if scaling == "eagle":
+        scale = scale * 512 / lengths.float()
+    noise = (torch.rand(features.shape, generator=generator) - 0.5) * scale.view(-1, 1, 1)
+    return noise.to(features.dtype)
 
 
 def eagle_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
@@ -156,51 +204,45 @@ def eagle_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: t
 
 def vispec_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
                 step_kind: str, **batch) -> tuple[torch.Tensor, ...]:
-    """ViSpec: the short layout (`vlm.vispec.vispec_layout`); stage "text" drops the image, stage "multimodal"
-    adds the anti-shortcut second pass (the drafter's own features, shifted right, after the image)."""
+    """ViSpec (`vlm.vispec`): stage "text" (a batch without images) SmoothL1 + p_weight * (soft CE + 0.1 ranking
+    loss); stage "multimodal" 10 L1(p_draft - p_target) + 0.1 ranking loss, averaged over the plain pass and the
+    anti-shortcut pass (the drafter's own first-pass features, shifted right, at every element but the first;
+    gradients through both). The reported feature SmoothL1 is measured in both stages."""
     from vlm.vispec import vispec_layout
 
     features, embeds = lm.last_hidden, lm.prompt_embeds  # [B, T, H]
     ids, lengths = inputs.input_ids, inputs.lengths
-    text_only = step_kind == "text"
-    layout = vispec_layout(drafter, ids, embeds, features + noise, lm.image_token_id, text_only=text_only)
+    layout = vispec_layout(drafter, ids, embeds, features + noise, lm.image_token_id)
     source = layout["source"]  # [B, L'] original position i of each element: it predicts f_i
     valid = source < lengths.unsqueeze(-1)
-    targets = features.gather(1, source.unsqueeze(-1).expand(-1, -1, features.shape[-1]))  # f_i
+    index = source.unsqueeze(-1).expand(-1, -1, features.shape[-1])
+    targets = features.gather(1, index)  # f_i
     next_logits = lm.model.lm_head(targets).float()
-    pair_mask = loss_mask.gather(1, (source - 1).clamp_max(loss_mask.shape[1] - 1)) & valid  # pair i -> index i-1
-    pred = drafter(layout["embeds"], layout["features"], layout["positions"], valid)
-    loss, vloss, ploss, agree = feature_drafter_loss(pred, targets, next_logits, drafter.head, p_weight, pair_mask)
-    if text_only:
-        return loss, vloss, ploss, agree
-    own = torch.zeros_like(features).scatter(1, source.unsqueeze(-1).expand(-1, -1, features.shape[-1]),
-                                             pred.detach().to(features.dtype))  # own[i] = predicted f_i
+    pair_mask = loss_mask.gather(1, source - 1) & valid  # pair i -> loss-mask column i - 1
+    pred = drafter(layout["embeds"], layout["features"], layout["positions"], valid, layout["direct"])
+    if step_kind == "text":
+        return feature_drafter_loss(pred, targets, next_logits, drafter.head, p_weight, pair_mask, rank_weight=0.1)
+    own = torch.zeros_like(features, dtype=pred.dtype).scatter(1, index, pred)  # own[i] = predicted f_i
     layout2 = vispec_layout(drafter, ids, embeds, features + noise, lm.image_token_id, shortcut_features=own)
-    pred2 = drafter(layout2["embeds"], layout2["features"], layout2["positions"], valid)
-    loss2 = feature_drafter_loss(pred2, targets, next_logits, drafter.head, p_weight, pair_mask)[0]
-    return loss + loss2, vloss, ploss, agree
+    pred2 = drafter(layout2["embeds"], layout2["features"], layout2["positions"], valid, layout2["direct"])
+    loss1, l1, rank, agree = distribution_l1_loss(pred, next_logits, drafter.head, pair_mask)
+    loss2 = distribution_l1_loss(pred2, next_logits, drafter.head, pair_mask)[0]
+    smooth = feature_drafter_loss(pred.detach(), targets, next_logits, drafter.head, p_weight, pair_mask)[1]
+    return (loss1 + loss2) / 2, smooth, l1, agree
 
 
 def msd_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
              step_kind: str, **batch) -> tuple[torch.Tensor, ...]:
-    """MSD: decoupled inputs (raw visual embeddings at image positions) over the full sequence, or the text pairs
-    alone at their true positions (stage "text")."""
+    """MSD: decoupled inputs (raw visual embeddings at image positions) over the full sequence; a text-only batch
+    (stage "text", no image in the target's run) is the plain EAGLE pairs."""
     features, embeds = lm.last_hidden, lm.prompt_embeds  # [B, T, H]
     ids = inputs.input_ids
-    if step_kind == "text":
-        positions = text_pair_positions(ids, lm.image_token_id)  # [B, L'] pair at position i: (e_i, f_{i-1})
-    else:
-        positions = torch.arange(1, ids.shape[1]).expand(ids.shape[0], -1)
-    h = features.shape[-1]
-    pair_embeds = embeds.gather(1, positions.unsqueeze(-1).expand(-1, -1, h))
-    pair_features = (features + noise).gather(1, (positions - 1).unsqueeze(-1).expand(-1, -1, h))
+    positions = torch.arange(1, ids.shape[1]).expand(ids.shape[0], -1)  # [B, T-1] pair i + 1: (e_{i+1}, f_i)
     valid = positions < inputs.lengths.unsqueeze(-1)
-    image_mask = ids.gather(1, positions) == lm.image_token_id
-    pred = drafter(pair_embeds, pair_features, positions, image_mask=image_mask, valid=valid)
-    targets = features.gather(1, positions.unsqueeze(-1).expand(-1, -1, h))  # f_i
-    next_logits = lm.model.lm_head(targets).float()
-    mask = loss_mask.gather(1, positions - 1) & valid
-    return feature_drafter_loss(pred, targets, next_logits, drafter.head, p_weight, mask)
+    direct = ids[:, 1:] == lm.image_token_id
+    pred = drafter(embeds[:, 1:], features[:, :-1] + noise[:, :-1], positions, valid, direct)
+    next_logits = lm.model.lm_head(features[:, 1:]).float()
+    return feature_drafter_loss(pred, features[:, 1:], next_logits, drafter.head, p_weight, loss_mask & valid)
 
 
 def specvlm_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
@@ -239,7 +281,8 @@ def drafter_state_path(args: argparse.Namespace, work: Path) -> Path:
 def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, work: Path) -> tuple[Any, dict]:
     torch.manual_seed(args.seed)
     lm = vlm.lm
-    drafter = drafter_model(args.kind).for_target(lm, input_norm=not args.no_input_norm).train()
+    norm = {} if args.input_norm == "auto" else {"input_norm": args.input_norm == "on"}
+    drafter = drafter_model(args.kind).for_target(lm, **norm).train()
     loss_fn = LOSSES[args.kind]
     text_steps = int(args.steps * args.text_only_fraction) if args.kind == "vispec" else 0
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -247,7 +290,7 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
     state_path = drafter_state_path(args, work)
     settings = json.dumps({name: getattr(args, name) for name in (
         "kind", "num_train", "answer_max_tokens", "steps", "batch_size", "lr", "noise", "p_weight",
-        "text_only_fraction", "no_input_norm", "seed")}, sort_keys=True)
+        "text_only_fraction", "input_norm", "noise_scaling", "answers", "seed")}, sort_keys=True)
     first, seconds, history = 0, 0.0, []
     if state_path.is_file() and not args.force:
         state = torch.load(state_path, weights_only=True)
@@ -263,15 +306,15 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
                disable=args.quiet)
     for step in bar:
         rows = torch.randint(0, data["ids"].shape[0], (args.batch_size,), generator=gen)
-        inputs, loss_mask = training_batch(vlm, data, rows)
-        with torch.no_grad():
-            prefill_vlm(lm, inputs, extra_capacity=1)  # lm.last_hidden, lm.prompt_embeds [B, T, H]
-        noise = ((torch.rand(lm.last_hidden.shape, generator=gen) - 0.5) * args.noise).to(lm.last_hidden.dtype)
         if args.kind == "msd":  # MSD's schedule: text-only, then visual with a growing probability
             visual = float(torch.rand((), generator=gen)) < msd_visual_probability(step, args.steps)
             stage = "multimodal" if visual else "text"
         else:
             stage = "text" if step < text_steps else "multimodal"
+        inputs, loss_mask = training_batch(vlm, data, rows, text_only=stage == "text")
+        with torch.no_grad():
+            prefill_vlm(lm, inputs, extra_capacity=1)  # lm.last_hidden, lm.prompt_embeds [B, T, H]
+        noise = feature_noise(lm.last_hidden, inputs.lengths, args.noise, args.noise_scaling, gen)
         loss, vloss, ploss, agree = loss_fn(drafter, lm, inputs, loss_mask, noise, args.p_weight, stage,
                                             prompt_lengths=data["prompt_lengths"][rows], generator=gen)
         optimizer_step(opt, loss, step, args.steps, args.lr, max_grad_norm=0.5)
@@ -285,7 +328,8 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
             os.replace(state_path.with_suffix(".tmp"), state_path)
     last = torch.tensor(history[-50:]).mean(0).tolist() if history else [float("nan")] * 3
     info = {"kind": args.kind, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
-            "noise": args.noise, "p_weight": args.p_weight, "input_norm": not args.no_input_norm,
+            "noise": args.noise, "noise_scaling": args.noise_scaling, "p_weight": args.p_weight,
+            "input_norm": bool(drafter.config.input_norm), "answers": answer_source(args),
             "text_only_steps": text_steps,
             "num_train": int(data["ids"].shape[0]), "seconds": time.perf_counter() - start,
             "final_feature_smoothl1": last[0], "final_soft_ce": last[1], "final_top1_agreement": last[2],
@@ -307,24 +351,29 @@ def evaluate(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int) -> dict:
             "draft_acceptance_rate": spec.stats.draft_acceptance_rate,
             "step_compression": vanilla.stats.num_target_forwards / max(1, spec.stats.num_target_forwards),
             "mean_answer_tokens": sum(len(t) for t in vanilla.token_ids) / n,
-            "drafter_image_tokens_attended": vlm.drafter_image_tokens()}
+            "drafter_image_tokens_attended": vlm.drafter_image_tokens(),
+            "tree": list(vlm.drafter.official_tree)}
 
 
 def _card(command: str, info: dict) -> str:
     d = info["drafter"]
     article = "An" if d["kind"] in ("eagle", "msd") else "A"
     lines = card_head(f"VLM drafter ({d['kind']}) for the world LLaVA",
-                      [f"{article} {KIND_TEXT[d['kind']]} trained on the target's own greedy long answers."],
+                      [f"{article} {KIND_TEXT[d['kind']]} trained on "
+                       + ("the target's own greedy long answers." if d.get("answers", "target") == "target"
+                          else "the world dataset's long answers.")],
                       command, machine_summary())
     lines.append(f"| drafter | fc + 1 decoder layer, input norm {d['input_norm']}, {d['parameters'] / 1e6:.2f}M "
-                 f"parameters | {d['steps']} steps x batch {d['batch_size']} on {d['num_train']} answers | "
-                 f"{d['seconds']:.0f} s |")
+                 f"parameters | {d['steps']} steps x batch {d['batch_size']} on {d['num_train']} answers, feature "
+                 f"noise {d['noise']} ({d.get('noise_scaling', 'fixed')} scaling) | {d['seconds']:.0f} s |")
     lines += ["", f"Final top-1 agreement with the target (training batches, last 50 steps): "
                   f"{d['final_top1_agreement']:.3f}."]
     ev = info.get("eval")
     if ev:
+        tree = ev.get("tree")
         lines.append(f"Held-out test scenes ({ev['n']} long answers, greedy, {ev['mean_answer_tokens']:.1f} tokens "
-                     f"on average): mean acceptance length {ev['mean_acceptance_length']:.2f} (bonus included), "
+                     f"on average, the paper's tree {tuple(tree) if tree else ''} as (depth in levels, top_k, "
+                     f"total_tokens)): mean acceptance length {ev['mean_acceptance_length']:.2f} (bonus included), "
                      f"step compression {ev['step_compression']:.2f}x, token-for-token equal to the target alone: "
                      f"{ev['greedy_equal_to_vanilla']}; the drafter attends to "
                      f"{ev.get('drafter_image_tokens_attended', 0):g} image tokens per row.")
@@ -358,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         write_info(out / "training.json", info)
         command = explicit_command("mmspec train vlm-drafter", args, [
             "kind", "target", *(["out"] if args.out else []), "num_train", "answer_max_tokens", "steps", "batch_size",
-            "lr", "noise", "p_weight", "seed", "threads"])
+            "lr", "noise", "noise_scaling", "p_weight", "answers", "seed", "threads"])
         if "drafter" in info:
             (out / "README.md").write_text(_card(command, info))
         print(json.dumps(info["eval"], indent=2))

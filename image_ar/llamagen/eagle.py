@@ -182,16 +182,18 @@ class EagleTreeDrafter(FeatureTreeDrafter):
     (`mmspec.feature_drafter.FeatureTreeDrafter`; drafter element j at position cls_token_num + j).
 
     `params` are the target's sampling settings: at temperature > 0 the drafter ranks children by log-probs of
-    its CFG-combined logits after the same temperature / top-k / top-p processing (LANTERN), at temperature 0 by
-    the raw log-softmax. The drafter's cache holds image elements only; the condition reaches it through f_0.
+    its CFG-combined logits after the same temperature / top-k / top-p processing (LANTERN; `child_ranking=
+    "processed"`, this family's default), at temperature 0 by the raw log-softmax; `child_ranking="raw"` is
+    EAGLE's ranking at every temperature. The drafter's cache holds image elements only; the condition reaches
+    it through f_0.
     """
 
     def __init__(self, drafter: LlamaGenEagleDrafter, target: LlamaGenGPT, params: SamplingParams, *,
                  top_k: int = DEFAULT_TOP_K, depth: int = DEFAULT_DEPTH, total_tokens: int = DEFAULT_TOTAL_TOKENS,
-                 guidance_scale: float | torch.Tensor | None = None):
+                 guidance_scale: float | torch.Tensor | None = None, child_ranking: str = "processed"):
         super().__init__(drafter.attach(target), target, params, top_k=top_k, depth=depth,
                          total_tokens=total_tokens, position_offset=drafter.cls_token_num,
-                         guidance_scale=guidance_scale)
+                         guidance_scale=guidance_scale, child_ranking=child_ranking)
         self.drafter = drafter
 
     def begin(self, inputs: Any, state: DecodeState) -> None:

@@ -230,7 +230,7 @@ def test_methods_without_a_drafter_explain_how_to_train_one():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"top_k": 2, "depth": 2, "total_tokens": 50}, "total_tokens"), ({"depth": 0}, "depth"),
-    ({"bogus": 1}, "takes top_k, depth, total_tokens, accept"), ({"accept": "nope"}, "acceptance mode"),
+    ({"bogus": 1}, "takes top_k, depth, total_tokens, child_ranking, accept"), ({"accept": "nope"}, "acceptance mode"),
 ])
 def test_bad_method_parameters_are_clear_errors(untrained, kwargs, match):
     with pytest.raises(InputError, match=match):

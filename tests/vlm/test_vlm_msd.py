@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_dummies import IMAGE_TOKEN, greedy_vanilla_and_tree, prompt, tiny_llava
+from vlm_dummies import greedy_vanilla_and_tree, prompt, tiny_llava
 
-from vlm.msd import VLMMSDDrafter, VLMMSDTreeDrafter, msd_visual_probability, text_pair_positions
+from mmspec.sampling import SamplingParams
+from vlm.msd import MSD_TREE, VLMMSDDrafter, VLMMSDTreeDrafter, msd_visual_probability
 from vlm.target import LlavaCachedLM
 
 ROWS = [prompt([7, 8, 20], [9], 16), prompt([12], [13, 30, 31, 32], 16), prompt([], [5], 16)]
@@ -17,15 +18,22 @@ def test_image_positions_read_the_raw_visual_embedding():
     drafter = VLMMSDDrafter.for_target(LlavaCachedLM(tiny_llava()))
     e, f = torch.randn(2, 5, 32), torch.randn(2, 5, 32)
     image = torch.tensor([[False, True, True, False, False], [True, False, False, False, True]])
-    x = drafter.decoupled(e, f, image)
+    x = drafter.fuse(e, f, image)
     torch.testing.assert_close(x[image], e[image])
     torch.testing.assert_close(x[~image], drafter.fuse(e, f)[~image])
 
 
-def test_schedule_and_text_positions():
+def test_schedule():
     assert [msd_visual_probability(s, 40) for s in (0, 19, 20, 30, 38, 39)] == [0.0, 0.0, 0.0, 0.5, 0.9, 1.0]
-    ids = torch.tensor([[1, 7, IMAGE_TOKEN, IMAGE_TOKEN, 9, 0], [1, IMAGE_TOKEN, IMAGE_TOKEN, 8, 9, 10]])
-    assert text_pair_positions(ids, IMAGE_TOKEN).tolist() == [[1, 4, 5], [3, 4, 5]]
+
+
+def test_official_defaults():
+    """MSD's code: layer 0 without an input norm, tree depth 5 in EAGLE's count (6 levels here), top_k 10, 59."""
+    lm = LlavaCachedLM(tiny_llava())
+    drafter = VLMMSDDrafter.for_target(lm)
+    assert not drafter.config.input_norm and isinstance(drafter.layers[0].input_layernorm, torch.nn.Identity)
+    tree = VLMMSDTreeDrafter(drafter, lm, SamplingParams(temperature=0.0))
+    assert (tree.depth, tree.top_k, tree.total) == MSD_TREE == (6, 10, 59)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])

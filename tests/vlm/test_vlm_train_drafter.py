@@ -174,7 +174,8 @@ def test_train_vispec(target_dir, tmp_path):
     assert train(target_dir, tmp_path / "work", "--kind", "vispec", "--steps", "40", "--lr", "3e-3",
                  "--out", str(out)) == 0
     info = json.loads((out / "training.json").read_text())
-    assert info["drafter"]["text_only_steps"] == 12
+    assert info["drafter"]["text_only_steps"] == 20  # half the steps: the official code's two equal runs
+    assert info["drafter"]["input_norm"] is False and info["drafter"]["answers"] == "target"
     assert info["eval"]["greedy_equal_to_vanilla"] is True
     assert info["drafter"]["final_feature_smoothl1"] < info["drafter"]["first_feature_smoothl1"]
     from vlm.pipeline import SpeculativeVLM
@@ -189,6 +190,8 @@ def test_train_msd(target_dir, tmp_path):
     assert train(target_dir, tmp_path / "work", "--kind", "msd", "--steps", "40", "--lr", "3e-3",
                  "--out", str(out)) == 0
     info = json.loads((out / "training.json").read_text())
+    assert info["drafter"]["answers"] == "dataset" and info["drafter"]["input_norm"] is False  # MSD's code
+    assert info["drafter"]["noise_scaling"] == "eagle"
     assert info["eval"]["greedy_equal_to_vanilla"] is True
     assert info["drafter"]["final_feature_smoothl1"] < info["drafter"]["first_feature_smoothl1"]
 
@@ -200,3 +203,37 @@ def test_train_specvlm(target_dir, tmp_path):
     info = json.loads((out / "training.json").read_text())
     assert info["eval"]["greedy_equal_to_vanilla"] is True
     assert info["drafter"]["final_feature_smoothl1"] < info["drafter"]["first_feature_smoothl1"]
+
+
+def test_text_only_batch_runs_the_target_without_the_image(target_dir, tmp_path):
+    """The text stage (ViSpec stage 1, MSD's first epochs): the sequences without their image tokens and without
+    pixels, the answer positions still the ones that count."""
+    from vlm.train_drafter import answer_cache, training_batch
+
+    vlm = SpeculativeVLM.from_pretrained(target_dir)
+    args = vlm_train_drafter.argparse.Namespace(target=str(target_dir), num_train=4, seed=0, answer_max_tokens=6,
+                                                force=False, quiet=True, answers="target", kind="eagle")
+    data = answer_cache(vlm, args, tmp_path)
+    rows = torch.tensor([0, 1])
+    full, full_mask = training_batch(vlm, data, rows)
+    text, text_mask = training_batch(vlm, data, rows, text_only=True)
+    image = vlm.lm.image_token_id
+    assert text.pixel_values is None and not (text.input_ids == image).any()
+    n_image = int((full.input_ids[0] == image).sum())
+    assert (full.lengths - text.lengths).tolist() == [n_image, n_image]
+    assert full_mask.sum() == text_mask.sum()  # the same answer tokens are predicted
+    for b in range(2):
+        kept = full.input_ids[b][full.input_ids[b] != image][: int(text.lengths[b])]
+        assert text.input_ids[b, : int(text.lengths[b])].tolist() == kept.tolist()
+
+
+def test_feature_noise_follows_eagles_length_scaling():
+    from vlm.train_drafter import feature_noise
+
+    features, lengths = torch.zeros(2, 64, 8), torch.tensor([64, 256])
+    noise = feature_noise(features, lengths, 0.2, "eagle", torch.Generator().manual_seed(0))
+    for b, length in enumerate((64, 256)):
+        half_width = 0.5 * 0.2 * 512 / length
+        assert noise[b].abs().max() <= half_width and noise[b].abs().max() > 0.9 * half_width
+    fixed = feature_noise(features, lengths, 0.2, "fixed", torch.Generator().manual_seed(0))
+    assert 0.09 < fixed.abs().max() <= 0.1

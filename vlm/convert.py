@@ -1,0 +1,137 @@
+"""Official EAGLE-format VLM drafters -> mmspec drafters (`load_official_drafter`; `mmspec convert vlm-drafter`).
+
+    mmspec convert vlm-drafter --drafter MSD-LLaVA1.5-7B --kind msd --target llava-1.5-7b-hf --out msd-drafter
+
+The official layout (SafeAILab/EAGLE `cnets.py`, which MSD ships unchanged; ViSpec adds two modules) is an HF
+Llama-style folder: `config.json` (hidden_size, num_attention_heads, num_key_value_heads, intermediate_size,
+rms_norm_eps, rope_theta, max_position_embeddings, vocab_size) and `model.safetensors` or `pytorch_model.bin`:
+
+| official key                                         | mmspec module (`vlm.eagle.VLMEagleDrafter`)        |
+|------------------------------------------------------|----------------------------------------------------|
+| `fc.weight`, `fc.bias`                               | the same (no `fc.bias`: `fc_bias=False`)           |
+| `layers.0.self_attn.{q,k,v,o}_proj.weight`           | the same (a transformers `LlamaDecoderLayer`)      |
+| `layers.0.mlp.{gate,up,down}_proj.weight`            | the same                                           |
+| `layers.0.post_attention_layernorm.weight`           | the same                                           |
+| `layers.0.input_layernorm.weight` (absent in EAGLE)  | present: `input_norm=True`; absent: no input norm  |
+| `embed_tokens.weight`                                | not kept: must equal the target's token embeddings |
+| ViSpec: `imadpt.q`, `imadpt.{k,v,o}_proj.*`, `img_fc.*` | the same (`vlm.vispec.VLMViSpecDrafter`)         |
+
+Loading is strict: a missing or unexpected key, a shape that does not fit, more than one decoder layer or an
+embedding table other than the target's is an `InputError` naming it (never a silently fresh all-ones norm).
+`pytorch_model.bin` is read with weights-only loading (`mmspec.checkpoints.load_checkpoint`; `allow_pickle=True`
+for full pickle of a trusted file). The drafter then computes what the official code computes: the same modules,
+the target's LM head, its positions shifted by one (RoPE only sees differences), MSD's raw visual embeddings at
+image positions when loaded as `kind="msd"`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from mmspec.checkpoints import load_checkpoint
+from mmspec.data.artifacts import atomic_output_dir
+from mmspec.errors import InputError, check
+from vlm.family import drafter_model
+from vlm.target import LlavaCachedLM
+
+OFFICIAL_KINDS = ("eagle", "msd", "vispec")
+CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps",
+               "max_position_embeddings", "vocab_size")
+
+
+def official_weights(folder: Path, allow_pickle: bool) -> dict[str, torch.Tensor]:
+    """The folder's tensors: `model.safetensors` (or safetensors shards), else `pytorch_model.bin`."""
+    if any(folder.glob("*.safetensors")):
+        return load_checkpoint(folder)
+    for name in ("pytorch_model.bin", "model.bin"):
+        if (folder / name).is_file():
+            state = load_checkpoint(folder / name, allow_pickle=allow_pickle)
+            check(isinstance(state, dict), f"{folder / name} does not hold a state dict of tensors.")
+            return state
+    raise InputError(f"{folder} holds no model.safetensors or pytorch_model.bin; point --drafter at the official "
+                     "drafter folder.")
+
+
+def official_config(folder: Path, state: dict[str, torch.Tensor], kind: str) -> dict:
+    """mmspec drafter config from the official config.json and the keys present."""
+    path = folder / "config.json"
+    check(path.is_file(), f"{path} is missing; an official drafter folder has an HF Llama-style config.json.")
+    raw = json.loads(path.read_text())
+    missing = [k for k in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size") if k not in raw]
+    check(not missing, f"{path} lacks {', '.join(missing)}; is this an EAGLE-format drafter config?")
+    check(int(raw.get("num_hidden_layers", 1)) == 1 and not any(k.startswith("layers.1.") for k in state),
+          f"{folder} has {raw.get('num_hidden_layers')} decoder layers; mmspec's VLM drafters have one (EAGLE-1/2).")
+    config = {k: raw[k] for k in CONFIG_KEYS if k in raw}
+    theta = raw.get("rope_theta", (raw.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    config.update(rope_theta=float(theta), fc_bias="fc.bias" in state,
+                  input_norm="layers.0.input_layernorm.weight" in state)
+    scaling = raw.get("rope_scaling")
+    check(not scaling, f"{path} sets rope_scaling {scaling}; mmspec's drafter layer uses plain RoPE.")
+    if kind == "vispec":
+        q = state.get("imadpt.q")
+        check(q is not None, f"{folder} has no imadpt.q: not a ViSpec drafter; load it as kind eagle or msd.")
+        check(q.dim() == 3 and q.shape[1] == raw["num_attention_heads"],
+              f"imadpt.q has shape {list(q.shape)}, expected [num_q, {raw['num_attention_heads']}, head_dim].")
+        config.update(num_queries=int(q.shape[0]), qkv_bias="imadpt.k_proj.bias" in state)
+    else:
+        check(not any(k.startswith(("imadpt.", "img_fc.")) for k in state),
+              f"{folder} holds ViSpec modules (imadpt, img_fc); load it with kind vispec.")
+    return config
+
+
+def load_official_drafter(folder: str | Path, target: LlavaCachedLM, kind: str, allow_pickle: bool = False):
+    """An official EAGLE / MSD / ViSpec drafter folder as the mmspec drafter of `kind`, attached to `target` (see
+    the module docstring for the key layout and the checks)."""
+    check(kind in OFFICIAL_KINDS, f"kind must be one of {', '.join(OFFICIAL_KINDS)} (official EAGLE-format "
+                                  f"drafters), got {kind!r}.")
+    folder = Path(folder)
+    check(folder.is_dir(), f"{folder} is not a folder; give the official drafter's folder (config.json + weights).")
+    state = dict(official_weights(folder, allow_pickle))
+    config = official_config(folder, state, kind)
+    embed = state.pop("embed_tokens.weight", None)
+    text_embed = target.text.embed_tokens.weight
+    if embed is not None:
+        same = embed.shape == text_embed.shape and torch.equal(embed.to(text_embed), text_embed.detach())
+        check(same, f"{folder}'s embed_tokens differ from the target's token embeddings: the drafter was made for "
+                    "another target.")
+    drafter = drafter_model(kind)(**config)
+    ours = drafter.state_dict()
+    missing = sorted(set(ours) - set(state))
+    unexpected = sorted(set(state) - set(ours))
+    check(not missing, f"{folder} lacks {', '.join(missing)}; an official {kind} drafter has them.")
+    check(not unexpected, f"{folder} has keys an official {kind} drafter does not: {', '.join(unexpected[:6])}.")
+    wrong = [f"{k} {list(state[k].shape)} (expected {list(v.shape)})" for k, v in ours.items()
+             if state[k].shape != v.shape]
+    check(not wrong, f"{folder}: shapes do not fit its config: {'; '.join(wrong[:4])}.")
+    drafter.load_state_dict({k: v.to(ours[k].dtype) for k, v in state.items()}, strict=True)
+    w = target.model.lm_head.weight
+    return drafter.to(device=w.device, dtype=w.dtype).eval().attach(target)
+
+
+# ---------------------------------------------------------------------------------------------------- command
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--drafter", required=True, help="official drafter folder (config.json + model.safetensors "
+                                                         "or pytorch_model.bin)")
+    parser.add_argument("--kind", required=True, choices=OFFICIAL_KINDS,
+                        help="eagle (EAGLE / EagleVLM), msd (MSD: raw visual embeddings at image positions) or "
+                             "vispec (imadpt + img_fc)")
+    parser.add_argument("--target", required=True, help="the LLaVA target's folder (transformers format)")
+    parser.add_argument("--out", required=True, help="mmspec drafter folder to write (e.g. TARGET/drafters/KIND)")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="load pytorch_model.bin with full pickle (runs code from it: only for files you trust)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from vlm.pipeline import SpeculativeVLM
+
+    vlm = SpeculativeVLM.from_pretrained(args.target)
+    drafter = load_official_drafter(args.drafter, vlm.lm, args.kind, allow_pickle=args.allow_pickle)
+    with atomic_output_dir(args.out) as tmp:
+        drafter.save_pretrained(tmp)
+    print(f"wrote {args.out} ({args.kind} drafter, {sum(p.numel() for p in drafter.parameters()) / 1e6:.2f}M "
+          "parameters)")
+    return 0
