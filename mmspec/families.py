@@ -127,7 +127,7 @@ class FamilyRecord:
     name: str
     description: str = ""
     default_model: Path | None = None
-    load: Callable[[str | None, str], Any] | None = None
+    load: Callable[..., Any] | None = None  # load(model_path, device, dtype=None)
     generate: Callable[..., tuple[list, Any]] | None = None
     num_classes: Callable[[Any], int] | None = None
     sampling_defaults: Callable[[Any], dict] | None = None

@@ -29,6 +29,11 @@ def _grow(t: torch.Tensor, size: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(size - t.shape[0])])
 
 
+# count names of stats files written before 2026-11-24 -> their names now
+OLD_NAMES = {"_verify_rows": "num_verify_rows", "_accepted_per_position": "accepted_per_position",
+             "_drafted_per_position": "drafted_per_position"}
+
+
 @dataclass
 class SpecStats:
     """Counters of one generation run (or of many, merged with `+`)."""
@@ -142,9 +147,9 @@ class SpecStats:
             "acceptance_histogram": self.acceptance_histogram,
             "wall_time": self.wall_time,
             "extra": dict(self.extra),
-            "_verify_rows": self._count("num_verify_rows"),
-            "_accepted_per_position": [] if self._accepted_pos is None else self._accepted_pos.tolist(),
-            "_drafted_per_position": [] if self._drafted_pos is None else self._drafted_pos.tolist(),
+            "num_verify_rows": self._count("num_verify_rows"),
+            "accepted_per_position": [] if self._accepted_pos is None else self._accepted_pos.tolist(),
+            "drafted_per_position": [] if self._drafted_pos is None else self._drafted_pos.tolist(),
         }
 
     def to_json(self, **kwargs) -> str:
@@ -152,14 +157,16 @@ class SpecStats:
 
     @classmethod
     def from_dict(cls, data: dict) -> SpecStats:
+        """The inverse of `to_dict` (also reads the underscored count names of files written before 2026-11-24)."""
+        data = {OLD_NAMES.get(k, k): v for k, v in data.items()}
         out = cls(num_target_forwards=data["num_target_forwards"], num_draft_forwards=data["num_draft_forwards"],
                   wall_time=data["wall_time"], extra=dict(data.get("extra", {})))
         out._counts = {k: data[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
                                             "num_emitted_tokens")}
-        out._counts["num_verify_rows"] = data.get("_verify_rows", data["num_drafts"])
-        if data.get("_drafted_per_position"):
-            out._accepted_pos = torch.tensor(data["_accepted_per_position"])
-            out._drafted_pos = torch.tensor(data["_drafted_per_position"])
+        out._counts["num_verify_rows"] = data.get("num_verify_rows", data["num_drafts"])
+        if data.get("drafted_per_position"):
+            out._accepted_pos = torch.tensor(data["accepted_per_position"])
+            out._drafted_pos = torch.tensor(data["drafted_per_position"])
         if data.get("acceptance_histogram"):
             out._hist = torch.tensor(data["acceptance_histogram"])
         return out
@@ -169,8 +176,8 @@ class SpecStats:
         a, b = self.to_dict(), other.to_dict()
         merged = {k: a[k] + b[k] for k in ("num_target_forwards", "num_draft_forwards", "num_drafts",
                                            "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
-                                           "wall_time", "_verify_rows")}
-        for key in ("_accepted_per_position", "_drafted_per_position", "acceptance_histogram"):
+                                           "wall_time", "num_verify_rows")}
+        for key in ("accepted_per_position", "drafted_per_position", "acceptance_histogram"):
             n = max(len(a[key]), len(b[key]))
             merged[key] = [x + y for x, y in zip(a[key] + [0] * (n - len(a[key])), b[key] + [0] * (n - len(b[key])))]
         merged["extra"] = {k: a["extra"].get(k, 0) + b["extra"].get(k, 0) for k in set(a["extra"]) | set(b["extra"])}

@@ -289,14 +289,17 @@ def test_bad_numbers_are_input_errors(tmp_path, capsys):
         run_bench("toy", settings=BenchSettings(device="gpu"))
 
 
-def test_results_are_written_to_an_existing_directory(tmp_path):
-    """--out may already exist (results are replaced, other files kept)."""
+def test_results_are_written_to_an_existing_directory(tmp_path, capsys):
+    """--out may already exist (results are replaced, other files kept); --quiet hides the progress and the tables,
+    not the line saying what was written."""
     out = Path(tmp_path)
     (out / "keep.txt").write_text("x")
     assert main(["bench", "--family", "toy", "--methods", "vanilla", "--num-samples", "1", "--max-new-tokens",
                  "2", "--repeats", "1", "--warmup", "0", "--no-plots", "--quiet", *SMALL_TOY,
                  "--out", str(out)]) == 0
     assert (out / "keep.txt").read_text() == "x" and (out / "results.jsonl").exists()
+    printed = capsys.readouterr().out
+    assert printed.startswith("wrote ") and "| method |" not in printed
 
 
 def test_live_tensor_bytes_counts_what_a_window_allocates():

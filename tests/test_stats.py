@@ -43,3 +43,14 @@ def test_positions_grow_with_longer_drafts_and_merge():
     assert merged.extra == {"fallbacks": 2}
     again = SpecStats.from_dict(json.loads(merged.to_json()))
     assert again.to_dict() == merged.to_dict()
+
+
+def test_stats_files_hold_public_names_and_old_files_still_read():
+    s = SpecStats(num_target_forwards=2)
+    s.record(result([1, 2], [2, 2], 2))
+    data = s.to_dict()
+    assert not [k for k in data if k.startswith("_")]
+    assert data["accepted_per_position"] == [2, 1] and data["num_verify_rows"] == 2
+    old = {("_verify_rows" if k == "num_verify_rows" else "_" + k if k.endswith("_per_position") else k): v
+           for k, v in data.items()}
+    assert SpecStats.from_dict(old).to_dict() == data

@@ -20,10 +20,12 @@ import time
 from pathlib import Path
 
 from mmspec.bench.files import atomic_write_text, prepare_output_dir
+from mmspec.cli.family_io import DTYPES, torch_dtype
 from mmspec.cli.jobs import ManifestWriter, read_job_file
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import InputError, check
 from mmspec.stats import SpecStats
+from mmspec.threads import count_parameters, parse_threads, set_threads
 
 JOB_COLUMNS = ("id", "image", "prompt", "seed", "count")
 ANSWERS = "answers.jsonl"
@@ -50,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="rows generated together (job files)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", default="auto",
+                        help="torch CPU threads: N, or auto (default: one per 20M parameters, at most the usable CPUs)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="target and drafter weights: float32 (default, as saved), bfloat16 or float16")
     parser.add_argument("--stream", action="store_true", help="print the answer as it is verified")
 
 
@@ -90,7 +96,10 @@ def load_vlm(args: argparse.Namespace):
         found = drafter_kinds_in(folder)
         drafter = found[0] if found else None
         print(f"drafter: {drafter or 'none (the target alone)'}", file=sys.stderr)
-    return SpeculativeVLM.from_pretrained(folder, drafter, device=args.device)
+    threads = parse_threads(args.threads)  # checked before the model loads
+    vlm = SpeculativeVLM.from_pretrained(folder, drafter, device=args.device, dtype=torch_dtype(args.dtype))
+    set_threads(threads, count_parameters(*(m for m in (vlm.model, vlm.drafter) if m is not None)))
+    return vlm
 
 
 def figures(stats: SpecStats, seconds: float, tokens: int) -> dict:
@@ -100,6 +109,17 @@ def figures(stats: SpecStats, seconds: float, tokens: int) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    threads_before = torch.get_num_threads()  # --threads is set once the models are loaded; restored after
+    try:
+        return answer(args)
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def answer(args: argparse.Namespace) -> int:
+    """One question, or a job file (after `run` saved the thread count)."""
     import torch
 
     tree = parse_tree(args.tree)

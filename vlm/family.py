@@ -21,10 +21,10 @@ from vlm.vispec import VLMViSpecDrafter
 TREE = parameters_of(VLMEagleTreeDrafter)  # top_k, depth, total_tokens, child_ranking
 
 
-def load(model_path: str | None, device: str):
+def load(model_path: str | None, device: str, dtype=None):
     from vlm.pipeline import SpeculativeVLM
 
-    return SpeculativeVLM.from_pretrained(model_path or ASSETS_DIR / "vlm", device=device)
+    return SpeculativeVLM.from_pretrained(model_path or ASSETS_DIR / "vlm", device=device, dtype=dtype)
 
 
 def bench():

@@ -19,6 +19,7 @@ Folder layout: the target (a `LlavaForConditionalGeneration` folder with its pro
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,14 +44,16 @@ class VLMOutput:
     stats: SpecStats = field(default_factory=SpecStats)
 
 
-def load_drafter(folder: str | Path, kind: str):
-    """A drafter of `kind` saved in `folder` (not yet attached to a target)."""
+def load_drafter(folder: str | Path, kind: str, dtype: torch.dtype | None = None):
+    """A drafter of `kind` saved in `folder` (not yet attached to a target), in `dtype` when given."""
     model = drafter_model(kind)
     folder = Path(folder)
     check((folder / "config.json").is_file(),
           f"no {kind} drafter in {folder} (config.json missing); train one with "
           f"`mmspec train vlm-drafter --kind {kind} --target TARGET_DIR`.")
-    return model.from_pretrained(folder)
+    with warnings.catch_warnings():  # diffusers >= 0.36 prefers `dtype`; `torch_dtype` works on every version
+        warnings.simplefilter("ignore", FutureWarning)
+        return model.from_pretrained(folder, **({} if dtype is None else {"torch_dtype": dtype}))
 
 
 def piece_text(tokenizer, ids: list[int]) -> str:
@@ -74,9 +77,10 @@ class SpeculativeVLM:
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, drafter: str | None = None, *, drafter_path: str | Path | None = None,
-                        device: str = "cpu", attention_backend: str | None = None) -> SpeculativeVLM:
+                        device: str = "cpu", attention_backend: str | None = None,
+                        dtype: torch.dtype | None = None) -> SpeculativeVLM:
         """The target in `folder` (and its processor); `drafter` a kind from `folder/drafters/<kind>` or from
-        `drafter_path`. Local files only."""
+        `drafter_path`; both in `dtype` when given (else as saved). Local files only."""
         from transformers import LlavaForConditionalGeneration, LlavaProcessor
         from transformers.utils import logging as hf_logging
 
@@ -94,11 +98,9 @@ class SpeculativeVLM:
             hf_logging.enable_progress_bar()
         draft = None
         if drafter is not None:
-            draft = load_drafter(drafter_path or folder / "drafters" / drafter, drafter)
-        vlm = cls(model.to(device), processor, draft, attention_backend=attention_backend)
-        if vlm.drafter is not None:
-            vlm.drafter.to(device)
-        return vlm
+            draft = load_drafter(drafter_path or folder / "drafters" / drafter, drafter, dtype).to(device)
+        model = model.to(device) if dtype is None else model.to(device=device, dtype=dtype)
+        return cls(model, processor, draft, attention_backend=attention_backend)
 
     # --------------------------------------------------------------------------------------------- inputs
     def drafter_image_tokens(self) -> float | None:

@@ -44,6 +44,7 @@ from continuous.mar.pipeline import (
     sample_at,
     scatter_tokens,
 )
+from mmspec.diffusers_folder import MMSpecPipelineMixin
 from mmspec.errors import check, check_positive_int
 from mmspec.phases import phase
 from mmspec.sampling import Generators
@@ -139,7 +140,7 @@ def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRu
     return tokens, stats
 
 
-class CSpDPipeline(DiffusionPipeline):
+class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
     """A target MAR, a draft MAR sharing its token grid and classes, and their KL VAE."""
 
     model_cpu_offload_seq = "draft->target->vae"

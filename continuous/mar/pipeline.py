@@ -27,6 +27,7 @@ from diffusers import AutoencoderKL, DiffusionPipeline
 from continuous.mar.diffusion import Trajectory
 from continuous.mar.model import CFG_SCHEDULES, MARModel
 from continuous.mar.vae import decode_latents, vae_stride
+from mmspec.diffusers_folder import MMSpecPipelineMixin
 from mmspec.errors import check, check_positive_int
 from mmspec.pipeline_io import ClassRun, GenerationOutput, class_run_fields, finish_generation
 from mmspec.sampling import Generators, generator_list
@@ -164,7 +165,7 @@ def check_fits_vae(name: str, model: MARModel, vae: AutoencoderKL) -> None:
           f"the {name}'s vae_stride {model.config.vae_stride} differs from the VAE's downsampling {vae_stride(vae)}.")
 
 
-class MARPipeline(DiffusionPipeline):
+class MARPipeline(MMSpecPipelineMixin, DiffusionPipeline):
     """A MAR model (`transformer`) and its KL VAE (see the module docstring)."""
 
     model_cpu_offload_seq = "transformer->vae"

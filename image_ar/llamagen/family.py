@@ -39,14 +39,14 @@ TREE_SKIP = ("guidance_scale",)
 ACCEPT = ({"accept": "lossless"}, LanternRule, GSDRule, GSD_TABLE)  # `accept` and every mode's rule parameters
 
 
-def load(model_path: str | None, device: str):
+def load(model_path: str | None, device: str, dtype=None):
     from image_ar.llamagen.pipeline import LlamaGenPipeline
     from mmspec.cli.family_io import load_pipeline_folder
 
     return load_pipeline_folder(LlamaGenPipeline, model_path, ASSETS_DIR / "llamagen", family="LlamaGen",
                                 made_by="mmspec train llamagen",
                                 converted_by="mmspec convert llamagen --gpt c2i_*.pt --vq vq_ds16_*.pt --out DIR",
-                                device=device)
+                                device=device, dtype=dtype)
 
 
 def generate(pipe, labels: list[int], generators: list[torch.Generator], options: dict) -> tuple[list, SpecStats]:

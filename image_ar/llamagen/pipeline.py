@@ -23,6 +23,7 @@ from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.methods import MethodContext
 from image_ar.llamagen.vq import LlamaGenVQ
 from mmspec.budget import make_budget
+from mmspec.diffusers_folder import MMSpecPipelineMixin
 from mmspec.errors import check
 from mmspec.loop import generate
 from mmspec.pipeline_io import (
@@ -56,7 +57,7 @@ def condition_prefill(guided: bool, cond_mask: torch.Tensor | None = None):
     return prefill
 
 
-class LlamaGenPipeline(DiffusionPipeline):
+class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
     """LlamaGen target + VQ tokenizer, and optional drafters: a small draft LlamaGen (method draft-model) and an
     EAGLE drafter over the target's features (methods eagle, lantern)."""
 

@@ -34,6 +34,7 @@ from image_ar.var.pipeline import (
 )
 from image_ar.var.transformer import VARTransformer
 from image_ar.var.vqvae import VARVQVAE
+from mmspec.diffusers_folder import MMSpecPipelineMixin
 from mmspec.errors import check
 
 
@@ -54,7 +55,7 @@ def refiner_prefill(refiner: VARTransformer, quantizer, run: ScaleRun, state: Sc
     return cache
 
 
-class CoDePipeline(DiffusionPipeline):
+class CoDePipeline(MMSpecPipelineMixin, DiffusionPipeline):
     """A large `drafter` and a small `refiner` VAR transformer sharing one VQVAE (see the module docstring)."""
 
     model_cpu_offload_seq = "drafter->refiner->vqvae"

@@ -29,6 +29,7 @@ from image_ar.var.quantizer import MultiScaleQuantizer
 from image_ar.var.transformer import VARTransformer
 from image_ar.var.vqvae import VARVQVAE
 from mmspec.cache import StaticKVCache
+from mmspec.diffusers_folder import MMSpecPipelineMixin
 from mmspec.errors import check
 from mmspec.pipeline_io import ClassRun, GenerationOutput, class_run_fields, finish_generation
 from mmspec.sampling import Generators, SamplingParams, cfg_combine, sample_logits, split_cfg_batch
@@ -156,7 +157,7 @@ def generate_scales(model: VARTransformer, quantizer: MultiScaleQuantizer, run: 
     return state
 
 
-class VARPipeline(DiffusionPipeline):
+class VARPipeline(MMSpecPipelineMixin, DiffusionPipeline):
     """A VAR transformer and its multi-scale VQVAE (see the module docstring)."""
 
     model_cpu_offload_seq = "transformer->vqvae"

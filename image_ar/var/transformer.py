@@ -156,6 +156,8 @@ class SharedAdaLin(nn.Linear):
 class VARTransformer(ModelMixin, ConfigMixin):
     """VAR's class-conditional next-scale transformer (see the module docstring)."""
 
+    _keep_in_fp32_modules = ["head_nm", "head"]  # the official head runs in float32 (`logits`)
+
     @register_to_config
     def __init__(self, vocab_size: int = 4096, cvae: int = 32, num_classes: int = 1000, depth: int = 16,
                  embed_dim: int | None = None, num_heads: int | None = None, mlp_ratio: float = 4.0,
@@ -209,14 +211,17 @@ class VARTransformer(ModelMixin, ConfigMixin):
 
     def embed_inputs(self, features: torch.Tensor, begin: int) -> torch.Tensor:
         """word_embed of next-scale inputs features [B, l, Cvae] placed at positions [begin, begin + l)."""
+        features = features.to(self.word_embed.weight.dtype)  # the quantizer's float32 features
         return self.word_embed(features) + self.level_positions(begin, begin + features.shape[1])
 
     def _modulation(self, cond: torch.Tensor) -> torch.Tensor:
         return self.shared_ada_lin(cond)  # [B, C], or [B, 1, 6, C] with shared AdaLN
 
     def logits(self, h: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        """Head over hidden states h [B, l, C] -> float32 logits [B, l, V]."""
-        return self.head(self.head_nm(h.float(), cond.float())).float()
+        """Head over hidden states h [B, l, C] -> float32 logits [B, l, V], computed in the head's dtype (float32
+        as the official code's autocast leaves it, unless the whole model was cast)."""
+        dtype = self.head.weight.dtype
+        return self.head(self.head_nm(h.to(dtype), cond.to(dtype))).float()
 
     # ------------------------------------------------------------------------------------- teacher forcing
     def forward(self, labels: torch.Tensor, inputs_wo_first: torch.Tensor,
@@ -240,15 +245,16 @@ class VARTransformer(ModelMixin, ConfigMixin):
         return self.logits(h, cond)
 
     # ------------------------------------------------------------------------------------------ inference
-    def new_cache(self, batch_size: int, dtype: torch.dtype = torch.float32,
+    def new_cache(self, batch_size: int, dtype: torch.dtype | None = None,
                   device: torch.device | str | None = None, num_scales: int | None = None) -> StaticKVCache:
         """A KV cache for every position of the first `num_scales` scales (default all) of `batch_size` rows
-        (2B with CFG). CoDe's drafter only needs its N scales, which is where its memory saving starts."""
+        (2B with CFG), in the model's dtype unless `dtype` is given. CoDe's drafter only needs its N scales, which
+        is where its memory saving starts."""
         n = len(self.patch_nums) if num_scales is None else num_scales
         check(isinstance(n, int) and 1 <= n <= len(self.patch_nums),
               f"num_scales must be an integer in [1, {len(self.patch_nums)}], got {num_scales!r}.")
         return StaticKVCache(self.depth, batch_size, self.num_heads, self.bounds[n - 1][1],
-                             self.embed_dim // self.num_heads, dtype=dtype,
+                             self.embed_dim // self.num_heads, dtype=self.pos_1LC.dtype if dtype is None else dtype,
                              device=self.pos_1LC.device if device is None else device)
 
     def forward_cached(self, h: torch.Tensor, cond: torch.Tensor, cache: StaticKVCache,

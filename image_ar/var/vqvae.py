@@ -68,6 +68,7 @@ class VARVQVAE(ModelMixin, ConfigMixin):
 
     def fhat_to_images(self, f_hat: torch.Tensor) -> torch.Tensor:
         """f_hat [B, Cvae, h, w] -> images [B, 3, H, W] clamped to [-1, 1]."""
+        f_hat = f_hat.to(self.post_quant_conv.weight.dtype)  # the quantizer accumulates f_hat in float32
         return self.decoder(self.post_quant_conv(f_hat)).clamp(-1, 1)
 
     def decode(self, pyramid: Sequence[torch.Tensor]) -> torch.Tensor:

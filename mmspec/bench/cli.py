@@ -68,7 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "op, so take timings from another run")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar and no summary on stdout")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bar and no result tables on stdout (the line saying what was written stays)")
 
 
 def parse_int_list(name: str, text: str) -> list[int]:
@@ -155,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
     summary = written["summary"]
     if not args.quiet:
         print(tables_markdown(summary))
-        print(f"wrote {out / RESULTS_FILE}, {out / SUMMARY_MD}, {out / SUMMARY_JSON}"
-              + ("" if args.no_plots else " and plots") + f" ({len(result.records)} records)")
+    print(f"wrote {out / RESULTS_FILE}, {out / SUMMARY_MD}, {out / SUMMARY_JSON}"
+          + ("" if args.no_plots else " and plots") + f" ({len(result.records)} records)")
     failures = result.failure_list()
     for line in failures:
         print(f"mmspec bench: FAILED at {line}", file=sys.stderr)

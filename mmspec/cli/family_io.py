@@ -10,18 +10,33 @@ world class names on the command line.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mmspec.diffusers_folder import pipeline_class_name
 from mmspec.errors import InputError, check
+
+DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices of mmspec generate and mmspec vlm
+
+
+def torch_dtype(name: str | None):
+    """A --dtype name -> torch dtype (None stays None: the checkpoint's float32)."""
+    import torch
+
+    if name is None:
+        return None
+    check(name in DTYPES, f"dtype must be one of {', '.join(DTYPES)}, got {name!r}.")
+    return getattr(torch, name)
 
 
 def load_pipeline_folder(pipeline_cls: type | tuple[type, ...], model_path: str | None, default: Path, *,
-                         family: str, made_by: str, converted_by: str, device: str):
+                         family: str, made_by: str, converted_by: str, device: str, dtype: Any = None):
     """`from_pretrained` of --model (default: the embedded asset) with the pipeline class (or the one of several
-    classes) its model_index.json names, progress bars off; InputError with what to do for a file, a folder
-    without model_index.json, another pipeline's folder or unreadable weights."""
+    classes) its model_index.json names, in `dtype` (a torch dtype; None: as saved), progress bars off; InputError
+    with what to do for a file, a folder without model_index.json, another pipeline's folder or unreadable
+    weights."""
     classes = pipeline_cls if isinstance(pipeline_cls, tuple) else (pipeline_cls,)
     names = " or ".join(c.__name__ for c in classes)
     path = Path(model_path) if model_path else default
@@ -34,14 +49,17 @@ def load_pipeline_folder(pipeline_cls: type | tuple[type, ...], model_path: str 
                 else f"pass a folder written by {names}.save_pretrained or `{converted_by}`")
         raise InputError(f"no {family} pipeline at {path} (model_index.json missing); {hint}.")
     try:
-        kind = json.loads(index.read_text()).get("_class_name")
+        kind = pipeline_class_name(json.loads(index.read_text()).get("_class_name"))
     except (json.JSONDecodeError, AttributeError):
         raise InputError(f"{index} is not a valid model_index.json.") from None
     by_name = {c.__name__: c for c in classes}
     if kind not in by_name:
         raise InputError(f"{path} holds a {kind} pipeline, not a {names}; pick the family that matches it.")
     try:
-        pipe = by_name[kind].from_pretrained(path).to(device)
+        with warnings.catch_warnings():  # diffusers >= 0.36 prefers `dtype`; `torch_dtype` works on every version
+            warnings.simplefilter("ignore", FutureWarning)
+            pipe = by_name[kind].from_pretrained(path, **({} if dtype is None else {"torch_dtype": dtype}))
+        pipe = pipe.to(device)
     except (OSError, ValueError, KeyError, RuntimeError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise InputError(f"could not load the {family} pipeline in {path}: {first_line}") from None
@@ -51,11 +69,12 @@ def load_pipeline_folder(pipeline_cls: type | tuple[type, ...], model_path: str 
 
 def folder_loader(pipeline_cls: type | tuple[type, ...], default: Path, *, family: str, made_by: str,
                   converted_by: str) -> Callable[[str | None, str], Any]:
-    """A family record's `load(model_path, device)`: `load_pipeline_folder` with the family's classes and hints."""
+    """A family record's `load(model_path, device, dtype=None)`: `load_pipeline_folder` with the family's classes
+    and hints."""
 
-    def load(model_path: str | None, device: str):
+    def load(model_path: str | None, device: str, dtype: Any = None):
         return load_pipeline_folder(pipeline_cls, model_path, default, family=family, made_by=made_by,
-                                    converted_by=converted_by, device=device)
+                                    converted_by=converted_by, device=device, dtype=dtype)
 
     return load
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from mmspec.bench.files import atomic_write, atomic_write_text, prepare_output_dir, remove_stale_temporaries
-from mmspec.cli.family_io import class_slug, resolve_class
+from mmspec.cli.family_io import DTYPES, class_slug, resolve_class, torch_dtype
 from mmspec.cli.jobs import (
     MANIFEST,
     JobRow,
@@ -45,6 +45,7 @@ from mmspec.compile import COMPILE_MODES, compile_pipeline
 from mmspec.errors import InputError, check
 from mmspec.families import FamilyRecord, available_families, get_family
 from mmspec.stats import SpecStats
+from mmspec.threads import count_parameters, parse_threads, set_threads
 
 GRID_LIMIT = 256  # images; larger runs get no grid.png
 
@@ -91,6 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", default="auto",
+                        help="torch CPU threads: N, or auto (default: one per 20M parameters, at most the CPUs this "
+                             "process may use: affinity and cgroup quota, not the machine's core count)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="weights and activations: float32 (default, as saved), bfloat16 or float16")
     parser.add_argument("--compile", default=None, choices=COMPILE_MODES, metavar="MODE",
                         help="torch.compile the pipeline's step forwards where it has them: " + ", ".join(COMPILE_MODES)
                              + "; the first batch pays the compilation")
@@ -230,11 +236,15 @@ def _process_state(device: str):
 
 
 def run(args: argparse.Namespace) -> int:
-    from tqdm.auto import tqdm
 
     check(args.max_batch >= 1, f"--max-batch must be >= 1, got {args.max_batch}.")
+    check(args.num_images >= 1, f"--num-images must be >= 1, got {args.num_images}.")  # before any model loads
+    parse_threads(args.threads)
     if args.job is not None:
         check(args.classes is None, "pass either --job or --classes, not both.")
+        check(Path(args.job).is_file(), f"--job {args.job} is not a file; pass a .jsonl or .csv job file.")
+    if args.model is not None:
+        check(Path(args.model).exists(), f"--model {args.model} does not exist; pass a pipeline folder.")
     args.family = args.family or available_families("generate")[0]
     family = get_family(args.family)
     check(family.generate is not None, f"family {args.family!r} does not generate images; pick one of "
@@ -243,15 +253,43 @@ def run(args: argparse.Namespace) -> int:
     method_kwargs = method.check_given(parse_method_args(args.method_arg), args.family)
     state = _process_state(args.device)
     rank = 0 if state is None else state.process_index
+    created = not Path(args.out).exists()
     out = prepare_output_dir(args.out)  # fails before any work if the folder is not writable
     (out / "images").mkdir(exist_ok=True)
+    threads_before = torch.get_num_threads()  # --threads is set once the models are loaded; restored after
+    try:
+        return _generate(args, family, method_kwargs, state, rank, out)
+    except BaseException:  # a run that wrote nothing leaves nothing behind (images already made stay)
+        remove_if_empty(out / "images")
+        if created:
+            remove_if_empty(out)
+        raise
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+def remove_if_empty(folder: Path) -> None:
+    """Remove `folder` if it holds nothing (the write probe and temporaries never stay)."""
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
+
+
+def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dict, state, rank: int,
+              out: Path) -> int:
+    """The run after its arguments are checked and `out` exists: load, plan, make the images, write the summary."""
+    from tqdm.auto import tqdm
+
 
     if args.quiet:  # diffusers' "Loading pipeline components" bar
         from diffusers.utils import logging as diffusers_logging
 
         diffusers_logging.disable_progress_bar()
     device = args.device if state is None or args.device == "cpu" else str(state.device)
-    pipe = compile_pipeline(family.load(args.model, device), args.compile)
+    pipe = family.load(args.model, device, torch_dtype(args.dtype))
+    set_threads(parse_threads(args.threads), count_parameters(pipe))
+    pipe = compile_pipeline(pipe, args.compile)
     n_classes = family.num_classes(pipe)
     rows, bad = job_rows(args, n_classes) if args.job is not None else (class_rows(args, n_classes), [])
     options = {k: getattr(args, k) for k in ("guidance_scale", "temperature", "top_k", "top_p")

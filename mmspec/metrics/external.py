@@ -29,6 +29,17 @@ from torch.utils.data import Dataset
 from mmspec.errors import CheckpointError, InputError, check, check_positive_int
 from mmspec.metrics.quality import FIDResult, check_images
 
+
+def require_module(name: str, package: str):
+    """Import an optional dependency of these adapters, or say how to install it (the `metrics` extra)."""
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise InputError(f"this metric needs {package}: pip install 'mmspec[metrics]' (or pip install {package}).") \
+            from None
+
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 # a few keys of torch-fidelity's Inception-v3 state dict, checked before the (slow) model construction
 INCEPTION_KEY_SHAPES: dict[str, tuple[int, ...]] = {
@@ -152,7 +163,7 @@ def inception_fid(
             f"{path} does not match torch-fidelity's Inception-v3 architecture (key: found shape or None if "
             f"missing): {wrong}; pass the inception-v3-compat weights file."
         )
-    import torch_fidelity
+    torch_fidelity = require_module("torch_fidelity", "torch-fidelity")
 
     with tempfile.TemporaryDirectory(prefix="mmspec-inception-") as tmp:
         plain = Path(tmp) / "inception.pth"
@@ -197,7 +208,7 @@ class ClipScoreResult:
 
 
 def _check_clip_model(model_name: str) -> None:
-    import open_clip
+    open_clip = require_module("open_clip", "open-clip-torch")
 
     check(
         isinstance(model_name, str) and model_name != "",
@@ -252,7 +263,7 @@ def clip_score(
 ) -> ClipScoreResult:
     """Mean CLIPScore, max(100 * cos(image_i, text_i), 0), of N (image, text) pairs with local
     open_clip weights."""
-    import open_clip
+    open_clip = require_module("open_clip", "open-clip-torch")
 
     images = check_images("images", images)
     check(

@@ -49,11 +49,28 @@ def test_bad_requests_are_clear_errors(model_dir, tmp_path, capsys):
     assert run_generate(model_dir, tmp_path, "--method", "nope") == 2
     assert "unknown llamagen method 'nope'; available: vanilla" in capsys.readouterr().err
     assert run_generate(tmp_path / "missing", tmp_path / "o") == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert run_generate(tmp_path, tmp_path / "o") == 2  # a folder, but no pipeline in it
     assert "model_index.json" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # a run that wrote nothing leaves nothing behind
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert run_generate(model_dir, blocker / "sub") == 2
     assert "is not a writable directory" in capsys.readouterr().err
+
+
+def test_argument_errors_come_before_any_model_loads(model_dir, tmp_path, capsys, monkeypatch):
+    from mmspec.families import get_family
+
+    record = get_family("llamagen")
+    loads = []
+    monkeypatch.setattr(record, "load", lambda *a, **k: loads.append(a))
+    for args, message in ((("--num-images", "-1"), "--num-images must be >= 1"),
+                          (("--job", str(tmp_path / "none.jsonl")), "is not a file")):
+        assert main(["generate", "--family", "llamagen", "--model", str(model_dir), *args,
+                     "--out", str(tmp_path / "out")]) == 2
+        assert message in capsys.readouterr().err
+    assert loads == [] and not (tmp_path / "out").exists()
 
 
 def test_train_llamagen_smoke(tmp_path):
