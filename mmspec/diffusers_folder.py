@@ -1,4 +1,5 @@
-"""Pipeline folders that diffusers' own `DiffusionPipeline.from_pretrained` loads (`MMSpecPipelineMixin`).
+"""Pipeline folders that diffusers' own `DiffusionPipeline.from_pretrained` loads, and the diffusers call
+conventions every mmspec pipeline shares (`MMSpecPipelineMixin`).
 
 diffusers resolves a folder's pipeline class from `model_index.json`'s `_class_name`: a name is looked up in the
 diffusers package itself (where mmspec's classes are not), a `[module, class]` pair names a custom pipeline file in
@@ -16,6 +17,11 @@ diffusers (>= 0.30) runs a folder's own .py file only with `trust_remote_code=Tr
 the flag and the file to inspect. There is no way to load a class diffusers does not ship without that flag (or
 `custom_pipeline=`); the file holds nothing but the import. mmspec's own classes read the pair as their name and
 never run the file. Folders written before 2026-11-24 (a plain class name) still load with mmspec's classes.
+
+Call conventions (the mixin): `_callback_tensor_inputs` (["tokens"]) checked by `check_callback_inputs`, the
+attention helpers diffusers pipelines have either act (LlamaGen's xformers backend) or raise a one-line error
+saying what to use instead (`enable_attention_slicing`, `enable_xformers_memory_efficient_attention` where the
+models have no backend choice).
 """
 
 from __future__ import annotations
@@ -48,7 +54,39 @@ def write_diffusers_entry(folder: str | os.PathLike, pipeline_cls: type) -> None
 
 class MMSpecPipelineMixin:
     """For mmspec's `DiffusionPipeline` subclasses (listed first in the bases): `save_pretrained` writes the
-    diffusers entry (`write_diffusers_entry`), `load_config` reads the `[module, class]` pair as the class name."""
+    diffusers entry (`write_diffusers_entry`), `load_config` reads the `[module, class]` pair as the class name;
+    the shared call conventions (see the module docstring)."""
+
+    _callback_tensor_inputs = ["tokens"]
+
+    def check_callback_inputs(self, names: list[str] | None) -> None:
+        """`callback_on_step_end_tensor_inputs`: every name must be one this pipeline passes to callbacks."""
+        from mmspec.errors import check
+
+        for name in names or []:
+            check(name in self._callback_tensor_inputs,
+                  f"callback tensor input {name!r} not available; choose from {self._callback_tensor_inputs}.")
+
+    def enable_attention_slicing(self, slice_size: Any = "auto") -> None:
+        from mmspec.errors import InputError
+
+        raise InputError(f"{type(self).__name__} does not slice attention; lower the batch size (--max-batch, or "
+                         "fewer class labels per call) to save memory.")
+
+    def enable_xformers_memory_efficient_attention(self, attention_op: Any = None) -> None:
+        """Switch every component model with an `attention_backend` to mmspec's xformers backend (CUDA only)."""
+        from mmspec.attention.xformers_backend import xformers_available
+        from mmspec.errors import InputError
+
+        models = [m for m in self.components.values() if hasattr(m, "attention_backend")]
+        if not models:
+            raise InputError(f"{type(self).__name__}'s models use torch's scaled_dot_product_attention only; there "
+                             "is no xformers backend to enable (SDPA already picks a memory-efficient kernel).")
+        if not xformers_available(self.device):
+            raise InputError("xformers is not installed or cannot run here (it needs CUDA): pip install "
+                             "'mmspec[xformers]' on a GPU machine.")
+        for model in models:
+            model.attention_backend = "xformers"
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         super().save_pretrained(save_directory, *args, **kwargs)

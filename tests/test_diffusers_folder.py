@@ -48,3 +48,38 @@ def test_save_pretrained_writes_the_entry_and_old_folders_still_load(tmp_path):
     (old / f"{SHIM_MODULE}.py").unlink()
     (old / "model_index.json").write_text(json.dumps({**index, "_class_name": "LlamaGenPipeline"}))
     assert isinstance(LlamaGenPipeline.from_pretrained(old), LlamaGenPipeline)
+
+
+def test_diffusers_call_conventions_on_every_pipeline():
+    """callback_on_step_end_tensor_inputs on all five pipelines (checked names), MAR's num_inference_steps (diffusers'
+    name for its diffusion steps), and the attention helpers: act or raise a one-line error."""
+    from continuous.mar.cspd import CSpDPipeline
+    from image_ar.llamagen.pipeline import LlamaGenPipeline
+    from image_ar.var.code import CoDePipeline
+    from mmspec.errors import InputError
+
+    cspd = CSpDPipeline.from_pretrained(ASSETS_DIR / "mar")
+    code = CoDePipeline.from_pretrained(ASSETS_DIR / "var")
+    pipes = {"llamagen": LlamaGenPipeline.from_pretrained(ASSETS_DIR / "llamagen"), "code": code,
+             "var": code.as_var_pipeline("refiner"), "cspd": cspd, "mar": cspd.as_mar_pipeline("target")}
+    extra = {"cspd": {"num_inference_steps": 2, "gamma": 8}, "mar": {"num_inference_steps": 2, "num_iter": 4}}
+    for name, pipe in pipes.items():
+        pipe.set_progress_bar_config(disable=True)
+        seen: list = []
+
+        def record(p, step, t, kwargs, seen=seen):
+            seen.append(sorted(kwargs))
+
+        pipe(class_labels=[0], output_type="latent", callback_on_step_end_tensor_inputs=["tokens"],
+             callback_on_step_end=record, **extra.get(name, {}))
+        assert seen and seen[0] == ["tokens"], name
+        with pytest.raises(InputError, match="callback tensor input 'latents' not available"):
+            pipe(class_labels=[0], callback_on_step_end_tensor_inputs=["latents"])
+        with pytest.raises(InputError, match="does not slice attention"):
+            pipe.enable_attention_slicing()
+    with pytest.raises(InputError, match="disagree"):
+        pipes["mar"](class_labels=[0], num_inference_steps=3, num_sampling_steps=5)
+    with pytest.raises(InputError, match="scaled_dot_product_attention only"):
+        pipes["var"].enable_xformers_memory_efficient_attention()
+    with pytest.raises(InputError, match="xformers is not installed or cannot run here"):
+        pipes["llamagen"].enable_xformers_memory_efficient_attention()  # CPU: the backend cannot run

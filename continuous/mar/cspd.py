@@ -40,6 +40,7 @@ from continuous.mar.pipeline import (
     check_fits_vae,
     draw_randomness,
     finish_run,
+    inference_steps,
     prepare_run,
     sample_at,
     scatter_tokens,
@@ -168,14 +169,19 @@ class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                  num_sampling_steps: int = 100, guidance_scale: float | None = None, cfg_schedule: str | None = None,
                  temperature: float = 1.0, num_images_per_prompt: int = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
-                 return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None):
+                 return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
+                 callback_on_step_end_tensor_inputs: list[str] | None = None,
+                 num_inference_steps: int | None = None):
         """Generate images with CSpD. gamma: window size; prefill_ratio: share of tokens the target makes alone
         first; align: trajectory alignment; rule: the acceptance rule (default the paper's `CSpDRule()`;
         `CSpDRule.reference_code()` for the public code's variants). Other arguments as `MARPipeline` with
         num_iter = the token count (guidance_scale / cfg_schedule None: the target's defaults). out.stats:
         SpecStats (target / draft forwards, acceptance per window position, extra: residual_samples,
         residual_fallbacks). callback_on_step_end(pipe, target forwards so far, tokens verified in every row,
-        {"tokens": [N, L, C]}) after each pre-filling step and window."""
+        {"tokens": [N, L, C]}) after each pre-filling step and window (`callback_on_step_end_tensor_inputs`:
+        ["tokens"]). num_inference_steps: diffusers' name for num_sampling_steps (the diffusion head's steps)."""
+        self.check_callback_inputs(callback_on_step_end_tensor_inputs)
+        num_sampling_steps = inference_steps(num_sampling_steps, num_inference_steps)
         target, seq = self.target, self.target.seq_len
         check_positive_int("gamma", gamma)
         check(isinstance(prefill_ratio, (int, float)) and 0 <= prefill_ratio <= 1,

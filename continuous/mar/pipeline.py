@@ -165,6 +165,16 @@ def check_fits_vae(name: str, model: MARModel, vae: AutoencoderKL) -> None:
           f"the {name}'s vae_stride {model.config.vae_stride} differs from the VAE's downsampling {vae_stride(vae)}.")
 
 
+def inference_steps(num_sampling_steps: int, num_inference_steps: int | None) -> int:
+    """diffusers' `num_inference_steps` as MAR's `num_sampling_steps` (the name the MAR code uses); both given must
+    agree."""
+    if num_inference_steps is None:
+        return num_sampling_steps
+    check(num_sampling_steps in (100, num_inference_steps),
+          f"num_inference_steps={num_inference_steps} and num_sampling_steps={num_sampling_steps} disagree; pass one.")
+    return num_inference_steps
+
+
 class MARPipeline(MMSpecPipelineMixin, DiffusionPipeline):
     """A MAR model (`transformer`) and its KL VAE (see the module docstring)."""
 
@@ -180,11 +190,17 @@ class MARPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                  num_sampling_steps: int = 100, guidance_scale: float | None = None, cfg_schedule: str | None = None,
                  temperature: float = 1.0, num_images_per_prompt: int = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
-                 return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None):
+                 return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
+                 callback_on_step_end_tensor_inputs: list[str] | None = None,
+                 num_inference_steps: int | None = None):
         """Generate images. num_iter: MAR steps (default the token count: one token per step); guidance_scale:
         MAR's cfg (1.0 = no unconditional half) and cfg_schedule ("linear" or "constant"), None = the model's
         `default_guidance_scale` / `default_cfg_schedule`; temperature scales the diffusion noise; generator: one,
-        or one per image. callback_on_step_end(pipe, step, tokens generated, {"tokens": [N, L, C]}) after each step."""
+        or one per image. callback_on_step_end(pipe, step, tokens generated, {"tokens": [N, L, C]}) after each step
+        (`callback_on_step_end_tensor_inputs`: ["tokens"]). num_inference_steps: diffusers' name for
+        num_sampling_steps (the diffusion head's steps per token)."""
+        self.check_callback_inputs(callback_on_step_end_tensor_inputs)
+        num_sampling_steps = inference_steps(num_sampling_steps, num_inference_steps)
         model = self.transformer
         seq = model.seq_len
         num_iter = seq if num_iter is None else num_iter

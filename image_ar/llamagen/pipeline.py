@@ -63,7 +63,6 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
 
     model_cpu_offload_seq = "transformer->vqvae"
     _optional_components = ["draft_transformer", "eagle_drafter"]
-    _callback_tensor_inputs = ["tokens"]
 
     def __init__(self, transformer: LlamaGenGPT, vqvae: LlamaGenVQ, draft_transformer: LlamaGenGPT | None = None,
                  eagle_drafter: Any = None):
@@ -130,9 +129,7 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         the costs, then they are cached).
         """
         check(isinstance(guidance_scale, (int, float)), f"guidance_scale must be a number, got {guidance_scale!r}.")
-        for name in callback_on_step_end_tensor_inputs or []:
-            check(name in self._callback_tensor_inputs,
-                  f"callback tensor input {name!r} not available; choose from {self._callback_tensor_inputs}.")
+        self.check_callback_inputs(callback_on_step_end_tensor_inputs)
         params = SamplingParams(temperature, top_k, top_p)
         cond = self._conditions(class_labels, prompt_embeds, num_images_per_prompt, generator, output_type)
         batch = cond.shape[0]

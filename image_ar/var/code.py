@@ -81,8 +81,10 @@ class CoDePipeline(MMSpecPipelineMixin, DiffusionPipeline):
                  guidance_scale: float = 4.0, temperature: float | Sequence[float] = 1.0, top_k: int = 0,
                  top_p: float = 1.0, num_images_per_prompt: int = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
-                 return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None):
+                 return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
+                 callback_on_step_end_tensor_inputs: list[str] | None = None):
         """As `VARPipeline.__call__`, plus draft_steps N: the drafter makes scales 0..N-1, the refiner the rest."""
+        self.check_callback_inputs(callback_on_step_end_tensor_inputs)
         n_scales = len(self.drafter.patch_nums)
         n = default_draft_steps(n_scales) if draft_steps is None else draft_steps
         check(isinstance(n, int) and 0 <= n <= n_scales, f"draft_steps must be an integer in [0, {n_scales}], got "

@@ -172,11 +172,13 @@ class VARPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                  temperature: float | Sequence[float] = 1.0, top_k: int = 0, top_p: float = 1.0,
                  num_images_per_prompt: int = 1, generator: torch.Generator | list[torch.Generator] | None = None,
                  output_type: str = "pil", return_dict: bool = True,
-                 callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None):
+                 callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
+                 callback_on_step_end_tensor_inputs: list[str] | None = None):
         """Generate images. guidance_scale: the official cfg (0 = no unconditional half); temperature: one
         number or one per scale (0 = greedy); top_k 0 / top_p 1.0 disable the filters; generator: one, or one
         per image. callback_on_step_end(pipe, scale, num_tokens, {"tokens": [N, tokens so far]}) after each
-        scale."""
+        scale (`callback_on_step_end_tensor_inputs`: ["tokens"], the one tensor passed)."""
+        self.check_callback_inputs(callback_on_step_end_tensor_inputs)
         model = self.transformer
         run = prepare_run(model, class_labels, guidance_scale, temperature, top_k, top_p, num_images_per_prompt,
                           generator, output_type)
