@@ -31,6 +31,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from mmspec.errors import InputError, check
+
 SHIM_MODULE = "mmspec_pipeline"
 
 
@@ -61,22 +63,17 @@ class MMSpecPipelineMixin:
 
     def check_callback_inputs(self, names: list[str] | None) -> None:
         """`callback_on_step_end_tensor_inputs`: every name must be one this pipeline passes to callbacks."""
-        from mmspec.errors import check
-
         for name in names or []:
             check(name in self._callback_tensor_inputs,
                   f"callback tensor input {name!r} not available; choose from {self._callback_tensor_inputs}.")
 
     def enable_attention_slicing(self, slice_size: Any = "auto") -> None:
-        from mmspec.errors import InputError
-
         raise InputError(f"{type(self).__name__} does not slice attention; lower the batch size (--max-batch, or "
                          "fewer class labels per call) to save memory.")
 
     def enable_xformers_memory_efficient_attention(self, attention_op: Any = None) -> None:
         """Switch every component model with an `attention_backend` to mmspec's xformers backend (CUDA only)."""
         from mmspec.attention.xformers_backend import xformers_available
-        from mmspec.errors import InputError
 
         models = [m for m in self.components.values() if hasattr(m, "attention_backend")]
         if not models:

@@ -76,18 +76,29 @@ def feature_drafter_loss(pred: torch.Tensor, next_features: torch.Tensor, next_l
     features), head: the target's LM head on drafter features; mask [B, S] bool selects the positions that count
     (all when None). Returns (loss, feature SmoothL1, soft CE, top-1 agreement of the drafter's and the target's
     next token); the last three detached."""
-    keep = torch.ones(pred.shape[:2], dtype=torch.bool, device=pred.device) if mask is None else mask
-    weight = keep.float() / keep.float().sum().clamp_min(1.0)  # [B, S]
-    vloss = (torch.nn.functional.smooth_l1_loss(pred.float(), next_features.float(), reduction="none").mean(-1)
-             * weight).sum()
+    weight = position_weights(pred.shape[:2], mask, pred.device)  # [B, S]
+    vloss = feature_smoothl1(pred, next_features, mask)
     logp = torch.log_softmax(head(pred).float(), dim=-1)  # [B, S, V]
     target_logits = next_logits.float()
     target_probs = torch.softmax(target_logits, dim=-1)  # [B, S, V]
     ploss = (-(target_probs * logp).sum(-1) * weight).sum()
     if rank_weight:
-        ploss = ploss + rank_weight * topk_ranking_loss(logp, target_probs, 10, keep)
+        ploss = ploss + rank_weight * topk_ranking_loss(logp, target_probs, 10, mask)
     agree = ((logp.argmax(-1) == target_logits.argmax(-1)).float() * weight).sum()
     return vloss + p_weight * ploss, vloss.detach(), ploss.detach(), agree.detach()
+
+
+def position_weights(shape: torch.Size, mask: torch.Tensor | None, device: torch.device) -> torch.Tensor:
+    """[B, S] weights averaging over the positions mask [B, S] bool keeps (all when None): 1 / count where kept."""
+    keep = torch.ones(shape, dtype=torch.bool, device=device) if mask is None else mask
+    return keep.float() / keep.float().sum().clamp_min(1.0)
+
+
+def feature_smoothl1(pred: torch.Tensor, next_features: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """EAGLE's feature regression: SmoothL1(h_i, f_{i+1}) [B, S, H] averaged over channels and the positions mask
+    [B, S] keeps (all when None)."""
+    per_position = torch.nn.functional.smooth_l1_loss(pred.float(), next_features.float(), reduction="none")
+    return (per_position.mean(-1) * position_weights(pred.shape[:2], mask, pred.device)).sum()
 
 
 def topk_ranking_loss(draft_logits: torch.Tensor, target_probs: torch.Tensor, k: int = 10,

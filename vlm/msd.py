@@ -30,13 +30,7 @@ class VLMMSDDrafter(VLMEagleDrafter):
     """EagleVLM with MSD's decoupled inputs: image positions enter the layer as their raw visual embedding
     (`direct`, see `vlm.eagle`)."""
 
-    official_tree = MSD_TREE
-
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor | None = None,
-                valid: torch.Tensor | None = None, direct: torch.Tensor | None = None) -> torch.Tensor:
-        """Teacher-forced training forward over pairs (e_{1..S}, f_{0..S-1}) [R, S, H] at positions (default
-        1..S), causal over valid [R, S], direct [R, S] marking image positions. Returns h [R, S, H]."""
-        return super().forward(embeds, features, positions, valid, direct)
+    official_tree = MSD_TREE  # its training forward is EagleVLM's with direct = the image positions
 
 
 class VLMMSDTreeDrafter(VLMEagleTreeDrafter):

@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ from tqdm.auto import tqdm
 
 from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
 from mmspec.errors import check, check_positive_int
-from mmspec.feature_drafter import distribution_l1_loss, feature_drafter_loss
+from mmspec.feature_drafter import distribution_l1_loss, feature_drafter_loss, feature_smoothl1
 from mmspec.world_training import card_head, optimizer_step, write_info
 from vlm.family import DRAFTER_KINDS, drafter_model
 from vlm.msd import msd_visual_probability
@@ -194,10 +195,13 @@ def feature_noise(features: torch.Tensor, lengths: torch.Tensor, width: float, s
 
 
 def eagle_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
-               step_kind: str, **batch) -> tuple[torch.Tensor, ...]:
-    """EagleVLM: pairs (e_{i+1}, f_i + noise) over the full sequence predict f_{i+1}."""
+               step_kind: str, decoupled: bool = False, **batch) -> tuple[torch.Tensor, ...]:
+    """EagleVLM: pairs (e_{i+1}, f_i + noise) over the full sequence predict f_{i+1}. `decoupled` (MSD): image
+    positions enter as their raw visual embedding; a text-only batch (MSD's stage "text", no image in the
+    target's run) is then the plain EAGLE pairs."""
     features, embeds = lm.last_hidden, lm.prompt_embeds  # [B, T, H]
-    pred = drafter(embeds[:, 1:], features[:, :-1] + noise[:, :-1])  # [B, T-1, H]
+    direct = inputs.input_ids[:, 1:] == lm.image_token_id if decoupled else None  # [B, T-1] pair i + 1
+    pred = drafter(embeds[:, 1:], features[:, :-1] + noise[:, :-1], direct=direct)  # [B, T-1, H]
     next_logits = lm.model.lm_head(features[:, 1:]).float()  # [B, T-1, V]
     return feature_drafter_loss(pred, features[:, 1:], next_logits, drafter.head, p_weight, loss_mask)
 
@@ -227,22 +231,8 @@ def vispec_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: 
     pred2 = drafter(layout2["embeds"], layout2["features"], layout2["positions"], valid, layout2["direct"])
     loss1, l1, rank, agree = distribution_l1_loss(pred, next_logits, drafter.head, pair_mask)
     loss2 = distribution_l1_loss(pred2, next_logits, drafter.head, pair_mask)[0]
-    smooth = feature_drafter_loss(pred.detach(), targets, next_logits, drafter.head, p_weight, pair_mask)[1]
+    smooth = feature_smoothl1(pred.detach(), targets, pair_mask)
     return (loss1 + loss2) / 2, smooth, l1, agree
-
-
-def msd_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
-             step_kind: str, **batch) -> tuple[torch.Tensor, ...]:
-    """MSD: decoupled inputs (raw visual embeddings at image positions) over the full sequence; a text-only batch
-    (stage "text", no image in the target's run) is the plain EAGLE pairs."""
-    features, embeds = lm.last_hidden, lm.prompt_embeds  # [B, T, H]
-    ids = inputs.input_ids
-    positions = torch.arange(1, ids.shape[1]).expand(ids.shape[0], -1)  # [B, T-1] pair i + 1: (e_{i+1}, f_i)
-    valid = positions < inputs.lengths.unsqueeze(-1)
-    direct = ids[:, 1:] == lm.image_token_id
-    pred = drafter(embeds[:, 1:], features[:, :-1] + noise[:, :-1], positions, valid, direct)
-    next_logits = lm.model.lm_head(features[:, 1:]).float()
-    return feature_drafter_loss(pred, features[:, 1:], next_logits, drafter.head, p_weight, loss_mask & valid)
 
 
 def specvlm_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
@@ -263,7 +253,8 @@ def specvlm_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise:
     return feature_drafter_loss(pred, targets, next_logits, drafter.head, p_weight, mask)
 
 
-LOSSES = {"eagle": eagle_loss, "vispec": vispec_loss, "msd": msd_loss, "specvlm": specvlm_loss}
+LOSSES = {"eagle": eagle_loss, "vispec": vispec_loss, "msd": partial(eagle_loss, decoupled=True),
+          "specvlm": specvlm_loss}
 KIND_TEXT = {"eagle": "EagleVLM feature drafter (one Llama decoder layer over [input embedding ; target feature])",
              "msd": "MSD drafter (EAGLE fusion at text positions, raw visual embeddings at image positions; "
                     "two-stage text-then-multimodal schedule)",

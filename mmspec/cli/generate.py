@@ -134,8 +134,8 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 # ------------------------------------------------------------------------------------------------------ rows
 def class_rows(args: argparse.Namespace, n_classes: int) -> list[JobRow]:
-    """The rows of a command-line run: one per class, --num-images each, ids from the class names."""
-    check(args.num_images >= 1, f"--num-images must be >= 1, got {args.num_images}.")
+    """The rows of a command-line run: one per class, --num-images each (checked by `run`), ids from the class
+    names."""
     spec = "all" if args.classes is None else args.classes.strip()
     if spec == "all":
         classes = list(range(n_classes))
