@@ -13,9 +13,10 @@ a_j is estimated from the verdicts of earlier steps of this run (all rows pooled
 every position (a Beta prior of strength `prior_strength`), and positions never reached yet take the rate of the
 deepest one reached. Because a drafter's acceptance can depend on the size itself (a Jacobi window's tail converges
 better in a long window), E[tokens | k] blends that position model with the mean tokens actually emitted per row at
-size k (weight: rows seen at k against `prior_strength`). The first `warmup` steps draft the drafter's full size (the
-method's configured one), so the rates are first learnt where the method was tuned; after that the choice is the
-best estimate (no random exploration).
+size k (weight: rows seen at k against `prior_strength`). The first `warmup` steps draft the largest size that costs
+at most `explore_cost` plain steps (the method's configured size where drafting is cheap), so the rates are learnt
+without paying for a size this device cannot afford; after that the choice is the best estimate (no random
+exploration).
 
 Why it stays lossless: k is chosen from past verdicts and the measured costs only, before any token of this step is
 drafted; a drafted token is never dropped because of its own value, and the verifier's randomness is fresh. The
@@ -48,7 +49,8 @@ class AutoBudget:
     draft_seconds(B, k): the drafter's. `chosen` counts how often each size was picked."""
 
     def __init__(self, sizes: Iterable[int], verify_seconds: VerifySeconds, draft_seconds: DraftSeconds | None = None,
-                 prior_rate: float = 0.8, prior_strength: float = 4.0, warmup: int = 3) -> None:
+                 prior_rate: float = 0.8, prior_strength: float = 4.0, warmup: int = 3,
+                 explore_cost: float = 3.0) -> None:
         self.sizes = sorted({0, *(int(k) for k in sizes)})
         check(self.sizes[0] >= 0, f"draft sizes must be >= 0, got {self.sizes}.")
         check(0.0 < prior_rate < 1.0 and prior_strength > 0, "prior_rate must be in (0, 1), prior_strength > 0.")
@@ -60,7 +62,7 @@ class AutoBudget:
         self.rows_at: dict[int, float] = {}  # size k -> rows verified at size k
         self.emitted_at: dict[int, float] = {}  # size k -> tokens they emitted
         self.chosen: dict[int, int] = {}
-        self.warmup = warmup
+        self.warmup, self.explore_cost = warmup, explore_cost
         self._last = 0
 
     # ------------------------------------------------------------------------------------------ estimates
@@ -87,14 +89,21 @@ class AutoBudget:
 
     def throughput(self, batch: int, k: int, rates: torch.Tensor | None = None) -> float:
         """Expected tokens per second per row with k drafts at this batch size."""
-        seconds = self.draft_seconds(batch, k) + self.verify_seconds(batch, k + 1)
-        return self.expected_tokens(k, rates) / max(seconds, 1e-12)
+        return self.expected_tokens(k, rates) / max(self.seconds(batch, k), 1e-12)
 
     # ------------------------------------------------------------------------------------------- the loop
+    def seconds(self, batch: int, k: int) -> float:
+        return self.draft_seconds(batch, k) + self.verify_seconds(batch, k + 1)
+
+    def explore_size(self, batch: int) -> int:
+        """The warm-up steps' size: the largest costing at most `explore_cost` plain steps."""
+        limit = self.explore_cost * self.seconds(batch, 0)
+        return max(k for k in self.sizes if k == 0 or self.seconds(batch, k) <= limit)
+
     def choose(self, batch: int) -> int:
         """The draft size for the next step (0 = a plain step)."""
         if sum(self.chosen.values()) < self.warmup:
-            best = self.sizes[-1]
+            best = self.explore_size(batch)
         else:
             rates = self.rates()
             best = max(self.sizes, key=lambda k: (self.throughput(batch, k, rates), -k))
@@ -102,7 +111,7 @@ class AutoBudget:
         self._last = best
         return best
 
-    def observe(self, result: VerifyResult, active: torch.Tensor) -> None:
+    def observe(self, result: VerifyResult, active: torch.Tensor, draft=None) -> None:
         """Record a chain step's verdicts: position j (1-based) was reached by rows that drafted >= j and accepted
         j - 1, and accepted by those that accepted >= j."""
         rows = float(active.sum())
@@ -167,14 +176,27 @@ def step_table(target, rule, inputs, batch: int, widths: Sequence[int], device: 
 
 
 def make_budget(mode: str | None, target, drafter, rule, inputs, batch: int,
-                device: torch.device | str) -> AutoBudget | None:
-    """The draft budget of a call: "auto" -> an `AutoBudget` over the drafter's sizes from the measured cost of a
-    target step (`step_table`: verify and acceptance) and of the drafter's forwards at this batch size, measured
-    once and cached; "fixed" / None -> None (the drafter's own size every step). A drafter the budget cannot steer
-    (no `draft_sizes`) keeps its size."""
+                device: torch.device | str, keep: dict | None = None):
+    """The draft budget of a call: "auto" -> a `mmspec.tree_budget.TreeBudget` for a tree drafter (`full_shape`),
+    else an `AutoBudget` over the drafter's sizes from the measured cost of a target step (`step_table`: verify and
+    acceptance) and of the drafter's forwards at this batch size, measured once and cached; "fixed" / None -> None
+    (the drafter's own size every step). A drafter the budget cannot steer (no `draft_sizes`) keeps its size.
+    `keep`: a dict the caller holds (a pipeline's) in which a tree budget stays between calls of the same drafter,
+    shape, batch size, rule and sampling setting, so its acceptance estimates carry over (short answers end before a
+    per-call budget has learnt anything); the next call's tokens then depend on earlier calls (greedy ones do not)."""
     check(mode is None or mode in BUDGET_MODES, f"budget must be one of {BUDGET_MODES} or None, got {mode!r}.")
+    if mode in (None, "fixed"):
+        return None
+    if hasattr(drafter, "full_shape"):  # a tree drafter: its shapes are timed on the live models at the loop's start
+        from mmspec.tree_budget import TreeBudget
+
+        if keep is None:
+            return TreeBudget(drafter.full_shape)
+        key = (type(drafter).__name__, id(drafter.model), drafter.full_shape, batch, str(getattr(rule, "name", rule)),
+               str(target.params))
+        return keep.setdefault(key, TreeBudget(drafter.full_shape))
     sizes = getattr(drafter, "draft_sizes", None)
-    if mode in (None, "fixed") or sizes is None or max(sizes) == 0:
+    if sizes is None or max(sizes) == 0:
         return None
     widths = [w for w in PROFILE_WIDTHS if w <= max(sizes)] + [max(sizes) + 1]
     verify = step_table(target, rule, inputs, batch, widths, device)

@@ -14,6 +14,9 @@ Rows that are finished commit 0.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from mmspec.errors import check, check_positive_int
@@ -32,6 +35,24 @@ class StaticKVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B]
         self.capacity = capacity
+        self.key_limit: int | None = None  # attend over slots [0, key_limit) only (`keys_up_to`); None = all
+
+    @property
+    def num_keys(self) -> int:
+        """Key slots a step attends over: `key_limit` inside `keys_up_to`, else the capacity."""
+        return self.capacity if self.key_limit is None else self.key_limit
+
+    @contextmanager
+    def keys_up_to(self, limit: int) -> Iterator[None]:
+        """Within the block, `write` returns and `attention_mask` covers only slots [0, limit): a step whose new
+        entries all lie below `limit` attends over what it can see instead of the whole capacity (a host-side
+        bound, e.g. the step's largest slot + 1; on a CPU the saved work is the attention over empty slots)."""
+        check(0 < limit <= self.capacity, f"key limit {limit} outside (0, {self.capacity}].")
+        self.key_limit = limit
+        try:
+            yield
+        finally:
+            self.key_limit = None
 
     @property
     def batch_size(self) -> int:
@@ -58,11 +79,12 @@ class StaticKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k_new: torch.Tensor,
               v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k_new, v_new [B, H, S, D] at slots [B, S]; return the layer's full k, v [B, H, T, D]."""
+        """Write k_new, v_new [B, H, S, D] at slots [B, S]; return the layer's k, v [B, H, T, D] (T = num_keys)."""
         index = slots[:, None, :, None].expand_as(k_new)  # [B, H, S, D]
         self.k[layer].scatter_(2, index, k_new.to(self.k[layer].dtype))
         self.v[layer].scatter_(2, index, v_new.to(self.v[layer].dtype))
-        return self.k[layer], self.v[layer]
+        t = self.num_keys
+        return self.k[layer][:, :, :t], self.v[layer][:, :, :t]
 
     def attention_mask(self, slots: torch.Tensor, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
         """[B, S, T] bool for queries at `slots` [B, S] (the S new entries of this step).
@@ -70,7 +92,7 @@ class StaticKVCache:
         Without a tree mask the new entries are causal among themselves; with tree_mask [B, S, S] query i sees
         new entry j iff tree_mask[:, i, j]. Every query sees the committed prefix [0, lengths).
         """
-        keys = torch.arange(self.capacity, device=self.device)  # [T]
+        keys = torch.arange(self.num_keys, device=self.device)  # [T]
         prefix = keys < self.lengths[:, None, None]  # [B, 1, T]
         if tree_mask is None:
             return prefix | ((keys >= self.lengths[:, None, None]) & (keys <= slots.unsqueeze(-1)))

@@ -108,27 +108,41 @@ def profile_key(model: torch.nn.Module, device: torch.device | str, extra: str =
     torch's CPU threads and version (and `extra`, e.g. the prefix length or CFG)."""
     param = next(model.parameters(), None)
     dtype = str(param.dtype) if param is not None else "none"
-    config = json.dumps(dict(getattr(model, "config", {}) or {}), sort_keys=True, default=str)
+    config = getattr(model, "config", None) or {}
+    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # transformers' or diffusers' config
+    config = json.dumps(config, sort_keys=True, default=str)
     size = sum(p.numel() for p in model.parameters())
     text = "|".join([type(model).__name__, str(size), config, str(torch.device(device)), dtype,
                      str(torch.get_num_threads()), torch.__version__, extra])
     return f"{type(model).__name__.lower()}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
 
 
-def cached_profile(key: str, measure: Callable[[], ForwardTimes], refresh: bool = False) -> ForwardTimes:
-    """The table cached under `key`, or `measure()` it and cache it (atomically) when it is missing or `refresh`."""
+def cached_json(key: str, measure: Callable[[], dict], refresh: bool = False) -> dict:
+    """The JSON object cached under `key`, or `measure()` it and cache it (atomically) when it is missing, damaged
+    or `refresh`."""
     path = cache_dir() / "profiles" / f"{key}.json"
     if path.is_file() and not refresh:
         try:
-            return ForwardTimes(**json.loads(path.read_text()))
-        except (json.JSONDecodeError, TypeError):
+            value = json.loads(path.read_text())
+            if isinstance(value, dict):
+                return value
+        except json.JSONDecodeError:
             pass  # a damaged file is measured again
-    times = measure()
+    value = measure()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(times)))
+    tmp.write_text(json.dumps(value))
     tmp.replace(path)
-    return times
+    return value
+
+
+def cached_profile(key: str, measure: Callable[[], ForwardTimes], refresh: bool = False) -> ForwardTimes:
+    """The table cached under `key`, or `measure()` it and cache it (atomically) when it is missing or `refresh`."""
+    value = cached_json(key, lambda: asdict(measure()), refresh)
+    try:
+        return ForwardTimes(**value)
+    except TypeError:  # a file of another shape is measured again
+        return ForwardTimes(**cached_json(key, lambda: asdict(measure()), refresh=True))
 
 
 def lm_forward_runner(model, make_inputs: Callable[[int], object], guidance_scale: float | None = None,

@@ -42,6 +42,7 @@ from mmspec.lm import CandidatePool, GuidedRunner, PendingTokens
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams, process_logits
 from mmspec.tree import DraftTree, expand_eagle2
+from mmspec.tree_budget import ShapedTreeDrafter, TreeShape
 from mmspec.verify import VerifyResult
 
 
@@ -52,6 +53,14 @@ class PendingPairs(PendingTokens):
         super().__init__(last_token, width)
         self.features = features.new_zeros(features.shape[0], width, features.shape[-1])  # [R, W, dim]
         self.features[:, 0] = features
+
+    def append(self, tokens: torch.Tensor, rows: torch.Tensor, features: torch.Tensor | None = None,
+               feature_rows: torch.Tensor | None = None) -> None:
+        """`PendingTokens.append` plus features [R, dim] for feature_rows [R] bool."""
+        column = self.next_column()  # [B, W]
+        super().append(tokens, rows)
+        feature_column = column.repeat(self.features.shape[0] // column.shape[0], 1) & feature_rows.unsqueeze(-1)
+        self.features = torch.where(feature_column.unsqueeze(-1), features.unsqueeze(1), self.features)  # [R, W, dim]
 
     def set_pairs(self, tokens: torch.Tensor, count: torch.Tensor, rows: torch.Tensor, features: torch.Tensor,
                   feature_rows: torch.Tensor) -> None:
@@ -159,7 +168,7 @@ def check_tree_params(top_k: int, depth: int, total_tokens: int) -> int:
 CHILD_RANKINGS = ("raw", "processed")  # see the module docstring
 
 
-class FeatureTreeDrafter:
+class FeatureTreeDrafter(ShapedTreeDrafter):
     """The loop's drafter: EAGLE-2 dynamic trees from a feature drafter model over the target's features (see the
     module docstring). Families subclass it and implement `begin(inputs, state)`, which makes the drafter's cache
     (`self.runner.cache`) and the first pending pairs (`self.pending`)."""
@@ -173,9 +182,10 @@ class FeatureTreeDrafter:
         self.max_pool = check_tree_params(top_k, depth, total_tokens)
         self.model, self.target, self.params = model, target, params
         self.top_k, self.depth, self.total = top_k, depth, total_tokens
+        self.full_shape = TreeShape(top_k, depth, total_tokens)  # what a draft budget may shrink
         # drafter element at cache slot j sits at position j + offset: an int, or [B] per row (set by `begin`)
         self.position_offset = position_offset
-        self.width = depth + 1  # pending pairs: at most depth accepted drafts + the final token
+        self.width = self.pending_width()  # pending pairs: an accepted path + the final token, plain steps' pairs
         self.runner = GuidedRunner(model, guidance_scale)
         self.pending: PendingPairs | None = None
 
@@ -216,10 +226,12 @@ class FeatureTreeDrafter:
         """Run the pending pairs (not committed). Returns the root's CFG-combined logits [B, V], the drafter's
         output feature at the root's pair [R, dim] (h_n: the predicted f_{n+1}) and the root's slot [B]."""
         runner, pending = self.runner, self.pending
-        slots = runner.slots(self.width)  # [B, W]; columns past a row's count are scratch
-        positions = slots + self._offset(1)  # [B, W]
-        logits = runner.forward(pending.tokens, positions, slots, features=pending.features)  # [B, W, V]
-        last = pending.count - 1  # [B] the root's pair
+        columns = self.pending_columns
+        slots = runner.slots(columns)  # [B, C]; columns past a row's count are scratch
+        positions = slots + self._offset(1)  # [B, C]
+        logits = runner.forward(pending.tokens[:, :columns], positions, slots,
+                                features=pending.features[:, :columns])  # [B, C, V]
+        last = (pending.count - 1).clamp(0, columns - 1)  # [B] the root's pair (finished rows: any column)
         batch = torch.arange(slots.shape[0], device=slots.device)
         root_hidden = gather_nodes(self.model.last_hidden, runner.rows(last).unsqueeze(-1))[:, 0]  # [R, dim]
         return logits[batch, last], root_hidden, slots[batch, last]
@@ -254,3 +266,13 @@ class FeatureTreeDrafter:
         features = gather_nodes(verify, runner.rows(path))  # [R, <=W, dim] H[u_0], .., H[u_k]
         tokens = result.output_tokens[:, : self.width]  # [B, <=W] tok(u_1), .., tok(u_k), y
         self.pending.set_pairs(tokens, result.num_accepted + 1, active, features, runner.rows(active))
+        self.pending_columns = self.depth + 1  # the drafted depth bounds every row's accepted path
+
+    def skip(self, state: DecodeState, result: VerifyResult, active: torch.Tensor,
+             target_probs: torch.Tensor) -> None:
+        """A plain step (no drafts): the target's token y pends with the feature that predicted it (the verify
+        forward's only position)."""
+        runner = self.runner
+        feature = self.target_features(runner.cache.batch_size, 1, "plain step")[:, 0]  # [R, dim] H[root]
+        self.room_for_plain_token(active)
+        self.pending.append(result.final_tokens, active, feature, runner.rows(active))

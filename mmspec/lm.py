@@ -24,6 +24,7 @@ from mmspec.errors import check, check_positive_int
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams, cfg_combine, probs_from_params, sample, split_cfg_batch
 from mmspec.tree import DraftTree, expand_eagle2
+from mmspec.tree_budget import ShapedTreeDrafter, TreeShape, pool_size
 from mmspec.verify import ChainDraft, Draft, VerifyResult
 
 
@@ -119,12 +120,18 @@ class GuidedRunner:
         if max_positions is not None:  # padding entries past the end (their outputs are never used)
             positions = positions.clamp_max(max_positions - 1)
         full_slots = self.rows(slots)
-        if mask is None:
-            mask = self.cache.attention_mask(full_slots, None if tree_mask is None else self.rows(tree_mask))
-        else:
-            mask = self.rows(mask)
-        logits = self.model.forward_cached(self.rows(tokens), self.rows(positions), self.cache, full_slots, mask,
-                                           **model_inputs)
+        cache = self.cache
+        # on a CPU, attend over the slots up to this step's last one, not the whole capacity (one cheap host read;
+        # on an accelerator the read would be a sync per forward, and a compiled forward wants static shapes)
+        eager_cpu = cache.device.type == "cpu" and not hasattr(self.model, "eager_forward_cached")
+        limit = int(full_slots.max()) + 1 if eager_cpu else cache.capacity
+        with cache.keys_up_to(limit):
+            if mask is None:
+                mask = cache.attention_mask(full_slots, None if tree_mask is None else self.rows(tree_mask))
+            else:
+                mask = self.rows(mask)[..., :limit]
+            logits = self.model.forward_cached(self.rows(tokens), self.rows(positions), cache, full_slots, mask,
+                                               **model_inputs)
         self.forwards += 1
         return self.combine(logits)
 
@@ -229,13 +236,24 @@ class PendingTokens:
         self.tokens = torch.where(rows.unsqueeze(-1), padded, self.tokens)
         self.count = torch.where(rows, count, self.count)
 
+    def next_column(self) -> torch.Tensor:
+        """[B, W] bool: each row's first free column."""
+        return torch.arange(self.tokens.shape[1], device=self.count.device) == self.count.unsqueeze(-1)
 
-def feed_pending(runner: GuidedRunner, pending: PendingTokens) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run each row's pending tokens after its committed prefix (not committed). Returns (logits after the last
-    pending token [B, V], the slot of that token [B])."""
-    slots = runner.slots(pending.tokens.shape[1])  # [B, W]; entries past a row's count are scratch
-    logits = runner.forward(pending.tokens, slots, slots)
-    last = (pending.count - 1).clamp_min(0)
+    def append(self, tokens: torch.Tensor, rows: torch.Tensor) -> None:
+        """For rows [B] bool, add tokens [B] after the pending ones (a row must have room: count < W)."""
+        self.tokens = torch.where(self.next_column() & rows.unsqueeze(-1), tokens.unsqueeze(-1), self.tokens)
+        self.count = self.count + rows.long()
+
+
+def feed_pending(runner: GuidedRunner, pending: PendingTokens,
+                 columns: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run each row's pending tokens (the first `columns`, default all) after its committed prefix (not committed).
+    Returns (logits after the last pending token [B, V], the slot of that token [B])."""
+    columns = columns or pending.tokens.shape[1]
+    slots = runner.slots(columns)  # [B, C]; entries past a row's count are scratch
+    logits = runner.forward(pending.tokens[:, :columns], slots, slots)
+    last = (pending.count - 1).clamp(0, columns - 1)  # finished rows may hold more than the bound: any column
     rows = torch.arange(slots.shape[0], device=slots.device)
     return logits[rows, last], slots[rows, last]
 
@@ -345,29 +363,36 @@ class CandidatePool:
         return prefix.unsqueeze(1) | (in_pool.unsqueeze(1) & pool_cols)  # [B, F, T]
 
 
-class TreeModelDrafter:
+class TreeModelDrafter(ShapedTreeDrafter):
     """EAGLE-2 dynamic draft trees scored by a CachedLM (deterministic top-k children).
 
-    Each level runs the model once on the frontier, with tree attention over the candidate pool.
+    Each level runs the model once on the frontier, with tree attention over the candidate pool. A draft budget
+    (`mmspec.tree_budget.TreeBudget`) may draft smaller shapes or plain steps.
     """
 
     def __init__(self, model: CachedLM, top_k: int = 4, depth: int = 4, total_tokens: int = 16, *,
                  guidance_scale: float | torch.Tensor | None = None, prefill_fn: PrefillFn = prefill_prompt):
         self.runner = GuidedRunner(model, guidance_scale, prefill_fn)
         self.top_k, self.depth, self.total = top_k, depth, total_tokens
-        self.max_pool = 1 + top_k + (depth - 1) * top_k * top_k
+        self.full_shape = TreeShape(top_k, depth, total_tokens)
+        self.max_pool = pool_size(top_k, depth)
+        self.width = self.pending_width()  # pending tokens: an accepted path + the final token, plain steps'
 
     @property
     def forwards(self) -> int:
         return self.runner.forwards
 
     def begin(self, inputs: Any, state: DecodeState) -> None:
-        self.runner.prefill(inputs, state.max_new_tokens + self.depth + 2 + self.max_pool)
-        self.pending = PendingTokens(state.last_token, self.depth + 1)
+        self.runner.prefill(inputs, state.max_new_tokens + self.width + 1 + self.max_pool)
+        self.pending = PendingTokens(state.last_token, self.width)
+        self.pending_columns = 1
+
+    def run_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return feed_pending(self.runner, self.pending, self.pending_columns)
 
     def propose(self, state: DecodeState) -> DraftTree:
         runner = self.runner
-        root_logits, root_slot = feed_pending(runner, self.pending)  # [B, V], [B]
+        root_logits, root_slot = self.run_pending()  # [B, V], [B]
         pool = CandidatePool(root_slot, self.max_pool, runner.cache.capacity)
 
         def score(tokens, ids, parent_ids, depth):
@@ -385,5 +410,12 @@ class TreeModelDrafter:
         # keep only the pending tokens (they end with the root); the accepted path and the final token are run
         # again next time, as EAGLE re-runs its drafter on accepted tokens
         self.runner.commit_chain(self.pending.count * active)
-        emitted = result.output_tokens[:, : self.depth + 1]  # accepted drafts then the final token
+        emitted = result.output_tokens[:, : self.width]  # accepted drafts then the final token
         self.pending.set(emitted, result.num_accepted + 1, active)
+        self.pending_columns = self.depth + 1  # the drafted depth bounds every row's accepted path
+
+    def skip(self, state: DecodeState, result: VerifyResult, active: torch.Tensor,
+             target_probs: torch.Tensor) -> None:
+        """A plain step (no drafts): the target's token pends."""
+        self.room_for_plain_token(active)
+        self.pending.append(result.final_tokens, active)

@@ -145,7 +145,8 @@ def cap_draft(draft: Draft, room: torch.Tensor) -> Draft:
     keep = draft.valid & (draft.depths <= room.unsqueeze(-1))
     return DraftTree(tokens=torch.where(keep, draft.tokens, -1), parents=torch.where(keep, draft.parents, -1),
                      depths=torch.where(keep, draft.depths, 0), valid=keep, max_depth=draft.max_depth,
-                     max_children=draft.max_children, child_probs=draft.child_probs, sampled=draft.sampled)
+                     max_children=draft.max_children, child_probs=draft.child_probs, sampled=draft.sampled,
+                     scores=draft.scores)
 
 
 def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, inputs: Any, *, batch_size: int,
@@ -155,9 +156,9 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     """Generate up to `max_new_tokens` per row with speculative decoding (vanilla with `NoDrafter`).
 
     validate: "first" checks the rule's inputs on the first iteration only (cheap), "always" on every one,
-    "never" skips the checks. budget: a draft budget (`mmspec.budget.AutoBudget`) that picks each step's draft size
-    (`drafter.set_draft_size(k)`; 0 = a plain step, after which `drafter.skip(...)` replaces `observe`); None =
-    the drafter's own size every step.
+    "never" skips the checks. budget: a draft budget (`mmspec.budget.AutoBudget` for chains and windows,
+    `mmspec.tree_budget.TreeBudget` for trees) that picks each step's draft size (`drafter.set_draft_size(k)`; 0 = a
+    plain step, after which `drafter.skip(...)` replaces `observe`); None = the drafter's own size every step.
     """
     check(validate in ("first", "always", "never"), f"validate must be first/always/never, got {validate!r}.")
     rule = get_rule(rule)
@@ -176,6 +177,8 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     active = ~state.done
     state.append(first, active)
     drafter.begin(inputs, state)
+    if budget is not None and hasattr(budget, "begin"):  # a budget that times its choices on the live models
+        budget.begin(target, drafter, state, rule)
 
     while True:
         active = ~state.done
@@ -204,7 +207,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
             else:
                 drafter.observe(state, draft, result, active, target_probs)
         if budget is not None:
-            budget.observe(result, active)
+            budget.observe(result, active, draft)
             stats.add_extra(f"budget_{size}", 1)  # steps at each draft size (the bench's histogram)
         stats.record(result, active)
         state.append(result, active)

@@ -38,6 +38,7 @@ class DraftTree:
     max_children: int  # static bound on children per node
     child_probs: torch.Tensor | None = None  # [B, N, V] q at each node over its children, or None
     sampled: bool = False  # children sampled without replacement from child_probs (else deterministic top-k)
+    scores: torch.Tensor | None = None  # [B, N] the drafter's cumulative log-prob of each node (root 0), or None
 
     @property
     def batch_size(self) -> int:
@@ -200,7 +201,7 @@ def expand_eagle2(root_tokens: torch.Tensor, score_children: ScoreChildren, *, t
     parents = torch.where(parents >= 0, new_index.gather(1, parents.clamp_min(0)), parents)
     return DraftTree(tokens=tokens_pool.gather(1, kept), parents=parents, depths=depth_pool.gather(1, kept),
                      valid=torch.ones(b, total_tokens, dtype=torch.bool, device=device), max_depth=depth,
-                     max_children=top_k)
+                     max_children=top_k, scores=score_pool.gather(1, kept))
 
 
 def _stable_descending(scores: torch.Tensor) -> torch.Tensor:

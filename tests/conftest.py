@@ -3,13 +3,17 @@
 - Triton kernels run on CPU under its interpreter, which must be switched on before `triton` is first imported
   (triton 3.9 fixes interpreted vs compiled builtins at import time, and torch.compile may import triton early).
   On a machine with CUDA the real kernels are used instead.
+- Measured costs (`mmspec.cost`, draft budgets) are cached in a fresh temporary folder, not the user's cache.
 - One torch thread: the tests run tiny models, where thread start-up costs more than it saves, and on a shared
   2-core machine two OpenMP threads per process can stall each other by 10x.
 """
 
 import os
+import tempfile
 
 import torch
+
+os.environ.setdefault("MMSPEC_CACHE", tempfile.mkdtemp(prefix="mmspec-test-cache-"))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -8,12 +8,14 @@ from test_jacobi import exact_sequence_distribution
 
 from mmspec.budget import AutoBudget
 from mmspec.jacobi import JacobiDrafter
-from mmspec.lm import DraftModelDrafter, LMTarget, NoDrafter
-from mmspec.loop import generate
+from mmspec.lm import DraftModelDrafter, LMTarget, NoDrafter, TreeModelDrafter
+from mmspec.loop import DecodeState, generate
 from mmspec.sampling import SamplingParams
+from mmspec.testing.budgets import CyclingBudget
 from mmspec.testing.distributions import empirical_distribution, tv_distance, tv_tolerance
 from mmspec.testing.toy import toy_model
-from mmspec.verify import VerifyResult
+from mmspec.tree_budget import PLAIN, TreeBudget, TreeShape, counterfactual_accepts, tree_menu
+from mmspec.verify import VerifyResult, accept
 
 
 def result(accepted, drafted):
@@ -53,21 +55,10 @@ def test_the_choice_follows_cost_and_acceptance():
     assert batch.chosen[0] == 1
     warm = AutoBudget(range(9), verify_seconds=lambda b, n: float(n), warmup=2)
     warm.observe(result([0] * 4, [8] * 4), torch.ones(4, dtype=torch.bool))
-    assert [warm.choose(1) for _ in range(3)] == [8, 8, 0]  # the configured size first, then the estimate
-
-
-class CyclingBudget:
-    """A budget that walks through fixed sizes, plain steps included (exercises every path of the loop)."""
-
-    def __init__(self, sizes):
-        self.sizes, self.step = sizes, 0
-
-    def choose(self, batch):
-        self.step += 1
-        return self.sizes[(self.step - 1) % len(self.sizes)]
-
-    def observe(self, result, active):
-        pass
+    # warm-up at the largest size costing <= 3 plain steps (a 3-token verify), then the estimate
+    assert [warm.choose(1) for _ in range(3)] == [2, 2, 0]
+    flat = AutoBudget(range(9), verify_seconds=lambda b, n: 1.0, warmup=1)
+    assert flat.choose(1) == 8  # drafting costs nothing here: the warm-up drafts the configured size
 
 
 def sampled_tv(make_drafter, budget, rows=40_000):
@@ -115,3 +106,98 @@ def test_greedy_decoding_with_a_budget_equals_greedy_vanilla(drafter):
     vanilla = run(NoDrafter(), None)
     for budget in (CyclingBudget([3, 0, 1, 2]), AutoBudget(range(4), verify_seconds=lambda b, k: 1.0)):
         assert torch.equal(run(DRAFTERS[drafter](model, v, greedy, None), budget), vanilla)
+
+
+# ------------------------------------------------------------------------------------------------ tree budgets
+def tree_drafter(model, v, params, gen):
+    return TreeModelDrafter(toy_model(seed=4, vocab_size=v, dim=16), top_k=2, depth=3, total_tokens=6)
+
+
+TREE_CYCLE = [TreeShape(2, 3, 6), 0, TreeShape(1, 2, 3), 0, 0, 0, 0, 0, TreeShape(2, 2, 4), TreeShape(1, 1, 2)]
+
+
+@pytest.mark.parametrize("budget", ["cycling", "auto"])
+def test_sampling_with_changing_tree_shapes_has_the_exact_sequence_distribution(budget, tmp_path, monkeypatch):
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    full = TreeShape(2, 3, 6)
+    costs = {s: 1.0 + 0.1 * s.total for s in tree_menu(full)}  # cheap enough that the policy drafts
+    policy = CyclingBudget([0, TreeShape(1, 2, 3), 0, full]) if budget == "cycling" else TreeBudget(
+        full, warmup=1, refresh_every=3, costs=costs)
+    tv, tol, out = sampled_tv(tree_drafter, policy)
+    assert tv < tol
+    assert out.stats.num_accepted_tokens > 0
+    if budget == "cycling":
+        assert {"budget_0", "budget_chain2"} <= set(out.stats.extra)
+
+
+def test_greedy_tree_decoding_with_changing_shapes_equals_greedy_vanilla(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    v, n = 16, 24
+    model = toy_model(seed=0, vocab_size=v)
+    prompt = torch.randint(0, v, (3, 5), generator=torch.Generator().manual_seed(1))
+    greedy = SamplingParams(temperature=0)
+
+    def run(d, budget):
+        return generate(LMTarget(model, greedy, n, max_draft_nodes=8), d, "lossless", prompt, batch_size=3,
+                        max_new_tokens=n, budget=budget).tokens
+
+    vanilla = run(NoDrafter(), None)
+    for budget in (CyclingBudget(TREE_CYCLE), TreeBudget(TreeShape(2, 3, 6), warmup=1)):
+        assert torch.equal(run(TreeModelDrafter(model, top_k=2, depth=3, total_tokens=6), budget), vanilla)
+
+
+def test_counterfactual_accepts_are_what_the_smaller_tree_accepts():
+    """Greedy: for every shape inside the drafted one, the counted acceptance equals what verifying the smaller
+    shape's own tree accepts (the drafter is a deterministic model, the target another)."""
+    v, n = 12, 6
+    target_model, draft_model = toy_model(seed=0, vocab_size=v), toy_model(seed=1, vocab_size=v)
+    prompt = torch.randint(0, v, (6, 4), generator=torch.Generator().manual_seed(2))
+    greedy = SamplingParams(temperature=0)
+    full = TreeShape(3, 4, 20)
+    shapes = tree_menu(full)
+    for step in range(3):  # a few different roots: the first step of growing prompts
+        p = torch.cat([prompt, torch.randint(0, v, (6, step), generator=torch.Generator().manual_seed(step))], 1)
+        results = {}
+        for shape in shapes[1:]:
+            target = LMTarget(target_model, greedy, n, max_draft_nodes=20)
+            drafter = TreeModelDrafter(draft_model, top_k=3, depth=4, total_tokens=20)
+            state = DecodeState.new(6, n, "cpu")
+            first = target.prefill(p)
+            state.last_token = first[:, 0].argmax(-1)
+            drafter.begin(p, state)
+            drafter.set_draft_size(shape)
+            tree = drafter.propose(state)
+            results[shape] = (tree, accept("lossless", tree, target.verify(state, tree), None))
+        tree, res = results[full]
+        counts = counterfactual_accepts(tree, res.accepted_nodes, shapes)
+        for s, shape in enumerate(shapes[1:], 1):
+            assert torch.equal(counts[:, s], results[shape][1].num_accepted), shape
+        assert counts[:, 0].eq(0).all()
+
+
+def test_the_tree_budget_picks_the_fastest_expected_shape():
+    full = TreeShape(4, 3, 12)
+    shapes = tree_menu(full)
+    assert shapes[0] == PLAIN and TreeShape(1, 3, 4) in shapes and full in shapes
+    flat = {s: 1.0 for s in shapes}  # every shape costs a plain step: the most accepting one wins
+    budget = TreeBudget(full, costs=flat, warmup=0, refresh_every=0, timing=False)
+    budget.accepted[:] = torch.tensor([0.0] + [s.total + 0.1 * s.depth for s in shapes[1:]])
+    budget.rows[:] = 1.0
+    assert budget.choose(1) == full
+    steep = TreeBudget(full, costs={s: float(s.total) for s in shapes}, warmup=0, refresh_every=0, timing=False)
+    assert steep.choose(1) == 0  # nothing seen accepted and wider costs more: plain steps
+    warm = TreeBudget(full, costs=flat, warmup=1, refresh_every=3, timing=False)
+    chosen = [str(warm.choose(1)) for _ in range(10)]  # warm-up, then refreshes at steps 3, 6, 12, ..
+    assert [i for i, c in enumerate(chosen) if c == str(full)] == [0, 3, 6] and set(chosen) == {str(full), "0"}
+    # where wide verifies cost, the warm-up drafts the shape containing the most others within 3 plain steps
+    priced = TreeBudget(full, costs={s: 1.0 + 0.25 * (s.total - 1) for s in shapes}, warmup=1, timing=False)
+    explore = priced.choose(1)
+    assert explore == TreeShape(4, 3, 8) and priced.costs[explore] <= 3.0  # chains 1-3, trees of depth <= 3
+    timed = TreeBudget(full, costs=flat, warmup=0, refresh_every=0)
+    timed.accepted[:] = budget.accepted
+    timed.rows[:] = 1.0
+    timed.seen[full], timed.seen[PLAIN] = 100.0, 1.0  # as they ran: the full shape 100x its table time
+    seconds = timed.step_seconds()
+    assert seconds[timed.shapes.index(full)] == 100.0 and seconds[0] == 1.0
+    assert seconds[1] == pytest.approx(50.5)  # shapes not run: their table time x the mean ratio of those that ran
+    assert timed.choose(1) == 0

@@ -129,7 +129,7 @@ def test_a_method_declared_once_shows_up_in_generate_the_bench_and_the_demo(caps
         text = capsys.readouterr().out
         assert "vanilla-again (lossless): Vanilla decoding under another name" in text and "note='hello'" in text
         family = bench_family("llamagen")
-        assert family.methods["vanilla-again"].params == {"note": "hello"}
+        assert family.methods["vanilla-again"].params == {"note": "hello", "budget": None}  # + the bench's budget
         labels = [c.label for c in parse_method_list("vanilla-again:note=x", family)]
         assert labels == ["vanilla", "vanilla-again:note=x"]
         assert "vanilla-again" in speculative_methods("llamagen")

@@ -1,7 +1,7 @@
 """The `vlm` bench family: long answers about held-out world scenes from a LLaVA target, alone (`vanilla`) or with
 a drafter from MODEL/drafters/<kind> (`eagle`: EagleVLM, `vispec`: ViSpec, `msd`: MSD, `specvlm`: SpecVLM;
-params depth, top_k, total_tokens, child_ranking; the tree defaults to each drafter's paper setting, depth in
-drafted levels: EAGLE's code's depth + 1, see `vlm.eagle`).
+params depth, top_k, total_tokens, child_ranking, budget (`auto`, the default, or `fixed`: `mmspec.tree_budget`);
+the tree defaults to each drafter's paper setting, depth in drafted levels: EAGLE's code's depth + 1, see `vlm.eagle`).
 
     mmspec bench --family vlm --methods vanilla,eagle,vispec,eagle:depth=6:top_k=8:total_tokens=40
 
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of
+from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of, pop_budget
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import InputError
 from vlm.family import FAMILY, TREE
@@ -69,20 +69,22 @@ def _runner(record):
     def run(models: dict, batch: Sequence[Sample], settings: BenchSettings, given: Mapping[str, Any]) -> MethodOutput:
         from vlm.pipeline import SpeculativeVLM
 
+        given, budget = pop_budget(given, "auto")
         params = {**TREE, **record.check_given(given, "vlm")}  # vanilla too: its target's cache room
         vlm = models["target"]
         if kind is not None:
             if kind not in models["drafters"]:
                 raise InputError(f"method {kind!r} needs a drafter in {models['folder']}/drafters/{kind}; train one "
                                  f"with `mmspec train vlm-drafter --kind {kind} --target {models['folder']}`.")
-            vlm = SpeculativeVLM(vlm.model, vlm.processor, models["drafters"][kind])
+            pipes = models.setdefault("pipes", {})  # one per drafter, so budget="auto" learns across batches
+            vlm = pipes.setdefault(kind, SpeculativeVLM(vlm.model, vlm.processor, models["drafters"][kind]))
         use_drafter = kind is not None
         tree = (params.get("depth"), params.get("top_k"), params.get("total_tokens"))
         examples = [s.data for s in batch]
         out = vlm.generate([ex.image for ex in examples], [ex.prompt for ex in examples], settings.max_new_tokens,
                            settings.temperature, _options(settings)["top_p"], tree=tree, batch_size=len(batch),
                            generator=torch.Generator().manual_seed(settings.seed), use_drafter=use_drafter,
-                           child_ranking=params.get("child_ranking", "raw"))
+                           child_ranking=params.get("child_ranking", "raw"), budget=budget)
         attended = vlm.drafter_image_tokens() if use_drafter else None
         outputs = [{"tokens": ids, "text": text, "short": ex.qa.short, "drafter_image_tokens": attended}
                    for ids, text, ex in zip(out.token_ids, out.texts, examples)]
@@ -126,6 +128,7 @@ def calibration(models: dict, samples: Sequence[Sample], outputs: list, settings
 def vlm_family() -> Family:
 
     return Family(name="vlm", model_id=lambda s: _options(s)["model"], build=build, inputs=inputs,
-                  methods=methods_of(FAMILY, _runner), quality=quality, primary_quality="answer_contains_short",
+                  methods=methods_of(FAMILY, _runner, budget=True), quality=quality,
+                  primary_quality="answer_contains_short",
                   to_turn=lambda o: {"text": o["text"], "token_ids": o["tokens"]}, model_quality=calibration,
                   description=FAMILY.description)

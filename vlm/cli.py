@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EAGLE-2 tree: depth,top_k,total_tokens, depth in drafted levels (EAGLE's code's "
                              "depth + 1); default: the drafter's paper setting (vispec 4,8,30; msd 6,10,59; eagle "
                              "and specvlm 8,10,60)")
+    parser.add_argument("--budget", default="auto", choices=["fixed", "auto"],
+                        help="auto (default): pick each step's shape inside --tree (chains, smaller trees, plain "
+                             "steps) from this device's timed costs and the acceptance seen so far "
+                             "(docs/budgets.md); fixed: draft the --tree every step")
     parser.add_argument("--batch-size", type=int, default=8, help="rows generated together (job files)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
@@ -132,7 +136,8 @@ def answer(args: argparse.Namespace) -> int:
         stream = (lambda row, text, ids: print(text, end="", flush=True)) if args.stream else None
         start = time.perf_counter()
         out = vlm.generate([image], [args.prompt], args.max_new_tokens, args.temperature, args.top_p,
-                           tree=tree, generator=torch.Generator().manual_seed(args.seed), stream=stream)
+                           tree=tree, generator=torch.Generator().manual_seed(args.seed), stream=stream,
+                           budget=args.budget)
         seconds = time.perf_counter() - start
         print("" if args.stream else out.texts[0])
         print(json.dumps(figures(out.stats, seconds, len(out.token_ids[0]))), file=sys.stderr)
@@ -176,7 +181,7 @@ def run_job(args: argparse.Namespace, tree: tuple[int, int, int]) -> int:
             images = [load_image(row.inputs["image"]) for row in chunk]
             result = vlm.generate(images, [row.inputs["prompt"] for row in chunk], args.max_new_tokens,
                                   args.temperature, args.top_p, tree=tree, batch_size=args.batch_size,
-                                  generator=torch.Generator().manual_seed(chunk[0].seed))
+                                  generator=torch.Generator().manual_seed(chunk[0].seed), budget=args.budget)
             stats = stats + result.stats
             for row, text, ids in zip(chunk, result.texts, result.token_ids):
                 writer.append({"id": row.id, "image": row.inputs["image"], "prompt": row.inputs["prompt"],

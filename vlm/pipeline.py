@@ -19,6 +19,7 @@ Folder layout: the target (a `LlavaForConditionalGeneration` folder with its pro
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,13 +27,14 @@ from pathlib import Path
 
 import torch
 
+from mmspec.budget import BUDGET_MODES, make_budget
 from mmspec.errors import InputError, check, check_positive_int
 from mmspec.lm import LMTarget, NoDrafter
 from mmspec.loop import generate
 from mmspec.sampling import SamplingParams
 from mmspec.stats import SpecStats
 from vlm.family import drafter_model
-from vlm.target import LlavaCachedLM, VLMInputs, prefill_vlm
+from vlm.target import LlavaCachedLM, VLMInputs, check_supported_config, prefill_vlm
 from vlm.world import build_prompt, num_image_tokens
 
 
@@ -74,6 +76,7 @@ class SpeculativeVLM:
         self.processor = processor
         self.lm = LlavaCachedLM(self.model, attention_backend)
         self.drafter = None if drafter is None else drafter.eval().attach(self.lm)
+        self.budgets: dict = {}  # budget="auto": what each draft budget learnt, kept between calls
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, drafter: str | None = None, *, drafter_path: str | Path | None = None,
@@ -88,6 +91,11 @@ class SpeculativeVLM:
         check((folder / "config.json").is_file() and (folder / "processor_config.json").is_file(),
               f"no VLM target in {folder}: expected a LlavaForConditionalGeneration folder with its processor "
               f"(made by `mmspec train vlm --out {folder}` or transformers' save_pretrained).")
+        try:
+            config = json.loads((folder / "config.json").read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise InputError(f"could not read {folder / 'config.json'}: {err}") from None
+        check_supported_config(config, f"the model in {folder}")  # before any weights load
         hf_logging.disable_progress_bar()
         try:
             model = LlavaForConditionalGeneration.from_pretrained(str(folder), local_files_only=True)
@@ -136,16 +144,22 @@ class SpeculativeVLM:
                  tree: tuple[int | None, int | None, int | None] | None = None,
                  batch_size: int = 8, generator: torch.Generator | None = None, use_drafter: bool = True,
                  stream: Callable[[int, str, list[int]], None] | None = None,
-                 child_ranking: str = "raw") -> VLMOutput:
+                 child_ranking: str = "raw", budget: str | None = "auto") -> VLMOutput:
         """Answers for (image, prompt) pairs; `tree` = (depth, top_k, total_tokens) of the EAGLE-2 draft tree, depth
         in drafted levels (EAGLE's code's depth + 1); None (or a None entry) takes the drafter's paper setting
         (`official_tree`); `child_ranking` "raw" (EAGLE's) or "processed" (`mmspec.feature_drafter`);
-        `use_drafter=False` decodes with the target alone (vanilla)."""
+        `use_drafter=False` decodes with the target alone (vanilla). `budget`: "auto" (default) lets
+        `mmspec.tree_budget.TreeBudget` pick each step's shape inside `tree` (chains, smaller trees or a plain
+        step) from this device's timed costs and the acceptance seen so far, in this call and earlier ones of this
+        object (`self.budgets`; the first call per batch size times the shapes, a few seconds, then they are cached
+        on disk); "fixed" drafts `tree` every step (and a seeded sampled call then repeats exactly). Lossless
+        either way (docs/budgets.md)."""
         check(len(images) == len(prompts), f"{len(images)} images for {len(prompts)} prompts; give one image "
                                            "per prompt.")
         check(len(prompts) > 0, "no prompts given.")
         check_positive_int("max_new_tokens", max_new_tokens)
         check_positive_int("batch_size", batch_size)
+        check(budget in (None, *BUDGET_MODES), f"budget must be one of {BUDGET_MODES}, got {budget!r}.")
         tree = (None, None, None) if tree is None else tree
         check(isinstance(tree, (tuple, list)) and len(tree) == 3,
               f"tree must be (depth, top_k, total_tokens) or None, got {tree!r}.")
@@ -156,7 +170,7 @@ class SpeculativeVLM:
             rows = range(start, min(start + batch_size, len(prompts)))
             inputs = self.encode([images[i] for i in rows], [prompts[i] for i in rows])
             part = self._generate_batch(inputs, params, max_new_tokens, tree, generator, use_drafter, eos,
-                                        stream, start, child_ranking)
+                                        stream, start, child_ranking, budget)
             for field_name in ("texts", "token_ids", "rounds"):
                 getattr(out, field_name).extend(getattr(part, field_name))
             out.stats = out.stats + part.stats
@@ -164,7 +178,7 @@ class SpeculativeVLM:
 
     def _generate_batch(self, inputs: VLMInputs, params: SamplingParams, max_new_tokens: int, tree, generator,
                         use_drafter: bool, eos: int | None, stream, first_row: int,
-                        child_ranking: str = "raw") -> VLMOutput:
+                        child_ranking: str = "raw", budget: str | None = "auto") -> VLMOutput:
         depth, top_k, total = tree
         b = inputs.input_ids.shape[0]
         if use_drafter and self.drafter is not None:
@@ -178,25 +192,35 @@ class SpeculativeVLM:
         seen = [0] * b
         tok = self.processor.tokenizer
 
-        def take(tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        def take(tokens: list[list[int]], counts: list[int]) -> None:
             """Move each row's newly committed tokens into `rounds` (the prefill's token is its own round) and
             stream them, a round at a time."""
             for row in range(b):
-                new = tokens[row, seen[row]: int(counts[row])].tolist()
+                new = tokens[row][seen[row]: counts[row]]
                 groups = [new[:1], new[1:]] if seen[row] == 0 else [new]
                 for group in groups:
                     if group:
                         rounds[row].append(group)
                         if stream is not None:
                             stream(first_row + row, piece_text(tok, group), group)
-                seen[row] = int(counts[row])
+                seen[row] = counts[row]
+
+        counts_per_round: list[torch.Tensor] = []  # without a stream, rounds are cut after the loop
 
         def record(state, draft, result) -> None:
-            take(state.output.cpu(), state.num_generated.cpu())
+            if stream is None:
+                counts_per_round.append(state.num_generated.clone())
+            else:
+                take(state.output.tolist(), state.num_generated.tolist())
 
+        draft_budget = make_budget(budget, target, drafter, "lossless", inputs, b, self.lm.device, self.budgets)
         result = generate(target, drafter, "lossless", inputs, batch_size=b, max_new_tokens=max_new_tokens,
-                          generator=generator, eos_token_id=eos, device=self.lm.device, callback=record)
-        take(result.tokens.cpu(), result.num_generated.cpu())  # rows that ended at the prefill's token
+                          generator=generator, eos_token_id=eos, device=self.lm.device, callback=record,
+                          budget=draft_budget)
+        tokens = result.tokens.tolist()
+        for counts in torch.stack(counts_per_round).tolist() if counts_per_round else []:
+            take(tokens, counts)
+        take(tokens, result.num_generated.tolist())  # the last round (and rows that ended at the prefill's token)
         ids = [result.tokens[row, : int(result.num_generated[row])].tolist() for row in range(b)]
         texts = [tok.decode(row, skip_special_tokens=True).strip() for row in ids]
         return VLMOutput(texts, ids, rounds, result.stats)

@@ -58,14 +58,42 @@ class VLMInputs:
         return self.attention_mask.long().sum(-1)  # [B]
 
 
+# text backbones whose decoder layer is Llama's (pre-norm RMSNorm, rotary q/k, no q/k norm, no embedding scale), so
+# `run_llama_layers` computes exactly what transformers does (tests/vlm/test_vlm_target.py against generate)
+SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
+SUPPORTED = ("LlavaForConditionalGeneration (LLaVA-1.5 layout) with a Llama, Mistral or Qwen2 text backbone; "
+             "LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL and others are not supported yet")
+
+
+def check_supported_config(config, where: str = "the VLM target") -> None:
+    """InputError (one line) unless `config` (a transformers config or its dict) is a LLaVA-1.5 model whose text
+    backbone mmspec's target runs exactly: anything else would run without an error and give other tokens."""
+    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    model_type = get("model_type")
+    text = get("text_config") or {}
+    text_type = text.get("model_type") if isinstance(text, dict) else getattr(text, "model_type", None)
+    if model_type != "llava":
+        classes = ", ".join(get("architectures") or []) or "no architectures listed"
+        raise InputError(f"{where} is a {model_type!r} model ({classes}); mmspec supports {SUPPORTED}.")
+    if text_type not in SUPPORTED_TEXT_MODELS:
+        raise InputError(f"{where} is a LLaVA with a {text_type!r} text backbone, whose layers differ from Llama's "
+                         f"(e.g. q/k norms, embedding scaling); mmspec supports {SUPPORTED}.")
+
+
 class LlavaCachedLM:
     """A `LlavaForConditionalGeneration` with a static KV cache: `forward_cached` (token steps) and
     `forward_embeds` (prefill from merged embeddings); logits in float32, `last_hidden` kept."""
 
     def __init__(self, model, attention_backend: str | None = None) -> None:
         inner = getattr(model, "model", None)
-        check(inner is not None and hasattr(inner, "language_model") and hasattr(model, "lm_head"),
-              f"expected a transformers LlavaForConditionalGeneration, got {type(model).__name__}.")
+        check(inner is not None and hasattr(inner, "language_model") and hasattr(model, "lm_head")
+              and hasattr(model, "config"), f"expected a transformers LlavaForConditionalGeneration, got "
+                                            f"{type(model).__name__}; mmspec supports {SUPPORTED}.")
+        check_supported_config(model.config, f"the target ({type(model).__name__})")
+        # Mistral / Qwen2 sliding-window attention equals full attention while every sequence fits in the window
+        text_cfg = model.config.text_config
+        window = getattr(text_cfg, "sliding_window", None)
+        self.window = window if window and getattr(text_cfg, "use_sliding_window", True) else None
         self.model, self.backend = model, attention_backend
         self.text = inner.language_model
         cfg = model.config.text_config
@@ -82,6 +110,9 @@ class LlavaCachedLM:
         return self.model.lm_head.weight.device
 
     def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
+        check(self.window is None or capacity <= self.window,
+              f"prompt + new tokens + draft room ({capacity}) exceed the target's sliding attention window "
+              f"({self.window}), which mmspec's target does not apply; ask for fewer new tokens.")
         w = self.model.lm_head.weight
         return StaticKVCache(self.num_layers, batch_size, self.num_kv_heads, capacity, self.head_dim, w.dtype,
                              w.device)

@@ -8,7 +8,7 @@ versus vanilla for lossless methods at temperature 0, and at temperature > 0 how
 follow the target's distribution (`pit_ks` and friends, `mmspec.metrics.calibration`, scored by
 `image_ar.llamagen.scoring.target_probs`). `max_new_tokens` does not apply: an image is always
 `block_size` tokens. Family options: see `mmspec.bench.image_family`, plus `budget` (`fixed`, the default, or
-`auto`: `mmspec.budget` picks each step's draft size).
+`auto`: `mmspec.budget` picks each step's draft size) for every method, or per method: `eagle:budget=auto`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from mmspec.bench.image_family import (
     sample_generators,
     token_calibration,
 )
-from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of
+from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of, pop_budget
 from mmspec.budget import BUDGET_MODES
 from mmspec.compile import compile_pipeline
 from mmspec.errors import check
@@ -47,10 +47,11 @@ def build(settings: BenchSettings):
 def _runner(record):
     def run(pipe, batch: Sequence[Sample], settings: BenchSettings, given: Mapping[str, Any]) -> MethodOutput:
         o = _options(settings)
+        given, budget = pop_budget(given, o["budget"] or "fixed")
         out = pipe(class_labels=[int(s.data) for s in batch], generator=sample_generators(batch, settings),
                    guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],
                    top_p=o["top_p"], method=record.name, method_kwargs=dict(given), output_type="pt",
-                   budget=o["budget"] or "fixed")
+                   budget=budget)
         return MethodOutput(outputs=image_outputs(out.images, out.tokens, batch),
                             new_tokens=[out.tokens.shape[1]] * len(batch), stats=out.stats)
 
@@ -71,6 +72,6 @@ def calibration(pipe, samples: Sequence[Sample], outputs: list, settings: BenchS
 
 def llamagen_family() -> Family:
     return Family(name="llamagen", model_id=lambda s: str(_options(s)["model"] or "embedded llamagen (world)"),
-                  build=build, inputs=class_inputs, methods=methods_of(FAMILY, _runner), quality=quality,
+                  build=build, inputs=class_inputs, methods=methods_of(FAMILY, _runner, budget=True), quality=quality,
                   primary_quality="class_accuracy", to_turn=lambda o: o["tokens"].tolist(), model_quality=calibration,
                   description=FAMILY.description)

@@ -472,8 +472,8 @@ class LlamaGenGPT(RopePositions, ModelMixin, ConfigMixin):
             check(isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] in (1, b)
                   and value.shape[1] == s and not value.is_floating_point(),
                   f"{name} must be an integer tensor [B, S] = [{b}, {s}], got {list(getattr(value, 'shape', []))}.")
-        check(isinstance(mask, torch.Tensor) and mask.dim() in (3, 4) and mask.shape[-2:] == (s, cache.capacity),
-              f"mask must be bool [B, S, T] = [{b}, {s}, {cache.capacity}], got {list(getattr(mask, 'shape', []))}.")
+        check(isinstance(mask, torch.Tensor) and mask.dim() in (3, 4) and mask.shape[-2:] == (s, cache.num_keys),
+              f"mask must be bool [B, S, T] = [{b}, {s}, {cache.num_keys}], got {list(getattr(mask, 'shape', []))}.")
         self._check_positions(positions)
         x = self.tok_embeddings(tokens)  # [B, S, dim]
         return self._run_cached(x, positions, cache, slots.expand(b, s), mask)

@@ -151,7 +151,9 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         for model in (self.transformer, self.draft_transformer):  # positions are bounded here; no per-call sync
             if model is not None:
                 model.check_positions = False
-        draft_budget = make_budget(budget, target, drafter, rule, cond, batch, cond.device)
+        if not hasattr(self, "budgets"):
+            self.budgets: dict = {}  # budget="auto" on tree drafters: what each budget learnt, kept between calls
+        draft_budget = make_budget(budget, target, drafter, rule, cond, batch, cond.device, self.budgets)
 
         with self.progress_bar(total=block) as bar:
             def on_step(state, draft, result):

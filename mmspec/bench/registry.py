@@ -128,11 +128,25 @@ class Family:
 FamilyFactory = Callable[[], Family]
 
 
-def methods_of(record: Any, runner: Callable[[Any], MethodFn]) -> dict[str, Method]:
+def methods_of(record: Any, runner: Callable[[Any], MethodFn], budget: bool = False) -> dict[str, Method]:
     """Bench methods from a family record's methods (`mmspec.families.MethodRecord`): runner(method record) makes
-    each one's `run`; parameters, defaults, losslessness and descriptions come from the record."""
-    return {name: Method(runner(m), lossless=m.is_lossless, params=dict(m.params), description=m.description)
+    each one's `run`; parameters, defaults, losslessness and descriptions come from the record. `budget`: every
+    method but vanilla also takes the bench parameter `budget` (`fixed` or `auto`, `mmspec.budget`; None = the
+    family's default), which the runner pops before building the method (`pop_budget`)."""
+    extra = {"budget": None} if budget else {}
+    return {name: Method(runner(m), lossless=m.is_lossless, description=m.description,
+                         params={**m.params, **(extra if name != "vanilla" else {})})
             for name, m in record.methods.items()}
+
+
+def pop_budget(given: Mapping[str, Any], default: str | None = "fixed") -> tuple[dict[str, Any], str | None]:
+    """(the method's own parameters, the draft budget) from a bench method's parameters (see `methods_of`)."""
+    from mmspec.budget import BUDGET_MODES
+
+    given = dict(given)
+    budget = given.pop("budget", None) or default
+    check(budget is None or budget in BUDGET_MODES, f"budget must be one of {BUDGET_MODES}, got {budget!r}.")
+    return given, budget
 
 
 def register_family(name: str, factory: FamilyFactory, *, replace: bool = False) -> None:

@@ -111,7 +111,24 @@ def summarize_config(config: MethodConfig, runs: Sequence[RunResult],
         "peak_memory_bytes": int(max(max(r.peak_memory_bytes) for r in runs)),
         "quality": merge_quality([r.quality for r in runs]),
         "phases": phase_summary(runs),
+        "budget_steps": budget_steps(stats, len(runs)),
     }
+
+
+def budget_steps(stats: SpecStats, passes: int) -> dict[str, float]:
+    """Steps per pass at each draft size a budget chose (`budget="auto"`; the loop's `budget_<size>` counts), most
+    used first; empty without a budget."""
+    counts = {key[len("budget_"):]: value / passes for key, value in stats.extra.items() if key.startswith("budget_")}
+    return dict(sorted(counts.items(), key=lambda item: -item[1]))
+
+
+def budget_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """Per method with a draft budget: the sizes it chose and how many steps each (per recorded pass)."""
+    lines = [f"| {row['method']} | " + ", ".join(f"{size} ({count:g})" for size, count in row["budget_steps"].items())
+             + " |" for row in rows if row.get("budget_steps")]
+    if not lines:
+        return ""
+    return "| method | draft sizes chosen (steps per pass; 0 = a plain step) |\n|---|---|\n" + "\n".join(lines) + "\n"
 
 
 def failed_row(config: MethodConfig, error: str) -> dict[str, Any]:
@@ -219,8 +236,10 @@ def ops_table(rows: Sequence[Mapping[str, Any]]) -> str:
 
 
 def _with_phases(rows: Sequence[Mapping[str, Any]]) -> str:
-    phases, ops = phase_table(rows), ops_table(rows)
+    phases, ops, budgets = phase_table(rows), ops_table(rows), budget_table(rows)
     text = markdown_table(rows)
+    if budgets:
+        text += f"\nDraft budgets (`budget=auto`): the size chosen per step:\n\n{budgets}"
     if phases and not ops:  # with --phase-ops every op is hooked: its timings are not worth a table
         text += f"\nWhere the time goes (share of wall time per loop phase):\n\n{phases}"
     if ops:

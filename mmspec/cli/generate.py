@@ -81,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", default="vanilla", help="decoding method (see the family's docs)")
     parser.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a method parameter, repeatable (e.g. --method-arg num_draft_tokens=4)")
+    parser.add_argument("--budget", default=None, choices=["fixed", "auto"],
+                        help="draft budget of a speculative method (families whose pipeline takes one, e.g. "
+                             "llamagen): fixed (the configured size every step) or auto (docs/budgets.md)")
     parser.add_argument("--model", default=None, help="pipeline folder (default: the embedded asset)")
     parser.add_argument("--seed", type=int, default=0, help="base seed of rows without their own seed")
     parser.add_argument("--max-batch", "--batch-size", dest="max_batch", type=int, default=16,
@@ -295,6 +298,12 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
     options = {k: getattr(args, k) for k in ("guidance_scale", "temperature", "top_k", "top_p")
                if getattr(args, k) is not None}
     options = {**family.defaults(pipe), **options, "method": args.method, "method_kwargs": method_kwargs}
+    if args.budget is not None:
+        import inspect
+
+        check("budget" in inspect.signature(type(pipe).__call__).parameters,
+              f"--budget: the {args.family} pipeline has no draft budget; drop --budget.")
+        options["budget"] = args.budget
 
     items = work_items(rows)
     if rank == 0:  # leftovers of an earlier, interrupted run: per-process figures, half-written images

@@ -14,6 +14,7 @@ from image_ar.llamagen.eagle import EagleTreeDrafter, LlamaGenEagleDrafter
 from image_ar.llamagen.pipeline import LlamaGenPipeline
 from mmspec.errors import InputError
 from mmspec.testing import use_sequential_lossless_walk
+from mmspec.testing.budgets import CyclingBudget
 from mmspec.tree import DraftTree
 
 LABELS = [0, 2, 3]
@@ -291,3 +292,26 @@ def test_training_command_rejects_bad_input(tmp_path):
     LlamaGenPipeline(**get_dummy_components()).save_pretrained(folder)
     with pytest.raises(InputError, match="--data target"):  # 16x16 dummy images are not world images
         train_eagle.run(train_args(folder, tmp_path / "work", "--steps", "1", "--data", "world"))
+
+
+def test_tree_shapes_changing_every_step_keep_greedy_tokens(trained, monkeypatch, tmp_path):
+    from image_ar.llamagen import pipeline as pipeline_module
+    from mmspec.tree_budget import TreeShape
+
+    want = reference_greedy_cfg(trained.transformer, LABELS, SCALE)
+    shapes = [0, 0, 0, 0, 0, 0, TreeShape(1, 3, 4), TreeShape(10, 2, 8), 0, TreeShape(10, 4, 59), 0, 0]
+    monkeypatch.setattr(pipeline_module, "make_budget", lambda *args: CyclingBudget(shapes))
+    out = trained(class_labels=LABELS, guidance_scale=SCALE, temperature=0, method="eagle", output_type="latent")
+    assert torch.equal(out.tokens, want)
+    assert {"budget_0", "budget_chain3", "budget_tree10x2n8"} <= set(out.stats.extra)
+    monkeypatch.undo()
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))  # the timed shapes of this dummy pipeline
+    auto = trained(class_labels=LABELS, guidance_scale=SCALE, temperature=0, method="eagle", output_type="latent",
+                   budget="auto")
+    assert torch.equal(auto.tokens, want)
+    assert sum(v for k, v in auto.stats.extra.items() if k.startswith("budget_")) == auto.stats.num_target_forwards - 1
+    assert list(tmp_path.glob("profiles/*.json"))  # the shapes' times were cached
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    sampled = trained(class_labels=LABELS, guidance_scale=SCALE, top_k=16, generator=gens, method="lantern",
+                      output_type="latent", budget="auto")
+    assert (sampled.tokens >= 0).all() and trained.budgets  # the tree budgets stay with the pipeline

@@ -176,3 +176,15 @@ def test_profile_measures_the_target_and_the_draft_model(model_dir, tmp_path, mo
     out = capsys.readouterr().out
     assert "transformer: ms per forward" in out and "draft_transformer: ms per forward" in out
     assert out.count("| 3 |") == 2 and len(list((tmp_path / "profiles").glob("*.json"))) == 2
+
+
+def test_generate_takes_a_draft_budget(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path / "cache"))
+    assert run_generate(model_dir, tmp_path / "auto", "--classes", "0", "--num-images", "2", "--method",
+                        "draft-model", "--budget", "auto", "--temperature", "0") == 0
+    assert run_generate(model_dir, tmp_path / "plain", "--classes", "0", "--num-images", "2",
+                        "--temperature", "0") == 0
+    for name in ("class0_000.png", "class0_001.png"):  # greedy: the budget changes the speed, not the image
+        assert (tmp_path / "auto" / "images" / name).read_bytes() == (tmp_path / "plain" / "images" / name).read_bytes()
+    stats = json.loads((tmp_path / "auto" / "stats.json").read_text())
+    assert any(key.startswith("budget_") for key in json.dumps(stats).split('"'))

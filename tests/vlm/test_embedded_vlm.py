@@ -48,12 +48,17 @@ def test_the_target_answers_short_questions(target):
     assert result["long"]["contains_short"] >= 0.75, result["long"]
 
 
+@pytest.mark.parametrize("budget", ["fixed", "auto"])
 @pytest.mark.parametrize("kind", list(DRAFTER_KINDS))
-def test_shipped_drafter_is_lossless_and_drafts(kind, examples, vanilla):
+def test_shipped_drafter_is_lossless_and_drafts(kind, budget, examples, vanilla, tmp_path, monkeypatch):
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))  # budget="auto" times its shapes here
     vlm = SpeculativeVLM.from_pretrained(FOLDER, kind)
     out = vlm.generate([ex.image for ex in examples], [ex.prompt for ex in examples], max_new_tokens=64,
-                       batch_size=4)  # two ragged batches of 4
+                       batch_size=4, budget=budget)  # two ragged batches of 4 (rows end at different steps)
     assert out.token_ids == vanilla.token_ids
+    if budget == "auto":
+        steps = sum(v for k, v in out.stats.extra.items() if k.startswith("budget_"))
+        assert steps == out.stats.num_target_forwards - 2  # every step but the two prefills chose a shape
     assert out.stats.mean_acceptance_length >= 1.5, out.stats.mean_acceptance_length
     assert out.stats.num_target_forwards < vanilla.stats.num_target_forwards
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import LlamaConfig
 from vlm_dummies import batch, prompt, tiny_llava
 
 from mmspec.errors import InputError
@@ -110,3 +111,68 @@ def test_tree_verification_scores_every_path_like_transformers():
                 seq = torch.tensor([r + tokens[b, path].tolist()])
                 ref = model(input_ids=seq, pixel_values=pixels[b: b + 1]).logits[0, -1].float()
                 torch.testing.assert_close(logits[b, node], ref, atol=1e-5, rtol=1e-5)
+
+
+def tiny_llava_with(text_config, **kwargs):
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    vision = CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2)
+    return LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text_config,
+                                                     image_token_index=4, image_seq_length=16, **kwargs)).eval()
+
+
+def test_targets_it_cannot_run_exactly_are_refused_in_one_line(tmp_path):
+    """A Qwen3 backbone (q/k norms) ran without an error and gave other tokens than transformers; LLaVA-NeXT and
+    Qwen2-VL are other architectures: all are refused, naming what is supported, before any weights load."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, Qwen3Config
+
+    from vlm.pipeline import SpeculativeVLM
+
+    small = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=8)
+    qwen3 = tiny_llava_with(Qwen3Config(**small))
+    with pytest.raises(InputError, match="'qwen3' text backbone.*supports LlavaForConditionalGeneration"):
+        LlavaCachedLM(qwen3)
+    nxt = LlavaNextForConditionalGeneration(LlavaNextConfig(
+        text_config=LlamaConfig(**small), vision_config=dict(model_type="clip_vision_model", image_size=32,
+                                                             patch_size=8, hidden_size=32, intermediate_size=64,
+                                                             num_hidden_layers=1, num_attention_heads=2),
+        image_grid_pinpoints=[[32, 32]]))
+    with pytest.raises(InputError, match="'llava_next' model .*not supported yet"):
+        LlavaCachedLM(nxt)
+    for model, name in ((qwen3, "qwen3"), (nxt, "llava_next")):
+        folder = tmp_path / name
+        model.save_pretrained(folder)
+        (folder / "processor_config.json").write_text("{}")
+        with pytest.raises(InputError, match="mmspec supports LlavaForConditionalGeneration") as err:
+            SpeculativeVLM.from_pretrained(folder)
+        assert "\n" not in str(err.value)
+    (tmp_path / "qwen2vl").mkdir()
+    (tmp_path / "qwen2vl" / "config.json").write_text('{"model_type": "qwen2_vl", "architectures": '
+                                                      '["Qwen2VLForConditionalGeneration"]}')
+    (tmp_path / "qwen2vl" / "processor_config.json").write_text("{}")
+    with pytest.raises(InputError, match="'qwen2_vl' model \\(Qwen2VLForConditionalGeneration\\)"):
+        SpeculativeVLM.from_pretrained(tmp_path / "qwen2vl")
+
+
+@pytest.mark.parametrize("backbone", ["mistral", "qwen2"])
+def test_mistral_and_qwen2_backbones_equal_transformers_greedy(backbone):
+    from transformers import MistralConfig, Qwen2Config
+
+    small = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    config = MistralConfig(**small, sliding_window=128) if backbone == "mistral" else Qwen2Config(**small)
+    model = tiny_llava_with(config)
+    rows = [prompt([7, 8, 20], [9], 16), prompt([12], [13, 30], 16)]
+    pixels = torch.rand(2, 3, 32, 32)
+    target = LMTarget(LlavaCachedLM(model), SamplingParams(temperature=0.0), max_new_tokens=8, prefill_fn=prefill_vlm)
+    out = generate(target, NoDrafter(), "greedy", batch(rows, pixels), batch_size=2, max_new_tokens=8)
+    for i, r in enumerate(rows):
+        assert out.tokens[i].tolist() == reference_greedy(model, r, pixels[i: i + 1], 8)
+    if backbone == "mistral":  # a request longer than the sliding window is refused, not computed differently
+        long = LMTarget(LlavaCachedLM(model), SamplingParams(temperature=0.0), max_new_tokens=60,
+                        prefill_fn=prefill_vlm)
+        with pytest.raises(InputError, match="sliding attention window \\(128\\)"):
+            generate(long, NoDrafter(), "greedy", batch(rows, pixels), batch_size=2, max_new_tokens=60)

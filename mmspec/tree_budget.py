@@ -1,0 +1,352 @@
+"""How much a tree drafter drafts each step: the draft budget of EAGLE-2 style feature drafters (LlamaGen's EAGLE /
+LANTERN drafter, the VLM drafters). The chain and Jacobi budget is `mmspec.budget.AutoBudget`; facts:
+../shared/reference/budgets.md (Sequoia's hardware-aware size, DySpec's score-ranked nodes).
+
+A step drafts one `TreeShape` (top_k children per expanded node, depth drafted levels, total nodes with the root)
+or nothing (`PLAIN`, a one-token step). The menu (`tree_menu`) holds the plain step, the drafter's greedy chains
+of every depth (top_k 1) and its trees at smaller depths and node counts. Before every draft `TreeBudget` picks
+
+    shape* = argmax_s E[tokens | s] / seconds(s)        seconds(s) = draft(top_k, depth) + step(total)
+
+with draft() the drafter's `propose` and step() the target's verify plus the acceptance rule, both timed on this
+device, at this batch size, on the call's own prefix (`TreeBudget.begin`, once per model pair, device, dtype,
+threads, batch size and prefix length; cached by `mmspec.cost.cached_json`). Once a shape has run, its steps' own
+measured seconds (a running mean, from one choice to the next) replace the table, and shapes not run yet are scaled
+by how the run ones compare with the table: a table timed under another load does not decide for ever.
+
+E[tokens | s] comes from what earlier steps of the call accepted, counted again for every smaller shape the step's
+tree contains (`counterfactual_accepts`): EAGLE-2 keeps the nodes of highest cumulative draft log-prob and builds
+the levels the same way whatever the depth, so the tree of (top_k, d, n) is the first n - 1 nodes, by score, of the
+drafted nodes at depth <= d, and a chain of depth d is the path of first children. Greedy verification walks the
+target's argmax path, so the accepted length under the smaller shape is the leading part of the accepted path that
+lies in it (exact at temperature 0; an estimate when sampling). A shape never contained in a recent step keeps its
+older estimate. Chains are valued with a position model instead (`chain_rates`: per-depth acceptance given the
+earlier depths, unseen depths at the deepest seen rate), so chains deeper than the drafter's own depth
+(`max_chain_depth`) can be chosen and then measured. The first `warmup` steps and refresh steps (after
+`refresh_every` steps, then at doubling intervals) draft the exploration shape: the shape containing the most trees
+among those that cost at most `explore_cost` plain steps (the drafter's full shape where drafting is cheap), so
+estimates are refreshed without paying for a shape the device cannot afford; shapes it does not contain count 1
+token (a plain step) until chosen. Older steps weigh `decay` times less per step (acceptance drifts along a
+sequence).
+
+Lossless: the shape is chosen from the measured costs and earlier steps' verdicts only, before this step drafts;
+the drafted set is a deterministic function of the drafter and every drafted node is verified. The draft length is
+a stopping time of the draft-side process (reference budgets.md), so the output law is the target's (tested).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from mmspec.errors import check
+from mmspec.tree import DraftTree
+from mmspec.verify import ChainDraft, VerifyResult, accept
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """top_k children per expanded node, `depth` drafted levels, `total` nodes with the root (a chain: top_k 1,
+    total depth + 1)."""
+
+    top_k: int
+    depth: int
+    total: int
+
+    def __str__(self) -> str:
+        if self.total == 1:
+            return "0"
+        return f"chain{self.depth}" if self.top_k == 1 else f"tree{self.top_k}x{self.depth}n{self.total}"
+
+    def contains(self, other: TreeShape) -> bool:
+        """Whether a step drafted with this shape shows what `other` would have accepted."""
+        if other.total == 1:
+            return True
+        if other.top_k == 1:
+            return other.depth <= self.depth
+        return other.top_k == self.top_k and other.depth <= self.depth and other.total <= self.total
+
+
+PLAIN = TreeShape(0, 0, 1)  # no drafts: the loop's plain step
+TREE_DEPTHS = (2, 3, 4, 6, 8, 12, 16)  # tree depths offered below the drafter's own
+TREE_TOTALS = (4, 8, 16, 24, 32, 48, 64, 96, 128)  # node counts offered below the drafter's own
+
+
+def pool_size(top_k: int, depth: int) -> int:
+    """Nodes EAGLE-2 expansion creates (root included): 1 + top_k + (depth - 1) top_k^2."""
+    return 1 + top_k + (depth - 1) * top_k * top_k
+
+
+def max_chain_depth(full: TreeShape) -> int:
+    """The deepest chain a drafter of shape `full` may draft: twice its depth (at most 16), within its node count."""
+    return max(full.depth, min(2 * full.depth, 16, full.total - 1))
+
+
+def tree_menu(full: TreeShape) -> list[TreeShape]:
+    """The plain step, the greedy chains of depth 1..max_chain_depth(full), and trees of full.top_k at smaller
+    depths and totals (and the full shape itself)."""
+    chains = [TreeShape(1, d, d + 1) for d in range(1, max_chain_depth(full) + 1)]
+    trees = []
+    if full.top_k > 1:
+        depths = sorted({d for d in TREE_DEPTHS if d < full.depth} | {full.depth})
+        totals = sorted({n for n in TREE_TOTALS if n < full.total} | {full.total})
+        trees = [TreeShape(full.top_k, d, n) for d in depths for n in totals if d + 1 < n <= pool_size(full.top_k, d)]
+    return [PLAIN, *chains, *trees]
+
+
+def counterfactual_accepts(tree: DraftTree, path: torch.Tensor, shapes: list[TreeShape]) -> torch.Tensor:
+    """Drafts each row would have accepted under each shape: the leading nodes of the accepted path (path [B, W]
+    node indices, root first, -1 padded) that the shape's tree holds. Needs `tree.scores`. Returns [B, S] long."""
+    b, n = tree.tokens.shape
+    device = tree.tokens.device
+    nodes = path[:, 1:]  # [B, W-1] u_1..u_k
+    on_path = nodes >= 0
+    at = nodes.clamp_min(0)
+    valid = tree.valid.clone()
+    valid[:, 0] = False  # the root is not a draft
+    index = torch.arange(n, device=device)
+    earlier = index.view(1, 1, n) < index.view(1, n, 1)  # [1, N(i), N(j)] j before i
+    # first children: no valid sibling before them (siblings are ordered by descending score)
+    siblings = (tree.parents.unsqueeze(-1) == tree.parents.unsqueeze(1)) & valid.unsqueeze(1) & earlier  # [B, N, N]
+    first = valid & ~siblings.any(-1)  # [B, N]
+    scores = tree.scores.float()
+    beats = valid.unsqueeze(1) & ((scores.unsqueeze(1) > scores.unsqueeze(-1))
+                                  | ((scores.unsqueeze(1) == scores.unsqueeze(-1)) & earlier))  # [B, N(i), N(j)]
+    depth_on_path = tree.depths.gather(1, at)  # [B, W-1]
+    out = torch.zeros(b, len(shapes), dtype=torch.long, device=device)
+    chain = (on_path & first.gather(1, at)).long().cumprod(-1).sum(-1)  # [B] leading first children on the path
+    for s, shape in enumerate(shapes):
+        if shape.top_k == 1:
+            out[:, s] = chain.clamp_max(shape.depth)
+    for depth in sorted({shape.depth for shape in shapes if shape.top_k > 1}):
+        columns = [s for s, shape in enumerate(shapes) if shape.top_k > 1 and shape.depth == depth]
+        shallow = (tree.depths <= depth).unsqueeze(1)  # [B, 1, N(j)]
+        rank = (beats & shallow).sum(-1).gather(1, at)  # [B, W-1] rank among the drafted nodes of depth <= d
+        rank = torch.where(on_path & (depth_on_path <= depth), rank, n)  # off the path or too deep: never inside
+        worst = rank.cummax(-1).values  # [B, W-1] the worst rank of each leading part of the path
+        kept = torch.tensor([shapes[s].total - 1 for s in columns], device=device)  # [C] drafted nodes kept
+        out[:, columns] = (worst.unsqueeze(-1) < kept).sum(1)  # [B, C] leading path nodes inside each tree
+    return out
+
+
+PLAIN_ROOM = 16  # pending tokens a tree drafter keeps for plain steps before it runs them
+
+
+class ShapedTreeDrafter:
+    """What a tree drafter needs for a `TreeBudget`: its `full_shape` (set at construction), `set_draft_size`, and
+    the pending tokens of plain steps. The drafter has `top_k`, `depth`, `total`, `runner`, `pending` (room for
+    `pending_width()` tokens) and `run_pending()`, which runs the first `pending_columns` pending tokens (not
+    committed); `pending_columns` is a host-side bound on every row's pending count (no device sync)."""
+
+    full_shape: TreeShape
+    pending_columns: int = 1
+
+    def pending_width(self) -> int:
+        """Pending tokens a row can hold: the longest accepted path (the deepest chain) plus the final token, plus
+        PLAIN_ROOM plain steps' tokens (run together at the next proposal, or when the room is full)."""
+        return max_chain_depth(self.full_shape) + 1 + PLAIN_ROOM
+
+    def set_draft_size(self, shape: TreeShape) -> None:
+        """Draft `shape` from the next proposal on (a draft budget's choice: a tree inside the full shape, or a
+        chain up to `max_chain_depth`; either fits in the full shape's node count)."""
+        full = self.full_shape
+        deepest = max_chain_depth(full) if getattr(shape, "top_k", 0) == 1 else full.depth
+        check(isinstance(shape, TreeShape) and 1 <= shape.depth <= deepest and 1 <= shape.top_k <= full.top_k
+              and 2 <= shape.total <= min(full.total, pool_size(shape.top_k, shape.depth)),
+              f"a draft shape must fit in the drafter's {full}, got {shape}.")
+        self.top_k, self.depth, self.total = shape.top_k, shape.depth, shape.total
+
+    def room_for_plain_token(self, active: torch.Tensor) -> None:
+        """Before a plain step's token joins the pending tokens: when the room is full, run and commit the pending
+        tokens of every active row, leaving none pending."""
+        pending = self.pending
+        if self.pending_columns >= pending.tokens.shape[1]:
+            self.run_pending()
+            self.runner.commit_chain(pending.count * active)
+            pending.count = torch.where(active, 0, pending.count)
+            self.pending_columns = 0
+        self.pending_columns += 1
+
+
+class TreeBudget:
+    """The expected-throughput shape policy for tree drafters (see the module docstring). `costs` maps each shape
+    of the menu to its seconds (set by `begin`, or given for tests)."""
+
+    def __init__(self, full: TreeShape, shapes: list[TreeShape] | None = None, *, warmup: int = 1,
+                 refresh_every: int = 32, decay: float = 0.9, explore_cost: float = 3.0,
+                 costs: dict[TreeShape, float] | None = None, timing: bool = True) -> None:
+        check(0.0 < decay <= 1.0, f"decay must be in (0, 1], got {decay}.")
+        check(explore_cost >= 1.0, f"explore_cost must be >= 1 (in plain steps), got {explore_cost}.")
+        self.full = full
+        self.shapes = shapes or tree_menu(full)
+        check(self.shapes[0] == PLAIN and full in self.shapes, "a menu starts with PLAIN and holds the full shape.")
+        self.warmup, self.refresh_every, self.decay, self.explore_cost = warmup, refresh_every, decay, explore_cost
+        self.costs = costs
+        self.accepted = torch.zeros(len(self.shapes), dtype=torch.float64)  # [S] decayed accepted drafts
+        self.rows = torch.zeros(len(self.shapes), dtype=torch.float64)  # [S] decayed rows behind them
+        self.chains = {s.depth: i for i, s in enumerate(self.shapes) if s.top_k == 1}  # chain depth -> menu index
+        depth = max(self.chains, default=0)
+        self.chain_reached = torch.zeros(depth, dtype=torch.float64)  # [D] decayed rows whose chain reached j
+        self.chain_accepted = torch.zeros(depth, dtype=torch.float64)  # [D] .. and accepted position j
+        self.chosen: dict[str, int] = {}
+        self.steps = self.refreshes = 0
+        self._refresh_at = refresh_every
+        self.timing = timing
+        self.seen: dict[TreeShape, float] = {}  # shape -> running mean of its steps' measured seconds
+        self._chosen_at: float | None = None
+        self._last = full
+
+    # ------------------------------------------------------------------------------------------ estimates
+    def expected_tokens(self) -> torch.Tensor:
+        """E[tokens per row | shape] [S]: trees from their counted acceptance (1 for shapes never seen), chains from
+        the position model (`chain_rates`), so a chain deeper than any drafted yet is valued too."""
+        expected = 1.0 + self.accepted / self.rows.clamp_min(1e-9)
+        if self.chains and bool((self.chain_reached > 0).any()):
+            chain = 1.0 + torch.cumsum(torch.cumprod(self.chain_rates(), 0), 0)  # [D] E[tokens | chain of depth d]
+            for depth, index in self.chains.items():
+                expected[index] = chain[depth - 1]
+        return expected
+
+    def chain_rates(self, prior: float = 2.0) -> torch.Tensor:
+        """a_j [D]: P(chain position j accepted | 1..j-1 accepted), shrunk towards the pooled rate with `prior`
+        pseudo-rows; positions never reached take the deepest reached position's rate (as `AutoBudget.rates`)."""
+        pooled = float(self.chain_accepted.sum()) / max(float(self.chain_reached.sum()), 1e-9)
+        rates = (self.chain_accepted + prior * pooled) / (self.chain_reached + prior)  # [D]
+        seen = (self.chain_reached > 0).nonzero()
+        if seen.numel():
+            rates[int(seen[-1]) + 1:] = rates[int(seen[-1])]
+        return rates
+
+    def step_seconds(self) -> torch.Tensor:
+        """seconds(s) [S]: the steps of this shape as they ran (an average that follows the machine's load), else
+        the timed cost scaled by how the shapes that ran compare with their timed costs."""
+        check(self.costs is not None, "TreeBudget has no costs; call begin(...) or pass costs=.")
+        ran = [s for s in self.shapes if s in self.seen]
+        scale = sum(self.seen[s] / self.costs[s] for s in ran) / len(ran) if ran else 1.0
+        return torch.tensor([self.seen.get(s, self.costs[s] * scale) for s in self.shapes], dtype=torch.float64)
+
+    def throughput(self) -> torch.Tensor:
+        return self.expected_tokens() / self.step_seconds().clamp_min(1e-12)
+
+    def explore_shape(self) -> TreeShape:
+        """The shape of warm-up and refresh steps: of the shapes costing at most `explore_cost` plain steps, the one
+        that contains the most trees, then the deepest (the full shape where drafting is cheap, e.g. a GPU at batch
+        1; a chain or a small tree where a wide verify costs several steps). Trees it does not contain are learnt
+        only if chosen."""
+        seconds = dict(zip(self.shapes, self.step_seconds().tolist()))
+        affordable = [s for s in self.shapes if seconds[s] <= self.explore_cost * seconds[PLAIN]] or [PLAIN]
+        trees = [o for o in self.shapes if o.top_k > 1]  # chains are valued by the position model, fed by any shape
+        return max(affordable, key=lambda s: (sum(s.contains(o) for o in trees), s.depth, -seconds[s]))
+
+    def choose(self, batch: int) -> TreeShape | int:
+        """The next step's shape (0 = a plain step)."""
+        now = time.perf_counter()  # the previous step ran from its choice to this one (the loop syncs between)
+        if self._chosen_at is not None and self.timing:
+            took = now - self._chosen_at
+            self.seen[self._last] = took if self._last not in self.seen else 0.7 * self.seen[self._last] + 0.3 * took
+        self._chosen_at = now
+        refresh = self.refresh_every and self.steps == self._refresh_at
+        if refresh:  # at steps 32, 64, 128, 256, ..
+            self._refresh_at += self.refresh_every * 2 ** self.refreshes
+            self.refreshes += 1
+        if self.steps < self.warmup or refresh:
+            shape = self.explore_shape()
+        else:
+            shape = self.shapes[int(self.throughput().argmax())]
+        self.steps += 1
+        self._last = shape
+        self.chosen[str(shape)] = self.chosen.get(str(shape), 0) + 1
+        return 0 if shape == PLAIN else shape
+
+    def observe(self, result: VerifyResult, active: torch.Tensor, draft=None) -> None:
+        """Count what the step accepted under every shape its tree (or chain) contains."""
+        if self._last == PLAIN or not isinstance(draft, DraftTree) or draft.scores is None:
+            return
+        covered = torch.tensor([self._last.contains(s) and s != PLAIN for s in self.shapes])  # [S]
+        counts = counterfactual_accepts(draft, result.accepted_nodes, self.shapes)  # [B, S]
+        rows = active.unsqueeze(-1)
+        self.accepted = torch.where(covered, self.accepted * self.decay + (counts * rows).sum(0).double().cpu(),
+                                    self.accepted)
+        self.rows = torch.where(covered, self.rows * self.decay + float(active.sum()), self.rows)
+        depth = self._last.depth  # the deepest chain the step contains: its positions 1..depth
+        if depth in self.chains:
+            accepted = counts[:, self.chains[depth]][active].unsqueeze(-1)  # [b, 1]
+            positions = torch.arange(1, depth + 1, device=accepted.device)  # [depth]
+            reached = (accepted >= positions - 1).sum(0).double().cpu()  # [depth]
+            self.chain_reached[:depth] = self.chain_reached[:depth] * self.decay + reached
+            self.chain_accepted[:depth] = (self.chain_accepted[:depth] * self.decay
+                                           + (accepted >= positions).sum(0).double().cpu())
+
+    # ---------------------------------------------------------------------------------------------- costs
+    def begin(self, target, drafter, state, rule) -> None:
+        """Time every menu shape on this call's own target, drafter and prefix (or read the cached times)."""
+        self._chosen_at = None  # the time between calls is not a step
+        if self.costs is not None:
+            return
+        from mmspec.cost import cached_json, profile_key
+
+        runner = target.runner
+        prefix = int(runner.lengths.max())
+        bucket = 1 << max(prefix - 1, 0).bit_length()
+        models = [getattr(m, "model", m) if not isinstance(m, torch.nn.Module) else m
+                  for m in (runner.model, drafter.runner.model)]
+        extra = (f"tree-budget|B={state.batch_size}|prefix<={bucket}|{getattr(rule, 'name', rule)}|{target.params}|"
+                 f"cfg={runner.guidance_scale is not None}|{type(drafter).__name__}|{profile_key(models[1], 'cpu')}|"
+                 f"{[str(s) for s in self.shapes]}")
+        key = profile_key(models[0], runner.cache.device, extra)
+        times = cached_json(key, lambda: measure_shapes(target, drafter, state, rule, self.shapes))
+        self.costs = {s: times["draft"].get(f"{s.top_k},{s.depth}", 0.0) + times["step"][str(s.total)]
+                      for s in self.shapes}
+
+
+def measure_shapes(target, drafter, state, rule, shapes: list[TreeShape], repeats: int = 3) -> dict:
+    """Median seconds of the drafter's `propose` per (top_k, depth) and of a target step (verify + acceptance rule)
+    per node count, on the live target and drafter (nothing committed). {"draft": {"k,d": s}, "step": {"n": s}}."""
+    from mmspec.phases import synchronize
+
+    print("mmspec: timing draft shapes on this device for budget='auto' (once per model, batch size and device; "
+          "cached)", file=sys.stderr, flush=True)
+    device = state.output.device
+    generator = torch.Generator(device=device).manual_seed(0)
+    drafts = sorted({(s.top_k, s.depth) for s in shapes if s.total > 1})
+    totals = sorted({s.total for s in shapes})
+    trees: dict[int, object] = {}
+    for n in totals:  # the draft each node count is timed with
+        if n == 1:
+            trees[n] = ChainDraft(torch.empty(state.batch_size, 0, dtype=torch.long, device=device))
+            continue
+        drafter.set_draft_size(next((s for s in shapes if s.total == n and s.top_k > 1), TreeShape(1, n - 1, n)))
+        trees[n] = drafter.propose(state)
+
+    def time_once(fn) -> float:
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        return time.perf_counter() - start
+
+    def draft(k: int, d: int):
+        shape = TreeShape(k, d, d + 1 if k == 1 else min(d + 2, pool_size(k, d)))
+        return lambda: (drafter.set_draft_size(shape), drafter.propose(state))
+
+    def step(n: int):
+        return lambda: accept(rule, trees[n], target.verify(state, trees[n]), generator, validate=False)
+
+    jobs = {("draft", f"{k},{d}"): draft(k, d) for k, d in drafts} | {("step", str(n)): step(n) for n in totals}
+    samples: dict[tuple[str, str], list[float]] = {key: [] for key in jobs}
+    for fn in jobs.values():  # warm-up
+        fn()
+    for _ in range(repeats):  # interleaved, so a change of load touches every shape alike
+        for key, fn in jobs.items():
+            samples[key].append(time_once(fn))
+    out: dict[str, dict[str, float]] = {"draft": {}, "step": {}}
+    for (kind, name), values in samples.items():
+        out[kind][name] = sorted(values)[len(values) // 2]
+    steps = out["step"]  # a wider step never costs less than a narrower one: noise if it does
+    for i, n in enumerate(totals[1:], 1):
+        steps[str(n)] = max(steps[str(n)], steps[str(totals[i - 1])])
+    drafter.set_draft_size(drafter.full_shape)
+    return out
