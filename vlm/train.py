@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 
 from mmspec.data.artifacts import atomic_output_dir, explicit_command
 from mmspec.errors import InputError, check, check_positive_int
+from mmspec.model_card import with_metadata
 from mmspec.world_training import (
     add_runtime_arguments,
     add_staged_arguments,
@@ -394,7 +395,8 @@ def run(args: argparse.Namespace) -> int:
                    "vision_batch_size", "vision_lr", "eval_scenes", "eval_long", "threads"] + (
             ["model_config"] if args.model_config else []) + (["train_vision"] if args.train_vision else [])
         command = explicit_command("mmspec train vlm", args, options)
-        (out / "README.md").write_text(_card(command, info))
+        card_text = with_metadata(_card(command, info), pipeline_tag="image-text-to-text", tags=["llava", "world"])
+        (out / "README.md").write_text(card_text)
         summary = {**info["eval"], "long": {k: v for k, v in info["eval"]["long"].items() if k != "examples"}}
         print(json.dumps(summary, indent=2))
     print(f"wrote {out}")

@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
 from mmspec.errors import check, check_positive_int
 from mmspec.feature_drafter import distribution_l1_loss, feature_drafter_loss, feature_smoothl1
+from mmspec.model_card import with_metadata
 from mmspec.world_training import card_head, optimizer_step, write_info
 from vlm.family import DRAFTER_KINDS, drafter_model
 from vlm.msd import msd_visual_probability
@@ -400,7 +401,10 @@ def run(args: argparse.Namespace) -> int:
             "kind", "target", *(["out"] if args.out else []), "num_train", "answer_max_tokens", "steps", "batch_size",
             "lr", "noise", "noise_scaling", "p_weight", "answers", "seed", "threads"])
         if "drafter" in info:
-            (out / "README.md").write_text(_card(command, info))
+            card_text = with_metadata(
+                _card(command, info),
+                pipeline_tag="image-text-to-text", tags=["llava", "speculative-decoding", "world"])
+            (out / "README.md").write_text(card_text)
         print(json.dumps(info["eval"], indent=2))
     print(f"wrote {out}")
     return 0

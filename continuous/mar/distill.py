@@ -32,6 +32,7 @@ from continuous.mar.model import MARModel
 from continuous.mar.train import WORLD_MAR, encode_world, parse_arch, train_mar
 from mmspec.data.artifacts import explicit_command
 from mmspec.errors import check, check_device
+from mmspec.model_card import with_metadata
 from mmspec.world_training import (
     TrainingFolder,
     add_runtime_arguments,
@@ -156,7 +157,10 @@ def run(args: argparse.Namespace) -> int:
     command = explicit_command("mmspec train mar-draft", args, [
         "distill_from", "out", "steps", "batch_size", "lr", "ema", "variance_weight", "num_train_images", "seed",
         "threads", "device"]) + "".join(f" --draft-arch {pair}" for pair in args.draft_arch)
-    (out / "README.md").write_text(card(command, folder.info))
+    card_text = with_metadata(
+        card(command, folder.info),
+        pipeline_tag="unconditional-image-generation", tags=["mar", "class-conditional", "cspd", "world"])
+    (out / "README.md").write_text(card_text)
     print(f"wrote {out}")
     return 0
 

@@ -43,6 +43,7 @@ from continuous.mar.vae import world_vae
 from mmspec.data import NUM_CLASSES
 from mmspec.data.artifacts import explicit_command
 from mmspec.errors import check, check_device
+from mmspec.model_card import with_metadata
 from mmspec.world_training import (
     add_runtime_arguments,
     add_staged_arguments,
@@ -335,7 +336,10 @@ def run(args: argparse.Namespace) -> int:
             "target_steps", "draft_steps", "mar_batch_size", "mar_lr", "ema", "mask_rates", "eval_images_per_class",
             "threads", "device"])
         command += "".join(f" --target-arch {pair}" for pair in args.target_arch)
-        (out / "README.md").write_text(_card(command, info))
+        card_text = with_metadata(
+            _card(command, info),
+            pipeline_tag="unconditional-image-generation", tags=["mar", "class-conditional", "world"])
+        (out / "README.md").write_text(card_text)
         print(json.dumps(info["eval"], indent=2))
     print(f"wrote {out}")
     return 0

@@ -27,6 +27,7 @@ from image_ar.llamagen.vq_train import VQLossWeights, vq_loss
 from mmspec.data import NUM_CLASSES
 from mmspec.data.artifacts import explicit_command
 from mmspec.errors import check
+from mmspec.model_card import with_metadata
 from mmspec.world_training import (
     add_runtime_arguments,
     add_staged_arguments,
@@ -229,7 +230,10 @@ def run(args: argparse.Namespace) -> int:
         command = explicit_command("mmspec train llamagen", args, [
             "out", "seed", "vq_steps", "vq_batch_size", "vq_lr", "object_weight", "num_train_images", "target_steps",
             "draft_steps", "gpt_batch_size", "gpt_lr", "eval_images_per_class", "threads"])
-        (out / "README.md").write_text(_card(command, info))
+        card_text = with_metadata(
+            _card(command, info),
+            pipeline_tag="unconditional-image-generation", tags=["llamagen", "class-conditional", "world"])
+        (out / "README.md").write_text(card_text)
         print(json.dumps(info.get("eval", {}), indent=2))
     print(f"wrote {out}")
     return 0

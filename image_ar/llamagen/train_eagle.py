@@ -41,6 +41,7 @@ from image_ar.llamagen.pipeline import LlamaGenPipeline
 from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
 from mmspec.errors import InputError, check, check_positive_int
 from mmspec.feature_drafter import feature_drafter_loss
+from mmspec.model_card import with_metadata
 
 COMPONENT = "eagle_drafter"
 COMPONENT_ENTRY = ["image_ar.llamagen.eagle", "LlamaGenEagleDrafter"]
@@ -351,7 +352,10 @@ def run(args: argparse.Namespace) -> int:
     with atomic_output_dir(out) as tmp:
         drafter.save_pretrained(tmp)
         (tmp / "training.json").write_text(json.dumps(info, indent=2) + "\n")
-        (tmp / "README.md").write_text(_card(command, info))
+        card_text = with_metadata(
+            _card(command, info),
+            pipeline_tag="unconditional-image-generation", tags=["llamagen", "eagle", "speculative-decoding", "world"])
+        (tmp / "README.md").write_text(card_text)
     registered = register_component(pipeline_dir, out)
     ckpt = work / "drafter-checkpoint.pt"
     if ckpt.is_file():

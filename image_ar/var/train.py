@@ -31,6 +31,7 @@ from image_ar.var.vqvae import VARVQVAE
 from mmspec.data import NUM_CLASSES
 from mmspec.data.artifacts import explicit_command
 from mmspec.errors import check
+from mmspec.model_card import with_metadata
 from mmspec.world_training import (
     add_runtime_arguments,
     add_staged_arguments,
@@ -255,7 +256,10 @@ def run(args: argparse.Namespace) -> int:
             "out", "seed", "vqvae_steps", "vqvae_batch_size", "vqvae_lr", "restart_every", "object_weight",
             "num_train_images",
             "large_steps", "small_steps", "var_batch_size", "var_lr", "eval_images_per_class", "threads"])
-        (out / "README.md").write_text(_card(command, info))
+        card_text = with_metadata(
+            _card(command, info),
+            pipeline_tag="unconditional-image-generation", tags=["var", "class-conditional", "world"])
+        (out / "README.md").write_text(card_text)
         print(json.dumps(info["eval"], indent=2))
     print(f"wrote {out}")
     return 0

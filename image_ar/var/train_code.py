@@ -39,6 +39,7 @@ from image_ar.var.train import encode_world, evaluate, fit_var
 from image_ar.var.transformer import VARTransformer
 from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
 from mmspec.errors import InputError, check
+from mmspec.model_card import strip_metadata, with_metadata
 from mmspec.world_training import write_info
 
 SMALL_TARGETS = ("teacher", "codes")
@@ -153,7 +154,11 @@ def run(args: argparse.Namespace) -> int:
             "pipeline", "out", "draft_steps", "seed", "num_train_images", "large_steps", "distill_steps",
             "refine_steps", "batch_size", "lr", "small_target", "eval_images_per_class", "threads"])
         source_card = source / "README.md"
-        (tmp / "README.md").write_text(_card(source_card.read_text() if source_card.is_file() else "", command, info))
+        card_text = with_metadata(
+            _card(strip_metadata(source_card.read_text()) if source_card.is_file() else "", command, info),
+            pipeline_tag="unconditional-image-generation",
+            tags=["var", "class-conditional", "code", "speculative-decoding", "world"])
+        (tmp / "README.md").write_text(card_text)
     print(json.dumps({k: info[k] for k in ("before", "after")}, indent=2))
     print(f"wrote {out}")
     return 0

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from mmspec.data.artifacts import explicit_command, machine_summary
+from mmspec.model_card import with_metadata
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
     }
     with atomic_output_dir(args.out) as tmp:
         save_world_tokenizer(tok, tmp)
-        (tmp / "README.md").write_text(_card(args, stats))
+        card_text = with_metadata(_card(args, stats), pipeline_tag=None, tags=["tokenizer", "world"])
+        (tmp / "README.md").write_text(card_text)
     print(f"wrote {Path(args.out).resolve()} (vocab {stats['vocab_size']}, {seconds:.1f} s)")
     return 0

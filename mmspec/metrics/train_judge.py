@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mmspec.data.artifacts import explicit_command, machine_summary
+from mmspec.model_card import with_metadata
 
 JUDGE_OPTIONS = ["out", "seed", "steps", "batch_size", "lr", "eval_size", "threads"]
 AUX_WEIGHT = 0.3
@@ -229,6 +230,7 @@ def run(args: argparse.Namespace) -> int:
             "machine": machine_summary(),
             "metrics": metrics,
         }
-        (tmp / "README.md").write_text(_card(args, info))
+        card_text = with_metadata(_card(args, info), pipeline_tag="image-classification", tags=["judge", "world"])
+        (tmp / "README.md").write_text(card_text)
     print(f"wrote {Path(args.out).resolve()}")
     return 0

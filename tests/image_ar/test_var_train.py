@@ -11,6 +11,7 @@ from image_ar.var import VARTransformer
 from image_ar.var.code import CoDePipeline
 from image_ar.var.train_code import distillation, masked_cross_entropy, scale_mask
 from mmspec.cli import main
+from mmspec.model_card import metadata, strip_metadata
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,8 @@ def test_train_var_code_refiner_only_from_codes_keeps_the_training_free_refiner(
     assert {"refine"} <= set(info) and not {"large", "distill"} & set(info) and info["small_target"] == "codes"
     assert info["source_training"] == json.loads((source / "training.json").read_text())
     card = (out / "README.md").read_text()
-    assert card.startswith((source / "README.md").read_text().rstrip("\n"))
+    assert strip_metadata(card).startswith(strip_metadata((source / "README.md").read_text()).rstrip("\n"))
+    assert metadata(card)["pipeline_tag"] == "unconditional-image-generation" and card.count("\n---\n") == 1
     assert "--small-target codes" in card and "refiner_training_free/" in card
 
 

@@ -11,6 +11,7 @@ from transformers import LlavaForConditionalGeneration
 
 import vlm.train_drafter as vlm_train_drafter
 from mmspec.cli import main
+from mmspec.model_card import metadata, strip_metadata
 from vlm.pipeline import SpeculativeVLM
 from vlm.world import world_llava_config, world_processor
 
@@ -40,7 +41,9 @@ def test_train_eagle_end_to_end(target_dir, tmp_path):
     assert info["eval"]["greedy_equal_to_vanilla"] is True
     assert info["eval"]["mean_acceptance_length"] >= 1.0
     assert info["drafter"]["final_feature_smoothl1"] < info["drafter"]["first_feature_smoothl1"]
-    assert (out / "README.md").read_text().startswith("# VLM drafter (eagle)")
+    card = (out / "README.md").read_text()
+    assert strip_metadata(card).startswith("# VLM drafter (eagle)")
+    assert metadata(card)["pipeline_tag"] == "image-text-to-text" and metadata(card)["library_name"] == "mmspec"
     vlm = SpeculativeVLM.from_pretrained(target_dir, drafter="eagle")
     assert vlm.drafter is not None
 
