@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=None,
                         help="image tokens, (resolution/16)^2; inferred from the file name when it says 256/384/512")
     parser.add_argument("--out", required=True, help="pipeline folder to write")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="read checkpoints with full pickle (runs code from them: only for files you trust)")
 
 
 def _json_or_name(option: str, value: str | None):
@@ -44,13 +46,15 @@ def _json_or_name(option: str, value: str | None):
 def run(args: argparse.Namespace) -> int:
     overrides = {} if args.block_size is None else {"block_size": args.block_size}
     config = _json_or_name("--gpt-config", args.gpt_config)
-    gpt = load_llamagen_gpt(args.gpt, config, **overrides)
+    gpt = load_llamagen_gpt(args.gpt, config, allow_pickle=args.allow_pickle, **overrides)
     vq_overrides = _json_or_name("--vq-config", args.vq_config) or {}
     check(isinstance(vq_overrides, dict), "--vq-config must be a JSON dict of LlamaGenVQ arguments.")
-    vq = load_llamagen_vq(args.vq, **vq_overrides)  # on top of the config inferred from the weights
+    # the overrides go on top of the config inferred from the weights
+    vq = load_llamagen_vq(args.vq, allow_pickle=args.allow_pickle, **vq_overrides)
     check(gpt.config.vocab_size == vq.config.codebook_size,
           f"the GPT's vocabulary ({gpt.config.vocab_size}) does not match the VQ codebook ({vq.config.codebook_size}).")
-    draft = load_llamagen_gpt(args.draft_gpt, config, **overrides) if args.draft_gpt else None
+    draft = (load_llamagen_gpt(args.draft_gpt, config, allow_pickle=args.allow_pickle, **overrides)
+             if args.draft_gpt else None)
     if draft is not None:
         check(draft.config.vocab_size == gpt.config.vocab_size, "the draft GPT must share the target's VQ vocabulary.")
     with atomic_output_dir(args.out) as tmp:

@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--patch-nums", default=None,
                         help="comma-separated scale schedule for non-official models (default 1,2,3,4,5,6,8,10,13,16)")
     parser.add_argument("--out", required=True, help="pipeline folder to write")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="read checkpoints with full pickle (runs code from them: only for files you trust)")
 
 
 def _patch_nums(text: str | None) -> dict:
@@ -40,10 +42,11 @@ def _patch_nums(text: str | None) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     schedule = _patch_nums(args.patch_nums)
-    large = load_var_transformer(args.transformer, **schedule)
-    vqvae = load_var_vqvae(args.vqvae, **schedule)
+    large = load_var_transformer(args.transformer, allow_pickle=args.allow_pickle, **schedule)
+    vqvae = load_var_vqvae(args.vqvae, allow_pickle=args.allow_pickle, **schedule)
     if args.small:
-        pipe = CoDePipeline(drafter=large, refiner=load_var_transformer(args.small, **schedule), vqvae=vqvae)
+        small = load_var_transformer(args.small, allow_pickle=args.allow_pickle, **schedule)
+        pipe = CoDePipeline(drafter=large, refiner=small, vqvae=vqvae)
     else:
         pipe = VARPipeline(transformer=large, vqvae=vqvae)
     with atomic_output_dir(args.out) as tmp:

@@ -210,8 +210,9 @@ def _not_allow_listed(path: Path, names: list[str], torch_message: str) -> Check
         f"{path} contains Python objects that are not allow-listed for safe loading: {what}. "
         "mmspec reads .pt/.pth/.ckpt/.bin files with torch.load(weights_only=True) and a small allow-list "
         "(see docs/checkpoints.md). If you trust this file, allow exactly these objects with "
-        "extra_safe_globals=[...], or pass allow_pickle=True: that runs arbitrary code from the file and "
-        "should only be used for files you trust. Better, convert it once to .safetensors (save_safetensors)."
+        "extra_safe_globals=[...], or pass allow_pickle=True (--allow-pickle on mmspec convert): that runs "
+        "arbitrary code from the file and should only be used for files you trust. Better, convert it once to "
+        ".safetensors (save_safetensors)."
     )
 
 

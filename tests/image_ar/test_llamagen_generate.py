@@ -169,6 +169,26 @@ def test_convert_official_files_into_a_pipeline_folder(model_dir, tmp_path):
     assert a == (tmp_path / "ref" / "images" / "class1_000.png").read_bytes()
 
 
+class TrainingState:  # an object a training script pickled next to the weights (not on the safe allow-list)
+    pass
+
+
+def test_convert_refuses_pickled_objects_unless_allowed(model_dir, tmp_path, capsys):
+    import torch
+
+    pipe = LlamaGenPipeline.from_pretrained(model_dir)
+    gpt_file, vq_file = tmp_path / "c2i_X_64.pt", tmp_path / "vq_ds4_c2i.pt"
+    torch.save({"model": pipe.transformer.state_dict(), "state": TrainingState()}, gpt_file)
+    torch.save({"model": pipe.vqvae.state_dict()}, vq_file)
+    args = ["convert", "llamagen", "--gpt", str(gpt_file), "--vq", str(vq_file), "--gpt-config",
+            json.dumps({"n_head": 2, "multiple_of": 16}), "--vq-config", json.dumps({"norm_num_groups": 8}),
+            "--block-size", "16", "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "TrainingState" in err and "--allow-pickle on mmspec convert" in err and not (tmp_path / "out").exists()
+    assert main([*args, "--allow-pickle"]) == 0 and (tmp_path / "out" / "model_index.json").is_file()
+
+
 def test_profile_measures_the_target_and_the_draft_model(model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
     assert main(["profile", "--family", "llamagen", "--model", str(model_dir), "--batch-sizes", "1,3", "--widths",
