@@ -234,10 +234,13 @@ class TreeBudget:
     def explore_shape(self) -> TreeShape:
         """The shape of warm-up and refresh steps: of the shapes costing at most `explore_cost` plain steps, the one
         that contains the most trees, then the deepest (the full shape where drafting is cheap, e.g. a GPU at batch
-        1; a chain or a small tree where a wide verify costs several steps). Trees it does not contain are learnt
-        only if chosen."""
+        1; a chain or a small tree where a wide verify costs several steps; the cheapest drafting shape when none is
+        that cheap, so a table timed under a passing load is corrected by real steps). Trees it does not contain are
+        learnt only if chosen."""
         seconds = dict(zip(self.shapes, self.step_seconds().tolist()))
-        affordable = [s for s in self.shapes if seconds[s] <= self.explore_cost * seconds[PLAIN]] or [PLAIN]
+        drafting = [s for s in self.shapes if s != PLAIN]  # never plain: a draft keeps the costs and rates measured
+        affordable = ([s for s in drafting if seconds[s] <= self.explore_cost * seconds[PLAIN]]
+                      or [min(drafting, key=lambda s: seconds[s])])
         trees = [o for o in self.shapes if o.top_k > 1]  # chains are valued by the position model, fed by any shape
         return max(affordable, key=lambda s: (sum(s.contains(o) for o in trees), s.depth, -seconds[s]))
 

@@ -201,3 +201,5 @@ def test_the_tree_budget_picks_the_fastest_expected_shape():
     assert seconds[timed.shapes.index(full)] == 100.0 and seconds[0] == 1.0
     assert seconds[1] == pytest.approx(50.5)  # shapes not run: their table time x the mean ratio of those that ran
     assert timed.choose(1) == 0
+    dear = TreeBudget(full, costs={s: 1.0 if s == PLAIN else 10.0 + s.total for s in shapes}, warmup=1, timing=False)
+    assert dear.choose(1) == TreeShape(1, 1, 2)  # nothing within 3 plain steps: the warm-up still drafts (cheapest)
