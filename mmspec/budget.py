@@ -70,12 +70,7 @@ class AutoBudget:
         """a_j [K]: per-position acceptance given the earlier positions were accepted."""
         total_reached, total_accepted = float(self.reached.sum()), float(self.accepted.sum())
         pooled = (total_accepted + self.prior_strength * self.prior_rate) / (total_reached + self.prior_strength)
-        rates = (self.accepted + self.prior_strength * pooled) / (self.reached + self.prior_strength)  # [K]
-        seen = (self.reached > 0).nonzero()
-        if seen.numel():  # positions never reached take the deepest reached position's rate
-            deepest = int(seen[-1])
-            rates[deepest + 1:] = rates[deepest]
-        return rates
+        return position_rates(self.accepted, self.reached, pooled, self.prior_strength)
 
     def expected_tokens(self, k: int, rates: torch.Tensor | None = None) -> float:
         """E[tokens emitted per row | k drafts]: the position model 1 + sum_i prod_{j<=i} a_j, blended with the mean
@@ -125,6 +120,22 @@ class AutoBudget:
         reached = (acc >= positions) & (drafted > positions) & active.unsqueeze(-1)  # [B, k]
         self.reached[:k] += reached.sum(0).double().cpu()
         self.accepted[:k] += (reached & (acc > positions)).sum(0).double().cpu()
+
+
+def position_rates(accepted: torch.Tensor, reached: torch.Tensor, pooled: float, strength: float) -> torch.Tensor:
+    """a_j [K] from counts [K] of rows that reached draft position j (the earlier ones accepted) and accepted it:
+    each shrunk towards the `pooled` rate with `strength` pseudo-rows; positions never reached take the deepest
+    reached position's rate."""
+    rates = (accepted + strength * pooled) / (reached + strength)  # [K]
+    seen = (reached > 0).nonzero()
+    if seen.numel():
+        rates[int(seen[-1]) + 1:] = rates[int(seen[-1])]
+    return rates
+
+
+def check_budget_mode(mode: str | None, what: str = "budget") -> None:
+    """InputError unless `mode` is a draft budget mode (`BUDGET_MODES`) or None."""
+    check(mode is None or mode in BUDGET_MODES, f"{what} must be one of {BUDGET_MODES} or None, got {mode!r}.")
 
 
 # ------------------------------------------------------------------------------------------ building one
@@ -184,7 +195,7 @@ def make_budget(mode: str | None, target, drafter, rule, inputs, batch: int,
     `keep`: a dict the caller holds (a pipeline's) in which a tree budget stays between calls of the same drafter,
     shape, batch size, rule and sampling setting, so its acceptance estimates carry over (short answers end before a
     per-call budget has learnt anything); the next call's tokens then depend on earlier calls (greedy ones do not)."""
-    check(mode is None or mode in BUDGET_MODES, f"budget must be one of {BUDGET_MODES} or None, got {mode!r}.")
+    check_budget_mode(mode)
     if mode in (None, "fixed"):
         return None
     if hasattr(drafter, "full_shape"):  # a tree drafter: its shapes are timed on the live models at the loop's start
@@ -194,7 +205,9 @@ def make_budget(mode: str | None, target, drafter, rule, inputs, batch: int,
             return TreeBudget(drafter.full_shape)
         key = (type(drafter).__name__, id(drafter.model), drafter.full_shape, batch, str(getattr(rule, "name", rule)),
                str(target.params))
-        return keep.setdefault(key, TreeBudget(drafter.full_shape))
+        if key not in keep:
+            keep[key] = TreeBudget(drafter.full_shape)
+        return keep[key]
     sizes = getattr(drafter, "draft_sizes", None)
     if sizes is None or max(sizes) == 0:
         return None

@@ -41,7 +41,7 @@ from mmspec.errors import InputError, check, check_positive_int
 from mmspec.lm import CandidatePool, GuidedRunner, PendingTokens
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams, process_logits
-from mmspec.tree import DraftTree, expand_eagle2
+from mmspec.tree import DraftTree, expand_eagle2, pool_size
 from mmspec.tree_budget import ShapedTreeDrafter, TreeShape
 from mmspec.verify import VerifyResult
 
@@ -54,8 +54,8 @@ class PendingPairs(PendingTokens):
         self.features = features.new_zeros(features.shape[0], width, features.shape[-1])  # [R, W, dim]
         self.features[:, 0] = features
 
-    def append(self, tokens: torch.Tensor, rows: torch.Tensor, features: torch.Tensor | None = None,
-               feature_rows: torch.Tensor | None = None) -> None:
+    def append(self, tokens: torch.Tensor, rows: torch.Tensor, features: torch.Tensor,
+               feature_rows: torch.Tensor) -> None:
         """`PendingTokens.append` plus features [R, dim] for feature_rows [R] bool."""
         column = self.next_column()  # [B, W]
         super().append(tokens, rows)
@@ -159,7 +159,7 @@ def check_tree_params(top_k: int, depth: int, total_tokens: int) -> int:
     for name, value in (("top_k", top_k), ("depth", depth)):
         check_positive_int(name, value)
     check_positive_int("total_tokens", total_tokens, minimum=2)
-    pool = 1 + top_k + (depth - 1) * top_k * top_k
+    pool = pool_size(top_k, depth)
     check(total_tokens <= pool, f"total_tokens={total_tokens} exceeds the {pool} nodes depth={depth}, "
                                 f"top_k={top_k} can create; lower total_tokens or raise depth/top_k.")
     return pool

@@ -23,8 +23,8 @@ from mmspec.cache import StaticKVCache
 from mmspec.errors import check, check_positive_int
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams, cfg_combine, probs_from_params, sample, split_cfg_batch
-from mmspec.tree import DraftTree, expand_eagle2
-from mmspec.tree_budget import ShapedTreeDrafter, TreeShape, pool_size
+from mmspec.tree import DraftTree, expand_eagle2, pool_size
+from mmspec.tree_budget import ShapedTreeDrafter, TreeShape
 from mmspec.verify import ChainDraft, Draft, VerifyResult
 
 

@@ -132,6 +132,11 @@ def chain_as_tree(draft_tokens: torch.Tensor, root_tokens: torch.Tensor,
 ScoreChildren = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
 
 
+def pool_size(top_k: int, depth: int) -> int:
+    """Nodes EAGLE-2 expansion creates (root included): 1 + top_k + (depth - 1) top_k^2."""
+    return 1 + top_k + (depth - 1) * top_k * top_k
+
+
 def expand_eagle2(root_tokens: torch.Tensor, score_children: ScoreChildren, *, top_k: int = 10,
                   depth: int = 5, total_tokens: int = 60) -> DraftTree:
     """Build EAGLE-2 dynamic draft trees for a batch (deterministic top-k children).
@@ -146,7 +151,7 @@ def expand_eagle2(root_tokens: torch.Tensor, score_children: ScoreChildren, *, t
     check_positive_int("total_tokens", total_tokens, minimum=2)
     b = root_tokens.shape[0]
     device = root_tokens.device
-    max_nodes = 1 + top_k + (depth - 1) * top_k * top_k  # every candidate ever created
+    max_nodes = pool_size(top_k, depth)  # every candidate ever created
     check(total_tokens - 1 <= max_nodes - 1,
           f"total_tokens={total_tokens} exceeds what depth={depth}, top_k={top_k} can create ({max_nodes}).")
 
@@ -157,7 +162,7 @@ def expand_eagle2(root_tokens: torch.Tensor, score_children: ScoreChildren, *, t
     cand_depth = [torch.zeros(b, 1, dtype=torch.long, device=device)]
     frontier = torch.zeros(b, 1, dtype=torch.long, device=device)  # [B, F] pool indices
     frontier_score = torch.zeros(b, 1, dtype=torch.float32, device=device)
-    pool_size = 1
+    created = 1
     for d in range(1, depth + 1):
         tokens_pool = torch.cat(cand_tokens, 1)
         frontier_tokens = tokens_pool.gather(1, frontier)  # [B, F]
@@ -177,9 +182,9 @@ def expand_eagle2(root_tokens: torch.Tensor, score_children: ScoreChildren, *, t
         flat = child_score.reshape(b, f * top_k)
         keep = min(top_k, f * top_k)
         best_score, best = flat.topk(keep, dim=-1)  # [B, keep]
-        frontier = pool_size + best
+        frontier = created + best
         frontier_score = best_score
-        pool_size += f * top_k
+        created += f * top_k
 
     tokens_pool = torch.cat(cand_tokens, 1)  # [B, P]
     parent_pool = torch.cat(cand_parent, 1)
@@ -189,11 +194,11 @@ def expand_eagle2(root_tokens: torch.Tensor, score_children: ScoreChildren, *, t
     drafted_score = score_pool[:, 1:]
     order = _stable_descending(drafted_score)[:, : total_tokens - 1] + 1  # [B, M] pool indices
     # reorder kept nodes by (depth, pool index) so parents precede children
-    key = depth_pool.gather(1, order) * (pool_size + 1) + order
+    key = depth_pool.gather(1, order) * (created + 1) + order
     order = order.gather(1, key.argsort(dim=1))
     kept = torch.cat([torch.zeros(b, 1, dtype=torch.long, device=device), order], dim=1)  # [B, total]
     # map pool index -> new node index
-    new_index = torch.full((b, pool_size), -1, dtype=torch.long, device=device)
+    new_index = torch.full((b, created), -1, dtype=torch.long, device=device)
     new_index.scatter_(1, kept, torch.arange(total_tokens, device=device).expand(b, total_tokens))
     parents = parent_pool.gather(1, kept)
     # every kept node's parent is kept too (scores are non-increasing along paths), so no parent maps to -1; not

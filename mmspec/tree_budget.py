@@ -42,8 +42,9 @@ from dataclasses import dataclass
 
 import torch
 
+from mmspec.budget import position_rates
 from mmspec.errors import check
-from mmspec.tree import DraftTree
+from mmspec.tree import DraftTree, pool_size
 from mmspec.verify import ChainDraft, VerifyResult, accept
 
 
@@ -73,11 +74,6 @@ class TreeShape:
 PLAIN = TreeShape(0, 0, 1)  # no drafts: the loop's plain step
 TREE_DEPTHS = (2, 3, 4, 6, 8, 12, 16)  # tree depths offered below the drafter's own
 TREE_TOTALS = (4, 8, 16, 24, 32, 48, 64, 96, 128)  # node counts offered below the drafter's own
-
-
-def pool_size(top_k: int, depth: int) -> int:
-    """Nodes EAGLE-2 expansion creates (root included): 1 + top_k + (depth - 1) top_k^2."""
-    return 1 + top_k + (depth - 1) * top_k * top_k
 
 
 def max_chain_depth(full: TreeShape) -> int:
@@ -187,6 +183,8 @@ class TreeBudget:
         self.costs = costs
         self.accepted = torch.zeros(len(self.shapes), dtype=torch.float64)  # [S] decayed accepted drafts
         self.rows = torch.zeros(len(self.shapes), dtype=torch.float64)  # [S] decayed rows behind them
+        # per shape drafted: the shapes a step of it shows [S] bool (the plain step shows none)
+        self.shows = {s: torch.tensor([s.contains(o) and o != PLAIN for o in self.shapes]) for s in self.shapes}
         self.chains = {s.depth: i for i, s in enumerate(self.shapes) if s.top_k == 1}  # chain depth -> menu index
         depth = max(self.chains, default=0)
         self.chain_reached = torch.zeros(depth, dtype=torch.float64)  # [D] decayed rows whose chain reached j
@@ -212,13 +210,9 @@ class TreeBudget:
 
     def chain_rates(self, prior: float = 2.0) -> torch.Tensor:
         """a_j [D]: P(chain position j accepted | 1..j-1 accepted), shrunk towards the pooled rate with `prior`
-        pseudo-rows; positions never reached take the deepest reached position's rate (as `AutoBudget.rates`)."""
+        pseudo-rows; positions never reached take the deepest reached position's rate (`position_rates`)."""
         pooled = float(self.chain_accepted.sum()) / max(float(self.chain_reached.sum()), 1e-9)
-        rates = (self.chain_accepted + prior * pooled) / (self.chain_reached + prior)  # [D]
-        seen = (self.chain_reached > 0).nonzero()
-        if seen.numel():
-            rates[int(seen[-1]) + 1:] = rates[int(seen[-1])]
-        return rates
+        return position_rates(self.chain_accepted, self.chain_reached, pooled, prior)
 
     def step_seconds(self) -> torch.Tensor:
         """seconds(s) [S]: the steps of this shape as they ran (an average that follows the machine's load), else
@@ -268,7 +262,7 @@ class TreeBudget:
         """Count what the step accepted under every shape its tree (or chain) contains."""
         if self._last == PLAIN or not isinstance(draft, DraftTree) or draft.scores is None:
             return
-        covered = torch.tensor([self._last.contains(s) and s != PLAIN for s in self.shapes])  # [S]
+        covered = self.shows[self._last]  # [S]
         counts = counterfactual_accepts(draft, result.accepted_nodes, self.shapes)  # [B, S]
         rows = active.unsqueeze(-1)
         self.accepted = torch.where(covered, self.accepted * self.decay + (counts * rows).sum(0).double().cpu(),
@@ -307,14 +301,15 @@ class TreeBudget:
 
 def measure_shapes(target, drafter, state, rule, shapes: list[TreeShape], repeats: int = 3) -> dict:
     """Median seconds of the drafter's `propose` per (top_k, depth) and of a target step (verify + acceptance rule)
-    per node count, on the live target and drafter (nothing committed). {"draft": {"k,d": s}, "step": {"n": s}}."""
-    from mmspec.phases import synchronize
+    per node count, on the live target and drafter (nothing committed; `mmspec.cost.measure_forward_times`, so a
+    deeper draft or a wider step never reads cheaper than a shallower or narrower one).
+    {"draft": {"k,d": s}, "step": {"n": s}}."""
+    from mmspec.cost import measure_forward_times
 
     print("mmspec: timing draft shapes on this device for budget='auto' (once per model, batch size and device; "
           "cached)", file=sys.stderr, flush=True)
     device = state.output.device
     generator = torch.Generator(device=device).manual_seed(0)
-    drafts = sorted({(s.top_k, s.depth) for s in shapes if s.total > 1})
     totals = sorted({s.total for s in shapes})
     trees: dict[int, object] = {}
     for n in totals:  # the draft each node count is timed with
@@ -324,32 +319,19 @@ def measure_shapes(target, drafter, state, rule, shapes: list[TreeShape], repeat
         drafter.set_draft_size(next((s for s in shapes if s.total == n and s.top_k > 1), TreeShape(1, n - 1, n)))
         trees[n] = drafter.propose(state)
 
-    def time_once(fn) -> float:
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        return time.perf_counter() - start
+    def draft(top_k: int, depth: int) -> None:  # the table's "batch" is top_k, its "width" the depth
+        drafter.set_draft_size(TreeShape(top_k, depth, depth + 1 if top_k == 1 else min(depth + 2,
+                                                                                         pool_size(top_k, depth))))
+        drafter.propose(state)
 
-    def draft(k: int, d: int):
-        shape = TreeShape(k, d, d + 1 if k == 1 else min(d + 2, pool_size(k, d)))
-        return lambda: (drafter.set_draft_size(shape), drafter.propose(state))
+    def step(batch: int, total: int) -> None:
+        accept(rule, trees[total], target.verify(state, trees[total]), generator, validate=False)
 
-    def step(n: int):
-        return lambda: accept(rule, trees[n], target.verify(state, trees[n]), generator, validate=False)
-
-    jobs = {("draft", f"{k},{d}"): draft(k, d) for k, d in drafts} | {("step", str(n)): step(n) for n in totals}
-    samples: dict[tuple[str, str], list[float]] = {key: [] for key in jobs}
-    for fn in jobs.values():  # warm-up
-        fn()
-    for _ in range(repeats):  # interleaved, so a change of load touches every shape alike
-        for key, fn in jobs.items():
-            samples[key].append(time_once(fn))
-    out: dict[str, dict[str, float]] = {"draft": {}, "step": {}}
-    for (kind, name), values in samples.items():
-        out[kind][name] = sorted(values)[len(values) // 2]
-    steps = out["step"]  # a wider step never costs less than a narrower one: noise if it does
-    for i, n in enumerate(totals[1:], 1):
-        steps[str(n)] = max(steps[str(n)], steps[str(totals[i - 1])])
+    steps = measure_forward_times(step, [state.batch_size], totals, repeats, warmup=1, device=device)
+    timed = {"step": {str(n): seconds for n, seconds in zip(totals, steps.seconds[0])}, "draft": {}}
+    for top_k in sorted({s.top_k for s in shapes if s.total > 1}):
+        depths = sorted({s.depth for s in shapes if s.top_k == top_k})
+        drafts = measure_forward_times(draft, [top_k], depths, repeats, warmup=1, device=device)
+        timed["draft"].update({f"{top_k},{d}": seconds for d, seconds in zip(depths, drafts.seconds[0])})
     drafter.set_draft_size(drafter.full_shape)
-    return out
+    return timed

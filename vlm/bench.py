@@ -77,7 +77,9 @@ def _runner(record):
                 raise InputError(f"method {kind!r} needs a drafter in {models['folder']}/drafters/{kind}; train one "
                                  f"with `mmspec train vlm-drafter --kind {kind} --target {models['folder']}`.")
             pipes = models.setdefault("pipes", {})  # one per drafter, so budget="auto" learns across batches
-            vlm = pipes.setdefault(kind, SpeculativeVLM(vlm.model, vlm.processor, models["drafters"][kind]))
+            if kind not in pipes:
+                pipes[kind] = SpeculativeVLM(vlm.model, vlm.processor, models["drafters"][kind])
+            vlm = pipes[kind]
         use_drafter = kind is not None
         tree = (params.get("depth"), params.get("top_k"), params.get("total_tokens"))
         examples = [s.data for s in batch]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from mmspec.budget import BUDGET_MODES, make_budget
+from mmspec.budget import check_budget_mode, make_budget
 from mmspec.errors import InputError, check, check_positive_int
 from mmspec.lm import LMTarget, NoDrafter
 from mmspec.loop import generate
@@ -159,7 +159,7 @@ class SpeculativeVLM:
         check(len(prompts) > 0, "no prompts given.")
         check_positive_int("max_new_tokens", max_new_tokens)
         check_positive_int("batch_size", batch_size)
-        check(budget in (None, *BUDGET_MODES), f"budget must be one of {BUDGET_MODES}, got {budget!r}.")
+        check_budget_mode(budget)
         tree = (None, None, None) if tree is None else tree
         check(isinstance(tree, (tuple, list)) and len(tree) == 3,
               f"tree must be (depth, top_k, total_tokens) or None, got {tree!r}.")

@@ -68,12 +68,11 @@ SUPPORTED = ("LlavaForConditionalGeneration (LLaVA-1.5 layout) with a Llama, Mis
 def check_supported_config(config, where: str = "the VLM target") -> None:
     """InputError (one line) unless `config` (a transformers config or its dict) is a LLaVA-1.5 model whose text
     backbone mmspec's target runs exactly: anything else would run without an error and give other tokens."""
-    get = config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
-    model_type = get("model_type")
-    text = get("text_config") or {}
-    text_type = text.get("model_type") if isinstance(text, dict) else getattr(text, "model_type", None)
+    config = config if isinstance(config, dict) else config.to_dict()  # nested configs become dicts too
+    model_type, text = config.get("model_type"), config.get("text_config") or {}
+    text_type = text.get("model_type")
     if model_type != "llava":
-        classes = ", ".join(get("architectures") or []) or "no architectures listed"
+        classes = ", ".join(config.get("architectures") or []) or "no architectures listed"
         raise InputError(f"{where} is a {model_type!r} model ({classes}); mmspec supports {SUPPORTED}.")
     if text_type not in SUPPORTED_TEXT_MODELS:
         raise InputError(f"{where} is a LLaVA with a {text_type!r} text backbone, whose layers differ from Llama's "

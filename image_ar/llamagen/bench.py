@@ -27,15 +27,13 @@ from mmspec.bench.image_family import (
     token_calibration,
 )
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of, pop_budget
-from mmspec.budget import BUDGET_MODES
+from mmspec.budget import check_budget_mode
 from mmspec.compile import compile_pipeline
-from mmspec.errors import check
 
 
 def _options(settings: BenchSettings) -> dict[str, Any]:
     options = image_options(settings, "llamagen", DEFAULTS, extra=("budget",))
-    check(options["budget"] in (None, *BUDGET_MODES),
-          f"--family-option budget must be one of {BUDGET_MODES}, got {options['budget']!r}.")
+    check_budget_mode(options["budget"], "--family-option budget")
     return options
 
 

@@ -70,6 +70,7 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         self.register_modules(transformer=transformer, vqvae=vqvae, draft_transformer=draft_transformer,
                               eagle_drafter=eagle_drafter)
         self.lantern_tables: dict[int, torch.Tensor] = {}  # LANTERN's neighbour tables of the VQ codebook, per k
+        self.budgets: dict = {}  # budget="auto" on tree drafters: what each budget learnt, kept between calls
 
     def compile_forwards(self, mode: str | None = "default") -> LlamaGenPipeline:
         """`torch.compile` the step forwards of the transformer and of the drafters present
@@ -151,8 +152,6 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         for model in (self.transformer, self.draft_transformer):  # positions are bounded here; no per-call sync
             if model is not None:
                 model.check_positions = False
-        if not hasattr(self, "budgets"):
-            self.budgets: dict = {}  # budget="auto" on tree drafters: what each budget learnt, kept between calls
         draft_budget = make_budget(budget, target, drafter, rule, cond, batch, cond.device, self.budgets)
 
         with self.progress_bar(total=block) as bar:

@@ -141,11 +141,11 @@ def methods_of(record: Any, runner: Callable[[Any], MethodFn], budget: bool = Fa
 
 def pop_budget(given: Mapping[str, Any], default: str | None = "fixed") -> tuple[dict[str, Any], str | None]:
     """(the method's own parameters, the draft budget) from a bench method's parameters (see `methods_of`)."""
-    from mmspec.budget import BUDGET_MODES
+    from mmspec.budget import check_budget_mode
 
     given = dict(given)
     budget = given.pop("budget", None) or default
-    check(budget is None or budget in BUDGET_MODES, f"budget must be one of {BUDGET_MODES}, got {budget!r}.")
+    check_budget_mode(budget)
     return given, budget
 
 
