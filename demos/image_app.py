@@ -3,7 +3,9 @@
     python demos/image_app.py                                    # embedded defaults, http://127.0.0.1:7860
     python demos/image_app.py --model var=/data/var-code --port 7861   # a real checkpoint folder for one family
 
-Pick a family (llamagen, var, mar), a method, a class and sampling settings; both runs use the same seeds. The
+Pick a family (llamagen, var, mar), a method, a class, sampling settings and, for families whose pipeline takes
+one, the draft budget (docs/budgets.md: "fixed" drafts the method's size every step, "auto" picks each step's size
+from this device's measured costs); both runs use the same seeds. The
 app shows the two image grids, wall times, the speed-up, step compression (vanilla's target forwards / the
 method's), the mean acceptance length and a per-position acceptance plot. Families, methods and their loaders are
 the family records `mmspec generate` reads (`mmspec.families`, those with a generate hook); pipelines are
@@ -75,6 +77,9 @@ class ModelStore:
         return self.defaults(family)["guidance_scale"]
 
 
+BUDGETS = ("default", "fixed", "auto")  # "default": the family pipeline's own default
+
+
 def speculative_methods(family: str) -> list[str]:
     return [m for m in ModelStore.record(family).methods if m != "vanilla"]
 
@@ -83,6 +88,27 @@ def default_method(family: str) -> str:
     methods = speculative_methods(family)
     preferred = PREFERRED_METHOD.get(family)
     return preferred if preferred in methods else methods[0]
+
+
+def method_example(family: str, method: str) -> str:
+    """The method-parameters box's placeholder: the method's own parameters with their defaults."""
+    params = ModelStore.record(family).get_method(method).params if method in speculative_methods(family) else {}
+    shown = ", ".join(f"{k}={'<model default>' if v is None else v}" for k, v in list(params.items())[:3]
+                      if v is None or isinstance(v, (int, float, str, bool)))
+    return f"e.g. {shown}" if shown else "(this method takes no parameters)"
+
+
+def check_budget(budget: str, pipe) -> dict:
+    """The `budget` option for the method's run: {} for "default"; a family whose pipeline has no draft budget
+    refuses "fixed" / "auto"."""
+    import inspect
+
+    check(budget in BUDGETS, f"draft budget must be one of {', '.join(BUDGETS)}, got {budget!r}.")
+    if budget == "default":
+        return {}
+    check("budget" in inspect.signature(type(pipe).__call__).parameters,
+          f"this family's pipeline has no draft budget; choose 'default' (got {budget!r}).")
+    return {"budget": budget}
 
 
 def sampling_options(family: str, defaults: dict, guidance_scale: float, temperature: float, top_k: int,
@@ -133,8 +159,10 @@ def timed_generate(record: FamilyRecord, pipe, labels: list[int], seed: int, opt
 
 
 def compare(store: ModelStore, family: str, method: str, class_text: str, method_text: str, num_images: int,
-            guidance_scale: float, temperature: float, top_k: int, top_p: float, seed: int) -> dict:
+            guidance_scale: float, temperature: float, top_k: int, top_p: float, seed: int,
+            budget: str = "default") -> dict:
     """Vanilla and `method` on the same class and seeds; the grids, a stats dict and the per-position figure.
+    budget: "default", "fixed" or "auto" (the method's draft budget, families whose pipeline takes one).
     Raises InputError for bad input (before any generation where it can be told in advance)."""
     record = ModelStore.record(family)
     check(method in speculative_methods(family),
@@ -147,7 +175,9 @@ def compare(store: ModelStore, family: str, method: str, class_text: str, method
           f"seed must be a whole number in [0, 2^31), got {seed!r}.")
     method_kwargs = record.get_method(method).check_given(parse_method_text(method_text), family)
     sampling_options(family, record.defaults(), guidance_scale, temperature, top_k, top_p)  # before loading
+    check(budget in BUDGETS, f"draft budget must be one of {', '.join(BUDGETS)}, got {budget!r}.")
     pipe = store.pipeline(family)
+    budget_option = check_budget(budget, pipe)
     options = sampling_options(family, store.defaults(family), guidance_scale, temperature, top_k, top_p)
     label = resolve_class(str(class_text).strip(), record.num_classes(pipe))
     labels, seed = [label] * int(num_images), int(seed)
@@ -156,10 +186,10 @@ def compare(store: ModelStore, family: str, method: str, class_text: str, method
     base, base_stats, base_time = timed_generate(
         record, pipe, labels, seed, {**options, "method": "vanilla", "method_kwargs": shared})
     spec, spec_stats, spec_time = timed_generate(
-        record, pipe, labels, seed, {**options, "method": method, "method_kwargs": method_kwargs})
+        record, pipe, labels, seed, {**options, **budget_option, "method": method, "method_kwargs": method_kwargs})
     drafted = spec_stats.num_drafts > 0
     stats = {
-        "family": family, "method": method, "method_kwargs": method_kwargs, "class": label,
+        "family": family, "method": method, "method_kwargs": method_kwargs, "budget": budget, "class": label,
         "num_images": len(labels), "seed": seed,
         "vanilla_seconds": round(base_time, 3), "method_seconds": round(spec_time, 3),
         "speedup": round(base_time / spec_time, 3) if spec_time > 0 else None,
@@ -198,11 +228,11 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
     names = world_class_names(16) or []
 
     def run(family, method, class_text, method_text, num_images, guidance_scale, temperature, top_k, top_p, seed,
-            progress=gr.Progress(track_tqdm=True)):  # noqa: B008  (gradio finds the tracker by this default)
+            budget="default", progress=gr.Progress(track_tqdm=True)):  # noqa: B008  (gradio finds the tracker)
         progress(0, desc="vanilla, then the method")
         try:
             result = compare(store, family, method, class_text, method_text, num_images, guidance_scale,
-                             temperature, top_k, top_p, seed)
+                             temperature, top_k, top_p, seed, budget)
         except InputError as err:
             raise gr.Error(str(err), print_exception=False) from None
         return (result["vanilla"], result["method"], summary_markdown(result["stats"]), result["stats"],
@@ -217,15 +247,24 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
     def methods_for(family):
         return gr.Dropdown(choices=speculative_methods(family), value=default_method(family))
 
+    def example_for(family, method):
+        try:
+            return gr.Textbox(placeholder=method_example(family, method))
+        except InputError:  # a family / method pair mid-switch
+            return gr.Textbox()
+
     with gr.Blocks(title="mmspec: speculative image generation", analytics_enabled=False) as app:
         gr.Markdown("# mmspec: speculative vs vanilla image generation\nSame class, same seeds; the method's "
                     "images on the right. World images are 32 px, shown enlarged.")
         with gr.Row():
             family_box = gr.Dropdown(image_families(), value=family, label="family")
-            method_box = gr.Dropdown(speculative_methods(family), value=default_method(family), label="method")
+            # custom values: an API call may name another family's method; `compare` checks the pair
+            method_box = gr.Dropdown(speculative_methods(family), value=default_method(family), label="method",
+                                     allow_custom_value=True)
             class_box = gr.Dropdown(names, value=names[0] if names else None, allow_custom_value=True,
                                     label="class (name or id)")
-            method_args = gr.Textbox(label="method parameters", placeholder="e.g. gamma=4, align=false")
+            method_args = gr.Textbox(label="method parameters",
+                                     placeholder=method_example(family, default_method(family)))
         with gr.Row():
             num_images = gr.Slider(1, MAX_IMAGES, value=4, step=1, label="images")
             guidance = gr.Number(value=store.default_guidance(family), label="CFG scale")
@@ -233,6 +272,7 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
             top_k = gr.Number(value=0, precision=0, label="top-k (0 = off)")
             top_p = gr.Number(value=1.0, label="top-p (1 = off)")
             seed = gr.Number(value=0, precision=0, label="seed")
+            budget = gr.Dropdown(list(BUDGETS), value="default", label="draft budget")
         button = gr.Button("Generate", variant="primary")
         with gr.Row():
             vanilla_image = gr.Image(label="vanilla (same seeds)", type="pil", format="png", elem_id="vanilla-image")
@@ -244,8 +284,10 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
             stats = gr.JSON(label="stats")
         family_box.change(methods_for, family_box, method_box)
         family_box.change(guidance_for, family_box, guidance)
+        method_box.change(example_for, [family_box, method_box], method_args)
         button.click(run, [family_box, method_box, class_box, method_args, num_images, guidance, temperature, top_k,
-                           top_p, seed], [vanilla_image, method_image, summary, stats, plot], api_name="generate")
+                           top_p, seed, budget], [vanilla_image, method_image, summary, stats, plot],
+                     api_name="generate")
     return app.queue(default_concurrency_limit=concurrency, max_size=max_queue)
 
 

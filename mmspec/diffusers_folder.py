@@ -18,18 +18,29 @@ the flag and the file to inspect. There is no way to load a class diffusers does
 `custom_pipeline=`); the file holds nothing but the import. mmspec's own classes read the pair as their name and
 never run the file. Folders written before 2026-11-24 (a plain class name) still load with mmspec's classes.
 
-Call conventions (the mixin): `_callback_tensor_inputs` (["tokens"]) checked by `check_callback_inputs`, the
-attention helpers diffusers pipelines have either act (LlamaGen's xformers backend) or raise a one-line error
-saying what to use instead (`enable_attention_slicing`, `enable_xformers_memory_efficient_attention` where the
-models have no backend choice).
+Call conventions (the mixin):
+- `callback_on_step_end`: a function `(pipe, step, num_tokens, {"tokens": ...})` or one of diffusers'
+  `PipelineCallback` / `MultiPipelineCallbacks` objects (their `tensor_inputs` are then the inputs asked for);
+  `_callback_tensor_inputs` (["tokens"]) is what a pipeline can pass. The third argument, where a diffusion pipeline
+  passes the timestep, is the number of tokens made so far (every row). `step_callback` wraps it for a loop.
+- `interrupt` / `_interrupt`: a callback sets `pipe._interrupt = True` to end the call after the current step, as in
+  diffusers (so does returning {"stop": True}); `num_timesteps`: the call's vanilla step count (tokens for LlamaGen
+  and CSpD, scales for VAR, `num_iter` for MAR; a speculative call takes fewer steps). What was made so far is
+  returned: VAR and MAR decode the partial image, LlamaGen returns the tokens (output_type="latent").
+- the attention helpers diffusers pipelines have either act (LlamaGen's xformers backend) or raise a one-line error
+  saying what to use instead (`enable_attention_slicing`, `enable_xformers_memory_efficient_attention` where the
+  models have no backend choice).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from mmspec.errors import InputError, check
 
@@ -54,6 +65,17 @@ def write_diffusers_entry(folder: str | os.PathLike, pipeline_cls: type) -> None
         f"from {pipeline_cls.__module__} import {pipeline_cls.__name__}  # noqa: F401\n")
 
 
+def callback_tensor_inputs(callback: Any, names: list[str] | None) -> list[str] | None:
+    """The tensors a callback asks for: a diffusers `PipelineCallback` / `MultiPipelineCallbacks` says it itself."""
+    try:
+        from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback
+    except ImportError:  # a diffusers without callback objects
+        return names
+    if isinstance(callback, (PipelineCallback, MultiPipelineCallbacks)):
+        return list(callback.tensor_inputs)
+    return names
+
+
 class MMSpecPipelineMixin:
     """For mmspec's `DiffusionPipeline` subclasses (listed first in the bases): `save_pretrained` writes the
     diffusers entry (`write_diffusers_entry`), `load_config` reads the `[module, class]` pair as the class name;
@@ -61,29 +83,66 @@ class MMSpecPipelineMixin:
 
     _callback_tensor_inputs = ["tokens"]
 
+    _interrupt: bool = False
+    _num_timesteps: int = 0
+
+    @property
+    def interrupt(self) -> bool:
+        """True once a callback set `pipe._interrupt = True`: the running call stops after its current step."""
+        return self._interrupt
+
+    @property
+    def num_timesteps(self) -> int:
+        """The running (or last) call's vanilla step count (see the module docstring)."""
+        return self._num_timesteps
+
     def check_callback_inputs(self, names: list[str] | None) -> None:
         """`callback_on_step_end_tensor_inputs`: every name must be one this pipeline passes to callbacks."""
         for name in names or []:
             check(name in self._callback_tensor_inputs,
                   f"callback tensor input {name!r} not available; choose from {self._callback_tensor_inputs}.")
 
+    def step_callback(self, callback: Callable[..., Any] | None, tensor_inputs: list[str] | None,
+                      num_steps: int) -> Callable[[int, int, dict[str, torch.Tensor]], bool]:
+        """Start a call: check the callback's tensor inputs (a diffusers `PipelineCallback` names its own), clear
+        `interrupt`, set `num_timesteps`. Returns on_step(step, num_tokens, tensors) -> whether the loop goes on,
+        which runs the callback on the asked-for tensors (all of them when none were named)."""
+        names = callback_tensor_inputs(callback, tensor_inputs)
+        self.check_callback_inputs(names)
+        self._interrupt, self._num_timesteps = False, num_steps
+
+        def on_step(step: int, num_tokens: int, tensors: dict[str, torch.Tensor]) -> bool:
+            if callback is not None:
+                out = callback(self, step, num_tokens, {k: v for k, v in tensors.items() if not names or k in names})
+                if isinstance(out, dict) and out.get("stop"):
+                    self._interrupt = True
+            return not self._interrupt
+
+        return on_step
+
     def enable_attention_slicing(self, slice_size: Any = "auto") -> None:
         raise InputError(f"{type(self).__name__} does not slice attention; lower the batch size (--max-batch, or "
                          "fewer class labels per call) to save memory.")
 
     def enable_xformers_memory_efficient_attention(self, attention_op: Any = None) -> None:
-        """Switch every component model with an `attention_backend` to mmspec's xformers backend (CUDA only)."""
-        from mmspec.attention.xformers_backend import xformers_available
+        """Switch every component model with a backend choice to mmspec's xformers backend (CUDA only)."""
+        self._set_attention_backends("xformers")
 
-        models = [m for m in self.components.values() if hasattr(m, "attention_backend")]
+    def disable_xformers_memory_efficient_attention(self) -> None:
+        self._set_attention_backends(None)
+
+    def _set_attention_backends(self, name: str | None) -> None:
+        from mmspec.attention.model_backend import AttentionBackendMixin
+
+        models = [m for m in self.components.values() if isinstance(m, AttentionBackendMixin)]
         if not models:
             raise InputError(f"{type(self).__name__}'s models use torch's scaled_dot_product_attention only; there "
                              "is no xformers backend to enable (SDPA already picks a memory-efficient kernel).")
-        if not xformers_available(self.device):
-            raise InputError("xformers is not installed or cannot run here (it needs CUDA): pip install "
-                             "'mmspec[xformers]' on a GPU machine.")
         for model in models:
-            model.attention_backend = "xformers"
+            if name is None:
+                model.reset_attention_backend()
+            else:
+                model.set_attention_backend(name)  # checked for the model's device first
 
     def save_pretrained(self, save_directory: str | os.PathLike, *args: Any, **kwargs: Any) -> None:
         super().save_pretrained(save_directory, *args, **kwargs)

@@ -80,6 +80,71 @@ def test_diffusers_call_conventions_on_every_pipeline():
     with pytest.raises(InputError, match="disagree"):
         pipes["mar"](class_labels=[0], num_inference_steps=3, num_sampling_steps=5)
     with pytest.raises(InputError, match="scaled_dot_product_attention only"):
-        pipes["var"].enable_xformers_memory_efficient_attention()
-    with pytest.raises(InputError, match="xformers is not installed or cannot run here"):
-        pipes["llamagen"].enable_xformers_memory_efficient_attention()  # CPU: the backend cannot run
+        pipes["mar"].enable_xformers_memory_efficient_attention()
+    for name in ("llamagen", "var", "code"):  # CPU: the backend cannot run; the error says why and what can
+        with pytest.raises(InputError, match="'xformers' cannot run on cpu.*needs CUDA.*Usable here: eager, sdpa"):
+            pipes[name].enable_xformers_memory_efficient_attention()
+
+
+@pytest.fixture
+def counting_backend():
+    """A registered backend that counts its calls (then runs sdpa): proves a model really uses the one it was set."""
+    from mmspec.attention import _BACKENDS, get_backend, register_backend
+
+    calls = []
+    sdpa = get_backend("sdpa")
+    register_backend("counting", lambda *args: calls.append(1) or sdpa(*args))
+    yield calls
+    _BACKENDS.pop("counting")
+
+
+def test_set_attention_backend_acts_or_refuses(counting_backend):
+    """diffusers' `model.set_attention_backend` on mmspec's models: the model then attends with that backend (its
+    blocks too), `reset_attention_backend` returns to the default, diffusers' 'native' is sdpa, and an unknown
+    name, a backend that cannot run here, or a model without a choice (MAR: timm's blocks) is a one-line error."""
+    from continuous.mar.cspd import CSpDPipeline
+    from image_ar.llamagen.pipeline import LlamaGenPipeline
+    from image_ar.var.code import CoDePipeline
+    from mmspec.errors import InputError
+
+    llamagen = LlamaGenPipeline.from_pretrained(ASSETS_DIR / "llamagen")
+    var = CoDePipeline.from_pretrained(ASSETS_DIR / "var").as_var_pipeline("refiner")
+    for pipe, kwargs in ((llamagen, {"temperature": 0}), (var, {"top_k": 1})):
+        pipe.set_progress_bar_config(disable=True)
+        reference = pipe(class_labels=[0, 1], output_type="latent", **kwargs).tokens
+        pipe.transformer.set_attention_backend("counting")
+        assert torch.equal(pipe(class_labels=[0, 1], output_type="latent", **kwargs).tokens, reference)
+        assert counting_backend, type(pipe.transformer).__name__
+        counting_backend.clear()
+        pipe.transformer.reset_attention_backend()
+        pipe(class_labels=[0], output_type="latent", **kwargs)
+        assert not counting_backend and pipe.transformer.attention_backend is None
+        pipe.transformer.set_attention_backend("native")
+        assert pipe.transformer.attention_backend == "sdpa"
+        with pytest.raises(InputError, match="unknown attention backend 'flash_hub'.*choose from"):
+            pipe.transformer.set_attention_backend("flash_hub")
+        with pytest.raises(InputError, match="cannot run on cpu"):
+            pipe.transformer.set_attention_backend("xformers")
+    with pytest.raises(InputError, match="MARModel runs timm's attention blocks"):
+        CSpDPipeline.from_pretrained(ASSETS_DIR / "mar").target.set_attention_backend("flash")
+
+
+def test_vq_enable_slicing_decodes_one_image_at_a_time():
+    """`vqvae.enable_slicing()` (diffusers' AutoencoderKL name) on LlamaGen's and VAR's VQ models: the decoder runs
+    once per image and the images equal the batched decode."""
+    from image_ar.llamagen.pipeline import LlamaGenPipeline
+    from image_ar.var.code import CoDePipeline
+
+    llamagen = LlamaGenPipeline.from_pretrained(ASSETS_DIR / "llamagen")
+    var = CoDePipeline.from_pretrained(ASSETS_DIR / "var").as_var_pipeline("refiner")
+    for pipe in (llamagen, var):
+        pipe.set_progress_bar_config(disable=True)
+        batches: list[int] = []
+        pipe.vqvae.decoder.register_forward_hook(lambda module, args, out, seen=batches: seen.append(args[0].shape[0]))
+        call = {"class_labels": [0, 1, 2], "generator": torch.Generator().manual_seed(0), "output_type": "pt"}
+        whole = pipe(**call).images
+        pipe.vqvae.enable_slicing()
+        sliced = pipe(**{**call, "generator": torch.Generator().manual_seed(0)}).images
+        pipe.vqvae.disable_slicing()
+        assert batches == [3, 1, 1, 1], type(pipe.vqvae).__name__
+        torch.testing.assert_close(sliced, whole, atol=1e-5, rtol=0)

@@ -35,6 +35,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
+from mmspec.attention.model_backend import AttentionBackendMixin
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check
 from mmspec.feature_drafter import FeatureTreeDrafter, PendingPairs
@@ -46,7 +47,7 @@ from vlm.target import LlavaCachedLM, VLMInputs, run_llama_layers
 SPECVLM_TREE = (8, 10, 60)
 
 
-class VLMEagleDrafter(ModelMixin, ConfigMixin):
+class VLMEagleDrafter(AttentionBackendMixin, ModelMixin, ConfigMixin):
     """EAGLE feature drafter over a LLaVA target (see the module docstring). `for_target(lm)` builds one shaped
     like the target's text model; a loaded one must be `attach`ed to the target before use."""
 

@@ -24,6 +24,7 @@ value for its place in the order (as vanilla MAR with num_iter = L). `as_mar_pip
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -86,8 +87,9 @@ def verify_window(target: MARModel, run: MARRun, tokens: torch.Tensor, known: to
     return gaussian_path(sample_at(target, run, tokens, known, positions, cfg), tokens.shape[0], run.temperature)
 
 
-# on_progress(tokens verified in every row so far, tokens [B, L, C]) after each pre-filling step and window
-Progress = Callable[[int, torch.Tensor], Any]
+# on_progress(tokens verified in every row so far, tokens [B, L, C]) after each pre-filling step and window;
+# False ends the loop there (the tokens not yet verified stay zero)
+Progress = Callable[[int, torch.Tensor], bool]
 
 
 def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRun, gamma: int, prefill_ratio: float,
@@ -110,8 +112,8 @@ def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRu
             tokens, known = scatter_tokens(tokens, known, positions, traj.x0.unsqueeze(1))
             done += 1
             stats.num_target_forwards += 1
-            if on_progress is not None:
-                on_progress(int(done.min()), tokens)
+            if on_progress is not None and not on_progress(int(done.min()), tokens):
+                return tokens, stats
     while bool((done < seq).any()):  # the one host sync per window
         active = done < seq
         window = torch.minimum(torch.full_like(done, gamma), seq - done)  # [B] ragged window sizes
@@ -136,8 +138,8 @@ def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRu
         stats.record(result, active)
         stats.add_extra("residual_samples", int(result.residual.sum()))
         stats.add_extra("residual_fallbacks", int(result.fallback.sum()))
-        if on_progress is not None:
-            on_progress(int(done.min()), tokens)
+        if on_progress is not None and not on_progress(int(done.min()), tokens):
+            break
     return tokens, stats
 
 
@@ -177,10 +179,13 @@ class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         `CSpDRule.reference_code()` for the public code's variants). Other arguments as `MARPipeline` with
         num_iter = the token count (guidance_scale / cfg_schedule None: the target's defaults). out.stats:
         SpecStats (target / draft forwards, acceptance per window position, extra: residual_samples,
-        residual_fallbacks). callback_on_step_end(pipe, target forwards so far, tokens verified in every row,
-        {"tokens": [N, L, C]}) after each pre-filling step and window (`callback_on_step_end_tensor_inputs`:
-        ["tokens"]). num_inference_steps: diffusers' name for num_sampling_steps (the diffusion head's steps)."""
-        self.check_callback_inputs(callback_on_step_end_tensor_inputs)
+        residual_fallbacks). callback_on_step_end(pipe, step (0-based: target forwards - 1), tokens verified in
+        every row, {"tokens": [N, L, C]}) after each pre-filling step and window (`callback_on_step_end_tensor_inputs`:
+        ["tokens"]; a function or a diffusers `PipelineCallback`; `pipe._interrupt = True` stops after the current
+        window and decodes the tokens verified so far). num_inference_steps: diffusers' name for num_sampling_steps
+        (the diffusion head's steps)."""
+        user_step = self.step_callback(callback_on_step_end, callback_on_step_end_tensor_inputs,
+                                       self.target.seq_len)
         num_sampling_steps = inference_steps(num_sampling_steps, num_inference_steps)
         target, seq = self.target, self.target.seq_len
         check_positive_int("gamma", gamma)
@@ -197,13 +202,11 @@ class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
             draft_noise = dataclasses.replace(run, x_start=x_start.to(run.x_start.dtype),
                                               step_noise=step_noise.to(run.x_start.dtype))
         with self.progress_bar(total=seq) as bar:
-            forwards = [0]
+            steps = itertools.count()
 
-            def on_progress(verified: int, tokens: torch.Tensor) -> None:
+            def on_progress(verified: int, tokens: torch.Tensor) -> bool:
                 bar.update(verified - bar.n)
-                forwards[0] += 1
-                if callback_on_step_end is not None:
-                    callback_on_step_end(self, forwards[0], verified, {"tokens": tokens})
+                return user_step(next(steps), verified, {"tokens": tokens})
 
             tokens, stats = cspd_loop(target, self.draft, run, draft_noise, gamma, prefill_ratio, rule or CSpDRule(),
                                       generator, on_progress)

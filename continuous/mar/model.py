@@ -33,12 +33,15 @@ from torch import nn
 
 from continuous.mar.diffloss import DiffLoss
 from continuous.mar.diffusion import TIMESTEP_SPACINGS
+from mmspec.attention.model_backend import FixedAttentionMixin
 from mmspec.errors import check
 
 CFG_SCHEDULES = ("linear", "constant")  # MAR's cfg_schedule options (official `sample_tokens`)
 
 
-class MARModel(ModelMixin, ConfigMixin):
+class MARModel(FixedAttentionMixin, ModelMixin, ConfigMixin):
+    attention_owner = "timm's attention blocks (torch scaled_dot_product_attention)"
+
     """MAR with its diffusion head (see the module docstring). The null class (index num_classes) is the learned
     `fake_latent` (CFG's unconditional rows)."""
 

@@ -198,14 +198,15 @@ class MARPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         `default_guidance_scale` / `default_cfg_schedule`; temperature scales the diffusion noise; generator: one,
         or one per image. callback_on_step_end(pipe, step, tokens generated, {"tokens": [N, L, C]}) after each step
         (`callback_on_step_end_tensor_inputs`: ["tokens"]). num_inference_steps: diffusers' name for
-        num_sampling_steps (the diffusion head's steps per token)."""
-        self.check_callback_inputs(callback_on_step_end_tensor_inputs)
+        num_sampling_steps (the diffusion head's steps per token). A callback may be a diffusers `PipelineCallback`;
+        `pipe._interrupt = True` stops after the current step and decodes the tokens made so far."""
         num_sampling_steps = inference_steps(num_sampling_steps, num_inference_steps)
         model = self.transformer
         seq = model.seq_len
         num_iter = seq if num_iter is None else num_iter
         check(isinstance(num_iter, int) and 1 <= num_iter <= seq,
               f"num_iter must be an integer in [1, {seq}] (the token count), got {num_iter!r}.")
+        user_step = self.step_callback(callback_on_step_end, callback_on_step_end_tensor_inputs, num_iter)
         run = prepare_run(model, class_labels, guidance_scale, cfg_schedule, temperature, num_sampling_steps,
                           num_images_per_prompt, generator, output_type)
         b = run.labels.shape[0]
@@ -219,7 +220,7 @@ class MARPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                 tokens, known = scatter_tokens(tokens, known, positions, traj.x0.reshape(b, count, -1))
                 done += count
                 bar.update(1)
-                if callback_on_step_end is not None:
-                    callback_on_step_end(self, step, done, {"tokens": tokens})
+                if not user_step(step, done, {"tokens": tokens}):
+                    break
         return finish_run(self, model, self.vae, tokens, output_type, return_dict,
-                          SpecStats(num_target_forwards=num_iter))
+                          SpecStats(num_target_forwards=step + 1))

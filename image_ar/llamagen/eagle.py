@@ -35,6 +35,7 @@ from torch import nn
 
 from image_ar.llamagen.gpt import LlamaGenGPT, TransformerBlock, causal_mask, ffn_hidden_dim
 from image_ar.llamagen.rope import RopePositions, grid_size_of, rope_table_2d
+from mmspec.attention.model_backend import AttentionBackendMixin
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check, check_positive_int
 from mmspec.feature_drafter import FeatureTreeDrafter, PendingPairs
@@ -50,7 +51,7 @@ DEFAULT_TOTAL_TOKENS = 59
 _TARGET_FIELDS = ("dim", "vocab_size", "block_size", "cls_token_num", "rope_base")
 
 
-class LlamaGenEagleDrafter(RopePositions, ModelMixin, ConfigMixin):
+class LlamaGenEagleDrafter(AttentionBackendMixin, RopePositions, ModelMixin, ConfigMixin):
     """EAGLE feature drafter over a LlamaGen target (see the module docstring). Build it for a target with
     `for_target(target)`; a loaded one must be `attach`ed to the target before use."""
 

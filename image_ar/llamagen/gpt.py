@@ -53,6 +53,7 @@ from torch import nn
 
 from image_ar.llamagen.rope import RopePositions, apply_rope, grid_size_of, rope_table_2d
 from mmspec.attention import attend
+from mmspec.attention.model_backend import AttentionBackendMixin
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check, check_positive_int
 
@@ -293,7 +294,7 @@ def _check_rates(**rates: float) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- model
-class LlamaGenGPT(RopePositions, ModelMixin, ConfigMixin):
+class LlamaGenGPT(AttentionBackendMixin, RopePositions, ModelMixin, ConfigMixin):
     """LlamaGen's image-token transformer (c2i or t2i) at any size; see the module docstring."""
 
     @register_to_config

@@ -123,14 +123,16 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         guidance_scale: CFG scale (1.0 disables the unconditional half). temperature 0 = greedy; top_k 0 and
         top_p 1.0 disable those filters. generator: one, or one per image (then each image is independent of
         the batch it was generated in). callback_on_step_end(pipe, step, num_tokens, {"tokens": [N, T]}) runs
-        after every loop iteration (read-only; return {"stop": True} to end early, e.g. a UI's cancel button).
+        after every loop iteration (read-only; a function or a diffusers `PipelineCallback`; setting
+        `pipe._interrupt = True` or returning {"stop": True} ends the call early, e.g. a UI's cancel button).
         budget: "fixed" (default) drafts the method's configured size every step; "auto" (experimental) lets
         `mmspec.budget` pick each step's draft size (0 = a plain step) from this device's measured step costs and the
         acceptance seen so far (chain and Jacobi drafters; the first call per model, device and batch size measures
         the costs, then they are cached).
         """
         check(isinstance(guidance_scale, (int, float)), f"guidance_scale must be a number, got {guidance_scale!r}.")
-        self.check_callback_inputs(callback_on_step_end_tensor_inputs)
+        user_step = self.step_callback(callback_on_step_end, callback_on_step_end_tensor_inputs,
+                                       self.transformer.config.block_size)
         params = SamplingParams(temperature, top_k, top_p)
         cond = self._conditions(class_labels, prompt_embeds, num_images_per_prompt, generator, output_type)
         batch = cond.shape[0]
@@ -158,11 +160,7 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
             def on_step(state, draft, result):
                 done = int(state.num_generated.min())
                 bar.update(done - bar.n)
-                if callback_on_step_end is not None:
-                    out = callback_on_step_end(self, state.iteration - 1, done, {"tokens": state.tokens})
-                    if isinstance(out, dict) and out.get("stop"):
-                        return False
-                return True
+                return user_step(state.iteration - 1, done, {"tokens": state.tokens})
 
             gen = generate(target, drafter, rule, cond, batch_size=batch, max_new_tokens=block, generator=generator,
                            device=cond.device, callback=on_step, budget=draft_budget)

@@ -43,6 +43,7 @@ from torch import nn
 
 from image_ar.conv_autoencoder import Decoder, Encoder
 from mmspec.errors import InputError, check, check_nonnegative, check_positive_int
+from mmspec.vae_slicing import SlicedDecodeMixin
 
 __all__ = [
     "PRESETS",
@@ -204,7 +205,7 @@ def _nearest_codes(flat: torch.Tensor, emb: torch.Tensor,
 
 
 # -------------------------------------------------------------------------------------------------- model
-class LlamaGenVQ(ModelMixin, ConfigMixin):
+class LlamaGenVQ(SlicedDecodeMixin, ModelMixin, ConfigMixin):
     """LlamaGen's VQ tokenizer. Defaults are the official VQ-16 (`vq_ds16_c2i.pt`, 72M parameters).
 
     Config (the official `ModelArgs` fields first, then the Encoder/Decoder arguments the official code fixes):
@@ -324,7 +325,7 @@ class LlamaGenVQ(ModelMixin, ConfigMixin):
               f"latents must be a [B, {self.config.codebook_embed_dim}, h, w] tensor (C = codebook_embed_dim), got "
               f"{_describe(latents)}; pass encode(...).latents, or use decode_code for token ids.")
         z = self.post_quant_conv(latents.to(self.dtype))  # [B, z_channels, h, w]
-        return self.decoder(z)
+        return self.decode_slices(self.decoder, z)  # one image at a time after enable_slicing()
 
     def decode_code(self, ids: torch.Tensor, shape: Sequence[int] | None = None, clamp: bool = False) -> torch.Tensor:
         """Token ids -> images [B, 3, h*f, w*f], nominally in [-1, 1] (official `decode_code` semantics).

@@ -84,8 +84,8 @@ class CoDePipeline(MMSpecPipelineMixin, DiffusionPipeline):
                  return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
                  callback_on_step_end_tensor_inputs: list[str] | None = None):
         """As `VARPipeline.__call__`, plus draft_steps N: the drafter makes scales 0..N-1, the refiner the rest."""
-        self.check_callback_inputs(callback_on_step_end_tensor_inputs)
         n_scales = len(self.drafter.patch_nums)
+        user_step = self.step_callback(callback_on_step_end, callback_on_step_end_tensor_inputs, n_scales)
         n = default_draft_steps(n_scales) if draft_steps is None else draft_steps
         check(isinstance(n, int) and 0 <= n <= n_scales, f"draft_steps must be an integer in [0, {n_scales}], got "
                                                          f"{draft_steps!r}.")
@@ -93,12 +93,12 @@ class CoDePipeline(MMSpecPipelineMixin, DiffusionPipeline):
                           num_images_per_prompt, generator, output_type)
         quantizer, state = self.vqvae.quantize, ScaleState()
         with self.progress_bar(total=n_scales) as bar:
-            on_scale = scale_progress(self, bar, self.drafter, callback_on_step_end)
+            on_scale = scale_progress(bar, self.drafter, user_step)
             if n > 0:
                 cache = self.drafter.new_cache(run.rows.shape[0], device=run.labels.device, num_scales=n)
                 generate_scales(self.drafter, quantizer, run, state, cache, range(n), generator, on_scale)
                 del cache  # the hand-over frees the drafter's KV cache
-            if n < n_scales:
+            if n < n_scales and not state.stopped:
                 cache = (refiner_prefill(self.refiner, quantizer, run, state, n) if n > 0
                          else self.refiner.new_cache(run.rows.shape[0], device=run.labels.device))
                 generate_scales(self.refiner, quantizer, run, state, cache, range(n, n_scales), generator, on_scale)

@@ -47,11 +47,13 @@ class VARPipelineOutput(GenerationOutput):
 @dataclass
 class ScaleState:
     """Where a batch of B images stands: the codes sampled so far (one [B, pn^2] tensor per scale), the running
-    f_hat [B, Cvae, H, W], and the next scale's input [B, pn^2, Cvae] (None before scale 1 / after the last)."""
+    f_hat [B, Cvae, H, W], the next scale's input [B, pn^2, Cvae] (None before scale 1 / after the last), and
+    whether the user's callback stopped the run."""
 
     pyramid: list[torch.Tensor] = field(default_factory=list)
     f_hat: torch.Tensor | None = None
     next_input: torch.Tensor | None = None
+    stopped: bool = False
 
 
 def guidance_schedule(guidance_scale: float, num_scales: int) -> list[float]:
@@ -102,19 +104,19 @@ def prepare_run(model: VARTransformer, class_labels: Any, guidance_scale: float,
 
 def forward_stats(num_scales: int, draft_steps: int | None) -> SpecStats:
     """Large-model forwards as target forwards, small-model forwards (hand-over prefill included) as draft ones."""
-    n = num_scales if draft_steps is None else draft_steps
+    n = num_scales if draft_steps is None else min(draft_steps, num_scales)  # num_scales: those made (a stopped run)
     small = (num_scales - n) + (1 if 0 < n < num_scales else 0)
     return SpecStats(num_target_forwards=n, num_draft_forwards=small)
 
 
-def scale_progress(pipe: DiffusionPipeline, bar: Any, model: VARTransformer,
-                   callback: Callable[[Any, int, int, dict], Any] | None) -> Callable[[int, ScaleState], None]:
-    """The per-scale hook of a pipeline call: advance the progress bar, then call the user's callback."""
+def scale_progress(bar: Any, model: VARTransformer,
+                   user_step: Callable[[int, int, dict], bool]) -> Callable[[int, ScaleState], bool]:
+    """The per-scale hook of a pipeline call: advance the progress bar, then the user's callback
+    (`MMSpecPipelineMixin.step_callback`); False stops the call after this scale."""
 
-    def on_scale(si: int, state: ScaleState) -> None:
+    def on_scale(si: int, state: ScaleState) -> bool:
         bar.update(1)
-        if callback is not None:
-            callback(pipe, si, model.bounds[si][1], {"tokens": torch.cat(state.pyramid, 1)})
+        return user_step(si, model.bounds[si][1], {"tokens": torch.cat(state.pyramid, 1)})
 
     return on_scale
 
@@ -130,9 +132,10 @@ def finish_run(pipe: DiffusionPipeline, vqvae: VARVQVAE, state: ScaleState, outp
 
 def generate_scales(model: VARTransformer, quantizer: MultiScaleQuantizer, run: ScaleRun, state: ScaleState,
                     cache: StaticKVCache, scales: range, generator: Generators = None,
-                    on_scale: Callable[[int, ScaleState], None] | None = None) -> ScaleState:
+                    on_scale: Callable[[int, ScaleState], bool] | None = None) -> ScaleState:
     """Sample the scales in `scales` (consecutive, continuing `state`) for run.labels [B]; the cache holds the
-    run's rows (2B: conditional, then null class, with CFG)."""
+    run's rows (2B: conditional, then null class, with CFG). `on_scale` returning False stops after that scale
+    (`state.stopped`)."""
     b, guided = run.labels.shape[0], run.guided
     cond = model.condition(run.rows)  # [R, C]
     for si in scales:
@@ -152,8 +155,9 @@ def generate_scales(model: VARTransformer, quantizer: MultiScaleQuantizer, run: 
             state.f_hat = logits.new_zeros(b, quantizer.cvae, full, full)
         state.f_hat, state.next_input = quantizer.next_input(si, state.f_hat, codes)
         state.pyramid.append(codes)
-        if on_scale is not None:
-            on_scale(si, state)
+        if on_scale is not None and not on_scale(si, state):
+            state.stopped = True
+            break
     return state
 
 
@@ -177,13 +181,14 @@ class VARPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         """Generate images. guidance_scale: the official cfg (0 = no unconditional half); temperature: one
         number or one per scale (0 = greedy); top_k 0 / top_p 1.0 disable the filters; generator: one, or one
         per image. callback_on_step_end(pipe, scale, num_tokens, {"tokens": [N, tokens so far]}) after each
-        scale (`callback_on_step_end_tensor_inputs`: ["tokens"], the one tensor passed)."""
-        self.check_callback_inputs(callback_on_step_end_tensor_inputs)
+        scale (`callback_on_step_end_tensor_inputs`: ["tokens"], the one tensor passed; a function or a diffusers
+        `PipelineCallback`); `pipe._interrupt = True` stops after the current scale and decodes the partial f_hat."""
         model = self.transformer
+        user_step = self.step_callback(callback_on_step_end, callback_on_step_end_tensor_inputs, len(model.patch_nums))
         run = prepare_run(model, class_labels, guidance_scale, temperature, top_k, top_p, num_images_per_prompt,
                           generator, output_type)
         cache = model.new_cache(run.rows.shape[0], device=run.labels.device)
         with self.progress_bar(total=len(model.patch_nums)) as bar:
             state = generate_scales(model, self.vqvae.quantize, run, ScaleState(), cache, range(len(model.patch_nums)),
-                                    generator, scale_progress(self, bar, model, callback_on_step_end))
+                                    generator, scale_progress(bar, model, user_step))
         return finish_run(self, self.vqvae, state, output_type, return_dict)

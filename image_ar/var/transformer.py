@@ -31,6 +31,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from mmspec.attention import attend
+from mmspec.attention.model_backend import AttentionBackendMixin
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check, check_positive_int
 
@@ -71,6 +72,7 @@ class VARSelfAttention(nn.Module):
         self.q_bias = nn.Parameter(torch.zeros(embed_dim))
         self.v_bias = nn.Parameter(torch.zeros(embed_dim))
         self.proj = nn.Linear(embed_dim, embed_dim)
+        self.attention_backend: str | None = None  # None: attend's default (`VARTransformer.set_attention_backend`)
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None, cache: StaticKVCache | None = None,
                 layer: int = 0, slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,7 +88,7 @@ class VARSelfAttention(nn.Module):
             scale = 0.25 / math.sqrt(self.head_dim)
         if cache is not None:
             k, v = cache.write(layer, slots, k, v)  # [B, H, T, hd]
-        out = attend(q, k, v, mask, scale=scale)  # [B, H, S, hd]
+        out = attend(q, k, v, mask, backend=self.attention_backend, scale=scale)  # [B, H, S, hd]
         return self.proj(out.transpose(1, 2).reshape(b, s, c))
 
 
@@ -153,7 +155,7 @@ class SharedAdaLin(nn.Linear):
         return super().forward(cond).view(-1, 1, 6, self.weight.shape[0] // 6)  # [B, 1, 6, C]
 
 
-class VARTransformer(ModelMixin, ConfigMixin):
+class VARTransformer(AttentionBackendMixin, ModelMixin, ConfigMixin):
     """VAR's class-conditional next-scale transformer (see the module docstring)."""
 
     _keep_in_fp32_modules = ["head_nm", "head"]  # the official head runs in float32 (`logits`)
@@ -194,6 +196,7 @@ class VARTransformer(ModelMixin, ConfigMixin):
                                      for i in range(depth)])
         self.head_nm = AdaLNBeforeHead(c, norm_eps)
         self.head = nn.Linear(c, vocab_size)
+        self.attention_backend: str | None = None  # every block's too (`set_attention_backend`)
         self.register_buffer("levels", scale_levels(self.patch_nums), persistent=False)  # [L]
 
     # ----------------------------------------------------------------------------------------- inputs

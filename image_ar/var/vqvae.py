@@ -25,9 +25,10 @@ from image_ar.conv_autoencoder import Decoder, Encoder
 from image_ar.var.quantizer import MultiScaleQuantizer
 from image_ar.var.transformer import check_patch_nums
 from mmspec.errors import check
+from mmspec.vae_slicing import SlicedDecodeMixin
 
 
-class VARVQVAE(ModelMixin, ConfigMixin):
+class VARVQVAE(SlicedDecodeMixin, ModelMixin, ConfigMixin):
     """Multi-scale VQVAE (see the module docstring); `downsample` = 2 ** (len(ch_mult) - 1)."""
 
     @register_to_config
@@ -69,7 +70,7 @@ class VARVQVAE(ModelMixin, ConfigMixin):
     def fhat_to_images(self, f_hat: torch.Tensor) -> torch.Tensor:
         """f_hat [B, Cvae, h, w] -> images [B, 3, H, W] clamped to [-1, 1]."""
         f_hat = f_hat.to(self.post_quant_conv.weight.dtype)  # the quantizer accumulates f_hat in float32
-        return self.decoder(self.post_quant_conv(f_hat)).clamp(-1, 1)
+        return self.decode_slices(self.decoder, self.post_quant_conv(f_hat)).clamp(-1, 1)  # see enable_slicing
 
     def decode(self, pyramid: Sequence[torch.Tensor]) -> torch.Tensor:
         """code pyramid -> images [B, 3, H, W] in [-1, 1]."""

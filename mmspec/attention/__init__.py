@@ -38,6 +38,7 @@ __all__ = [
     "attend",
     "register_backend",
     "available_backends",
+    "check_backend_usable",
     "registered_backends",
     "get_backend",
     "set_default_backend",
@@ -103,6 +104,17 @@ def _lookup(name: str) -> _Backend:
             f"unknown attention backend {name!r}; known backends: {', '.join(sorted(_BACKENDS))}. "
             "Register new ones with mmspec.attention.register_backend(name, fn)."
         )
+    return entry
+
+
+def check_backend_usable(name: str, device: torch.device | str) -> _Backend:
+    """Backend `name`'s entry; InputError naming why it cannot run on `device` and what can, if it cannot."""
+    entry, dev = _lookup(name), torch.device(device)
+    if not entry.available(dev):
+        hint = entry.unavailable_hint(dev) if callable(entry.unavailable_hint) else entry.unavailable_hint
+        hint = f" {hint}" if hint else ""
+        raise InputError(f"attention backend {name!r} cannot run on {dev} tensors here.{hint} "
+                         f"Usable here: {', '.join(available_backends(dev))}.")
     return entry
 
 
@@ -195,15 +207,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     give zeros. No host synchronisation.
     """
     name = _DEFAULT if backend is None else backend
-    entry = _lookup(name)
     mask4 = _check_inputs(q, k, v, mask)  # [B, 1|H, S, T] | None
-    if not entry.available(q.device):
-        hint = entry.unavailable_hint(q.device) if callable(entry.unavailable_hint) else entry.unavailable_hint
-        hint = f" {hint}" if hint else ""
-        raise InputError(
-            f"attention backend {name!r} cannot run on {q.device} tensors here.{hint} "
-            f"Usable here: {', '.join(available_backends(q.device))}."
-        )
+    entry = check_backend_usable(name, q.device)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):

@@ -1,6 +1,7 @@
 """One set of tests every class-conditional image pipeline passes (diffusers' `PipelineTesterMixin` style): the call
 conventions, every output type, the tuple output, seeded determinism and batch-of-one equals in-batch,
-num_images_per_prompt, save / load, the step callback, and clear errors for bad inputs.
+num_images_per_prompt, save / load, the step callback (functions and diffusers' `PipelineCallback` objects, the
+`interrupt` stop), and clear errors for bad inputs.
 
 A family's test module declares one class:
 
@@ -44,6 +45,7 @@ class PipelineTesterMixin:
     token_shape: tuple[int, ...]
     num_classes: int
     batch_tolerance: float = 0.0  # 0: the in-batch row equals the row alone bit for bit
+    decodes_partial: bool = True  # an interrupted call still decodes an image (False: tokens only, "latent")
     extra_bad_inputs: tuple[tuple[dict, str], ...] = ()
 
     def get_dummy_components(self) -> dict:
@@ -126,6 +128,45 @@ class PipelineTesterMixin:
         assert seen, "callback_on_step_end was never called"
         assert all(shape[0] == 2 for _, _, shape in seen)
         assert [n for _, n, _ in seen] == sorted(n for _, n, _ in seen)  # tokens so far never go back
+
+    def test_interrupt_stops_after_the_current_step(self, pipe):
+        steps = []
+
+        def stop_at_first(p, step, n, kw):
+            steps.append(step)
+            p._interrupt = True
+
+        out = self.call(pipe, self.labels(2), callback_on_step_end=stop_at_first)
+        assert len(steps) == 1 and pipe.interrupt and pipe.num_timesteps > 1
+        full = self.call(pipe, self.labels(2))  # the next call starts uninterrupted
+        assert not pipe.interrupt and tuple(full.tokens.shape) == (2, *self.token_shape)
+        assert out.tokens.shape != full.tokens.shape or not torch.equal(out.tokens, full.tokens)  # it did stop
+        if self.decodes_partial:
+            h, w = self.image_shape
+            assert self.call(pipe, self.labels(2), output_type="np",
+                             callback_on_step_end=stop_at_first).images.shape == (2, h, w, 3)
+        else:
+            with pytest.raises(InputError, match="latent"):
+                self.call(pipe, self.labels(2), output_type="np", callback_on_step_end=stop_at_first)
+
+    def test_diffusers_pipeline_callback_objects(self, pipe):
+        from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback, SDCFGCutoffCallback
+
+        class StopAtCutoff(PipelineCallback):
+            tensor_inputs = ["tokens"]
+
+            def callback_fn(self, pipeline, step_index, timestep, callback_kwargs):
+                seen.append((step_index, pipeline.num_timesteps, tuple(callback_kwargs)))
+                if step_index >= self.config.cutoff_step_index:
+                    pipeline._interrupt = True
+                return callback_kwargs
+
+        seen = []
+        self.call(pipe, self.labels(2), callback_on_step_end=MultiPipelineCallbacks([StopAtCutoff(
+            cutoff_step_ratio=None, cutoff_step_index=1)]))
+        assert len(seen) == 2 and all(n == pipe.num_timesteps and names == ("tokens",) for _, n, names in seen)
+        with pytest.raises(InputError, match="prompt_embeds"):  # a Stable Diffusion callback: named, refused
+            self.call(pipe, self.labels(1), callback_on_step_end=SDCFGCutoffCallback(cutoff_step_ratio=0.5))
 
     @pytest.mark.parametrize("kind", ["label outside", "no labels", "output_type", "generators", "num_images"])
     def test_bad_inputs_are_clear_errors(self, pipe, kind):

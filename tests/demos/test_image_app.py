@@ -15,7 +15,7 @@ gr = pytest.importorskip("gradio", reason="the demo extra (pip install -e '.[dem
 
 from demo_helpers import headless_page, serve  # noqa: E402
 
-from demos.image_app import ModelStore, build_app, compare, main, parse_method_text  # noqa: E402
+from demos.image_app import ModelStore, build_app, compare, main, method_example, parse_method_text  # noqa: E402
 from mmspec.errors import InputError  # noqa: E402
 
 
@@ -78,6 +78,11 @@ def test_mar_rejects_top_k_before_loading(store):
         compare(store, "mar", "cspd", "red circle", "", 1, 3.0, 1.0, 5, 1.0, 0)
 
 
+def test_method_placeholder_names_the_methods_own_parameters():
+    assert method_example("llamagen", "sjd").startswith("e.g. window=")
+    assert "gamma=8" in method_example("mar", "cspd") and "draft_steps=<model default>" in method_example("var", "code")
+
+
 def test_method_text_and_command_line():
     assert parse_method_text("gamma=4, align=false\nprefill_ratio=0.1") == {"gamma": 4, "align": False,
                                                                             "prefill_ratio": 0.1}
@@ -110,6 +115,16 @@ def test_served_app_with_gradio_client(served):
     assert Path(vanilla_path).is_file() and Path(method_path).is_file()
     assert stats["family"] == "llamagen" and stats["num_images"] == 4 and stats["class"] == 14
     assert "step compression" in summary and "mean acceptance length" in summary
+
+    # another family's method through the API (the dropdown lists llamagen's), and a draft budget
+    _, _, _, stats, _ = client.predict("var", "code", "3", "draft_steps=5", 1, 4.0, 1.0, 0, 1.0, 0, "default",
+                                       api_name="/generate")
+    assert stats["family"] == "var" and stats["method"] == "code"
+    _, _, _, stats, _ = client.predict("llamagen", "eagle", "3", "", 1, 4.0, 0.0, 0, 1.0, 0, "auto",
+                                       api_name="/generate")
+    assert stats["budget"] == "auto" and stats["method_target_forwards"] > 0
+    with pytest.raises(Exception, match="no draft budget"):
+        client.predict("var", "code", "3", "", 1, 4.0, 1.0, 0, 1.0, 0, "auto", api_name="/generate")
 
     with pytest.raises(Exception, match="pick a class"):
         client.predict("llamagen", "sjd", "", "", 1, 4.0, 1.0, 0, 1.0, 0, api_name="/generate")
