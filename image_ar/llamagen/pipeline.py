@@ -4,10 +4,18 @@
     out = pipe(class_labels=[0, 5], guidance_scale=4.0, generator=torch.Generator().manual_seed(0))
     out.images      # PIL images;  out.stats: the SpecStats of the run (NFE, acceptance, wall time)
 
+    t2i = LlamaGenPipeline.from_pretrained(folder)        # with a text_encoder (T5) and its tokenizer
+    t2i("a small red circle on a blue background", method="sjd").images[0]
+
 The transformer generates `block_size` VQ tokens in raster order through the shared draft-verify loop
 (`mmspec.loop.generate`); classifier-free guidance runs the conditional and unconditional halves as one batch of
 2B rows fed the same sampled token (LlamaGen's way). The VQ decoder turns the tokens into images. `method=`
 picks the decoding method, e.g. "vanilla", "sjd" or "eagle" (declared in `image_ar.llamagen.family`).
+
+A text-conditional (t2i) pipeline holds the caption encoder as two components, `text_encoder` (a transformers
+`T5EncoderModel`) and `tokenizer`, and turns `prompt` strings into the caption features the GPT reads exactly as
+the official sampling script does (`image_ar.llamagen.text`: cleaning, padding to cls_token_num, left-padding);
+`prompt_embeds` + `prompt_embeds_mask` (already left-padded) stay the advanced path, `encode_prompt` gives them.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from diffusers import DiffusionPipeline
 from image_ar.llamagen.family import FAMILY
 from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.methods import MethodContext
+from image_ar.llamagen.text import check_prompts, encode_captions, left_pad_captions
 from image_ar.llamagen.vq import LlamaGenVQ
 from mmspec.budget import make_budget
 from mmspec.diffusers_folder import MMSpecPipelineMixin
@@ -38,18 +47,27 @@ from mmspec.sampling import SamplingParams
 LlamaGenPipelineOutput = GenerationOutput  # images, tokens [N, block_size], stats (the run's SpecStats)
 
 
-def condition_prefill(guided: bool, cond_mask: torch.Tensor | None = None):
+def condition_prefill(guided: bool, cond_mask: torch.Tensor | None = None, negative: torch.Tensor | None = None,
+                      negative_mask: torch.Tensor | None = None):
     """The prefill a LlamaGen model needs in the loop: embed the condition (and the null condition for CFG as
-    the second half of the batch), run it, return (cache, logits for the first image token [R, 1, V])."""
+    the second half of the batch), run it, return (cache, logits for the first image token [R, 1, V]).
+    cond_mask [B, C] bool: the caption tokens (t2i). The null rows are the null class / the learned unconditional
+    caption under the caption's own mask (official), or, given, a negative caption [B, C, D] with its own mask."""
 
     def prefill(model: LlamaGenGPT, cond: torch.Tensor, extra_capacity: int):
         rows = cond.shape[0]
         emb = model.embed_condition(cond)  # [B, C, dim]
         mask = cond_mask
         if guided:
-            null = model.embed_condition(cond, drop_mask=torch.ones(rows, dtype=torch.bool, device=cond.device))
+            if negative is None:
+                null = model.embed_condition(cond, drop_mask=torch.ones(rows, dtype=torch.bool, device=cond.device))
+                null_mask = cond_mask
+            else:
+                null, null_mask = model.embed_condition(negative), negative_mask
             emb = torch.cat([emb, null], dim=0)  # [2B, C, dim]
-            mask = None if cond_mask is None else torch.cat([cond_mask, cond_mask], dim=0)
+            if mask is not None or null_mask is not None:
+                every = torch.ones(cond.shape[:2], dtype=torch.bool, device=cond.device)  # [B, C]
+                mask = torch.cat([every if mask is None else mask, every if null_mask is None else null_mask])
         cache = model.new_cache(emb.shape[0], model.config.cls_token_num + extra_capacity)
         logits = model.prefill_condition(emb, cache, cond_mask=mask)  # [R, V]
         return cache, logits.unsqueeze(1)
@@ -57,18 +75,49 @@ def condition_prefill(guided: bool, cond_mask: torch.Tensor | None = None):
     return prefill
 
 
+def is_caption_list(value: Any) -> bool:
+    """Whether a first argument is a caption or a list of captions (not class labels)."""
+    return isinstance(value, str) or (isinstance(value, (list, tuple)) and len(value) > 0
+                                      and all(isinstance(v, str) for v in value))
+
+
+def per_image(rows: torch.Tensor | None, num_images_per_prompt: int, cond: torch.Tensor,
+              name: str) -> torch.Tensor | None:
+    """Per-caption rows (a mask [B, C] or features [B, C, D]; one row broadcasts to every caption) -> one per
+    image [N, ...] on cond's device (masks as bool)."""
+    if rows is None:
+        return None
+    n = cond.shape[0] // num_images_per_prompt
+    check(isinstance(rows, torch.Tensor) and rows.shape[0] in (1, n),
+          f"{name} must have one row or one per caption ({n}), got {list(getattr(rows, 'shape', []))}.")
+    rows = rows.expand(n, *rows.shape[1:]) if rows.shape[0] == 1 else rows
+    rows = rows.bool() if rows.dim() == 2 else rows.to(cond.dtype)
+    return rows.repeat_interleave(num_images_per_prompt, dim=0).to(cond.device)
+
+
 class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
     """LlamaGen target + VQ tokenizer, and optional drafters: a small draft LlamaGen (method draft-model) and an
     EAGLE drafter over the target's features (methods eagle, lantern)."""
 
-    model_cpu_offload_seq = "transformer->vqvae"
-    _optional_components = ["draft_transformer", "eagle_drafter"]
+    model_cpu_offload_seq = "text_encoder->transformer->vqvae"
+    _optional_components = ["draft_transformer", "eagle_drafter", "text_encoder", "tokenizer"]
 
     def __init__(self, transformer: LlamaGenGPT, vqvae: LlamaGenVQ, draft_transformer: LlamaGenGPT | None = None,
-                 eagle_drafter: Any = None):
+                 eagle_drafter: Any = None, text_encoder: Any = None, tokenizer: Any = None,
+                 clean_caption: bool = True):
         super().__init__()
+        check((text_encoder is None) == (tokenizer is None),
+              "a text_encoder needs its tokenizer (and a tokenizer its text_encoder): pass both or neither.")
+        if text_encoder is not None:
+            check(transformer.config.model_type == "t2i", "a text_encoder belongs to a t2i model; this transformer "
+                                                          "is class-conditional (c2i): drop text_encoder/tokenizer.")
+            width = getattr(text_encoder.config, "d_model", getattr(text_encoder.config, "hidden_size", None))
+            check(width == transformer.config.caption_dim,
+                  f"the text_encoder's width {width} differs from the transformer's caption_dim "
+                  f"{transformer.config.caption_dim}; use the encoder the model was trained with.")
         self.register_modules(transformer=transformer, vqvae=vqvae, draft_transformer=draft_transformer,
-                              eagle_drafter=eagle_drafter)
+                              eagle_drafter=eagle_drafter, text_encoder=text_encoder, tokenizer=tokenizer)
+        self.register_to_config(clean_caption=bool(clean_caption))
         self.lantern_tables: dict[int, torch.Tensor] = {}  # LANTERN's neighbour tables of the VQ codebook, per k
         self.budgets: dict = {}  # budget="auto" on tree drafters: what each budget learnt, kept between calls
 
@@ -88,6 +137,23 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         return self
 
     # ----------------------------------------------------------------------------------------- inputs
+    def encode_prompt(self, prompt: str | list[str], num_images_per_prompt: int = 1,
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Captions -> (prompt_embeds [N, cls_token_num, caption_dim], prompt_embeds_mask [N, cls_token_num] bool),
+        left-padded with padding zeroed, each caption repeated num_images_per_prompt times: what the official
+        sampling script feeds the GPT (`image_ar.llamagen.text`)."""
+        check(self.transformer.config.model_type == "t2i",
+              "this is a class-conditional (c2i) model: pass class_labels, not a prompt.")
+        check(self.text_encoder is not None, "this t2i pipeline has no text_encoder: pass prompt_embeds and "
+                                             "prompt_embeds_mask, or load the pipeline with text_encoder= (a "
+                                             "transformers T5EncoderModel) and tokenizer=.")
+        captions = check_prompts(prompt)
+        features, mask = encode_captions(self.text_encoder, self.tokenizer, captions,
+                                         self.transformer.config.cls_token_num, self.config.clean_caption)
+        features, mask = left_pad_captions(features.to(self.transformer.dtype), mask)
+        return (features.repeat_interleave(num_images_per_prompt, dim=0),
+                mask.repeat_interleave(num_images_per_prompt, dim=0))
+
     def _conditions(self, class_labels, prompt_embeds, num_images_per_prompt: int, generator,
                     output_type: str) -> torch.Tensor:
         """The checked conditions [N] (class ids) or [N, cls_token_num, caption_dim] (caption features)."""
@@ -101,7 +167,8 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         check_output_type(output_type)
         check(isinstance(num_images_per_prompt, int) and num_images_per_prompt >= 1,
               f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}.")
-        check(class_labels is None, "this is a text-conditional (t2i) model: pass prompt_embeds, not class_labels.")
+        check(class_labels is None, "this is a text-conditional (t2i) model: pass a prompt (or prompt_embeds), not "
+                                    "class_labels.")
         check(isinstance(prompt_embeds, torch.Tensor) and prompt_embeds.dim() == 3,
               "prompt_embeds must be [B, cls_token_num, caption_dim] caption features (e.g. flan-t5-xl).")
         cond = prompt_embeds.repeat_interleave(num_images_per_prompt, dim=0).to(device)
@@ -117,9 +184,16 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                  method: str = "vanilla", method_kwargs: dict[str, Any] | None = None, budget: str | None = "fixed",
                  output_type: str = "pil", return_dict: bool = True,
                  callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
-                 callback_on_step_end_tensor_inputs: list[str] | None = None):
+                 callback_on_step_end_tensor_inputs: list[str] | None = None,
+                 prompt: str | list[str] | None = None, negative_prompt: str | list[str] | None = None,
+                 negative_prompt_embeds: torch.Tensor | None = None,
+                 negative_prompt_embeds_mask: torch.Tensor | None = None):
         """Generate images.
 
+        class_labels (c2i) or prompt (t2i: one caption or a list; `pipe("a red circle")` passes it first, as in
+        diffusers; needs the text_encoder) or prompt_embeds + prompt_embeds_mask (left-padded caption features, as
+        `encode_prompt` returns them). negative_prompt / negative_prompt_embeds (+ mask): one or one per caption;
+        the CFG null rows then read it instead of the learned unconditional caption (not in the official code).
         guidance_scale: CFG scale (1.0 disables the unconditional half). temperature 0 = greedy; top_k 0 and
         top_p 1.0 disable those filters. generator: one, or one per image (then each image is independent of
         the batch it was generated in). callback_on_step_end(pipe, step, num_tokens, {"tokens": [N, T]}) runs
@@ -134,14 +208,27 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         user_step = self.step_callback(callback_on_step_end, callback_on_step_end_tensor_inputs,
                                        self.transformer.config.block_size)
         params = SamplingParams(temperature, top_k, top_p)
+        check_output_type(output_type)
+        if is_caption_list(class_labels):  # pipe("a red circle"): diffusers' first argument
+            check(prompt is None, "pass the caption once: as the first argument or as prompt=, not both.")
+            prompt, class_labels = class_labels, None
+        if prompt is not None:
+            check(prompt_embeds is None, "pass prompt or prompt_embeds, not both.")
+            prompt_embeds, prompt_embeds_mask = self.encode_prompt(prompt)
+        if negative_prompt is not None:
+            check(negative_prompt_embeds is None, "pass negative_prompt or negative_prompt_embeds, not both.")
+            negative_prompt_embeds, negative_prompt_embeds_mask = self.encode_prompt(negative_prompt)
         cond = self._conditions(class_labels, prompt_embeds, num_images_per_prompt, generator, output_type)
         batch = cond.shape[0]
         guided = guidance_scale != 1.0
-        cond_mask = None
-        if prompt_embeds_mask is not None:
-            cond_mask = prompt_embeds_mask.bool().repeat_interleave(num_images_per_prompt, dim=0).to(cond.device)
-        ctx = MethodContext(self, params, guidance_scale if guided else None, condition_prefill(guided, cond_mask),
-                            generator, batch)
+        cond_mask = per_image(prompt_embeds_mask, num_images_per_prompt, cond, "prompt_embeds_mask")
+        negative = per_image(negative_prompt_embeds, num_images_per_prompt, cond, "negative_prompt_embeds")
+        negative_mask = per_image(negative_prompt_embeds_mask, num_images_per_prompt, cond,
+                                  "negative_prompt_embeds_mask")
+        check(negative is None or (guided and list(negative.shape[1:]) == list(cond.shape[1:])),
+              "negative_prompt(_embeds) needs CFG (guidance_scale != 1) and caption features shaped like the prompt's.")
+        ctx = MethodContext(self, params, guidance_scale if guided else None,
+                            condition_prefill(guided, cond_mask, negative, negative_mask), generator, batch)
         drafter, rule = FAMILY.get_method(method).build(ctx, method_kwargs, "LlamaGen")
 
         from mmspec.lm import DRAFT_ROOM, LMTarget  # the target: the transformer with CFG, under the sampling params

@@ -1,0 +1,161 @@
+"""Text-to-image LlamaGen from strings (issue 25): the caption cleaning, the official padding recipe computed
+independently, `pipe("...")` equal to the same call with those prompt_embeds, greedy speculative == greedy vanilla
+on ragged caption batches with CFG, negative prompts, save / load with the text encoder, and one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from llamagen_dummies import get_dummy_components, get_dummy_t2i_components
+
+from image_ar.llamagen.pipeline import LlamaGenPipeline
+from image_ar.llamagen.text import clean_caption, left_pad_captions, preprocess_caption
+from mmspec.errors import InputError
+from mmspec.testing import seeded_generators
+
+CAPTIONS = ["a red circle", "the small blue square on a green background", "green cross"]  # ragged: 4, 9, 3 tokens
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    pipe = LlamaGenPipeline(**get_dummy_t2i_components())
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def official_prompt_embeds(pipe, captions):
+    """The official recipe written out independently: T5Embedder.get_text_embeddings (clean twice, pad to max
+    length, EOS), then sample_t2i.py's left padding (flip the mask, rotate each row by its valid count) and
+    `emb * mask`."""
+    texts = [clean_caption(clean_caption(c)) for c in captions]
+    tokens = pipe.tokenizer(texts, max_length=8, padding="max_length", truncation=True, return_attention_mask=True,
+                            add_special_tokens=True, return_tensors="pt")
+    with torch.no_grad():  # as the official embedder (torch picks another SDPA kernel with autograd on)
+        embs = pipe.text_encoder(input_ids=tokens["input_ids"], attention_mask=tokens["attention_mask"])[
+            "last_hidden_state"]
+    masks = tokens["attention_mask"]
+    rows = []
+    for emb, mask in zip(embs, masks):
+        valid = int(mask.sum())
+        rows.append(torch.cat([emb[valid:], emb[:valid]]))
+    new_masks = torch.flip(masks, dims=[-1])
+    return torch.stack(rows) * new_masks[:, :, None], new_masks
+
+
+def test_caption_cleaning_is_the_official_one():
+    """Same as diffusers' copy of the cleaning wherever the copies agree, and LlamaGen's where they differ (its
+    basic_clean strips in the middle: a caption left starting with a quote after a url is unquoted)."""
+    from diffusers import PixArtAlphaPipeline
+
+    class Holder:
+        bad_punct_regex = PixArtAlphaPipeline.bad_punct_regex
+
+    captions = ["A Photo of a <person> at http://x.com/a.png!!", "Cute—cat “quoted” ‘x’ &amp; &quot;dogs&quot;",
+                "this-is-my-cute-cat_now", "IP 192.168.0.1 #123 #123456 1234567 file.jpg",
+                "jc6640 jc6640vc 6640vc231 free shipping", "click on here page 12 3x4 a : b,c.d", "'Quoted caption'",
+                "<b>bold</b> @nick 中文 text", "A small red circle on a blue background", "...dots... *** stars ***"]
+    for caption in captions:
+        assert clean_caption(caption) == PixArtAlphaPipeline._clean_caption(Holder(), caption), caption
+    assert clean_caption('http://a.com "cat"') == "cat"
+    assert preprocess_caption("  A RED Circle ", clean=False) == "a red circle"
+
+
+def test_left_padding_matches_the_official_loop():
+    features, mask = torch.randn(3, 6, 4), torch.tensor([[1, 1, 0, 0, 0, 0], [1] * 6, [1, 0, 0, 0, 0, 0]])
+    padded, new_mask = left_pad_captions(features, mask)
+    for row in range(3):
+        valid = int(mask[row].sum())
+        expected = torch.cat([features[row, valid:], features[row, :valid]]) * mask[row].flip(0)[:, None]
+        assert torch.equal(padded[row], expected)
+    assert torch.equal(new_mask, mask.flip(-1).bool())
+
+
+def test_prompt_strings_equal_the_official_prompt_embeds(pipe):
+    embeds, mask = official_prompt_embeds(pipe, CAPTIONS)
+    ours, our_mask = pipe.encode_prompt(CAPTIONS)
+    torch.testing.assert_close(ours, embeds, atol=0, rtol=0)
+    assert torch.equal(our_mask, mask.bool())
+    call = {"guidance_scale": 3.0, "temperature": 1.0, "num_images_per_prompt": 2, "output_type": "latent"}
+    by_string = pipe(CAPTIONS, generator=seeded_generators(6, 1), **call).tokens
+    by_embeds = pipe(prompt_embeds=embeds, prompt_embeds_mask=mask, generator=seeded_generators(6, 1), **call).tokens
+    assert torch.equal(by_string, by_embeds) and by_string.shape == (6, 16)
+    assert torch.equal(pipe(prompt=CAPTIONS, generator=seeded_generators(6, 1), **call).tokens, by_string)
+
+
+@pytest.mark.parametrize("method", ["sjd", "eagle", "draft-model"])
+def test_greedy_speculative_equals_greedy_vanilla_on_ragged_captions(pipe, method):
+    call = {"guidance_scale": 4.0, "temperature": 0.0, "num_images_per_prompt": 2, "output_type": "latent"}
+    vanilla = pipe(CAPTIONS, **call)
+    spec = pipe(CAPTIONS, method=method, **call)
+    assert torch.equal(spec.tokens, vanilla.tokens)
+    assert spec.stats.num_drafts > 0 and spec.stats.num_target_forwards <= vanilla.stats.num_target_forwards
+    assert len({tuple(row) for row in vanilla.tokens.tolist()}) > 1  # the captions do change the image
+
+
+def test_negative_prompt_replaces_the_null_caption(pipe):
+    call = {"guidance_scale": 4.0, "temperature": 0.0, "output_type": "latent"}
+    plain = pipe(CAPTIONS[:2], **call).tokens
+    negative = pipe(CAPTIONS[:2], negative_prompt="blue cross", **call).tokens
+    neg_embeds, neg_mask = pipe.encode_prompt("blue cross")
+    by_embeds = pipe(CAPTIONS[:2], negative_prompt_embeds=neg_embeds, negative_prompt_embeds_mask=neg_mask,
+                     **call).tokens
+    assert torch.equal(negative, by_embeds) and not torch.equal(negative, plain)
+    assert torch.equal(pipe(CAPTIONS[:2], negative_prompt="blue cross", method="sjd", **call).tokens, negative)
+
+
+def test_save_and_load_with_the_text_encoder(pipe, tmp_path):
+    pipe.save_pretrained(tmp_path)
+    loaded = LlamaGenPipeline.from_pretrained(tmp_path)
+    loaded.set_progress_bar_config(disable=True)
+    assert loaded.text_encoder is not None and loaded.config.clean_caption is True
+    call = {"generator": torch.Generator().manual_seed(3), "output_type": "np"}
+    before = pipe(CAPTIONS[:2], **call).images
+    call["generator"] = torch.Generator().manual_seed(3)
+    assert (loaded(CAPTIONS[:2], **call).images == before).all()
+
+
+def test_bad_text_inputs_are_one_line_errors(pipe):
+    components = get_dummy_t2i_components()
+    bare = LlamaGenPipeline(**{k: v for k, v in components.items() if k not in ("text_encoder", "tokenizer")})
+    with pytest.raises(InputError, match="no text_encoder: pass prompt_embeds"):
+        bare("a red circle")
+    with pytest.raises(InputError, match="class-conditional"):
+        LlamaGenPipeline(**get_dummy_components())("a red circle")
+    with pytest.raises(InputError, match="not both"):
+        pipe("a red circle", prompt_embeds=torch.zeros(1, 8, 16))
+    with pytest.raises(InputError, match="non-empty list of strings"):
+        pipe(prompt=["a red circle", 3])
+    with pytest.raises(InputError, match="needs CFG"):
+        pipe("a red circle", negative_prompt="blue", guidance_scale=1.0)
+    with pytest.raises(InputError, match="one row or one per caption"):
+        pipe(CAPTIONS, negative_prompt=["blue", "red"])
+    with pytest.raises(InputError, match="caption_dim"):
+        from transformers import T5Config, T5EncoderModel
+
+        LlamaGenPipeline(**{**components, "text_encoder": T5EncoderModel(T5Config(d_model=24, num_layers=1))})
+    with pytest.raises(InputError, match="pass both or neither"):
+        LlamaGenPipeline(**{**components, "tokenizer": None})
+
+
+def test_convert_writes_a_pipeline_that_takes_prompts(pipe, tmp_path):
+    """`mmspec convert llamagen --t5 FOLDER`: official t2i GPT / VQ files plus a local T5 folder -> a folder whose
+    pipeline turns strings into the same images; a c2i GPT with --t5, or a folder without a T5, is refused."""
+    import json
+
+    from mmspec.cli import main
+
+    gpt_file, vq_file, t5 = tmp_path / "t2i_X_64.pt", tmp_path / "vq_ds4_t2i.pt", tmp_path / "flan-t5"
+    torch.save({"model": pipe.transformer.state_dict()}, gpt_file)  # the official container and key layout
+    torch.save({"model": pipe.vqvae.state_dict()}, vq_file)
+    pipe.text_encoder.save_pretrained(t5)
+    pipe.tokenizer.save_pretrained(t5)
+    args = ["convert", "llamagen", "--gpt", str(gpt_file), "--vq", str(vq_file), "--gpt-config",
+            json.dumps({"n_head": 2, "multiple_of": 16}), "--vq-config", json.dumps({"norm_num_groups": 8}),
+            "--block-size", "16"]
+    assert main([*args, "--t5", str(t5), "--out", str(tmp_path / "out")]) == 0
+    converted = LlamaGenPipeline.from_pretrained(tmp_path / "out")
+    converted.set_progress_bar_config(disable=True)
+    call = {"temperature": 0.0, "output_type": "latent"}
+    assert torch.equal(converted(CAPTIONS, **call).tokens, pipe(CAPTIONS, **call).tokens)
+    assert main([*args, "--t5", str(tmp_path), "--out", str(tmp_path / "bad")]) == 2  # no config.json there
+    assert not (tmp_path / "bad").exists()
