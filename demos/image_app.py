@@ -3,7 +3,8 @@
     python demos/image_app.py                                    # embedded defaults, http://127.0.0.1:7860
     python demos/image_app.py --model var=/data/var-code --port 7861   # a real checkpoint folder for one family
 
-Pick a family (llamagen, var, mar), a method, a class, sampling settings and, for families whose pipeline takes
+Pick a family (llamagen, llamagen-t2i, var, mar), a method, a class (or a caption for llamagen-t2i), sampling
+settings and, for families whose pipeline takes
 one, the draft budget (docs/budgets.md: "fixed" drafts the method's size every step, "auto" picks each step's size
 from this device's measured costs); both runs use the same seeds. The
 app shows the two image grids, wall times, the speed-up, step compression (vanilla's target forwards / the
@@ -78,6 +79,16 @@ class ModelStore:
 
 
 BUDGETS = ("default", "fixed", "auto")  # "default": the family pipeline's own default
+EXAMPLE_CAPTIONS = ("a small red circle on a blue background", "a large yellow cross in the upper left on a white "
+                    "background", "a medium green square at the bottom on a purple background")
+
+
+def condition_choices(family: str) -> tuple[list[str], str]:
+    """What the condition box offers for a family, and its label: world class names, or example captions for a
+    text-to-image family (any caption can be typed)."""
+    if ModelStore.record(family).condition == "prompt":
+        return list(EXAMPLE_CAPTIONS), "caption"
+    return world_class_names(16) or [], "class (name or id)"
 
 
 def speculative_methods(family: str) -> list[str]:
@@ -167,7 +178,9 @@ def compare(store: ModelStore, family: str, method: str, class_text: str, method
     record = ModelStore.record(family)
     check(method in speculative_methods(family),
           f"unknown method {method!r} for {family}; pick one of {', '.join(speculative_methods(family))}.")
+    text = record.condition == "prompt"
     check(class_text is not None and str(class_text).strip(),
+          "write a caption (e.g. 'a small red circle on a blue background')." if text else
           "pick a class (a name such as 'red circle' or a class id).")
     check(isinstance(num_images, (int, float)) and int(num_images) == num_images and 1 <= num_images <= MAX_IMAGES,
           f"number of images must be a whole number from 1 to {MAX_IMAGES}, got {num_images!r}.")
@@ -179,7 +192,7 @@ def compare(store: ModelStore, family: str, method: str, class_text: str, method
     pipe = store.pipeline(family)
     budget_option = check_budget(budget, pipe)
     options = sampling_options(family, store.defaults(family), guidance_scale, temperature, top_k, top_p)
-    label = resolve_class(str(class_text).strip(), record.num_classes(pipe))
+    label = str(class_text).strip() if text else resolve_class(str(class_text).strip(), record.num_classes(pipe))
     labels, seed = [label] * int(num_images), int(seed)
 
     shared = vanilla_kwargs(family, method, method_kwargs)
@@ -225,7 +238,7 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
     """The Blocks app (queued; call `.launch()`); `store` defaults to the embedded models on the CPU."""
     store = store or ModelStore()
     check(family in image_families(), f"unknown family {family!r}; pick one of {image_families()}.")
-    names = world_class_names(16) or []
+    names, condition_label = condition_choices(family)
 
     def run(family, method, class_text, method_text, num_images, guidance_scale, temperature, top_k, top_p, seed,
             budget="default", progress=gr.Progress(track_tqdm=True)):  # noqa: B008  (gradio finds the tracker)
@@ -247,6 +260,10 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
     def methods_for(family):
         return gr.Dropdown(choices=speculative_methods(family), value=default_method(family))
 
+    def conditions_for(family):
+        choices, label = condition_choices(family)
+        return gr.Dropdown(choices=choices, value=choices[0] if choices else None, label=label)
+
     def example_for(family, method):
         try:
             return gr.Textbox(placeholder=method_example(family, method))
@@ -262,7 +279,7 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
             method_box = gr.Dropdown(speculative_methods(family), value=default_method(family), label="method",
                                      allow_custom_value=True)
             class_box = gr.Dropdown(names, value=names[0] if names else None, allow_custom_value=True,
-                                    label="class (name or id)")
+                                    label=condition_label)
             method_args = gr.Textbox(label="method parameters",
                                      placeholder=method_example(family, default_method(family)))
         with gr.Row():
@@ -284,6 +301,7 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
             stats = gr.JSON(label="stats")
         family_box.change(methods_for, family_box, method_box)
         family_box.change(guidance_for, family_box, guidance)
+        family_box.change(conditions_for, family_box, class_box)
         method_box.change(example_for, [family_box, method_box], method_args)
         button.click(run, [family_box, method_box, class_box, method_args, num_images, guidance, temperature, top_k,
                            top_p, seed, budget], [vanilla_image, method_image, summary, stats, plot],

@@ -59,6 +59,9 @@ def write_diffusers_entry(folder: str | os.PathLike, pipeline_cls: type) -> None
     index = folder / "model_index.json"
     config = json.loads(index.read_text())
     config["_class_name"] = [SHIM_MODULE, pipeline_cls.__name__]
+    for name, entry in config.items():  # transformers 5 names its fast tokenizer TokenizersBackend; 4.x cannot load
+        if isinstance(entry, list) and entry == ["transformers", "TokenizersBackend"]:
+            config[name] = ["transformers", "PreTrainedTokenizerFast"]  # the name both read
     index.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (folder / f"{SHIM_MODULE}.py").write_text(
         f'"""diffusers entry point of this mmspec pipeline folder (`mmspec.diffusers_folder`)."""\n'

@@ -115,8 +115,9 @@ def constant(value: bool) -> Callable[[Mapping[str, Any]], bool]:
 class FamilyRecord:
     """A model family: how to load its pipeline folder, the hooks the CLI, demos and bench call, its methods.
 
-    load(model_path | None, device) -> pipeline (None: the embedded default); generate(pipe, labels, generators,
-    options) -> (PIL images, SpecStats) for class-conditional image families (`mmspec generate`, the image demo);
+    load(model_path | None, device) -> pipeline (None: the embedded default); generate(pipe, conditions,
+    generators, options) -> (PIL images, SpecStats) for image families (`mmspec generate`, the image demo), where
+    `condition` says what a condition is: "class" (class ids; num_classes(pipe)) or "prompt" (caption strings);
     num_classes(pipe); sampling_defaults(pipeline) -> {guidance_scale, temperature, top_k, top_p} used when a
     caller sets none, where `pipeline()` returns the loaded pipeline for a family whose model carries its own
     defaults (MAR), loading it only then, or None when the caller will not load it (the family then returns its
@@ -129,6 +130,7 @@ class FamilyRecord:
     default_model: Path | None = None
     load: Callable[..., Any] | None = None  # load(model_path, device, dtype=None)
     generate: Callable[..., tuple[list, Any]] | None = None
+    condition: str = "class"  # what generate's conditions are: "class" ids or "prompt" strings
     num_classes: Callable[[Any], int] | None = None
     sampling_defaults: Callable[[Any], dict] | None = None
     bench: Callable[[], Any] | None = None

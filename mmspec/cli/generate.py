@@ -1,7 +1,9 @@
-"""`mmspec generate`: class-conditional image generation with any family and method, from command-line values or
-a job file; resumable, multi-process, no lost work.
+"""`mmspec generate`: class- or text-conditional image generation with any family and method, from command-line
+values or a job file; resumable, multi-process, no lost work.
 
     mmspec generate --family llamagen --classes "red circle,blue cross" --num-images 4 --out out/ [--method M]
+    mmspec generate --family llamagen-t2i --prompt "a small red circle on a blue background" --out out/
+    mmspec generate --family llamagen-t2i --prompts captions.txt --method sjd --out out/   # one caption a line
     mmspec generate --family var --method code --job job.jsonl --out out/ [--skip-bad] [--max-batch 16]
     torchrun --nproc_per_node 2 -m mmspec generate --job job.jsonl --out out/        # or accelerate launch on GPUs
 
@@ -72,11 +74,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"model family: one of {', '.join(available_families())} whose record has a generate hook "
                              "(default: the first of those, alphabetically); --help lists them with their methods")
     parser.add_argument("--job", default=None,
-                        help="job file (.jsonl or .csv; columns id, class, count, seed), instead of --classes")
+                        help="job file (.jsonl or .csv; columns id, class or prompt, count, seed), instead of "
+                             "--classes / --prompt")
     parser.add_argument("--classes", default=None,
                         help="comma-separated class ids or names (e.g. '0,5' or 'red circle,blue cross'), or 'all' "
                              "(the default without --job)")
-    parser.add_argument("--num-images", type=int, default=4, help="images per class (with --classes)")
+    parser.add_argument("--prompt", action="append", default=None, metavar="TEXT",
+                        help="a caption, for text-to-image families (repeatable)")
+    parser.add_argument("--prompts", default=None, metavar="FILE",
+                        help="a text file of captions, one a line (text-to-image families)")
+    parser.add_argument("--num-images", type=int, default=4,
+                        help="images per class or caption (with --classes / --prompt / --prompts)")
     parser.add_argument("--out", required=True, help="output folder (images/, manifest.jsonl, stats.json, grid.png)")
     parser.add_argument("--method", default="vanilla", help="decoding method (see the family's docs)")
     parser.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -154,10 +162,46 @@ def class_rows(args: argparse.Namespace, n_classes: int) -> list[JobRow]:
     return rows
 
 
-def job_rows(args: argparse.Namespace, n_classes: int) -> tuple[list[JobRow], list[str]]:
+def prompt_slug(prompt: str) -> str:
+    """The file-name part of a caption: its first words, lower-case, joined by '-' (at most 40 characters)."""
+    words = "".join(c if c.isalnum() else " " for c in prompt.lower()).split()
+    return "-".join(words)[:40].strip("-") or "prompt"
+
+
+def command_prompts(args: argparse.Namespace) -> list[str]:
+    """The captions of --prompt and --prompts (one a line, blank lines skipped)."""
+    prompts = list(args.prompt or [])
+    if args.prompts is not None:
+        prompts += [line.strip() for line in Path(args.prompts).read_text(encoding="utf-8").splitlines()
+                    if line.strip()]
+    check(prompts and all(p.strip() for p in prompts), "no captions: give --prompt TEXT or a --prompts file with "
+                                                       "one caption a line.")
+    return prompts
+
+
+def prompt_rows(args: argparse.Namespace) -> list[JobRow]:
+    """The rows of a command-line text-to-image run: one per caption, --num-images each."""
+    rows, used = [], set()
+    for position, prompt in enumerate(command_prompts(args)):
+        row_id = prompt_slug(prompt)
+        row_id = row_id if row_id not in used else f"{row_id}-{position}"
+        used.add(row_id)
+        rows.append(JobRow(row_id, position + 1, {"prompt": prompt}, args.num_images, row_seed(args.seed, position)))
+    return rows
+
+
+def job_rows(args: argparse.Namespace, n_classes: int | None) -> tuple[list[JobRow], list[str]]:
     def parse_inputs(fields: dict) -> dict:
+        if n_classes is None:  # a text-to-image family
+            if "class" in fields:
+                raise ValueError("a text-to-image family takes 'prompt', not 'class'")
+            if not isinstance(fields.get("prompt"), str) or not fields["prompt"].strip():
+                raise ValueError("missing 'prompt' (a caption)")
+            return {"prompt": fields["prompt"]}
         if "class" not in fields:
             raise ValueError("missing 'class'")
+        if "prompt" in fields:
+            raise ValueError("a class-conditional family takes 'class', not 'prompt'")
         return {"class": resolve_class(str(fields["class"]), n_classes)}
 
     rows, bad = read_job_file(args.job, args.seed, parse_inputs)
@@ -201,7 +245,8 @@ class Runner:
                     queue = halves(piece, self.limit) + queue
                     continue
                 try:
-                    images, stats = self.family.generate(self.pipe, [it.row.inputs["class"] for it in piece],
+                    images, stats = self.family.generate(self.pipe, [it.row.inputs[self.family.condition]
+                                                                     for it in piece],
                                                          [it.generator() for it in piece], self.options)
                 except Exception as err:
                     if not is_out_of_memory(err) or len(piece) == 1:
@@ -243,15 +288,27 @@ def run(args: argparse.Namespace) -> int:
     check(args.max_batch >= 1, f"--max-batch must be >= 1, got {args.max_batch}.")
     check(args.num_images >= 1, f"--num-images must be >= 1, got {args.num_images}.")  # before any model loads
     parse_threads(args.threads)
+    given = [name for name, value in (("--job", args.job), ("--classes", args.classes), ("--prompt", args.prompt),
+                                      ("--prompts", args.prompts)) if value is not None]
+    check(len(given) <= 1 or given == ["--prompt", "--prompts"], f"pass one of {' / '.join(given)}, not several.")
     if args.job is not None:
-        check(args.classes is None, "pass either --job or --classes, not both.")
         check(Path(args.job).is_file(), f"--job {args.job} is not a file; pass a .jsonl or .csv job file.")
+    if args.prompts is not None:
+        check(Path(args.prompts).is_file(), f"--prompts {args.prompts} is not a file; pass a text file with one "
+                                            "caption a line.")
     if args.model is not None:
         check(Path(args.model).exists(), f"--model {args.model} does not exist; pass a pipeline folder.")
     args.family = args.family or available_families("generate")[0]
     family = get_family(args.family)
     check(family.generate is not None, f"family {args.family!r} does not generate images; pick one of "
                                        f"{', '.join(available_families('generate'))}.")
+    text = family.condition == "prompt"
+    check(not text or args.classes is None, f"family {args.family!r} is text-to-image: pass --prompt TEXT, "
+                                            "--prompts FILE or a --job with a 'prompt' column, not --classes.")
+    check(text or (args.prompt is None and args.prompts is None),
+          f"family {args.family!r} is class-conditional: pass --classes, not --prompt / --prompts.")
+    if text and args.job is None:
+        command_prompts(args)  # an empty caption list fails here, before any model loads
     method = family.get_method(args.method)
     method_kwargs = method.check_given(parse_method_args(args.method_arg), args.family)
     state = _process_state(args.device)
@@ -289,12 +346,18 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
         from diffusers.utils import logging as diffusers_logging
 
         diffusers_logging.disable_progress_bar()
+        from transformers.utils import logging as transformers_logging  # its "Loading weights" bar (text encoders)
+
+        transformers_logging.disable_progress_bar()
     device = args.device if state is None or args.device == "cpu" else str(state.device)
     pipe = family.load(args.model, device, torch_dtype(args.dtype))
     set_threads(parse_threads(args.threads), count_parameters(pipe))
     pipe = compile_pipeline(pipe, args.compile)
-    n_classes = family.num_classes(pipe)
-    rows, bad = job_rows(args, n_classes) if args.job is not None else (class_rows(args, n_classes), [])
+    n_classes = family.num_classes(pipe) if family.condition == "class" else None
+    if args.job is not None:
+        rows, bad = job_rows(args, n_classes)
+    else:
+        rows, bad = (class_rows(args, n_classes) if n_classes is not None else prompt_rows(args)), []
     options = {k: getattr(args, k) for k in ("guidance_scale", "temperature", "top_k", "top_p")
                if getattr(args, k) is not None}
     options = {**family.defaults(pipe), **options, "method": args.method, "method_kwargs": method_kwargs}

@@ -4,6 +4,7 @@ A job file is JSONL (one object per line) or CSV (a header line, then one row pe
 
     id      optional; letters, digits, '.', '_', '-' (default: "row" + the line number); unique
     class   a class id or a world class name (class-conditional families)
+    prompt  a caption (text-to-image families)
     count   optional; images of the row (default 1)
     seed    optional; the row's seed (default: derived from --seed and the line number)
 
@@ -33,7 +34,7 @@ from mmspec.errors import InputError
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 MANIFEST = "manifest.jsonl"
-COLUMNS = ("id", "class", "count", "seed")
+COLUMNS = ("id", "class", "prompt", "count", "seed")
 MAX_COUNT = 100_000
 
 

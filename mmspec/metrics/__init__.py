@@ -13,6 +13,7 @@ from mmspec.metrics.judge import DEFAULT_JUDGE_PATH, JudgeConfig, WorldJudge, lo
 from mmspec.metrics.quality import (
     FIDResult,
     ReferenceStats,
+    attribute_agreement,
     class_accuracy,
     frechet_distance,
     gaussian_stats,
@@ -29,6 +30,7 @@ __all__ = [
     "JudgeConfig",
     "ReferenceStats",
     "WorldJudge",
+    "attribute_agreement",
     "class_accuracy",
     "clip_score",
     "frechet_distance",

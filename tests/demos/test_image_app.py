@@ -78,6 +78,24 @@ def test_mar_rejects_top_k_before_loading(store):
         compare(store, "mar", "cspd", "red circle", "", 1, 3.0, 1.0, 5, 1.0, 0)
 
 
+def test_a_text_to_image_family_takes_a_caption(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "image_ar"))
+    from llamagen_dummies import get_dummy_t2i_components
+
+    from demos.image_app import condition_choices
+    from image_ar.llamagen.pipeline import LlamaGenPipeline
+
+    LlamaGenPipeline(**get_dummy_t2i_components()).save_pretrained(tmp_path)
+    store = ModelStore({"llamagen-t2i": str(tmp_path)})
+    result = compare(store, "llamagen-t2i", "sjd", "a red circle", "", 2, 4.0, 0.0, 0, 1.0, 0)
+    assert np.array_equal(np.asarray(result["vanilla"]), np.asarray(result["method"]))  # greedy SJD is lossless
+    assert result["stats"]["class"] == "a red circle" and condition_choices("llamagen-t2i")[1] == "caption"
+    with pytest.raises(InputError, match="write a caption"):
+        compare(store, "llamagen-t2i", "sjd", " ", "", 2, 4.0, 0.0, 0, 1.0, 0)
+
+
 def test_method_placeholder_names_the_methods_own_parameters():
     assert method_example("llamagen", "sjd").startswith("e.g. window=")
     assert "gamma=8" in method_example("mar", "cspd") and "draft_steps=<model default>" in method_example("var", "code")

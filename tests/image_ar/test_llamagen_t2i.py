@@ -159,3 +159,50 @@ def test_convert_writes_a_pipeline_that_takes_prompts(pipe, tmp_path):
     assert torch.equal(converted(CAPTIONS, **call).tokens, pipe(CAPTIONS, **call).tokens)
     assert main([*args, "--t5", str(tmp_path), "--out", str(tmp_path / "bad")]) == 2  # no config.json there
     assert not (tmp_path / "bad").exists()
+
+
+def test_saved_tokenizer_entry_loads_on_every_transformers(pipe, tmp_path):
+    """transformers 5 names its fast tokenizer class TokenizersBackend, which 4.x lacks: the folder names the
+    class both read."""
+    import json
+
+    pipe.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "model_index.json").read_text())["tokenizer"] == ["transformers",
+                                                                                    "PreTrainedTokenizerFast"]
+
+
+def test_world_t5_tokenizer_fits_every_world_caption():
+    from image_ar.llamagen.train_t2i import CAPTION_TOKENS, world_t5_tokenizer
+    from mmspec.data import generate_batch
+
+    tokenizer = world_t5_tokenizer()
+    captions = generate_batch(500, 0, split="train", image_size=32).captions
+    tokens = tokenizer(captions)["input_ids"]
+    assert all(t[-1] == tokenizer.eos_token_id and tokenizer.bos_token_id not in t for t in tokens)
+    assert max(len(t) for t in tokens) <= CAPTION_TOKENS
+
+
+def test_attribute_agreement_reads_real_scenes_and_catches_wrong_ones():
+    from mmspec.data import generate_batch
+    from mmspec.metrics import attribute_agreement
+
+    batch = generate_batch(64, 3, split="val", image_size=32)
+    own = attribute_agreement(batch.float_images(), batch)
+    shuffled = attribute_agreement(batch.float_images().flip(0), batch)
+    assert own["all_attributes"] >= 0.9 and min(own["attributes"].values()) >= 0.9
+    assert shuffled["all_attributes"] < 0.2 and set(own["attributes"]) == {"shape", "colour", "size", "position",
+                                                                           "background"}
+
+
+def test_train_t2i_makes_a_pipeline_folder_with_a_card(tmp_path):
+    from mmspec.cli import main
+
+    out = tmp_path / "out"
+    assert main(["train", "llamagen-t2i", "--out", str(out), "--work-dir", str(tmp_path / "work"),
+                 "--num-train-images", "64", "--target-steps", "2", "--draft-steps", "2", "--batch-size", "8",
+                 "--eval-captions", "4", "--no-compile", "--threads", "1", "--quiet"]) == 0
+    card = (out / "README.md").read_text()
+    assert "pipeline_tag: text-to-image" in card and "every attribute agrees" in card
+    loaded = LlamaGenPipeline.from_pretrained(out)
+    loaded.set_progress_bar_config(disable=True)
+    assert loaded("a small red circle on a blue background", output_type="pt").images.shape == (1, 3, 32, 32)
