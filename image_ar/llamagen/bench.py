@@ -1,4 +1,10 @@
-"""The `llamagen` bench family: the LlamaGen pipeline (embedded default or `--family-option model=PATH`).
+"""The `llamagen` and `llamagen-t2i` bench families: the LlamaGen pipeline (embedded default or
+`--family-option model=PATH`), on class labels or on held-out captions.
+
+`llamagen-t2i`: inputs are the captions of `num_samples` held-out (val split, seed 0) single-object world scenes;
+quality is the judge's agreement with every caption attribute (`attribute_agreement`: shape, colour, size,
+position, background, and all five at once) and world-FID against the real images of the same captions; the
+rest as below.
 
 Inputs: `num_samples` class labels cycling through the classes. Methods: every method of the family record
 (`image_ar.llamagen.family`, vanilla first), run through the pipeline with one generator per image seeded by
@@ -14,7 +20,10 @@ follow the target's distribution (`pit_ks` and friends, `mmspec.metrics.calibrat
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import lru_cache
 from typing import Any
+
+import torch
 
 from image_ar.llamagen.family import DEFAULTS, FAMILY, load
 from image_ar.llamagen.scoring import target_probs
@@ -31,8 +40,8 @@ from mmspec.budget import check_budget_mode
 from mmspec.compile import compile_pipeline
 
 
-def _options(settings: BenchSettings) -> dict[str, Any]:
-    options = image_options(settings, "llamagen", DEFAULTS, extra=("budget",))
+def _options(settings: BenchSettings, family: str = "llamagen") -> dict[str, Any]:
+    options = image_options(settings, family, DEFAULTS, extra=("budget",))
     check_budget_mode(options["budget"], "--family-option budget")
     return options
 
@@ -42,11 +51,13 @@ def build(settings: BenchSettings):
     return compile_pipeline(load(o["model"], settings.device), o["compile"])
 
 
-def _runner(record):
+def _runner(record, family: str = "llamagen"):
     def run(pipe, batch: Sequence[Sample], settings: BenchSettings, given: Mapping[str, Any]) -> MethodOutput:
-        o = _options(settings)
+        o = _options(settings, family)
         given, budget = pop_budget(given, o["budget"] or "fixed")
-        out = pipe(class_labels=[int(s.data) for s in batch], generator=sample_generators(batch, settings),
+        conditions = ({"prompt": [s.data for s in batch]} if family == "llamagen-t2i" else
+                      {"class_labels": [int(s.data) for s in batch]})
+        out = pipe(**conditions, generator=sample_generators(batch, settings),
                    guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],
                    top_p=o["top_p"], method=record.name, method_kwargs=dict(given), output_type="pt",
                    budget=budget)
@@ -62,7 +73,7 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
 
 
 def calibration(pipe, samples: Sequence[Sample], outputs: list, settings: BenchSettings) -> dict:
-    o = _options(settings)
+    o = _options(settings, "llamagen-t2i" if pipe.transformer.config.model_type == "t2i" else "llamagen")
     return token_calibration(lambda labels, tokens: target_probs(
         pipe, labels, tokens, guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],
         top_p=o["top_p"]), outputs, settings)
@@ -73,3 +84,62 @@ def llamagen_family() -> Family:
                   build=build, inputs=class_inputs, methods=methods_of(FAMILY, _runner, budget=True), quality=quality,
                   primary_quality="class_accuracy", to_turn=lambda o: o["tokens"].tolist(), model_quality=calibration,
                   description=FAMILY.description)
+
+
+# ------------------------------------------------------------------------------------------------ t2i
+@lru_cache(maxsize=2)
+def held_out_scenes(n: int):
+    """The n val-split world scenes (seed 0) whose captions are the t2i bench's inputs."""
+    from mmspec.data import generate_batch
+    from mmspec.world_training import IMAGE_SIZE
+
+    return generate_batch(n, 0, split="val", image_size=IMAGE_SIZE)
+
+
+def caption_inputs(settings: BenchSettings) -> list[Sample]:
+    from mmspec.data import CLASS_NAMES
+
+    scenes = held_out_scenes(settings.num_samples)
+    return [Sample(question_id=i, category=CLASS_NAMES[int(scenes.labels[i])], data=scenes.captions[i])
+            for i in range(settings.num_samples)]
+
+
+def caption_quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list,
+                    settings: BenchSettings) -> dict:
+    """The judge's agreement with each caption attribute and with all of them, world-FID against the real images of
+    the same captions (2+ images), token exactness vs vanilla for lossless methods at temperature 0."""
+    from mmspec.metrics import attribute_agreement, world_fid
+    from mmspec.metrics.train_judge import scene_targets
+
+    scenes = held_out_scenes(settings.num_samples)
+    rows = torch.tensor([int(o["index"]) for o in outputs])
+    images = torch.stack([o["image"] for o in outputs])
+    agreement = attribute_agreement(images, {k: v[rows] for k, v in scene_targets(scenes).items()})
+    figures: dict[str, Any] = {"attribute_agreement": agreement["all_attributes"],
+                               **{f"{k}_agreement": v for k, v in agreement["attributes"].items()}}
+    if len(outputs) >= 2:
+        figures["world_fid"] = world_fid(images, scenes.float_images()[rows]).fid
+    if method.is_lossless(params) and settings.greedy:
+        figures["exactness"] = sum(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(outputs, vanilla)) / len(
+            outputs)
+    return figures
+
+
+def build_t2i(settings: BenchSettings):
+    from image_ar.llamagen.family_t2i import load as load_t2i
+
+    o = _options(settings, "llamagen-t2i")
+    check_budget_mode(o["budget"], "--family-option budget")
+    return compile_pipeline(load_t2i(o["model"], settings.device), o["compile"])
+
+
+def llamagen_t2i_family() -> Family:
+    from image_ar.llamagen.family_t2i import FAMILY_T2I
+
+    return Family(name="llamagen-t2i",
+                  model_id=lambda s: str(_options(s, "llamagen-t2i")["model"] or "embedded llamagen-t2i (world)"),
+                  build=build_t2i, inputs=caption_inputs,
+                  methods=methods_of(FAMILY, lambda record: _runner(record, "llamagen-t2i"), budget=True),
+                  quality=caption_quality, primary_quality="attribute_agreement",
+                  to_turn=lambda o: o["tokens"].tolist(), model_quality=calibration,
+                  description=FAMILY_T2I.description)

@@ -30,6 +30,12 @@ def load(model_path: str | None, device: str, dtype=None):
     return pipe
 
 
+def bench():
+    from image_ar.llamagen.bench import llamagen_t2i_family
+
+    return llamagen_t2i_family()
+
+
 def generate(pipe, prompts: list[str], generators: list[torch.Generator], options: dict) -> tuple[list, SpecStats]:
     out = pipe(prompt=prompts, generator=generators, output_type="pil", **options)
     return out.images, out.stats
@@ -37,4 +43,4 @@ def generate(pipe, prompts: list[str], generators: list[torch.Generator], option
 
 FAMILY_T2I = FamilyRecord("llamagen-t2i", "LlamaGen text-to-image generation (judge attribute agreement, world-FID)",
                           default_model=ASSETS_DIR / "llamagen-t2i", load=load, generate=generate, condition="prompt",
-                          sampling_defaults=lambda pipeline: DEFAULTS, methods=FAMILY.methods)
+                          sampling_defaults=lambda pipeline: DEFAULTS, bench=bench, methods=FAMILY.methods)

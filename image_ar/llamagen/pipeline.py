@@ -29,7 +29,7 @@ from diffusers import DiffusionPipeline
 from image_ar.llamagen.family import FAMILY
 from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.methods import MethodContext
-from image_ar.llamagen.text import check_prompts, encode_captions, left_pad_captions
+from image_ar.llamagen.text import caption_condition, check_prompts, tokenize_captions
 from image_ar.llamagen.vq import LlamaGenVQ
 from mmspec.budget import make_budget
 from mmspec.diffusers_folder import MMSpecPipelineMixin
@@ -147,10 +147,12 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         check(self.text_encoder is not None, "this t2i pipeline has no text_encoder: pass prompt_embeds and "
                                              "prompt_embeds_mask, or load the pipeline with text_encoder= (a "
                                              "transformers T5EncoderModel) and tokenizer=.")
-        captions = check_prompts(prompt)
-        features, mask = encode_captions(self.text_encoder, self.tokenizer, captions,
-                                         self.transformer.config.cls_token_num, self.config.clean_caption)
-        features, mask = left_pad_captions(features.to(self.transformer.dtype), mask)
+        ids, mask = tokenize_captions(self.tokenizer, check_prompts(prompt), self.transformer.config.cls_token_num,
+                                      self.config.clean_caption)
+        device = self.text_encoder.device
+        with torch.no_grad():  # as the official embedder (torch picks another SDPA kernel under autograd)
+            features, mask = caption_condition(self.text_encoder, ids.to(device), mask.to(device))
+        features = features.to(self.transformer.dtype)
         return (features.repeat_interleave(num_images_per_prompt, dim=0),
                 mask.repeat_interleave(num_images_per_prompt, dim=0))
 

@@ -1,6 +1,6 @@
 """Teacher-forced target distributions for finished LlamaGen token sequences.
 
-    p = target_probs(pipe, class_labels=[0, 3], tokens=out.tokens, guidance_scale=4.0, top_k=64)  # [N, T, V]
+    p = target_probs(pipe, [0, 3], out.tokens, guidance_scale=4.0, top_k=64)  # [N, T, V]; t2i: captions
 
 p[:, t] is the distribution vanilla decoding would sample token t from given tokens[:, :t] (the same condition,
 CFG, temperature and top-k/p filters; `mmspec.lm.teacher_forced_probs`). `mmspec.metrics.calibration` uses it
@@ -18,18 +18,21 @@ from mmspec.pipeline_io import class_labels_tensor
 from mmspec.sampling import SamplingParams
 
 
-def target_probs(pipe: LlamaGenPipeline, class_labels: list[int] | torch.Tensor, tokens: torch.Tensor,
+def target_probs(pipe: LlamaGenPipeline, conditions: list[int] | list[str] | torch.Tensor, tokens: torch.Tensor,
                  guidance_scale: float = 4.0, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0) -> torch.Tensor:
-    """The target's sampling distributions [N, T, V] at every position of `tokens` [N, T] (class-conditional
-    models; T <= block_size)."""
+    """The target's sampling distributions [N, T, V] at every position of `tokens` [N, T] (T <= block_size), for
+    class labels (c2i models) or captions (t2i models, encoded as `pipe(prompt)` encodes them)."""
     model = pipe.transformer
-    check(model.config.model_type == "c2i", "target_probs scores class-conditional (c2i) LlamaGen models.")
     check(tokens.dim() == 2 and 1 <= tokens.shape[1] <= model.config.block_size,
           f"tokens must be [N, T] with 1 <= T <= block_size ({model.config.block_size}); got {tuple(tokens.shape)}.")
     params = SamplingParams(temperature, top_k, top_p)
-    cond = class_labels_tensor(class_labels, 1, model.config.num_classes, model.device)  # [N]
-    check(cond.shape[0] == tokens.shape[0], f"{cond.shape[0]} class labels for {tokens.shape[0]} token rows.")
+    mask = None
+    if model.config.model_type == "t2i":
+        cond, mask = pipe.encode_prompt(list(conditions))  # [N, L, D], [N, L]
+    else:
+        cond = class_labels_tensor(conditions, 1, model.config.num_classes, model.device)  # [N]
+    check(cond.shape[0] == tokens.shape[0], f"{cond.shape[0]} conditions for {tokens.shape[0]} token rows.")
     guided = guidance_scale != 1.0
-    runner = GuidedRunner(model, guidance_scale if guided else None, condition_prefill(guided))
+    runner = GuidedRunner(model, guidance_scale if guided else None, condition_prefill(guided, mask))
     return teacher_forced_probs(runner, cond, tokens.to(model.device), params)  # [N, T, V]

@@ -5,6 +5,8 @@ as the official sampling script computes them (`language/t5.py` `T5Embedder` + `
              --T5 encoder--> last_hidden_state [B, L, D], mask [B, L] (right-padded)
              --left_pad_captions--> valid tokens moved to the end, mask flipped, padding slots zeroed
 
+(`tokenize_captions`, then `caption_condition` = the encoder + `left_pad_captions`.)
+
 L is the GPT's cls_token_num (120 for the official models, flan-t5-xl features, D = 2048). Without cleaning the
 official embedder lower-cases and strips instead. The CFG null rows are the model's learned `uncond_embedding`
 under the caption's own mask (`condition_prefill`); a negative prompt (not in the official code) replaces them with
@@ -124,19 +126,21 @@ def check_prompts(prompt: str | Sequence[str], name: str = "prompt") -> list[str
     return list(prompts)
 
 
-@torch.no_grad()
-def encode_captions(text_encoder: Any, tokenizer: Any, captions: Sequence[str], max_length: int,
-                    clean: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """Captions -> (features [B, L, D], mask [B, L] long, 1 = token), right-padded, as `T5Embedder.
-    get_text_embeddings`: preprocessing, the tokenizer padded / truncated to L with its special tokens (T5: EOS),
-    the encoder's last_hidden_state under that attention mask."""
+def tokenize_captions(tokenizer: Any, captions: Sequence[str], max_length: int,
+                      clean: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Captions -> (ids [B, L], mask [B, L] long, 1 = token), right-padded, as `T5Embedder.get_text_embeddings`
+    tokenizes them: preprocessing, padded / truncated to L with the tokenizer's special tokens (T5: EOS)."""
     texts = [preprocess_caption(c, clean) for c in captions]
     tokens = tokenizer(texts, max_length=max_length, padding="max_length", truncation=True,
                        return_attention_mask=True, add_special_tokens=True, return_tensors="pt")
-    device = text_encoder.device
-    ids, mask = tokens["input_ids"].to(device), tokens["attention_mask"].to(device)  # [B, L], [B, L]
-    features = text_encoder(input_ids=ids, attention_mask=mask)["last_hidden_state"]  # [B, L, D]
-    return features, mask
+    return tokens["input_ids"], tokens["attention_mask"]
+
+
+def caption_condition(text_encoder: Any, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokenized captions (ids [B, L], mask [B, L], right-padded, as the tokenizer gives them) -> the GPT's condition:
+    left-padded features [B, L, D] and mask [B, L] bool (grad flows when enabled: training the encoder)."""
+    hidden = text_encoder(input_ids=ids.long(), attention_mask=mask.long())["last_hidden_state"]  # [B, L, D]
+    return left_pad_captions(hidden, mask.long())
 
 
 def left_pad_captions(features: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

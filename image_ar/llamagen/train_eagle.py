@@ -4,8 +4,10 @@
 
 Data: image token sequences (`--data world`: world images tokenized by the pipeline's VQ with
 `image_ar.llamagen.train.tokenize`; `--data target`: the target's own samples, for targets not trained on the
-world), cached in the work dir. Each step teacher-forces the frozen target on a batch (no grad), with 10% of the
-class labels replaced by the null class (`--null-prob`), and reads its final normed features f_0..f_{T-1}
+world), cached in the work dir. A text-to-image pipeline trains on world images with their captions (tokenized by
+its tokenizer, encoded by its text_encoder as `pipe(prompt)` does; `--data world` only). Each step teacher-forces
+the frozen target on a batch (no grad), with 10% of the class labels (captions) replaced by the null class (the
+learned null caption; `--null-prob`), and reads its final normed features f_0..f_{T-1}
 (`last_hidden`; f_i predicts token i) and logits. The drafter sees the pairs (f_i + noise, token_i),
 i < T - 1, and is trained to predict f_{i+1}:
 
@@ -30,6 +32,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -85,9 +88,11 @@ def lr_at(step: int, total: int, base: float, warmup: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------------ data
-def world_sequences(pipe: LlamaGenPipeline, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """World images tokenized by the pipeline's VQ: tokens [n, block_size] int16, labels [n]."""
+def world_sequences(pipe: LlamaGenPipeline, n: int, seed: int, quiet: bool = True) -> dict[str, torch.Tensor]:
+    """World images tokenized by the pipeline's VQ: {"ids": tokens [n, block_size] int16, "labels": [n]}, or for a
+    t2i pipeline {"ids", "text_ids" [n, L], "masks" [n, L]} (the captions as its tokenizer gives them)."""
     from image_ar.llamagen.train import tokenize
+    from image_ar.llamagen.train_t2i import caption_data
     from mmspec.world_training import IMAGE_SIZE
 
     target = pipe.transformer
@@ -97,13 +102,16 @@ def world_sequences(pipe: LlamaGenPipeline, n: int, seed: int) -> tuple[torch.Te
         raise InputError(f"--data world tokenizes {IMAGE_SIZE}x{IMAGE_SIZE} world images, but this pipeline makes "
                          f"{grid * factor}x{grid * factor} images ({grid}x{grid} tokens, VQ factor {factor}); use "
                          "--data target (the target's own samples).")
-    return tokenize(pipe.vqvae, n, seed)
+    if target.config.model_type == "t2i":
+        return caption_data(pipe.vqvae, pipe.tokenizer, n, seed, max_length=target.config.cls_token_num, quiet=quiet)
+    return dict(zip(("ids", "labels"), tokenize(pipe.vqvae, n, seed)))
 
 
 @torch.no_grad()
 def target_sequences(pipe: LlamaGenPipeline, n: int, seed: int, guidance: float, temperature: float,
-                     quiet: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's own samples (vanilla decoding): tokens [n, block_size] int16, uniform random labels [n]."""
+                     quiet: bool) -> dict[str, torch.Tensor]:
+    """The target's own samples (vanilla decoding): {"ids": tokens [n, block_size] int16, "labels": uniform random
+    labels [n]}."""
     classes = pipe.transformer.config.num_classes
     labels = torch.randint(0, classes, (n,), generator=torch.Generator().manual_seed(seed))
     pipe.set_progress_bar_config(disable=True)
@@ -113,33 +121,45 @@ def target_sequences(pipe: LlamaGenPipeline, n: int, seed: int, guidance: float,
         out = pipe(class_labels=chunk.tolist(), guidance_scale=guidance, temperature=temperature,
                    generator=torch.Generator().manual_seed(seed * 1_000_003 + start), output_type="latent")
         ids.append(out.tokens.short())
-    return torch.cat(ids), labels
+    return {"ids": torch.cat(ids), "labels": labels}
 
 
-def training_data(pipe: LlamaGenPipeline, args: argparse.Namespace, work: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token sequences [n, T] int64 and labels [n], cached in the work dir."""
-    name = f"{args.data}-{args.num_train_sequences}-seed{args.seed}"
+def training_data(pipe: LlamaGenPipeline, args: argparse.Namespace, work: Path) -> dict[str, torch.Tensor]:
+    """Token sequences "ids" [n, T] and their conditions ("labels" [n], or "text_ids" / "masks" [n, L] for a t2i
+    pipeline), cached in the work dir."""
+    name = f"{args.data}-{pipe.transformer.config.model_type}-{args.num_train_sequences}-seed{args.seed}"
     if args.data == "target":
         name += f"-g{args.data_guidance}-t{args.data_temperature}"
     cache = work / f"sequences-{name}.pt"
     if not cache.is_file() or args.force:
         if args.data == "world":
-            ids, labels = world_sequences(pipe, args.num_train_sequences, args.seed)
+            data = world_sequences(pipe, args.num_train_sequences, args.seed, args.quiet)
         else:
-            ids, labels = target_sequences(pipe, args.num_train_sequences, args.seed, args.data_guidance,
-                                           args.data_temperature, args.quiet)
-        torch.save({"ids": ids, "labels": labels}, cache)
-    data = torch.load(cache, weights_only=True)
-    return data["ids"].long(), data["labels"].long()
+            data = target_sequences(pipe, args.num_train_sequences, args.seed, args.data_guidance,
+                                    args.data_temperature, args.quiet)
+        torch.save(data, cache)
+    return torch.load(cache, weights_only=True)
 
+
+@torch.no_grad()
+def batch_condition(pipe: LlamaGenPipeline, data: dict[str, torch.Tensor],
+                    rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The conditions of `rows`: (labels [B], None), or a t2i pipeline's caption condition (features [B, L, D],
+    mask [B, L]) from its text_encoder, as `pipe(prompt)` computes it."""
+    if "labels" in data:
+        return data["labels"][rows].long(), None
+    from image_ar.llamagen.text import caption_condition
+
+    return caption_condition(pipe.text_encoder, data["text_ids"][rows], data["masks"][rows])
 
 # ----------------------------------------------------------------------------------------------------- steps
 @torch.no_grad()
-def teacher_features(target: LlamaGenGPT, idx: torch.Tensor, labels: torch.Tensor,
-                     drop: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def teacher_features(target: LlamaGenGPT, idx: torch.Tensor, cond: torch.Tensor, drop: torch.Tensor,
+                     cond_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced target on idx [B, T]: features [B, T, dim] (feature i predicts idx[:, i]) and logits
-    [B, T, V] (logits i = output(feature i)); labels [B] with drop [B] bool -> the null class."""
-    logits = target(idx, labels, drop_mask=drop).logits  # [B, T, V]
+    [B, T, V] (logits i = output(feature i)); cond: labels [B] or caption features [B, L, D] (cond_mask [B, L]),
+    with drop [B] bool -> the null class / the null caption (under the caption's mask, as at sampling)."""
+    logits = target(idx, cond, drop_mask=drop, cond_mask=cond_mask).logits  # [B, T, V]
     features = target.last_hidden[:, target.config.cls_token_num - 1:]  # [B, T, dim]
     return features, logits
 
@@ -161,9 +181,11 @@ def _save_checkpoint(path: Path, state: dict) -> None:
     tmp.replace(path)
 
 
-def train_drafter(target: LlamaGenGPT, ids: torch.Tensor, labels: torch.Tensor, args: argparse.Namespace,
+def train_drafter(pipe: LlamaGenPipeline, data: dict[str, torch.Tensor], args: argparse.Namespace,
                   work: Path) -> tuple[LlamaGenEagleDrafter, dict]:
-    """Train (or resume) the drafter; returns it in eval mode and its training record."""
+    """Train (or resume) the drafter of pipe.transformer on `data` (`training_data`); returns it in eval mode and
+    its training record."""
+    target, ids = pipe.transformer, data["ids"]
     torch.manual_seed(args.seed)
     drafter = LlamaGenEagleDrafter.for_target(target, input_norm=args.input_norm).train()
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -190,9 +212,10 @@ def train_drafter(target: LlamaGenGPT, ids: torch.Tensor, labels: torch.Tensor, 
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         rows = torch.randint(0, ids.shape[0], (args.batch_size,), generator=gen)
-        idx, lab = ids[rows], labels[rows]  # [B, T], [B]
+        idx = ids[rows].long()  # [B, T]
+        cond, cond_mask = batch_condition(pipe, data, rows)  # [B] labels, or [B, L, D] captions and [B, L]
         drop = torch.rand(args.batch_size, generator=gen) < args.null_prob  # [B]
-        features, logits = teacher_features(target, idx, lab, drop)
+        features, logits = teacher_features(target, idx, cond, drop, cond_mask)
         noise = (torch.rand(features[:, :-1].shape, generator=gen) - 0.5) * args.noise  # [B, T-1, dim]
         loss, vloss, ploss, agree = step_loss(features, logits, idx, noise.to(features.dtype))
         opt.zero_grad(set_to_none=True)
@@ -219,26 +242,39 @@ def train_drafter(target: LlamaGenGPT, ids: torch.Tensor, labels: torch.Tensor, 
 
 # -------------------------------------------------------------------------------------------------- measure
 def is_world_pipeline(pipe: LlamaGenPipeline) -> bool:
-    """True when the pipeline makes world images (32x32, the world's classes), which the world judge can score."""
+    """True when the pipeline makes world images (32x32; c2i: the world's classes), which the world judge can
+    score."""
     from mmspec.data import NUM_CLASSES
     from mmspec.world_training import IMAGE_SIZE
 
     target = pipe.transformer.config
     size = math.isqrt(target.block_size) * pipe.vqvae.downsample_factor
-    return size == IMAGE_SIZE and target.num_classes == NUM_CLASSES
+    return size == IMAGE_SIZE and (target.model_type == "t2i" or target.num_classes == NUM_CLASSES)
+
+
+def eval_conditions(pipe: LlamaGenPipeline, n: int, seed: int) -> tuple[dict, Callable[[torch.Tensor], float]]:
+    """The call arguments of n eval images (c2i: classes round-robin; t2i: captions of n held-out world scenes) and
+    the judge's score of their images (class accuracy; t2i: the rate at which every caption attribute agrees)."""
+    from mmspec.data import generate_batch
+    from mmspec.metrics import attribute_agreement, class_accuracy
+    from mmspec.world_training import IMAGE_SIZE
+
+    if pipe.transformer.config.model_type == "t2i":
+        batch = generate_batch(n, seed, split="val", image_size=IMAGE_SIZE)
+        return {"prompt": batch.captions}, lambda images: attribute_agreement(images, batch)["all_attributes"]
+    labels = torch.arange(n) % pipe.transformer.config.num_classes  # [n]
+    return {"class_labels": labels.tolist()}, lambda images: class_accuracy(images, labels)
 
 
 @torch.no_grad()
 def measure_acceptance(pipe: LlamaGenPipeline, n: int, seed: int) -> dict:
     """Mean acceptance length (emitted tokens per row and verify call, bonus included), target forwards, wall
-    time and (world pipelines) the world judge's class accuracy of vanilla / eagle / lantern on n images
-    (classes round-robin, one generator per image), one batch each, at temperature 0 and at the pipeline's
-    default sampling (guidance 4.0, temperature 1.0, no top-k / top-p)."""
-    from mmspec.metrics import class_accuracy
-
+    time and (world pipelines) the world judge's score (`eval_conditions`) of vanilla / eagle / lantern on n images
+    (one generator per image), one batch each, at temperature 0 and at the pipeline's default sampling (guidance
+    4.0, temperature 1.0, no top-k / top-p)."""
     check_positive_int("eval images", n)
     pipe.set_progress_bar_config(disable=True)
-    labels = torch.arange(n) % pipe.transformer.config.num_classes  # [n]
+    conditions, score = eval_conditions(pipe, n, seed)
     judge = is_world_pipeline(pipe)
     runs = {"vanilla, temperature 0": ("vanilla", 0.0), "eagle, temperature 0": ("eagle", 0.0),
             "vanilla, default sampling": ("vanilla", 1.0), "eagle, default sampling": ("eagle", 1.0),
@@ -246,12 +282,12 @@ def measure_acceptance(pipe: LlamaGenPipeline, n: int, seed: int) -> dict:
     out = {}
     for name, (method, temperature) in runs.items():
         gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(n)]
-        result = pipe(class_labels=labels.tolist(), temperature=temperature, method=method, generator=gens,
+        result = pipe(**conditions, temperature=temperature, method=method, generator=gens,
                       output_type="pt" if judge else "latent")
         stats = result.stats
         out[name] = {"mean_acceptance_length": stats.mean_acceptance_length,
                      "target_forwards": stats.num_target_forwards, "seconds": stats.wall_time,
-                     "judge_accuracy": class_accuracy(result.images, labels) if judge else None}
+                     "judge_accuracy": score(result.images) if judge else None}
     return {"n": n, "runs": out}
 
 
@@ -295,15 +331,15 @@ def _card(command: str, info: dict) -> str:
     ]
     if "acceptance" in info:
         acc = info["acceptance"]
-        lines += ["", f"## Measured acceptance ({acc['n']} images, one batch, classes round-robin, default tree "
+        lines += ["", f"## Measured acceptance ({acc['n']} images, one batch, default tree "
                   f"top_k {info['tree']['top_k']}, depth {info['tree']['depth']}, total_tokens "
                   f"{info['tree']['total_tokens']})", "",
                   "Mean acceptance length = emitted tokens per row and verify call (bonus included; vanilla = 1).",
                   "Target forwards = verify calls for the whole batch, prefill included (vanilla: one per token).",
                   "Default sampling = the pipeline's defaults: guidance 4.0, temperature 1.0, no top-k / top-p;",
                   "lantern uses k 1000, delta 0.1. Wall times are this CPU's, for orientation only.", "",
-                  "Judge accuracy = the world judge's class accuracy on these images (a small sample; `mmspec bench`",
-                  "measures quality properly).", "",
+                  "Judge accuracy = the world judge's class accuracy on these images (t2i: the rate at which every",
+                  "attribute of the caption agrees; a small sample; `mmspec bench` measures quality properly).", "",
                   "| run | mean acceptance length | target forwards | wall time (s) | judge accuracy |",
                   "|---|---|---|---|---|"]
         for name, r in acc["runs"].items():
@@ -333,15 +369,20 @@ def run(args: argparse.Namespace) -> int:
     pipe = LlamaGenPipeline.from_pretrained(pipeline_dir)
     pipe.eagle_drafter = None  # train a fresh one (an existing component is replaced at the end)
     target = pipe.transformer.eval().requires_grad_(False)
-    check(target.config.model_type == "c2i", "the drafter trainer supports class-conditional (c2i) pipelines.")
-    ids, labels = training_data(pipe, args, work)
-    drafter, train_info = train_drafter(target, ids, labels, args, work)
+    t2i = target.config.model_type == "t2i"
+    check(not t2i or args.data == "world", "a text-to-image pipeline trains its drafter on world images and their "
+                                           "captions: use --data world.")
+    data = training_data(pipe, args, work)
+    drafter, train_info = train_drafter(pipe, data, args, work)
+    ids = data["ids"]
 
     info = {"machine": machine_summary(), "seed": args.seed, "train": train_info,
             "config": {k: v for k, v in drafter.config.items() if not k.startswith("_")},
             "data": (f"{ids.shape[0]} world images tokenized by the pipeline's VQ" if args.data == "world" else
                      f"{ids.shape[0]} samples of the target (guidance {args.data_guidance}, temperature "
-                     f"{args.data_temperature})") + f", {args.null_prob:.0%} of labels replaced by the null class",
+                     f"{args.data_temperature})") + (f" with their captions, {args.null_prob:.0%} of them replaced by "
+                                                     "the null caption" if t2i else
+                                                     f", {args.null_prob:.0%} of labels replaced by the null class"),
             "tree": {"top_k": DEFAULT_TOP_K, "depth": DEFAULT_DEPTH, "total_tokens": DEFAULT_TOTAL_TOKENS}}
     if args.eval_images > 0:
         pipe.eagle_drafter = drafter

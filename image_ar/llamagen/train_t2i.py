@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.pipeline import LlamaGenPipeline
-from image_ar.llamagen.text import left_pad_captions, preprocess_caption
+from image_ar.llamagen.text import caption_condition, preprocess_caption
 from image_ar.llamagen.vq import LlamaGenVQ
 from mmspec.data import generate_batch
 from mmspec.data.artifacts import ASSETS_DIR, explicit_command
@@ -93,26 +93,20 @@ def world_t2i_gpt(kind: str, vocab_size: int) -> LlamaGenGPT:
 
 # ----------------------------------------------------------------------------------------------------- data
 @torch.no_grad()
-def caption_data(vq: LlamaGenVQ, tokenizer, n: int, seed: int, split: str = "train",
-                 chunk: int = 500) -> dict[str, torch.Tensor]:
+def caption_data(vq: LlamaGenVQ, tokenizer, n: int, seed: int, split: str = "train", chunk: int = 500,
+                 max_length: int = CAPTION_TOKENS, quiet: bool = False) -> dict[str, torch.Tensor]:
     """VQ token ids [n, 64] (int16), caption token ids [n, L] (int16) and masks [n, L] (bool) of n single-object
     world images and their captions (cleaned as the pipeline cleans prompts)."""
     ids, text_ids, masks, cleaned = [], [], [], {}
-    for start in tqdm(range(0, n, chunk), desc=f"tokenize {split}", leave=False):
+    for start in tqdm(range(0, n, chunk), desc=f"tokenize {split}", leave=False, disable=quiet):
         batch = generate_batch(min(chunk, n - start), seed, split=split, start=start, image_size=IMAGE_SIZE)
         ids.append(vq.quantize_ids(batch.float_images() * 2 - 1).short())
         texts = [cleaned.setdefault(c, preprocess_caption(c, True)) for c in batch.captions]
-        tokens = tokenizer(texts, max_length=CAPTION_TOKENS, padding="max_length", truncation=True,
+        tokens = tokenizer(texts, max_length=max_length, padding="max_length", truncation=True,
                            return_tensors="pt")
         text_ids.append(tokens["input_ids"].short())
         masks.append(tokens["attention_mask"].bool())
     return {"ids": torch.cat(ids), "text_ids": torch.cat(text_ids), "masks": torch.cat(masks)}
-
-
-def caption_features(encoder, text_ids: torch.Tensor, masks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(left-padded features [B, L, D], mask [B, L] bool) of tokenized captions, as the pipeline computes them."""
-    hidden = encoder(input_ids=text_ids.long(), attention_mask=masks.long())["last_hidden_state"]  # [B, L, D]
-    return left_pad_captions(hidden, masks.long())
 
 
 # ----------------------------------------------------------------------------------------------------- training
@@ -137,7 +131,7 @@ def train_t2i_gpt(kind: str, data: dict, vocab_size: int, text_vocab: int, args:
     for step in bar:
         rows = torch.randint(0, data["ids"].shape[0], (args.batch_size,), generator=gen)
         with torch.set_grad_enabled(joint):
-            features, mask = caption_features(encoder, data["text_ids"][rows], data["masks"][rows])
+            features, mask = caption_condition(encoder, data["text_ids"][rows], data["masks"][rows])
         loss = forward(data["ids"][rows].long(), features, mask)
         optimizer_step(opt, loss, step, steps, args.lr)
         if step % 50 == 0:

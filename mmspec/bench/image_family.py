@@ -57,8 +57,9 @@ def sample_generators(batch: Sequence[Sample], settings: BenchSettings) -> list[
 
 
 def image_outputs(images: torch.Tensor, tokens: torch.Tensor, batch: Sequence[Sample]) -> list[dict]:
-    return [{"image": img.cpu(), "tokens": tok.cpu(), "label": int(s.data)}
-            for img, tok, s in zip(images, tokens, batch)]
+    """One output per sample: its image, tokens, condition ("label": a class id or a caption) and sample id."""
+    return [{"image": img.cpu(), "tokens": tok.cpu(), "label": s.data if isinstance(s.data, str) else int(s.data),
+             "index": s.question_id} for img, tok, s in zip(images, tokens, batch)]
 
 
 @lru_cache(maxsize=4)

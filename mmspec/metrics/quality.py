@@ -124,21 +124,21 @@ def class_accuracy(images: torch.Tensor, labels: torch.Tensor, judge: JudgeLike 
     return float((pred == labels.cpu().long()).double().mean())
 
 
-def attribute_agreement(images: torch.Tensor, batch, judge: JudgeLike = None, batch_size: int = 1000) -> dict:
-    """How often the judge reads each attribute of the scenes `batch` (a `WorldBatch`, single-object: what their
-    captions name) in `images` [N, 3, H, W]: {"attributes": {shape, colour, size, position, background: rate},
-    "all_attributes": the rate at which all five agree}."""
+def attribute_agreement(images: torch.Tensor, scenes, judge: JudgeLike = None, batch_size: int = 1000) -> dict:
+    """How often the judge reads each attribute of `scenes` (a single-object `WorldBatch`, whose captions name the
+    attributes, or its `scene_targets`) in `images` [N, 3, H, W]: {"attributes": {shape, colour, size, position,
+    background: rate}, "all_attributes": the rate at which all five agree}."""
     from mmspec.data.world import NUM_COLORS
     from mmspec.metrics.train_judge import scene_targets
 
     images = check_images("images", images)
-    check(batch.labels.shape[0] == images.shape[0],
-          f"one scene per image: {batch.labels.shape[0]} scenes for {images.shape[0]} images.")
+    want = scenes if isinstance(scenes, dict) else scene_targets(scenes)  # each [N]
+    check(want["class"].shape[0] == images.shape[0],
+          f"one scene per image: {want['class'].shape[0]} scenes for {images.shape[0]} images.")
     model = resolve_judge(judge)
     device = next(model.parameters()).device
     heads = [model.heads(images[s:s + batch_size].to(device)) for s in range(0, images.shape[0], batch_size)]
     read = {k: torch.cat([h[k] for h in heads]).argmax(-1).cpu() for k in heads[0]}  # each [N]
-    want = scene_targets(batch)
     hits = {"shape": read["class"] // NUM_COLORS == want["class"] // NUM_COLORS,
             "colour": read["class"] % NUM_COLORS == want["class"] % NUM_COLORS,
             **{k: read[k] == want[k] for k in ("size", "position", "background")}}

@@ -259,12 +259,13 @@ def test_training_command_smoke_and_resume(tmp_path, monkeypatch):
     assert LlamaGenPipeline.from_pretrained(folder).eagle_drafter is not None
 
     # an interrupted run resumes from its checkpoint and ends where an uninterrupted one does
-    target = LlamaGenPipeline.from_pretrained(folder).transformer.requires_grad_(False)
-    ids = torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0))
-    labels = torch.randint(0, 4, (32,), generator=torch.Generator().manual_seed(1))
+    pipe = LlamaGenPipeline.from_pretrained(folder)
+    pipe.transformer.requires_grad_(False)
+    data = {"ids": torch.randint(0, 64, (32, 16), generator=torch.Generator().manual_seed(0)),
+            "labels": torch.randint(0, 4, (32,), generator=torch.Generator().manual_seed(1))}
     args = train_args(folder, tmp_path / "w1", "--steps", "4", "--checkpoint-every", "2")
     (tmp_path / "w1").mkdir()
-    whole, _ = train_eagle.train_drafter(target, ids, labels, args, tmp_path / "w1")
+    whole, _ = train_eagle.train_drafter(pipe, data, args, tmp_path / "w1")
 
     teacher, calls = train_eagle.teacher_features, []
 
@@ -278,9 +279,9 @@ def test_training_command_smoke_and_resume(tmp_path, monkeypatch):
     (tmp_path / "w2").mkdir()
     args2 = train_args(folder, tmp_path / "w2", "--steps", "4", "--checkpoint-every", "2")
     with pytest.raises(KeyboardInterrupt):
-        train_eagle.train_drafter(target, ids, labels, args2, tmp_path / "w2")
+        train_eagle.train_drafter(pipe, data, args2, tmp_path / "w2")
     monkeypatch.setattr(train_eagle, "teacher_features", teacher)
-    resumed, info = train_eagle.train_drafter(target, ids, labels, args2, tmp_path / "w2")
+    resumed, info = train_eagle.train_drafter(pipe, data, args2, tmp_path / "w2")
     for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items(), strict=True):
         torch.testing.assert_close(a, b, msg=name)
 

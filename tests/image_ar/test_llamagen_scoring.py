@@ -56,5 +56,5 @@ def test_tokens_sampled_colder_than_they_are_scored_fail_it(pipe):
 def test_bad_shapes_are_clear_errors(pipe):
     with pytest.raises(InputError, match="block_size"):
         target_probs(pipe, [0], torch.zeros(1, 17, dtype=torch.long))
-    with pytest.raises(InputError, match="class labels for"):
+    with pytest.raises(InputError, match="conditions for"):
         target_probs(pipe, [0, 1], torch.zeros(1, 4, dtype=torch.long))

@@ -203,6 +203,38 @@ def test_train_t2i_makes_a_pipeline_folder_with_a_card(tmp_path):
                  "--eval-captions", "4", "--no-compile", "--threads", "1", "--quiet"]) == 0
     card = (out / "README.md").read_text()
     assert "pipeline_tag: text-to-image" in card and "every attribute agrees" in card
+    # its EAGLE drafter, trained on world images and their captions through the pipeline's text encoder
+    assert main(["train", "llamagen-drafter", "--pipeline", str(out), "--work-dir", str(tmp_path / "drafter-work"),
+                 "--num-train-sequences", "64", "--steps", "2", "--batch-size", "8", "--eval-images", "2",
+                 "--no-compile", "--threads", "1", "--quiet"]) == 0
+    assert "with their captions" in (out / "eagle_drafter" / "README.md").read_text()
     loaded = LlamaGenPipeline.from_pretrained(out)
     loaded.set_progress_bar_config(disable=True)
-    assert loaded("a small red circle on a blue background", output_type="pt").images.shape == (1, 3, 32, 32)
+    assert loaded.eagle_drafter is not None
+    caption = "a small red circle on a blue background"
+    assert loaded(caption, output_type="pt").images.shape == (1, 3, 32, 32)
+    greedy = {"temperature": 0.0, "output_type": "latent"}
+    assert torch.equal(loaded(caption, method="eagle", **greedy).tokens, loaded(caption, **greedy).tokens)
+
+
+def test_bench_family_on_held_out_captions(pipe, tmp_path):
+    """`mmspec bench --family llamagen-t2i`: every method on held-out world captions, the judge's attribute
+    agreement and caption-matched world-FID as quality, lossless methods exact at temperature 0, and the token
+    calibration (scored on the captions) at temperature 1."""
+    import json
+
+    from mmspec.cli import main
+
+    pipe.save_pretrained(tmp_path / "model")
+    for temperature in ("0", "1"):
+        out = tmp_path / f"bench-{temperature}"
+        assert main(["bench", "--family", "llamagen-t2i", "--family-option", f"model={tmp_path / 'model'}",
+                     "--methods", "vanilla,sjd", "--batch-sizes", "2", "--num-samples", "2", "--repeats", "1",
+                     "--warmup", "0", "--temperature", temperature, "--threads", "1", "--no-plots", "--quiet",
+                     "--out", str(out)]) == 0
+        text = (out / "summary.md").read_text()
+        assert "attribute_agreement=" in text and "world_fid=" in text
+        if temperature == "0":
+            assert "exactness=1.000" in text.split("| sjd |")[1]
+        else:
+            assert "pit_ks" in json.dumps(json.loads((out / "summary.json").read_text()))
