@@ -16,7 +16,7 @@ def test_shipped_cards_carry_hub_metadata(card):
     assert fields["library_name"] == "mmspec" and fields["license"] == "apache-2.0", card
     assert fields["tags"][0] == "mmspec" and "world" in fields["tags"], card
     assert card.startswith("tokenizer") or fields["pipeline_tag"] in (
-        "unconditional-image-generation", "image-text-to-text", "image-classification"), card
+        "unconditional-image-generation", "text-to-image", "image-text-to-text", "image-classification"), card
     assert strip_metadata(text).startswith("# "), card  # the card itself follows
 
 

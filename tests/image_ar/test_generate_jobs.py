@@ -203,7 +203,7 @@ def test_malformed_job_files_stop_before_any_work_or_are_skipped(model_dir, tmp_
     assert generate(model_dir, tmp_path / "x", tmp_path / "missing.jsonl") == 2
     assert main(["generate", "--model", str(model_dir), "--job", str(job), "--classes", "1", "--out",
                  str(tmp_path / "y")]) == 2
-    assert "either --job or --classes" in capsys.readouterr().err
+    assert "pass one of --job / --classes, not several" in capsys.readouterr().err
 
 
 def test_out_of_memory_batches_are_retried_smaller_without_losing_rows(model_dir, reference, tmp_path,
