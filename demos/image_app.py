@@ -79,8 +79,9 @@ class ModelStore:
 
 
 BUDGETS = ("default", "fixed", "auto")  # "default": the family pipeline's own default
-EXAMPLE_CAPTIONS = ("a small red circle on a blue background", "a large yellow cross in the upper left on a white "
-                    "background", "a medium green square at the bottom on a purple background")
+EXAMPLE_CAPTIONS = ("a small red circle in the center on a black background",
+                    "a large yellow cross in the upper left on a white background",
+                    "a medium green square at the bottom on a purple background")
 
 
 def condition_choices(family: str) -> tuple[list[str], str]:
@@ -180,7 +181,7 @@ def compare(store: ModelStore, family: str, method: str, class_text: str, method
           f"unknown method {method!r} for {family}; pick one of {', '.join(speculative_methods(family))}.")
     text = record.condition == "prompt"
     check(class_text is not None and str(class_text).strip(),
-          "write a caption (e.g. 'a small red circle on a blue background')." if text else
+          "write a caption (e.g. 'a small red circle in the center on a black background')." if text else
           "pick a class (a name such as 'red circle' or a class id).")
     check(isinstance(num_images, (int, float)) and int(num_images) == num_images and 1 <= num_images <= MAX_IMAGES,
           f"number of images must be a whole number from 1 to {MAX_IMAGES}, got {num_images!r}.")

@@ -2,7 +2,8 @@
 (declared once, in `image_ar.llamagen.family`), captions instead of class labels, and its own embedded default
 (`assets/llamagen-t2i`, made by `mmspec train llamagen-t2i`).
 
-    mmspec generate --family llamagen-t2i --prompt "a small red circle on a blue background" --method sjd --out out/
+    mmspec generate --family llamagen-t2i --prompt "a small red circle in the center on a black background" \
+        --method sjd --out out/
 """
 
 from __future__ import annotations

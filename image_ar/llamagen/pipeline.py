@@ -5,7 +5,7 @@
     out.images      # PIL images;  out.stats: the SpecStats of the run (NFE, acceptance, wall time)
 
     t2i = LlamaGenPipeline.from_pretrained(folder)        # with a text_encoder (T5) and its tokenizer
-    t2i("a small red circle on a blue background", method="sjd").images[0]
+    t2i("a small red circle in the center on a black background", method="sjd").images[0]
 
 The transformer generates `block_size` VQ tokens in raster order through the shared draft-verify loop
 (`mmspec.loop.generate`); classifier-free guidance runs the conditional and unconditional halves as one batch of

@@ -2,7 +2,7 @@
 values or a job file; resumable, multi-process, no lost work.
 
     mmspec generate --family llamagen --classes "red circle,blue cross" --num-images 4 --out out/ [--method M]
-    mmspec generate --family llamagen-t2i --prompt "a small red circle on a blue background" --out out/
+    mmspec generate --family llamagen-t2i --prompt "a small red circle in the center on a black background" --out out/
     mmspec generate --family llamagen-t2i --prompts captions.txt --method sjd --out out/   # one caption a line
     mmspec generate --family var --method code --job job.jsonl --out out/ [--skip-bad] [--max-batch 16]
     torchrun --nproc_per_node 2 -m mmspec generate --job job.jsonl --out out/        # or accelerate launch on GPUs
