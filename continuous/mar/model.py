@@ -40,10 +40,10 @@ CFG_SCHEDULES = ("linear", "constant")  # MAR's cfg_schedule options (official `
 
 
 class MARModel(FixedAttentionMixin, ModelMixin, ConfigMixin):
-    attention_owner = "timm's attention blocks (torch scaled_dot_product_attention)"
-
     """MAR with its diffusion head (see the module docstring). The null class (index num_classes) is the learned
     `fake_latent` (CFG's unconditional rows)."""
+
+    attention_owner = "timm's attention blocks (torch scaled_dot_product_attention)"
 
     @register_to_config
     def __init__(self, img_size: int = 256, vae_stride: int = 16, patch_size: int = 1, vae_embed_dim: int = 16,

@@ -34,6 +34,7 @@ from mmspec.bench.image_family import (
     image_quality,
     sample_generators,
     token_calibration,
+    token_exactness,
 )
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of, pop_budget
 from mmspec.budget import check_budget_mode
@@ -120,8 +121,7 @@ def caption_quality(method: Method, params: Mapping[str, Any], outputs: list, va
     if len(outputs) >= 2:
         figures["world_fid"] = world_fid(images, scenes.float_images()[rows]).fid
     if method.is_lossless(params) and settings.greedy:
-        figures["exactness"] = sum(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(outputs, vanilla)) / len(
-            outputs)
+        figures["exactness"] = token_exactness(outputs, vanilla)
     return figures
 
 
@@ -129,7 +129,6 @@ def build_t2i(settings: BenchSettings):
     from image_ar.llamagen.family_t2i import load as load_t2i
 
     o = _options(settings, "llamagen-t2i")
-    check_budget_mode(o["budget"], "--family-option budget")
     return compile_pipeline(load_t2i(o["model"], settings.device), o["compile"])
 
 

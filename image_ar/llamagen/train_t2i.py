@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.pipeline import LlamaGenPipeline
-from image_ar.llamagen.text import caption_condition, preprocess_caption
+from image_ar.llamagen.text import caption_condition, preprocess_caption, tokenize_captions
 from image_ar.llamagen.vq import LlamaGenVQ
 from mmspec.data import generate_batch
 from mmspec.data.artifacts import ASSETS_DIR, explicit_command
@@ -102,10 +102,9 @@ def caption_data(vq: LlamaGenVQ, tokenizer, n: int, seed: int, split: str = "tra
         batch = generate_batch(min(chunk, n - start), seed, split=split, start=start, image_size=IMAGE_SIZE)
         ids.append(vq.quantize_ids(batch.float_images() * 2 - 1).short())
         texts = [cleaned.setdefault(c, preprocess_caption(c, True)) for c in batch.captions]
-        tokens = tokenizer(texts, max_length=max_length, padding="max_length", truncation=True,
-                           return_tensors="pt")
-        text_ids.append(tokens["input_ids"].short())
-        masks.append(tokens["attention_mask"].bool())
+        tokens, mask = tokenize_captions(tokenizer, texts, max_length, clean=False)  # cleaned above, once each
+        text_ids.append(tokens.short())
+        masks.append(mask.bool())
     return {"ids": torch.cat(ids), "text_ids": torch.cat(text_ids), "masks": torch.cat(masks)}
 
 

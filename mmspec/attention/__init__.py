@@ -107,14 +107,19 @@ def _lookup(name: str) -> _Backend:
     return entry
 
 
-def check_backend_usable(name: str, device: torch.device | str) -> _Backend:
-    """Backend `name`'s entry; InputError naming why it cannot run on `device` and what can, if it cannot."""
-    entry, dev = _lookup(name), torch.device(device)
-    if not entry.available(dev):
-        hint = entry.unavailable_hint(dev) if callable(entry.unavailable_hint) else entry.unavailable_hint
+def _require_available(name: str, entry: _Backend, device: torch.device) -> None:
+    """InputError naming why backend `name` cannot run on `device` and what can, if it cannot."""
+    if not entry.available(device):
+        hint = entry.unavailable_hint(device) if callable(entry.unavailable_hint) else entry.unavailable_hint
         hint = f" {hint}" if hint else ""
-        raise InputError(f"attention backend {name!r} cannot run on {dev} tensors here.{hint} "
-                         f"Usable here: {', '.join(available_backends(dev))}.")
+        raise InputError(f"attention backend {name!r} cannot run on {device} tensors here.{hint} "
+                         f"Usable here: {', '.join(available_backends(device))}.")
+
+
+def check_backend_usable(name: str, device: torch.device | str) -> _Backend:
+    """Backend `name`'s entry; InputError if there is none or it cannot run on `device`."""
+    entry = _lookup(name)
+    _require_available(name, entry, torch.device(device))
     return entry
 
 
@@ -207,8 +212,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     give zeros. No host synchronisation.
     """
     name = _DEFAULT if backend is None else backend
+    entry = _lookup(name)
     mask4 = _check_inputs(q, k, v, mask)  # [B, 1|H, S, T] | None
-    entry = check_backend_usable(name, q.device)
+    _require_available(name, entry, q.device)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] > 0 else 1.0
     elif not isinstance(scale, (int, float)) or isinstance(scale, bool):

@@ -82,9 +82,14 @@ def image_quality(outputs: Sequence[dict], vanilla: Sequence[dict], settings: Be
         figures["world_fid"] = fid.fid
         figures["world_fid_n"] = fid.n_generated
     if exactness:
-        same = [torch.equal(a["tokens"], b["tokens"]) for a, b in zip(outputs, vanilla)]
-        figures["exactness"] = sum(same) / len(same)
+        figures["exactness"] = token_exactness(outputs, vanilla)
     return figures
+
+
+def token_exactness(outputs: Sequence[dict], vanilla: Sequence[dict]) -> float:
+    """The share of outputs whose tokens equal vanilla's for the same sample."""
+    same = [torch.equal(a["tokens"], b["tokens"]) for a, b in zip(outputs, vanilla)]
+    return sum(same) / len(same)
 
 
 # score(class_labels, tokens [N, T]) -> the target's sampling distributions [N, T, V] at every token

@@ -153,12 +153,17 @@ def class_rows(args: argparse.Namespace, n_classes: int) -> list[JobRow]:
     else:
         classes = [resolve_class(part.strip(), n_classes) for part in spec.split(",") if part.strip()]
     check(classes, "--classes is empty; give class ids or names, or 'all'.")
+    return command_rows(args, [(class_slug(label, n_classes), {"class": label}) for label in classes])
+
+
+def command_rows(args: argparse.Namespace, entries: list[tuple[str, dict]]) -> list[JobRow]:
+    """One row per (id, inputs) of a command-line run, --num-images each, seeded by position; an id that repeats
+    gets its position appended."""
     rows, used = [], set()
-    for position, label in enumerate(classes):
-        row_id = class_slug(label, n_classes)
+    for position, (row_id, inputs) in enumerate(entries):
         row_id = row_id if row_id not in used else f"{row_id}-{position}"
         used.add(row_id)
-        rows.append(JobRow(row_id, position + 1, {"class": label}, args.num_images, row_seed(args.seed, position)))
+        rows.append(JobRow(row_id, position + 1, inputs, args.num_images, row_seed(args.seed, position)))
     return rows
 
 
@@ -179,15 +184,9 @@ def command_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def prompt_rows(args: argparse.Namespace) -> list[JobRow]:
-    """The rows of a command-line text-to-image run: one per caption, --num-images each."""
-    rows, used = [], set()
-    for position, prompt in enumerate(command_prompts(args)):
-        row_id = prompt_slug(prompt)
-        row_id = row_id if row_id not in used else f"{row_id}-{position}"
-        used.add(row_id)
-        rows.append(JobRow(row_id, position + 1, {"prompt": prompt}, args.num_images, row_seed(args.seed, position)))
-    return rows
+def prompt_rows(args: argparse.Namespace, prompts: list[str]) -> list[JobRow]:
+    """The rows of a command-line text-to-image run: one per caption (`command_prompts`), --num-images each."""
+    return command_rows(args, [(prompt_slug(prompt), {"prompt": prompt}) for prompt in prompts])
 
 
 def job_rows(args: argparse.Namespace, n_classes: int | None) -> tuple[list[JobRow], list[str]]:
@@ -307,8 +306,8 @@ def run(args: argparse.Namespace) -> int:
                                             "--prompts FILE or a --job with a 'prompt' column, not --classes.")
     check(text or (args.prompt is None and args.prompts is None),
           f"family {args.family!r} is class-conditional: pass --classes, not --prompt / --prompts.")
-    if text and args.job is None:
-        command_prompts(args)  # an empty caption list fails here, before any model loads
+    # the captions of a command-line text-to-image run, read once: an empty list fails here, before any model loads
+    args.captions = command_prompts(args) if text and args.job is None else None
     method = family.get_method(args.method)
     method_kwargs = method.check_given(parse_method_args(args.method_arg), args.family)
     state = _process_state(args.device)
@@ -357,7 +356,7 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
     if args.job is not None:
         rows, bad = job_rows(args, n_classes)
     else:
-        rows, bad = (class_rows(args, n_classes) if n_classes is not None else prompt_rows(args)), []
+        rows, bad = (class_rows(args, n_classes) if n_classes is not None else prompt_rows(args, args.captions)), []
     options = {k: getattr(args, k) for k in ("guidance_scale", "temperature", "top_k", "top_p")
                if getattr(args, k) is not None}
     options = {**family.defaults(pipe), **options, "method": args.method, "method_kwargs": method_kwargs}
