@@ -5,8 +5,8 @@
 
 Pick a family (llamagen, llamagen-t2i, var, mar), a method, a class (or a caption for llamagen-t2i), sampling
 settings and, for families whose pipeline takes
-one, the draft budget (docs/budgets.md: "fixed" drafts the method's size every step, "auto" picks each step's size
-from this device's measured costs); both runs use the same seeds. The
+one, the draft budget (docs/budgets.md: "default" is the pipeline's own, "auto" for LlamaGen and CSpD: each step's
+size from this device's measured costs; "fixed" drafts the method's size every step); both runs use the same seeds. The
 app shows the two image grids, wall times, the speed-up, step compression (vanilla's target forwards / the
 method's), the mean acceptance length and a per-position acceptance plot. Families, methods and their loaders are
 the family records `mmspec generate` reads (`mmspec.families`, those with a generate hook); pipelines are

@@ -9,20 +9,23 @@ size k (chain drafts or Jacobi window drafts; 0 = a plain one-token step) that m
                                                                   (verify forward + acceptance), measured (mmspec.cost)
     k*            = argmax_k E[tokens | k] / seconds(k)           k = 0 (no drafts) is always a candidate
 
-a_j is estimated from the verdicts of earlier steps of this run (all rows pooled), shrunk towards the pooled rate of
-every position (a Beta prior of strength `prior_strength`), and positions never reached yet take the rate of the
-deepest one reached. Because a drafter's acceptance can depend on the size itself (a Jacobi window's tail converges
-better in a long window), E[tokens | k] blends that position model with the mean tokens actually emitted per row at
-size k (weight: rows seen at k against `prior_strength`). The first `warmup` steps draft the largest size that costs
-at most `explore_cost` plain steps (the method's configured size where drafting is cheap), so the rates are learnt
-without paying for a size this device cannot afford; after that the choice is the best estimate (no random
-exploration).
+a_j is estimated from the verdicts of earlier steps (all rows pooled), shrunk towards the pooled rate of every
+position (a Beta prior of strength `prior_strength`), and positions never reached yet take the rate of the deepest
+one reached. Because a drafter's acceptance can depend on the size itself (a Jacobi window's tail converges only
+in a long window), E[tokens | k] blends that position model with the mean tokens actually emitted per row at size
+k; drafters that say so (`budget_options`: Jacobi) are valued by that mean alone once a size has run, and keep a
+choice for a few steps. seconds(k) starts from the measured tables and becomes each size's own measured step time
+once it has run (the drafter's bookkeeping and the machine's load included). The first `warmup` steps draft the
+largest size that costs at most `explore_cost` plain steps (the method's configured size where drafting is cheap),
+so the rates are learnt without paying for a size this device cannot afford; after that the choice is the best
+estimate (no random exploration), with the warm-up size again at refresh steps.
 
-Why it stays lossless: k is chosen from past verdicts and the measured costs only, before any token of this step is
+Why it stays lossless: k is chosen from past verdicts and measured costs only, before any token of this step is
 drafted; a drafted token is never dropped because of its own value, and the verifier's randomness is fresh. The
 draft length is then a stopping time of the draft-side process, which changes the speed, not the law (SpecDec++,
-DISCO; reference budgets.md; tested with a distribution test). The costs come from the cached table, so the choices
-are a deterministic function of the run's own history: a seeded run repeats exactly.
+DISCO; reference budgets.md; tested with a distribution test). With measured step times (`timing`, as the
+pipelines build it) the choices follow the machine, so a seeded sampled call repeats bit for bit only with
+`budget="fixed"`; its law is the target's either way.
 
     budget = AutoBudget(sizes=range(0, 17), verify_seconds=lambda b, n: table.seconds_at(b, n))
     k = budget.choose(batch=4); ...; budget.observe(result, active)
@@ -30,6 +33,7 @@ are a deterministic function of the run's own history: a seeded run repeats exac
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -46,24 +50,44 @@ VerifySeconds = Callable[[int, int], float]
 class AutoBudget:
     """The expected-throughput draft budget (see the module docstring). sizes: the draft counts the drafter can
     make (0 included or not: it is always added); verify_seconds(B, n): a target step's time with n tokens per row;
-    draft_seconds(B, k): the drafter's. `chosen` counts how often each size was picked."""
+    draft_seconds(B, k): the drafter's. `chosen` counts how often each size was picked.
+
+    timing: once a size has run, its steps' own measured seconds (a running mean, from one choice to the next:
+    drafting, verify, acceptance and the drafter's bookkeeping) replace the table, and sizes not run yet are scaled
+    by how the run ones compare with their table times. per_size: value each size only by the tokens its own steps
+    emitted (decayed by `decay` per step of that size), the position model only for sizes not run yet: for drafters
+    whose acceptance depends on the size (a Jacobi window's tail converges only in a long window). dwell: keep a
+    choice for this many steps (a Jacobi window needs a few steps to converge after a change; the first step after
+    a change is not counted in per-size mode). refresh_every: the warm-up's size again at steps refresh_every,
+    2 x, 4 x, .. (counted over the budget's life), so a size left early is measured again. settle_after /
+    settle_margin: see `settled`."""
 
     def __init__(self, sizes: Iterable[int], verify_seconds: VerifySeconds, draft_seconds: DraftSeconds | None = None,
                  prior_rate: float = 0.8, prior_strength: float = 4.0, warmup: int = 3,
-                 explore_cost: float = 3.0) -> None:
+                 explore_cost: float = 3.0, *, timing: bool = False, per_size: bool = False, dwell: int = 1,
+                 decay: float = 0.95, refresh_every: int = 0, settle_after: int = 8,
+                 settle_margin: float = 0.8) -> None:
         self.sizes = sorted({0, *(int(k) for k in sizes)})
         check(self.sizes[0] >= 0, f"draft sizes must be >= 0, got {self.sizes}.")
         check(0.0 < prior_rate < 1.0 and prior_strength > 0, "prior_rate must be in (0, 1), prior_strength > 0.")
+        check(dwell >= 1 and 0.0 < decay <= 1.0, f"dwell must be >= 1 and decay in (0, 1], got {dwell}, {decay}.")
         self.verify_seconds, self.draft_seconds = verify_seconds, draft_seconds or (lambda b, k: 0.0)
         self.prior_rate, self.prior_strength = prior_rate, prior_strength
         depth = self.sizes[-1]
         self.reached = torch.zeros(depth, dtype=torch.float64)  # [K] rows that drafted position j after j-1 accepts
         self.accepted = torch.zeros(depth, dtype=torch.float64)  # [K] of those, accepted at position j
-        self.rows_at: dict[int, float] = {}  # size k -> rows verified at size k
+        self.rows_at: dict[int, float] = {}  # size k -> rows verified at size k (decayed in per-size mode)
         self.emitted_at: dict[int, float] = {}  # size k -> tokens they emitted
         self.chosen: dict[int, int] = {}
         self.warmup, self.explore_cost = warmup, explore_cost
-        self._last = 0
+        self.timing, self.per_size, self.dwell, self.decay = timing, per_size, dwell, decay
+        self.refresh_every, self._refresh_at = refresh_every, refresh_every
+        self.seen: dict[int, float] = {}  # size -> running mean of its steps' measured seconds
+        self._chosen_at: float | None = None
+        self._last, self._run = 0, 0  # the current size, steps drafted at it since it was chosen
+        self._forced = 0  # steps left of a warm-up or refresh run
+        self.settle_after, self.settle_margin = settle_after, settle_margin
+        self._plain_run = 0  # choices in a row (this call) where a plain step beat every size by the margin
 
     # ------------------------------------------------------------------------------------------ estimates
     def rates(self) -> torch.Tensor:
@@ -74,44 +98,89 @@ class AutoBudget:
 
     def expected_tokens(self, k: int, rates: torch.Tensor | None = None) -> float:
         """E[tokens emitted per row | k drafts]: the position model 1 + sum_i prod_{j<=i} a_j, blended with the mean
-        emitted per row at size k where that size ran."""
+        emitted per row at size k where that size ran (per-size mode: that mean alone)."""
         if k == 0:
             return 1.0
+        rows = self.rows_at.get(k, 0.0)
+        if self.per_size and rows > 0:
+            return self.emitted_at[k] / rows
         rates = self.rates() if rates is None else rates
         model = 1.0 + float(torch.cumprod(rates[:k], 0).sum())
-        rows = self.rows_at.get(k, 0.0)
         return (self.emitted_at.get(k, 0.0) + self.prior_strength * model) / (rows + self.prior_strength)
 
     def throughput(self, batch: int, k: int, rates: torch.Tensor | None = None) -> float:
         """Expected tokens per second per row with k drafts at this batch size."""
         return self.expected_tokens(k, rates) / max(self.seconds(batch, k), 1e-12)
 
-    # ------------------------------------------------------------------------------------------- the loop
-    def seconds(self, batch: int, k: int) -> float:
+    def table_seconds(self, batch: int, k: int) -> float:
         return self.draft_seconds(batch, k) + self.verify_seconds(batch, k + 1)
 
+    def seconds(self, batch: int, k: int) -> float:
+        """A step's seconds with k drafts: as measured where that size ran (timing), else the table's, scaled by
+        how the sizes that ran compare with it."""
+        if k in self.seen:
+            return self.seen[k]
+        scale = sum(self.seen[s] / max(self.table_seconds(batch, s), 1e-12) for s in self.seen) / len(self.seen) \
+            if self.seen else 1.0
+        return self.table_seconds(batch, k) * scale
+
     def explore_size(self, batch: int) -> int:
-        """The warm-up steps' size: the largest costing at most `explore_cost` plain steps."""
+        """The warm-up steps' size: the largest costing at most `explore_cost` plain steps; the cheapest drafting
+        size when none is that cheap (never a plain step, so measured step times can correct a table timed under
+        another load)."""
         limit = self.explore_cost * self.seconds(batch, 0)
-        return max(k for k in self.sizes if k == 0 or self.seconds(batch, k) <= limit)
+        drafting = [k for k in self.sizes if k > 0]
+        affordable = [k for k in drafting if self.seconds(batch, k) <= limit]
+        return max(affordable) if affordable else min(drafting, key=lambda k: self.seconds(batch, k))
+
+    # ------------------------------------------------------------------------------------------- the loop
+    def begin(self, target=None, drafter=None, state=None, rule=None) -> None:
+        """A new call: the time between calls is not a step, and its first step is a change of size."""
+        self._chosen_at, self._run, self._plain_run = None, 0, 0
+
+    def settled(self) -> bool:
+        """Plain steps for the rest of this call: for `settle_after` choices in a row a plain step was expected to
+        beat every drafting size by `settle_margin` (then the loop stops asking the budget and the drafter, so the
+        call runs at vanilla's cost; the next call asks again)."""
+        return self._plain_run >= self.settle_after
 
     def choose(self, batch: int) -> int:
         """The draft size for the next step (0 = a plain step)."""
-        if sum(self.chosen.values()) < self.warmup:
+        now = time.perf_counter()  # the previous step ran from its choice to this one (the loop syncs between)
+        if self._chosen_at is not None and self.timing:
+            took, last = now - self._chosen_at, self._last
+            self.seen[last] = took if last not in self.seen else 0.7 * self.seen[last] + 0.3 * took
+        self._chosen_at = now
+        steps = sum(self.chosen.values())
+        if self.refresh_every and steps >= self._refresh_at:  # at steps r, 2r, 4r, ..
+            self._refresh_at *= 2
+            self._forced = self.dwell
+        if steps < self.warmup or self._forced > 0:
+            self._forced = max(self._forced - 1, 0)
             best = self.explore_size(batch)
+        elif 0 < self._run < self.dwell:
+            best = self._last
         else:
             rates = self.rates()
-            best = max(self.sizes, key=lambda k: (self.throughput(batch, k, rates), -k))
+            speed = {k: self.throughput(batch, k, rates) for k in self.sizes}
+            best = max(self.sizes, key=lambda k: (speed[k], -k))
+            drafting = max(v for k, v in speed.items() if k > 0)
+            self._plain_run = self._plain_run + 1 if drafting < self.settle_margin * speed[0] else 0
+        self._run = self._run + 1 if best == self._last and self._run else 1
         self.chosen[best] = self.chosen.get(best, 0) + 1
         self._last = best
         return best
 
     def observe(self, result: VerifyResult, active: torch.Tensor, draft=None) -> None:
         """Record a chain step's verdicts: position j (1-based) was reached by rows that drafted >= j and accepted
-        j - 1, and accepted by those that accepted >= j."""
-        rows = float(active.sum())
-        self.rows_at[self._last] = self.rows_at.get(self._last, 0.0) + rows
-        self.emitted_at[self._last] = self.emitted_at.get(self._last, 0.0) + float((result.num_emitted * active).sum())
+        j - 1, and accepted by those that accepted >= j (per-size mode: not the first step after a change)."""
+        if self.per_size and self._run <= 1 and self._last:
+            return
+        rows, last = float(active.sum()), self._last
+        keep = self.decay if self.per_size else 1.0
+        self.rows_at[last] = self.rows_at.get(last, 0.0) * keep + rows
+        self.emitted_at[last] = (self.emitted_at.get(last, 0.0) * keep
+                                 + float((result.num_emitted * active).sum()))
         k = min(result.accepted_flags.shape[1], self.reached.shape[0])
         if k == 0:
             return
@@ -191,10 +260,12 @@ def make_budget(mode: str | None, target, drafter, rule, inputs, batch: int,
     """The draft budget of a call: "auto" -> a `mmspec.tree_budget.TreeBudget` for a tree drafter (`full_shape`),
     else an `AutoBudget` over the drafter's sizes from the measured cost of a target step (`step_table`: verify and
     acceptance) and of the drafter's forwards at this batch size, measured once and cached; "fixed" / None -> None
-    (the drafter's own size every step). A drafter the budget cannot steer (no `draft_sizes`) keeps its size.
-    `keep`: a dict the caller holds (a pipeline's) in which a tree budget stays between calls of the same drafter,
-    shape, batch size, rule and sampling setting, so its acceptance estimates carry over (short answers end before a
-    per-call budget has learnt anything); the next call's tokens then depend on earlier calls (greedy ones do not)."""
+    (the drafter's own size every step). A drafter the budget cannot steer (no `draft_sizes`) keeps its size; a
+    drafter's `budget_options` (a dict) go to its `AutoBudget` (Jacobi: per-size values, dwell, refresh).
+    `keep`: a dict the caller holds (a pipeline's) in which a budget stays between calls of the same drafter, size,
+    batch size, rule and sampling setting, so its acceptance estimates and step times carry over (short answers end
+    before a per-call budget has learnt anything; a 256-token image at batch 1 spends a third of its steps learning);
+    the next call's tokens then depend on earlier calls and on measured times (greedy ones do not)."""
     check_budget_mode(mode)
     if mode in (None, "fixed"):
         return None
@@ -211,7 +282,15 @@ def make_budget(mode: str | None, target, drafter, rule, inputs, batch: int,
     sizes = getattr(drafter, "draft_sizes", None)
     if sizes is None or max(sizes) == 0:
         return None
+    key = ("chain", type(drafter).__name__, id(getattr(getattr(drafter, "runner", None), "model", None)),
+           tuple(sizes), batch, str(getattr(rule, "name", rule)), str(target.params))
+    if keep is not None and key in keep:
+        return keep[key]
     widths = [w for w in PROFILE_WIDTHS if w <= max(sizes)] + [max(sizes) + 1]
     verify = step_table(target, rule, inputs, batch, widths, device)
     draft_seconds = drafter.draft_seconds(lambda runner, w: forward_table(runner, inputs, batch, w, device))
-    return AutoBudget(sizes, lambda b, n: verify.seconds_at(b, n), draft_seconds)
+    budget = AutoBudget(sizes, lambda b, n: verify.seconds_at(b, n), draft_seconds, timing=True,
+                        **getattr(drafter, "budget_options", {}))
+    if keep is not None:
+        keep[key] = budget
+    return budget

@@ -57,10 +57,12 @@ class PendingPairs(PendingTokens):
     def append(self, tokens: torch.Tensor, rows: torch.Tensor, features: torch.Tensor,
                feature_rows: torch.Tensor) -> None:
         """`PendingTokens.append` plus features [R, dim] for feature_rows [R] bool."""
-        column = self.next_column()  # [B, W]
+        r, width = self.features.shape[:2]
+        column = self.count.clamp_max(width - 1).repeat(r // self.count.shape[0])  # [R] each row's first free column
+        every = torch.arange(r, device=column.device)
+        kept = self.features[every, column]  # [R, dim]
+        self.features[every, column] = torch.where(feature_rows.unsqueeze(-1), features, kept)  # one column per row
         super().append(tokens, rows)
-        feature_column = column.repeat(self.features.shape[0] // column.shape[0], 1) & feature_rows.unsqueeze(-1)
-        self.features = torch.where(feature_column.unsqueeze(-1), features.unsqueeze(1), self.features)  # [R, W, dim]
 
     def set_pairs(self, tokens: torch.Tensor, count: torch.Tensor, rows: torch.Tensor, features: torch.Tensor,
                   feature_rows: torch.Tensor) -> None:

@@ -200,6 +200,7 @@ class JacobiDrafter:
         self.tail_tokens: torch.Tensor | None = None  # [B, K] carried drafts
         self.tail_probs: torch.Tensor | None = None  # [B, K, V] their q (the P they were sampled from)
         self.tail_len: torch.Tensor | None = None  # [B] carried drafts per row
+        self.tail_bound = 0  # rows never hold more carried drafts than this (active rows; known without a sync)
         self.last_mode: torch.Tensor | None = None  # [B] argmax of the last known token's distribution
 
     def config(self) -> dict:
@@ -208,9 +209,17 @@ class JacobiDrafter:
 
     # ------------------------------------------------------------------------------------------- protocol
     @property
-    def draft_sizes(self) -> range:
-        """Window drafts a budget may ask for: 0 (a plain step) to window - 1."""
-        return range(0, self.k + 1)
+    def draft_sizes(self) -> list[int]:
+        """Window drafts a budget chooses from: 0 (a plain step), 2^i - 1 and window - 1 (a window of 1, 2, 4, 8,
+        .. and the configured one: few sizes, since each must run a few steps to show what it accepts)."""
+        return sorted({0, self.k, *(2 ** i - 1 for i in range(1, self.k.bit_length() + 1) if 2 ** i - 1 <= self.k)})
+
+    @property
+    def budget_options(self) -> dict:
+        """How `mmspec.budget.AutoBudget` steers a window: a window's acceptance depends on its size (its tail
+        converges over the steps it stays in the window), so each size is valued by what its own steps emitted,
+        kept for 8 steps (the first after a change not counted), re-measured at the full size now and then."""
+        return {"per_size": True, "dwell": 8, "warmup": 8, "refresh_every": 64}
 
     def set_draft_size(self, k: int) -> None:
         check(0 < k <= self.k, f"draft size must be in [1, {self.k}], got {k}.")
@@ -225,6 +234,7 @@ class JacobiDrafter:
         self.tail_tokens = torch.zeros(b, k, dtype=torch.long, device=device)  # [B, K]
         self.tail_probs = torch.zeros(b, k, self.vocab_size, device=device)  # [B, K, V]
         self.tail_len = torch.zeros(b, dtype=torch.long, device=device)  # [B]
+        self.tail_bound = 0  # a bound on tail_len known without a host sync
         self.last_mode = state.last_token.clone()  # [B]
 
     def propose(self, state: DecodeState) -> ChainDraft:
@@ -255,6 +265,7 @@ class JacobiDrafter:
                                                     draft.resolved_num_draft(), exps)
         self.last_mode = torch.where(active, mode, self.last_mode)
         self._set_tail(tokens, probs, length, active)
+        self.tail_bound = max(self.tail_bound, k)
 
     def skip(self, state: DecodeState, result: VerifyResult, active: torch.Tensor,
              target_probs: torch.Tensor) -> None:
@@ -262,7 +273,10 @@ class JacobiDrafter:
         one (each draft keeps the q it was sampled from); with no tail the new left neighbour's distribution is P_0."""
         rows = torch.arange(target_probs.shape[0], device=target_probs.device)
         self.last_mode = torch.where(active & (self.tail_len == 0), target_probs[rows, 0].argmax(-1), self.last_mode)
+        if self.tail_bound == 0:  # no row has a tail left: nothing to move (no [B, K, V] copy per plain step)
+            return
         self._set_tail(self.tail_tokens[:, 1:], self.tail_probs[:, 1:], (self.tail_len - 1).clamp_min(0), active)
+        self.tail_bound -= 1
 
     # -------------------------------------------------------------------------------------------- helpers
     def _set_tail(self, tokens: torch.Tensor, probs: torch.Tensor, length: torch.Tensor, active: torch.Tensor) -> None:

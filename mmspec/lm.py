@@ -24,7 +24,7 @@ from mmspec.errors import check, check_positive_int
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams, cfg_combine, probs_from_params, sample, split_cfg_batch
 from mmspec.tree import DraftTree, expand_eagle2, pool_size
-from mmspec.tree_budget import ShapedTreeDrafter, TreeShape
+from mmspec.tree_budget import PLAIN_ROOM, ShapedTreeDrafter, TreeShape
 from mmspec.verify import ChainDraft, Draft, VerifyResult
 
 
@@ -283,20 +283,21 @@ class DraftModelDrafter:
 
     def draft_seconds(self, table) -> Callable[[int, int], float]:
         """(batch, k) -> seconds of k drafts: one forward over the pending tokens (2) then k - 1 one-token forwards;
-        a plain step still runs the pending tokens. table(runner, widths) gives the drafter's measured times."""
+        a plain step runs nothing (its token pends). table(runner, widths) gives the drafter's measured times."""
         times = table(self.runner, [1, 2])
-        return lambda b, k: times.seconds_at(b, 2) + max(k - 1, 0) * times.seconds_at(b, 1)
+        return lambda b, k: times.seconds_at(b, 2) + (k - 1) * times.seconds_at(b, 1) if k else 0.0
 
     @property
     def forwards(self) -> int:
         return self.runner.forwards
 
     def begin(self, inputs: Any, state: DecodeState) -> None:
-        self.runner.prefill(inputs, state.max_new_tokens + self.max_k + 2)
-        self.pending = PendingTokens(state.last_token, 2)
+        self.runner.prefill(inputs, state.max_new_tokens + self.max_k + 2 + PLAIN_ROOM)
+        self.pending = PendingTokens(state.last_token, 2 + PLAIN_ROOM)  # a draft's last two tokens, plain steps'
+        self.pending_columns = 1
 
     def propose(self, state: DecodeState) -> ChainDraft:
-        logits, slot = feed_pending(self.runner, self.pending)  # [B, V], [B]
+        logits, slot = feed_pending(self.runner, self.pending, self.pending_columns)  # [B, V], [B]
         tokens, probs = [], []
         for i in range(self.k):
             p = probs_from_params(logits, self.params)  # [B, V] the drafter's q
@@ -318,14 +319,20 @@ class DraftModelDrafter:
         two = torch.stack([draft.tokens[:, -1], result.final_tokens], 1)
         one = torch.stack([result.final_tokens, result.final_tokens], 1)
         self.pending.set(torch.where(all_accepted.unsqueeze(-1), two, one), 1 + all_accepted.long(), active)
+        self.pending_columns = 2
 
     def skip(self, state: DecodeState, result: VerifyResult, active: torch.Tensor,
              target_probs: torch.Tensor) -> None:
-        """The loop made a plain step without drafts: run and keep the pending tokens, the final token pends."""
-        feed_pending(self.runner, self.pending)
-        self.runner.commit_chain(self.pending.count * active)
-        final = result.final_tokens
-        self.pending.set(torch.stack([final, final], 1), torch.ones_like(final), active)
+        """The loop made a plain step without drafts: the final token pends (run with the next proposal; when the
+        room is full the pending tokens run and are kept first), so plain steps cost the drafter nothing."""
+        pending = self.pending
+        if self.pending_columns >= pending.tokens.shape[1]:
+            feed_pending(self.runner, pending, self.pending_columns)
+            self.runner.commit_chain(pending.count * active)
+            pending.count = torch.where(active, 0, pending.count)
+            self.pending_columns = 0
+        pending.append(result.final_tokens, active)
+        self.pending_columns += 1
 
 
 class CandidatePool:

@@ -158,7 +158,9 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     validate: "first" checks the rule's inputs on the first iteration only (cheap), "always" on every one,
     "never" skips the checks. budget: a draft budget (`mmspec.budget.AutoBudget` for chains and windows,
     `mmspec.tree_budget.TreeBudget` for trees) that picks each step's draft size (`drafter.set_draft_size(k)`; 0 = a
-    plain step, after which `drafter.skip(...)` replaces `observe`); None = the drafter's own size every step.
+    plain step, after which `drafter.skip(...)` replaces `observe`); None = the drafter's own size every step. A
+    budget whose `settled()` says so after a plain step gets plain steps for the rest of the call, without asking it
+    or the drafter again (vanilla's cost where no drafting pays).
     """
     check(validate in ("first", "always", "never"), f"validate must be first/always/never, got {validate!r}.")
     rule = get_rule(rule)
@@ -180,11 +182,14 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     if budget is not None and hasattr(budget, "begin"):  # a budget that times its choices on the live models
         budget.begin(target, drafter, state, rule)
 
+    plain_for_good = False  # the budget settled on plain steps: neither it nor the drafter is asked again
     while True:
         active = ~state.done
         if not bool(active.any()):  # the one host sync per iteration
             break
-        size = None if budget is None else budget.choose(state.batch_size)
+        size = None if budget is None else 0 if plain_for_good else budget.choose(state.batch_size)
+        if size == 0 and not plain_for_good and hasattr(budget, "settled"):
+            plain_for_good = budget.settled()
         # never draft past the end: a row with r tokens left may accept at most r - 1 drafts
         with phase("draft"):
             if size == 0:  # a plain step: the drafter is not asked
@@ -202,12 +207,13 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         with phase("commit"):
             target.commit(state, draft, result, active)
         with phase("observe"):
-            if size == 0:
-                drafter.skip(state, result, active, target_probs)
-            else:
+            if size != 0:
                 drafter.observe(state, draft, result, active, target_probs)
+            elif not plain_for_good:
+                drafter.skip(state, result, active, target_probs)
         if budget is not None:
-            budget.observe(result, active, draft)
+            if not plain_for_good:
+                budget.observe(result, active, draft)
             stats.add_extra(f"budget_{size}", 1)  # steps at each draft size (the bench's histogram)
         stats.record(result, active)
         state.append(result, active)

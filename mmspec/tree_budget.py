@@ -128,7 +128,7 @@ def counterfactual_accepts(tree: DraftTree, path: torch.Tensor, shapes: list[Tre
     return out
 
 
-PLAIN_ROOM = 16  # pending tokens a tree drafter keeps for plain steps before it runs them
+PLAIN_ROOM = 64  # pending tokens a tree drafter keeps for plain steps before it runs them
 
 
 class ShapedTreeDrafter:
@@ -173,7 +173,8 @@ class TreeBudget:
 
     def __init__(self, full: TreeShape, shapes: list[TreeShape] | None = None, *, warmup: int = 1,
                  refresh_every: int = 32, decay: float = 0.9, explore_cost: float = 3.0,
-                 costs: dict[TreeShape, float] | None = None, timing: bool = True) -> None:
+                 costs: dict[TreeShape, float] | None = None, timing: bool = True, settle_after: int = 8,
+                 settle_margin: float = 0.8) -> None:
         check(0.0 < decay <= 1.0, f"decay must be in (0, 1], got {decay}.")
         check(explore_cost >= 1.0, f"explore_cost must be >= 1 (in plain steps), got {explore_cost}.")
         self.full = full
@@ -196,6 +197,8 @@ class TreeBudget:
         self.seen: dict[TreeShape, float] = {}  # shape -> running mean of its steps' measured seconds
         self._chosen_at: float | None = None
         self._last = full
+        self.settle_after, self.settle_margin = settle_after, settle_margin
+        self._plain_run = 0  # choices in a row (this call) where a plain step beat every shape by the margin
 
     # ------------------------------------------------------------------------------------------ estimates
     def expected_tokens(self) -> torch.Tensor:
@@ -252,11 +255,18 @@ class TreeBudget:
         if self.steps < self.warmup or refresh:
             shape = self.explore_shape()
         else:
-            shape = self.shapes[int(self.throughput().argmax())]
+            speed = self.throughput()  # [S]
+            shape = self.shapes[int(speed.argmax())]
+            drafting = float(speed[1:].max()) if len(self.shapes) > 1 else 0.0
+            self._plain_run = self._plain_run + 1 if drafting < self.settle_margin * float(speed[0]) else 0
         self.steps += 1
         self._last = shape
         self.chosen[str(shape)] = self.chosen.get(str(shape), 0) + 1
         return 0 if shape == PLAIN else shape
+
+    def settled(self) -> bool:
+        """Plain steps for the rest of this call (as `mmspec.budget.AutoBudget.settled`)."""
+        return self._plain_run >= self.settle_after
 
     def observe(self, result: VerifyResult, active: torch.Tensor, draft=None) -> None:
         """Count what the step accepted under every shape its tree (or chain) contains."""
@@ -280,7 +290,7 @@ class TreeBudget:
     # ---------------------------------------------------------------------------------------------- costs
     def begin(self, target, drafter, state, rule) -> None:
         """Time every menu shape on this call's own target, drafter and prefix (or read the cached times)."""
-        self._chosen_at = None  # the time between calls is not a step
+        self._chosen_at, self._plain_run = None, 0  # the time between calls is not a step
         if self.costs is not None:
             return
         from mmspec.cost import cached_json, profile_key

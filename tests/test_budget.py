@@ -61,6 +61,81 @@ def test_the_choice_follows_cost_and_acceptance():
     assert flat.choose(1) == 8  # drafting costs nothing here: the warm-up drafts the configured size
 
 
+def test_measured_step_times_replace_the_table(monkeypatch):
+    clock = iter([0.0, 1.0, 11.0])  # the warm-up step takes 1 s; then 10 s pass between two calls
+    monkeypatch.setattr("mmspec.budget.time.perf_counter", lambda: next(clock))
+    budget = AutoBudget(range(9), verify_seconds=lambda b, n: float(n), warmup=1, timing=True)
+    assert budget.choose(1) == 2  # warm-up: the largest size within 3 plain steps of the table (a 3-token step)
+    budget.observe(result([0], [2]), torch.ones(1, dtype=torch.bool))
+    budget.choose(1)
+    assert budget.seen == {2: 1.0}  # the warm-up step ran in 1 s, a third of its table time
+    assert budget.seconds(1, 8) == pytest.approx(9 / 3)  # sizes not run: table x the ratio of those that ran
+    budget.begin()  # a new call: the time since the last choice is not a step
+    budget.choose(1)
+    assert budget.seen == {2: 1.0}
+
+
+class SettlingBudget(CyclingBudget):
+    """Plain steps; settled after the third choice. Counts what the loop asks of it."""
+
+    def __init__(self):
+        super().__init__([0])
+        self.observed = 0
+
+    def settled(self) -> bool:
+        return self.step >= 3
+
+    def observe(self, result, active, draft=None) -> None:
+        self.observed += 1
+
+
+class CountingSkips(JacobiDrafter):
+    skips = 0
+
+    def skip(self, *args) -> None:
+        self.skips += 1
+        super().skip(*args)
+
+
+def test_a_settled_budget_gets_plain_steps_without_asking_it_or_the_drafter():
+    v, n = 16, 12
+    model = toy_model(seed=0, vocab_size=v)
+    prompt = torch.randint(0, v, (2, 5), generator=torch.Generator().manual_seed(1))
+    greedy = SamplingParams(temperature=0)
+    budget, drafter = SettlingBudget(), CountingSkips(v, 4, "random")
+    out = generate(LMTarget(model, greedy, n), drafter, "greedy", prompt, batch_size=2, max_new_tokens=n,
+                   budget=budget)
+    vanilla = generate(LMTarget(model, greedy, n), NoDrafter(), "greedy", prompt, batch_size=2, max_new_tokens=n)
+    assert torch.equal(out.tokens, vanilla.tokens)
+    assert budget.step == 3 and budget.observed == 2 and drafter.skips == 2  # the third choice settled it
+    assert out.stats.extra["budget_0"] == n - 1  # every step still counted
+    steep = AutoBudget(range(9), verify_seconds=lambda b, n: float(n), warmup=0, settle_after=4)
+    steep.observe(result([0] * 4, [8] * 4), torch.ones(4, dtype=torch.bool))
+    assert [steep.choose(1) for _ in range(4)] == [0] * 4 and steep.settled()
+    steep.begin()  # a new call asks again
+    assert not steep.settled()
+
+
+def test_per_size_values_dwell_and_refresh():
+    """Jacobi's options: a size is valued by what its own steps emitted (not by the position model), a choice is
+    kept `dwell` steps, the first step after a change is not counted, the warm-up size returns at refresh steps."""
+    budget = AutoBudget([0, 1, 3], verify_seconds=lambda b, n: 1.0 + 0.1 * n, warmup=2, per_size=True, dwell=3,
+                        refresh_every=8, decay=1.0)
+    every = torch.ones(2, dtype=torch.bool)
+    chosen = []
+    for _ in range(12):
+        k = budget.choose(2)
+        chosen.append(k)
+        # size 3 emits 4 tokens per row, size 1 emits 1 (its drafts are always rejected)
+        budget.observe(result([k] * 2 if k == 3 else [0, 0], [k, k]), every)
+    assert chosen[:2] == [3, 3]  # warm-up at the configured size (cheap here)
+    assert budget.rows_at[3] == 2 * sum(1 for i, k in enumerate(chosen) if k == 3 and i and chosen[i - 1] == 3)
+    assert budget.expected_tokens(3) == 4.0 and budget.expected_tokens(0) == 1.0
+    runs = [len(list(g)) for _, g in __import__("itertools").groupby(chosen)]
+    assert all(r >= 2 for r in runs[:-1])  # a change is kept at least for the rest of the dwell
+    assert chosen[8] == 3  # refresh at step 8
+
+
 def sampled_tv(make_drafter, budget, rows=40_000):
     v, n = 4, 4
     model = toy_model(seed=3, vocab_size=v, dim=16)
@@ -81,10 +156,15 @@ DRAFTERS = {"jacobi": lambda model, v, params, gen: JacobiDrafter(v, 4, "random"
 
 
 @pytest.mark.parametrize("drafter", list(DRAFTERS))
-@pytest.mark.parametrize("budget", ["cycling", "auto"])
+@pytest.mark.parametrize("budget", ["cycling", "auto", "auto-timed-per-size"])
 def test_sampling_with_a_changing_draft_size_has_the_exact_sequence_distribution(drafter, budget):
-    policy = CyclingBudget([2, 0, 3, 1, 0]) if budget == "cycling" else AutoBudget(
-        range(4), verify_seconds=lambda b, n: 1.0 + 0.25 * n)
+    policies = {"cycling": lambda: CyclingBudget([2, 0, 3, 1, 0]),
+                "auto": lambda: AutoBudget(range(4), verify_seconds=lambda b, n: 1.0 + 0.25 * n),
+                # as the pipelines build Jacobi's: measured times, per-size values, dwell, refreshes
+                "auto-timed-per-size": lambda: AutoBudget([0, 1, 3], verify_seconds=lambda b, n: 1.0 + 0.25 * n,
+                                                          timing=True, per_size=True, dwell=2, warmup=1,
+                                                          refresh_every=2)}
+    policy = policies[budget]()
     tv, tol, out = sampled_tv(DRAFTERS[drafter], policy)
     assert tv < tol
     assert out.stats.num_accepted_tokens > 0

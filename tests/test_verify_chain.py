@@ -213,3 +213,22 @@ def test_out_of_vocab_draft_token_is_rejected():
 def test_unknown_rule_lists_the_known_ones():
     with pytest.raises(InputError, match="lossless"):
         get_rule("nope")
+
+
+@pytest.mark.parametrize("rule_name", ["lossless", "gsd", "lantern"])
+def test_a_step_without_drafts_is_the_rules_own_plain_sample(rule_name):
+    """Rules marked `plain_step_samples_p` take the lossless rule's path on an empty chain (the loop's plain steps):
+    it must give what the rule's own verify_chain gives there, token for token."""
+    from mmspec.verify import LanternRule
+
+    b, v = 64, 30
+    p = torch.softmax(torch.randn(b, 1, v, generator=torch.Generator().manual_seed(0)) * 2, -1)
+    neighbours = torch.randint(0, v, (v, 8), generator=torch.Generator().manual_seed(1))
+    rule = LanternRule(neighbours, k=8) if rule_name == "lantern" else get_rule(rule_name)
+    assert rule.plain_step_samples_p
+    empty = ChainDraft(torch.empty(b, 0, dtype=torch.long))
+    fast = accept(rule, empty, p, torch.Generator().manual_seed(2))
+    rand = Randomness.draw(b, 0, v, torch.Generator().manual_seed(2), p.device)
+    own = rule.verify_chain(empty.tokens, p, None, rand, empty.resolved_num_draft())
+    assert torch.equal(fast.output_tokens, own.output_tokens) and torch.equal(fast.num_emitted, own.num_emitted)
+    assert len(set(fast.output_tokens[:, 0].tolist())) > 5  # sampled, not a constant

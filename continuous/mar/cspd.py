@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -46,12 +47,15 @@ from continuous.mar.pipeline import (
     sample_at,
     scatter_tokens,
 )
+from mmspec.budget import PROFILE_WIDTHS, AutoBudget, check_budget_mode
+from mmspec.cost import ForwardTimes, cache_dir, cached_profile, measure_forward_times, profile_key
 from mmspec.diffusers_folder import MMSpecPipelineMixin
 from mmspec.errors import check, check_positive_int
 from mmspec.phases import phase
 from mmspec.sampling import Generators
 from mmspec.stats import SpecStats
-from mmspec.verify.cspd import ContinuousRandomness, CSpDRule, GaussianPath
+from mmspec.verify import VerifyResult
+from mmspec.verify.cspd import ContinuousRandomness, ContinuousVerifyResult, CSpDRule, GaussianPath
 
 
 def gaussian_path(traj: Trajectory, batch: int, temperature: float) -> GaussianPath:
@@ -92,12 +96,41 @@ def verify_window(target: MARModel, run: MARRun, tokens: torch.Tensor, known: to
 Progress = Callable[[int, torch.Tensor], bool]
 
 
+def plain_step(target: MARModel, run: MARRun, tokens: torch.Tensor, known: torch.Tensor, done: torch.Tensor,
+               active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One target step without drafts: each active row's next token in its order (vanilla MAR with num_iter = L)."""
+    seq = target.seq_len
+    positions = run.orders.gather(1, done.clamp_max(seq - 1).unsqueeze(1))  # [B, 1]
+    cfg = torch.as_tensor(cfg_value(run, (seq - done - 1).clamp_min(1).unsqueeze(1), seq), dtype=run.x_start.dtype,
+                          device=done.device).expand(done.shape[0], 1)  # [B, 1]
+    traj = sample_at(target, run, tokens, known, positions, cfg)
+    return scatter_tokens(tokens, known, positions, traj.x0.unsqueeze(1), active.unsqueeze(1))
+
+
+def chain_view(result: ContinuousVerifyResult, window: torch.Tensor) -> VerifyResult:
+    """A window's verdict as a draft budget reads a chain: a window of w tokens is w - 1 drafts after a token the
+    target always gives (accepted, or its residual), and the tokens it emitted beyond that one are the accepted
+    drafts (the independent-checks variant emits the whole window)."""
+    drafted = (window - 1).clamp_min(0)  # [B]
+    accepted = torch.minimum((result.num_emitted - 1).clamp_min(0), drafted)  # [B]
+    flags = torch.arange(int(drafted.max().clamp_min(0)), device=window.device) < accepted.unsqueeze(1)  # [B, K]
+    return VerifyResult(result.output_tokens, accepted, flags, drafted)
+
+
+def plain_view(batch: int, device: torch.device) -> VerifyResult:
+    """A plain step's verdict for the stats and the budget: no drafts, one token per active row."""
+    zeros = torch.zeros(batch, dtype=torch.long, device=device)
+    return VerifyResult(zeros.unsqueeze(1), zeros, torch.zeros(batch, 0, dtype=torch.bool, device=device), zeros)
+
+
 def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRun, gamma: int, prefill_ratio: float,
               rule: CSpDRule, generator: Generators = None, on_progress: Progress | None = None,
-              ) -> tuple[torch.Tensor, SpecStats]:
+              budget: AutoBudget | None = None) -> tuple[torch.Tensor, SpecStats]:
     """CSpD over one batch (see the module docstring): pre-filling by the target, then draft -> verify -> accept ->
     commit windows of `gamma` tokens until every row has its L tokens. Returns tokens [B, L, C] and the stats
-    (target / draft forwards, acceptance per window position; extra: residual_samples, residual_fallbacks)."""
+    (target / draft forwards, acceptance per window position; extra: residual_samples, residual_fallbacks).
+    budget: picks each step's window (`cspd_budget`: k drafts of a chain = a window of k + 1, 0 = a plain target
+    step); None = `gamma` every step."""
     seq, channels, device = target.seq_len, target.token_channels, target.device
     b = run.labels.shape[0]
     tokens = torch.zeros(b, seq, channels, device=device, dtype=target.dtype)
@@ -114,33 +147,96 @@ def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRu
             stats.num_target_forwards += 1
             if on_progress is not None and not on_progress(int(done.min()), tokens):
                 return tokens, stats
+    if budget is not None and hasattr(budget, "begin"):
+        budget.begin()
     while bool((done < seq).any()):  # the one host sync per window
         active = done < seq
-        window = torch.minimum(torch.full_like(done, gamma), seq - done)  # [B] ragged window sizes
-        index = (done.unsqueeze(1) + torch.arange(gamma, device=device)).clamp_max(seq - 1)  # [B, K]
+        size = gamma if budget is None else budget.choose(b) + 1  # the window (1 = a plain step under a budget)
+        if budget is not None and size == 1:
+            with phase("verify"):
+                tokens, known = plain_step(target, run, tokens, known, done, active)
+            done = done + active.long()
+            stats.num_target_forwards += 1
+            result = plain_view(b, device)
+            budget.observe(result, active)
+            stats.record(result, active)
+            stats.add_extra("budget_0", 1)
+            if on_progress is not None and not on_progress(int(done.min()), tokens):
+                break
+            continue
+        window = torch.minimum(torch.full_like(done, size), seq - done)  # [B] ragged window sizes
+        index = (done.unsqueeze(1) + torch.arange(size, device=device)).clamp_max(seq - 1)  # [B, K]
         positions = run.orders.gather(1, index)  # [B, K] (past the end: repeats, never kept)
-        in_window = torch.arange(gamma, device=device) < window.unsqueeze(1)
+        in_window = torch.arange(size, device=device) < window.unsqueeze(1)
         cfg = torch.as_tensor(cfg_value(run, (seq - index - 1).clamp_min(1), seq), dtype=run.x_start.dtype,
-                              device=device).expand(b, gamma)  # [B, K]
+                              device=device).expand(b, size)  # [B, K]
         with phase("draft"):
             q = draft_window(draft, run, draft_noise, tokens, known, positions, cfg, in_window)
-        stats.num_draft_forwards += gamma
+        stats.num_draft_forwards += size
         with phase("verify"):
             p = verify_window(target, run, tokens, known, positions, cfg)
         stats.num_target_forwards += 1
         with phase("accept"):
-            rand = ContinuousRandomness.draw(b, gamma, rule.max_residual_tries, channels, generator, device)
+            rand = ContinuousRandomness.draw(b, size, rule.max_residual_tries, channels, generator, device)
             result = rule.verify(q, p, window, rand)  # finished rows: window 0
         with phase("commit"):
-            keep = torch.arange(gamma, device=device) < result.num_emitted.unsqueeze(1)  # [B, K]
+            keep = torch.arange(size, device=device) < result.num_emitted.unsqueeze(1)  # [B, K]
             tokens, known = scatter_tokens(tokens, known, positions, result.output_tokens.to(tokens.dtype), keep)
             done = done + result.num_emitted
+        if budget is not None:
+            budget.observe(chain_view(result, window), active)
+            stats.add_extra(f"budget_{size - 1}", 1)
         stats.record(result, active)
         stats.add_extra("residual_samples", int(result.residual.sum()))
         stats.add_extra("residual_fallbacks", int(result.fallback.sum()))
         if on_progress is not None and not on_progress(int(done.min()), tokens):
             break
     return tokens, stats
+
+
+def cspd_budget(target: MARModel, draft: MARModel, run: MARRun, gamma: int, keep: dict | None = None,
+                rule_name: str = "") -> AutoBudget:
+    """The window budget of a call: `mmspec.budget.AutoBudget` over chains of 0..gamma - 1 drafts (a window of
+    k + 1 tokens; 0 = a plain target step), from the measured seconds of a target step over n window positions
+    and of the draft's one-token steps (k + 1 of them per window; `window_costs`), then each size's own step
+    times. Kept in `keep` between calls of the same batch size and settings (acceptance and times carry over)."""
+    b = run.labels.shape[0]
+    key = ("cspd", gamma, b, run.num_sampling_steps, float(run.temperature), str(run.cfg_schedule),
+           float(run.guidance_scale), rule_name)
+    if keep is not None and key in keep:
+        return keep[key]
+    verify, draft_step = window_costs(target, draft, run, sorted({w for w in PROFILE_WIDTHS if w <= gamma} | {gamma}))
+    budget = AutoBudget(range(gamma), lambda batch, n: verify.seconds_at(b, n),
+                        lambda batch, k: (k + 1) * draft_step if k else 0.0, timing=True)
+    if keep is not None:
+        keep[key] = budget
+    return budget
+
+
+def window_costs(target: MARModel, draft: MARModel, run: MARRun, widths: list[int]) -> tuple[ForwardTimes, float]:
+    """(median seconds of a target forward and its head over n window positions, per width; of one draft step) at
+    the run's batch size, sampling steps and CFG; measured once, cached (`mmspec.cost`)."""
+    b, seq = run.labels.shape[0], target.seq_len
+    tokens = torch.zeros(b, seq, target.token_channels, device=target.device, dtype=target.dtype)
+    known = torch.zeros(b, seq, dtype=torch.bool, device=target.device)
+
+    def timer(model: MARModel):
+        @torch.no_grad()
+        def run_forward(batch: int, width: int) -> None:
+            sample_at(model, run, tokens, known, run.orders[:, :width], run.guidance_scale)
+        return run_forward
+
+    def measure(model: MARModel, at: list[int]) -> ForwardTimes:
+        return measure_forward_times(timer(model), [b], at, repeats=3, warmup=1, device=target.device)
+
+    extra = f"cspd-window|B={b}|steps={run.num_sampling_steps}|cfg={run.guidance_scale}"
+    verify_key = profile_key(target, target.device, f"{extra}|W={widths}")
+    draft_key = profile_key(draft, target.device, extra)
+    if not all((cache_dir() / "profiles" / f"{k}.json").is_file() for k in (verify_key, draft_key)):
+        print("mmspec: timing CSpD windows on this device for budget='auto' (once per model pair, batch size and "
+              "device; cached)", file=sys.stderr, flush=True)
+    verify = cached_profile(verify_key, lambda: measure(target, widths))
+    return verify, cached_profile(draft_key, lambda: measure(draft, [1])).seconds_at(b, 1)
 
 
 class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
@@ -157,6 +253,7 @@ class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         check(target.config.timestep_spacing == draft.config.timestep_spacing,
               "the draft and target MARs must use one timestep_spacing (trajectory alignment shares every step).")
         self.register_modules(target=target, draft=draft, vae=vae)
+        self.budgets: dict = {}  # budget="auto": what each window budget learnt, kept between calls
 
     def as_mar_pipeline(self, which: str = "target") -> MARPipeline:
         """Vanilla MAR with the target or the draft model (same VAE)."""
@@ -173,17 +270,24 @@ class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
                  return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
                  callback_on_step_end_tensor_inputs: list[str] | None = None,
-                 num_inference_steps: int | None = None):
-        """Generate images with CSpD. gamma: window size; prefill_ratio: share of tokens the target makes alone
-        first; align: trajectory alignment; rule: the acceptance rule (default the paper's `CSpDRule()`;
-        `CSpDRule.reference_code()` for the public code's variants). Other arguments as `MARPipeline` with
-        num_iter = the token count (guidance_scale / cfg_schedule None: the target's defaults). out.stats:
-        SpecStats (target / draft forwards, acceptance per window position, extra: residual_samples,
-        residual_fallbacks). callback_on_step_end(pipe, step (0-based: target forwards - 1), tokens verified in
-        every row, {"tokens": [N, L, C]}) after each pre-filling step and window (`callback_on_step_end_tensor_inputs`:
-        ["tokens"]; a function or a diffusers `PipelineCallback`; `pipe._interrupt = True` stops after the current
-        window and decodes the tokens verified so far). num_inference_steps: diffusers' name for num_sampling_steps
-        (the diffusion head's steps)."""
+                 num_inference_steps: int | None = None, budget: str = "auto"):
+        """Generate images with CSpD. gamma: window size (with budget="auto", the largest window); prefill_ratio:
+        share of tokens the target makes alone first; align: trajectory alignment; rule: the acceptance rule (default
+        the paper's `CSpDRule()`; `CSpDRule.reference_code()` for the public code's variants). Other arguments as
+        `MARPipeline` with num_iter = the token count (guidance_scale / cfg_schedule None: the target's
+        defaults). out.stats: SpecStats (target / draft forwards, acceptance per window position, extra:
+        residual_samples, residual_fallbacks). callback_on_step_end(pipe, step (0-based: target forwards - 1),
+        tokens verified in every row, {"tokens": [N, L, C]}) after each pre-filling step and window
+        (`callback_on_step_end_tensor_inputs`: ["tokens"]; a function or a diffusers `PipelineCallback`;
+        `pipe._interrupt = True` stops after the current window and decodes the tokens verified so far).
+        num_inference_steps: diffusers' name for num_sampling_steps (the diffusion head's steps). budget: "auto"
+        (default) picks each step's window, 1 (a plain target step) to gamma, from this device's measured costs
+        and the tokens windows have given so far (`cspd_budget`; the first call per model pair, batch size and
+        device times the windows, then they are cached), so CSpD is never much slower than the target alone;
+        "fixed" drafts gamma every step (the paper's loop). out.stats.extra counts the windows chosen
+        (`budget_k`: k drafts after the first window token, a window of k + 1; `budget_0` plain). With "auto" a
+        call depends on the measured times, so seeded calls repeat bit for bit only with "fixed"."""
+        check_budget_mode(budget)
         user_step = self.step_callback(callback_on_step_end, callback_on_step_end_tensor_inputs,
                                        self.target.seq_len)
         num_sampling_steps = inference_steps(num_sampling_steps, num_inference_steps)
@@ -208,6 +312,9 @@ class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                 bar.update(verified - bar.n)
                 return user_step(next(steps), verified, {"tokens": tokens})
 
-            tokens, stats = cspd_loop(target, self.draft, run, draft_noise, gamma, prefill_ratio, rule or CSpDRule(),
-                                      generator, on_progress)
+            rule = rule or CSpDRule()
+            window_budget = None if budget in (None, "fixed") or gamma == 1 else cspd_budget(
+                target, self.draft, run, gamma, self.budgets, repr(vars(rule)))
+            tokens, stats = cspd_loop(target, self.draft, run, draft_noise, gamma, prefill_ratio, rule, generator,
+                                      on_progress, window_budget)
         return finish_run(self, target, self.vae, tokens, output_type, return_dict, stats)

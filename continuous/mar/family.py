@@ -65,7 +65,21 @@ FAMILY = FamilyRecord("mar", "MAR class-conditional generation and CSpD (judge a
                       default_model=ASSETS_DIR / "mar", load=load,
                       num_classes=lambda pipe: target_model(pipe).config.num_classes,
                       sampling_defaults=sampling_defaults, bench=bench)
-FAMILY.generate = method_call_generate(FAMILY, call_options)
+_call_generate = method_call_generate(FAMILY, call_options)
+
+
+def generate(pipe, labels: list[int], generators: list, options: dict):
+    """`mmspec generate`'s hook: `--budget` is cspd's `budget` parameter (vanilla drafts nothing)."""
+    options = dict(options)
+    if "budget" in options:
+        budget = options.pop("budget")
+        check(options["method"].split(":")[0] == "cspd",
+              f"--budget sets CSpD's window budget; method {options['method']!r} drafts nothing: drop --budget.")
+        options["method_kwargs"] = {**options.get("method_kwargs", {}), "budget": budget}
+    return _call_generate(pipe, labels, generators, options)
+
+
+FAMILY.generate = generate
 
 
 @FAMILY.method(params=(parameters_of(MARPipeline.__call__, only=("num_iter", *SHARED)),))
@@ -75,7 +89,8 @@ def vanilla(pipe: CSpDPipeline | MARPipeline, **given: Any) -> tuple[MARPipeline
     return (pipe.as_mar_pipeline("target") if isinstance(pipe, CSpDPipeline) else pipe), given
 
 
-@FAMILY.method(params=(parameters_of(CSpDPipeline.__call__, only=("gamma", "prefill_ratio", "align", *SHARED)),
+@FAMILY.method(params=(parameters_of(CSpDPipeline.__call__, only=("gamma", "prefill_ratio", "align", "budget",
+                                                                   *SHARED)),
                        {"criterion": "paper"}, CSpDRule), lossless=False)
 def cspd(pipe: CSpDPipeline | MARPipeline, **given: Any) -> tuple[CSpDPipeline, dict[str, Any]]:
     """CSpD: the draft MAR proposes a window of gamma tokens, one target pass verifies it (criterion "paper" or

@@ -13,8 +13,9 @@ world-FID (against held-out real world images; compare figures with equal sample
 versus vanilla for lossless methods at temperature 0, and at temperature > 0 how closely each method's tokens
 follow the target's distribution (`pit_ks` and friends, `mmspec.metrics.calibration`, scored by
 `image_ar.llamagen.scoring.target_probs`). `max_new_tokens` does not apply: an image is always
-`block_size` tokens. Family options: see `mmspec.bench.image_family`, plus `budget` (`fixed`, the default, or
-`auto`: `mmspec.budget` picks each step's draft size) for every method, or per method: `eagle:budget=auto`.
+`block_size` tokens. Family options: see `mmspec.bench.image_family`, plus `budget` (`auto`, the default:
+`mmspec.budget` picks each step's draft size, or `fixed`: the configured size) for every method, or per method:
+`eagle:budget=fixed`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def build(settings: BenchSettings):
 def _runner(record, family: str = "llamagen"):
     def run(pipe, batch: Sequence[Sample], settings: BenchSettings, given: Mapping[str, Any]) -> MethodOutput:
         o = _options(settings, family)
-        given, budget = pop_budget(given, o["budget"] or "fixed")
+        given, budget = pop_budget(given, o["budget"] or "auto")
         conditions = ({"prompt": [s.data for s in batch]} if family == "llamagen-t2i" else
                       {"class_labels": [int(s.data) for s in batch]})
         out = pipe(**conditions, generator=sample_generators(batch, settings),

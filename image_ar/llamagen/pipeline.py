@@ -183,7 +183,7 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                  prompt_embeds: torch.Tensor | None = None, prompt_embeds_mask: torch.Tensor | None = None,
                  guidance_scale: float = 4.0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  num_images_per_prompt: int = 1, generator: torch.Generator | list[torch.Generator] | None = None,
-                 method: str = "vanilla", method_kwargs: dict[str, Any] | None = None, budget: str | None = "fixed",
+                 method: str = "vanilla", method_kwargs: dict[str, Any] | None = None, budget: str | None = "auto",
                  output_type: str = "pil", return_dict: bool = True,
                  callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
                  callback_on_step_end_tensor_inputs: list[str] | None = None,
@@ -201,10 +201,13 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         the batch it was generated in). callback_on_step_end(pipe, step, num_tokens, {"tokens": [N, T]}) runs
         after every loop iteration (read-only; a function or a diffusers `PipelineCallback`; setting
         `pipe._interrupt = True` or returning {"stop": True} ends the call early, e.g. a UI's cancel button).
-        budget: "fixed" (default) drafts the method's configured size every step; "auto" (experimental) lets
-        `mmspec.budget` pick each step's draft size (0 = a plain step) from this device's measured step costs and the
-        acceptance seen so far (chain and Jacobi drafters; the first call per model, device and batch size measures
-        the costs, then they are cached).
+        budget: "auto" (default) picks each step's draft size (0 = a plain step; a smaller tree or a chain for the
+        EAGLE methods) from this device's measured step costs and the acceptance seen so far (`mmspec.budget`,
+        `mmspec.tree_budget`; the first call per model, device and batch size times the costs, then they are
+        cached; what a budget learnt stays in `pipe.budgets` between calls), so no method is much slower than
+        vanilla where drafting does not pay (a large batch, a CPU); "fixed" drafts the method's configured size
+        every step (the papers' loops). Lossless methods stay lossless either way; with "auto" the choices follow
+        measured times, so a seeded sampled call repeats bit for bit only with "fixed".
         """
         check(isinstance(guidance_scale, (int, float)), f"guidance_scale must be a number, got {guidance_scale!r}.")
         user_step = self.step_callback(callback_on_step_end, callback_on_step_end_tensor_inputs,

@@ -21,6 +21,7 @@ from mmspec.checkpoints.allowlist import SafeGlobal, check_extra_safe_globals, d
 from mmspec.errors import CheckpointError, InputError
 
 logger = logging.getLogger(__name__)
+_TORCH_VERSION = tuple(int(part) for part in torch.__version__.split(".")[:2])
 
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".pth.tar")
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -182,7 +183,11 @@ def _load_pickle(path: Path, *, allow_pickle: bool, extra: list[SafeGlobal]) -> 
 
 
 def _not_yet_allowed(wanted: list[SafeGlobal]) -> list[SafeGlobal]:
-    """Drop entries the user already allow-listed globally: leaving the context would remove them again."""
+    """Drop entries the user already allow-listed globally: leaving the context would remove them again. torch
+    before 2.6 takes no (object, "dotted.name") pairs: there each pair becomes its object (matched by its own
+    module and name)."""
+    if _TORCH_VERSION < (2, 6):
+        wanted = [g[0] if isinstance(g, tuple) else g for g in wanted]
     present = set(torch.serialization.get_safe_globals())
     return [g for g in dict.fromkeys(wanted) if g not in present]
 

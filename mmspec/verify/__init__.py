@@ -82,6 +82,9 @@ def validate_draft(rule: AcceptanceRule, draft: Draft, target_probs: torch.Tenso
     rule.check_inputs(target_probs)
 
 
+PLAIN_STEP_RULE = LosslessRule()  # what a step without drafts runs under rules that say `plain_step_samples_p`
+
+
 def accept(rule: str | AcceptanceRule, draft: Draft, target_probs: torch.Tensor,
            generator: Generators = None, *, validate: bool = True, **rule_params) -> VerifyResult:
     """Verify `draft` against the target distributions with `rule` (a name or a rule object).
@@ -97,6 +100,8 @@ def accept(rule: str | AcceptanceRule, draft: Draft, target_probs: torch.Tensor,
     if isinstance(draft, ChainDraft):
         positions = draft.tokens.shape[1]
     rand = Randomness.draw(b, positions, v, generator, target_probs.device) if rule.uses_randomness else None
+    if isinstance(draft, ChainDraft) and positions == 0 and rule.uses_randomness and rule.plain_step_samples_p:
+        rule = PLAIN_STEP_RULE  # no drafts: the token is sampled from p, as the lossless rule does
     if isinstance(draft, ChainDraft):
         return rule.verify_chain(draft.tokens, target_probs, draft.probs, rand, draft.resolved_num_draft())
     return rule.verify_tree(draft, target_probs, rand)

@@ -89,6 +89,9 @@ class AcceptanceRule:
     uses_randomness: bool = True
     supports_chain: bool = True
     supports_tree: bool = True
+    # a step without drafts samples the token from p with the lossless rule's randomness (the same tokens), so the
+    # loop's plain steps take that path whatever the rule's cost on an empty draft
+    plain_step_samples_p: bool = False
 
     @classmethod
     def keeps_distribution(cls, **params) -> bool:

@@ -49,6 +49,7 @@ class GSDRule(AcceptanceRule):
     """Grouped speculative decoding acceptance (chains, and trees as an extension). See the module docstring."""
 
     name = "gsd"
+    plain_step_samples_p = True
     lossless = False
     supports_tree = True
 

@@ -92,6 +92,7 @@ class LanternRule(AcceptanceRule):
     """LANTERN (delta form) or LANTERN++ (lambda form) relaxed acceptance. See the module docstring."""
 
     name = "lantern"
+    plain_step_samples_p = True
     lossless = False
 
     def __init__(self, neighbours: torch.Tensor, k: int = 1000, delta: float | None = 0.1,

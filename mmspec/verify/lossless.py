@@ -40,6 +40,7 @@ class LosslessRule(AcceptanceRule):
     """Speculative sampling that preserves the target distribution exactly."""
 
     name = "lossless"
+    plain_step_samples_p = True
     lossless = True
 
     def __init__(self, kernel: str = "torch") -> None:

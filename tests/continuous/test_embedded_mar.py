@@ -52,7 +52,7 @@ def test_cspd_on_the_real_models(pipe):
     exact = same(class_labels=labels, generator=gens(4, 3), gamma=1, num_sampling_steps=25, output_type="latent")
     assert torch.equal(exact.tokens, vanilla.tokens)
     code = pipe(class_labels=labels, generator=gens(4, 3), gamma=4, num_sampling_steps=25, output_type="latent",
-                rule=CSpDRule.reference_code())  # independent checks: every window is emitted whole
+                rule=CSpDRule.reference_code(), budget="fixed")  # independent checks: every window is emitted whole
     assert code.stats.num_target_forwards == 4 + 15 and torch.isfinite(code.tokens).all()
     assert isinstance(pipe.as_mar_pipeline(), MARPipeline)
 
@@ -63,5 +63,6 @@ def test_the_shipped_draft_is_distilled_to_agree_with_its_target(pipe):
     the independently trained draft it replaced, docs/mar.md): at least 0.2, and alignment helps."""
     labels = [0, 5, 10, 15]
     rates = [pipe(class_labels=labels, generator=gens(4, 3), gamma=4, num_sampling_steps=25, output_type="latent",
-                  rule=CSpDRule.reference_code(), align=align).stats.draft_acceptance_rate for align in (True, False)]
+                  rule=CSpDRule.reference_code(), align=align, budget="fixed").stats.draft_acceptance_rate
+             for align in (True, False)]
     assert rates[0] >= 0.2 and rates[0] > rates[1]

@@ -355,7 +355,7 @@ def test_mmspec_convert_mar_writes_mar_and_cspd_pipelines(tmp_path):
     assert_weights(cspd.draft, draft_ema)
     cspd.set_progress_bar_config(disable=True)
     out = cspd(class_labels=[2], gamma=3, num_sampling_steps=2, output_type="latent",
-               generator=torch.Generator().manual_seed(0))
+               generator=torch.Generator().manual_seed(0), budget="fixed")
     assert out.images.shape == (1, 16, 4) and out.stats.num_draft_forwards > 0
 
     wrong = ["convert", "mar", "--target", str(tmp_path / "kl16.ckpt"), "--vae", str(tmp_path / "kl16.ckpt"),

@@ -71,6 +71,18 @@ def test_generate_errors_are_clear(folders, tmp_path, capsys):
     assert "criterion must be one of" in capsys.readouterr().err
     assert generate(cspd_dir, tmp_path / "e", "--method", "cspd", "--temperature", "0") == 2
     assert "temperature must be > 0" in capsys.readouterr().err
+    assert generate(cspd_dir, tmp_path / "f", "--method", "vanilla", "--budget", "auto") == 2
+    assert "method 'vanilla' drafts nothing: drop --budget" in capsys.readouterr().err
+
+
+def test_generate_budget_reaches_cspd(folders, tmp_path):
+    """--budget is CSpD's window budget: fixed drafts gamma every window (no budget counts), auto (the default)
+    counts the windows it chose."""
+    cspd_dir, _ = folders
+    assert generate(cspd_dir, tmp_path / "fixed", "--method", "cspd", "--budget", "fixed") == 0
+    assert generate(cspd_dir, tmp_path / "auto", "--method", "cspd") == 0
+    extras = [json.loads((tmp_path / name / "stats.json").read_text())["stats"]["extra"] for name in ("fixed", "auto")]
+    assert not any(k.startswith("budget_") for k in extras[0]) and any(k.startswith("budget_") for k in extras[1])
 
 
 def test_bench_family_mar(folders):

@@ -14,6 +14,7 @@ from continuous.mar.diffusion import GaussianDiffusion, respaced_timesteps
 from continuous.mar.pipeline import MARPipeline, step_sizes
 from mmspec.errors import InputError
 from mmspec.phases import record_phases
+from mmspec.testing.budgets import CyclingBudget
 from mmspec.testing.pipeline_tester import PipelineTesterMixin
 from mmspec.verify.cspd import CSpDRule
 
@@ -105,7 +106,7 @@ class TestCSpDPipeline(PipelineTesterMixin):
         return {"target": tiny_mar(2), "draft": tiny_mar(3, embed_dim=16), "vae": tiny_vae()}
 
     def get_dummy_inputs(self) -> dict:
-        return {"gamma": 2, "num_sampling_steps": 4}
+        return {"gamma": 2, "num_sampling_steps": 4, "budget": "fixed"}  # seeded calls repeat with a fixed window
 
 
 @pytest.fixture(scope="module")
@@ -145,19 +146,44 @@ def test_cspd_with_the_target_as_draft_and_gamma_1_is_vanilla_mar(pipe):
 def test_cspd_ragged_windows_fill_every_token(pipe, rule):
     seq = pipe.target.seq_len
     out = pipe(class_labels=[0, 1, 2], generator=generators(3), gamma=3, num_sampling_steps=5, rule=rule,
-               output_type="latent")
+               output_type="latent", budget="fixed")
     assert torch.isfinite(out.tokens).all() and out.tokens.abs().sum(-1).gt(0).all()  # no token left unset
     stats = out.stats
     prefill = math.ceil(0.05 * seq)
     assert stats.num_emitted_tokens == 3 * (seq - prefill)
     assert stats.num_target_forwards == prefill + stats.num_draft_forwards // 3
     again = pipe(class_labels=[0, 1, 2], generator=generators(3), gamma=3, num_sampling_steps=5, rule=rule,
-                 output_type="latent")
+                 output_type="latent", budget="fixed")
     assert torch.equal(out.tokens, again.tokens)
 
 
+def test_window_budget_plain_steps_are_vanilla_mar_and_windows_vary(pipe, monkeypatch):
+    """Under a window budget a plain step is the target's own next token: all plain steps == vanilla MAR with one
+    token per step; windows that change every step still fill every token; budget="auto" (the default) times the
+    windows once and keeps what it learnt between calls."""
+    kw = dict(class_labels=[0, 3, 1], num_sampling_steps=4, output_type="latent")
+    vanilla = pipe.as_mar_pipeline("target")(generator=generators(3), **kw).tokens
+    monkeypatch.setattr("continuous.mar.cspd.cspd_budget", lambda *args: CyclingBudget([0]))
+    plain = pipe(generator=generators(3), gamma=4, **kw)
+    assert torch.equal(plain.tokens, vanilla) and plain.stats.num_draft_forwards == 0
+    assert plain.stats.num_target_forwards == pipe.target.seq_len
+    monkeypatch.setattr("continuous.mar.cspd.cspd_budget", lambda *args: CyclingBudget([0, 3, 1, 2]))
+    mixed = pipe(generator=generators(3), gamma=4, **kw)
+    assert mixed.tokens.abs().sum(-1).gt(0).all() and {"budget_0", "budget_3", "budget_1"} <= set(mixed.stats.extra)
+    assert mixed.stats.num_emitted_tokens == 3 * (pipe.target.seq_len - math.ceil(0.05 * pipe.target.seq_len))
+    monkeypatch.undo()
+    pipe.budgets.clear()
+    auto = pipe(generator=generators(3), gamma=4, **kw)
+    assert auto.tokens.abs().sum(-1).gt(0).all() and any(k.startswith("budget_") for k in auto.stats.extra)
+    pipe(generator=generators(3), gamma=4, **kw)
+    assert len(pipe.budgets) == 1 and sum(next(iter(pipe.budgets.values())).chosen.values()) > 0
+    with pytest.raises(InputError, match="budget must be one of"):
+        pipe(generator=generators(3), gamma=4, budget="fast", **kw)
+
+
 def test_alignment_changes_the_drafts_noise_only(pipe):
-    kw = dict(class_labels=[0, 1], gamma=2, num_sampling_steps=5, output_type="latent", prefill_ratio=0.0)
+    kw = dict(class_labels=[0, 1], gamma=2, num_sampling_steps=5, output_type="latent", prefill_ratio=0.0,
+              budget="fixed")
     aligned, unaligned = pipe(generator=generators(2), **kw), pipe(generator=generators(2), align=False, **kw)
     assert not torch.equal(aligned.tokens, unaligned.tokens)
 
@@ -177,8 +203,9 @@ def test_unset_guidance_and_schedule_are_the_models_defaults(pipe):
     assert not torch.equal(own, official)  # same weights (seed 2), other sampling settings
     cspd = CSpDPipeline(target=tuned.transformer, draft=pipe.draft, vae=pipe.vae)
     cspd.set_progress_bar_config(disable=True)
-    explicit = cspd(generator=generators(2), gamma=2, guidance_scale=2.0, cfg_schedule="constant", **kw).tokens
-    assert torch.equal(cspd(generator=generators(2), gamma=2, **kw).tokens, explicit)
+    explicit = cspd(generator=generators(2), gamma=2, guidance_scale=2.0, cfg_schedule="constant", budget="fixed",
+                    **kw).tokens
+    assert torch.equal(cspd(generator=generators(2), gamma=2, budget="fixed", **kw).tokens, explicit)
     with pytest.raises(InputError, match="default_cfg_schedule must be one of"):
         tiny_mar(2, default_cfg_schedule="cosine")
     with pytest.raises(InputError, match="default_guidance_scale must be a number >= 1.0"):

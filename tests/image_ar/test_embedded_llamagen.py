@@ -48,9 +48,11 @@ def test_generated_images_are_judged_as_their_class(pipe):
 def test_greedy_speculative_equals_greedy_vanilla_on_the_real_model(pipe, method):
     labels = [0, 3, 6, 9]
     vanilla = pipe(class_labels=labels, temperature=0.0, output_type="latent")
-    fast = pipe(class_labels=labels, temperature=0.0, method=method, output_type="latent")
+    fast = pipe(class_labels=labels, temperature=0.0, method=method, output_type="latent", budget="fixed")
     assert torch.equal(fast.tokens, vanilla.tokens)
     assert fast.stats.num_target_forwards < vanilla.stats.num_target_forwards
+    auto = pipe(class_labels=labels, temperature=0.0, method=method, output_type="latent")  # the default budget
+    assert torch.equal(auto.tokens, vanilla.tokens) and any(k.startswith("budget_") for k in auto.stats.extra)
 
 
 @pytest.mark.parametrize("doc", DOCS)
@@ -67,7 +69,7 @@ def test_grouped_acceptance_on_eagle_trees_with_groups_of_one_is_eagle(pipe, mon
     `lossless` now replaces by the one-pass form of the same distribution): same generators, same images."""
     labels = [1, 7]
     grouped = pipe(class_labels=labels, generator=gens(2, 40), method="eagle",
-                   method_kwargs={"accept": "gsd", "group_size": 1}, output_type="latent")
+                   method_kwargs={"accept": "gsd", "group_size": 1}, output_type="latent", budget="fixed")
     use_sequential_lossless_walk(monkeypatch)
-    exact = pipe(class_labels=labels, generator=gens(2, 40), method="eagle", output_type="latent")
+    exact = pipe(class_labels=labels, generator=gens(2, 40), method="eagle", output_type="latent", budget="fixed")
     assert torch.equal(grouped.tokens, exact.tokens)

@@ -50,9 +50,10 @@ def untrained():
 
 
 def sample(pipe, method, seed=0, n=3, **kwargs):
+    """A seeded sampled call drafting the configured tree every step (budget="fixed": seeded calls repeat)."""
     gens = [torch.Generator().manual_seed(seed * 100 + i) for i in range(n)]
     return pipe(class_labels=[i % 4 for i in range(n)], guidance_scale=3.0, top_k=16, generator=gens, method=method,
-                output_type="latent", method_kwargs=kwargs or None)
+                output_type="latent", method_kwargs=kwargs or None, budget="fixed")
 
 
 @pytest.mark.parametrize("which", ["untrained", "trained"])
@@ -63,7 +64,7 @@ def test_greedy_eagle_equals_greedy_vanilla_with_cfg(request, which):
     # the last tree has more nodes than the 64 drafts a target cache kept room for before (it overflowed)
     for kwargs in ({}, {"top_k": 3, "depth": 5, "total_tokens": 12}, {"top_k": 9, "depth": 8, "total_tokens": 70}):
         out = pipe(class_labels=LABELS, guidance_scale=SCALE, temperature=0, method="eagle", method_kwargs=kwargs,
-                   output_type="latent")
+                   output_type="latent", budget="fixed")
         assert torch.equal(out.tokens, want)
         lengths.append(out.stats.mean_acceptance_length)
     if which == "trained":  # the default tree (top_k 10, depth 4, 59 nodes)

@@ -79,8 +79,8 @@ def test_greedy_matches_the_full_forward_reference(pipe, method, kwargs):
 
 def test_sampled_draft_model_is_reproducible_and_valid(pipe):
     inputs = {**get_dummy_inputs(seed=9, n=3), "output_type": "latent"}
-    a = pipe(**inputs, method="draft-model")
-    b = pipe(**{**get_dummy_inputs(seed=9, n=3), "output_type": "latent"}, method="draft-model")
+    a = pipe(**inputs, method="draft-model", budget="fixed")
+    b = pipe(**{**get_dummy_inputs(seed=9, n=3), "output_type": "latent"}, method="draft-model", budget="fixed")
     assert torch.equal(a.tokens, b.tokens)
     assert a.stats.num_target_forwards < 16  # it did accept drafts
 
@@ -103,8 +103,8 @@ def test_save_and_load_keep_the_draft_model(pipe, tmp_path):
     loaded = LlamaGenPipeline.from_pretrained(tmp_path)
     loaded.set_progress_bar_config(disable=True)
     assert loaded.draft_transformer is not None
-    a = pipe(**get_dummy_inputs(seed=5), method="draft-model")
-    b = loaded(**get_dummy_inputs(seed=5), method="draft-model")
+    a = pipe(**get_dummy_inputs(seed=5), method="draft-model", budget="fixed")
+    b = loaded(**get_dummy_inputs(seed=5), method="draft-model", budget="fixed")
     assert np.array_equal(a.images, b.images)
 
 

@@ -32,9 +32,11 @@ def pipe():
 
 
 def sampled(pipe, method, seed=0, labels=LABELS, **kwargs):
+    """A seeded sampled call with the method's configured size every step (budget="fixed": seeded calls repeat and
+    an image does not depend on its batch)."""
     gens = [torch.Generator().manual_seed(seed + i) for i in range(len(labels))]
     return pipe(class_labels=labels, guidance_scale=3.0, top_k=16, generator=gens, method=method,
-                method_kwargs=kwargs, output_type="latent")
+                method_kwargs=kwargs, output_type="latent", budget="fixed")
 
 
 @torch.no_grad()
@@ -125,7 +127,7 @@ def test_gsd_with_groups_of_one_is_token_identical_to_lossless_sjd(pipe):
 def test_an_image_does_not_depend_on_its_batch(pipe, method):
     batch = sampled(pipe, method, 4, labels=[0, 1, 2])
     single = pipe(class_labels=[1], guidance_scale=3.0, top_k=16, generator=[torch.Generator().manual_seed(5)],
-                  method=method, output_type="latent")
+                  method=method, output_type="latent", budget="fixed")
     assert torch.equal(batch.tokens[1], single.tokens[0])
 
 
@@ -165,18 +167,25 @@ def test_parameters_of_another_acceptance_mode_are_named(pipe):
 
 
 @pytest.mark.parametrize("method", ["sjd", "draft-model"])
-def test_the_auto_budget_keeps_greedy_tokens_and_repeats_seeded_samples(pipe, method, tmp_path, monkeypatch):
+def test_the_auto_budget_keeps_greedy_tokens_and_learns_across_calls(pipe, method, tmp_path, monkeypatch):
     monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))  # the measured step costs of this dummy pipeline
+    pipe.budgets.clear()
     greedy = dict(class_labels=LABELS, guidance_scale=1.0, temperature=0, output_type="latent")
     vanilla = pipe(**greedy).tokens
-    auto = pipe(**greedy, method=method, budget="auto")
+    auto = pipe(**greedy, method=method)  # budget="auto" is the default
     assert torch.equal(auto.tokens, vanilla)
     assert sum(v for k, v in auto.stats.extra.items() if k.startswith("budget_")) == auto.stats.num_target_forwards - 1
+    budget = next(iter(pipe.budgets.values()))  # kept between calls of the same method, batch size and setting
+    steps = sum(budget.chosen.values())
+    assert torch.equal(pipe(**greedy, method=method).tokens, vanilla) and len(pipe.budgets) == 1
+    assert sum(budget.chosen.values()) > steps
+
     def auto_sampled(budget="auto"):
         gens = [torch.Generator().manual_seed(3 + i) for i in range(len(LABELS))]
         return pipe(class_labels=LABELS, guidance_scale=3.0, top_k=16, generator=gens, method=method,
                     budget=budget, output_type="latent").tokens
 
-    assert torch.equal(auto_sampled(), auto_sampled())  # the cached costs decide alike every time
+    tokens = auto_sampled()
+    assert tokens.shape == vanilla.shape and bool(((tokens >= 0) & (tokens < pipe.transformer.config.vocab_size)).all())
     with pytest.raises(InputError, match="budget must be one of"):
         auto_sampled("fast")
