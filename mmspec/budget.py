@@ -130,6 +130,8 @@ class AutoBudget:
         another load)."""
         limit = self.explore_cost * self.seconds(batch, 0)
         drafting = [k for k in self.sizes if k > 0]
+        if not drafting:
+            return 0
         affordable = [k for k in drafting if self.seconds(batch, k) <= limit]
         return max(affordable) if affordable else min(drafting, key=lambda k: self.seconds(batch, k))
 
@@ -164,7 +166,7 @@ class AutoBudget:
             rates = self.rates()
             speed = {k: self.throughput(batch, k, rates) for k in self.sizes}
             best = max(self.sizes, key=lambda k: (speed[k], -k))
-            drafting = max(v for k, v in speed.items() if k > 0)
+            drafting = max((v for k, v in speed.items() if k > 0), default=0.0)
             self._plain_run = self._plain_run + 1 if drafting < self.settle_margin * speed[0] else 0
         self._run = self._run + 1 if best == self._last and self._run else 1
         self.chosen[best] = self.chosen.get(best, 0) + 1
