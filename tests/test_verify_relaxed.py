@@ -333,3 +333,11 @@ def test_lantern_treats_one_hot_q_rows_as_drafts_without_a_distribution():
     without = rule.verify_chain(x, p, None, rand, nd)
     assert torch.equal(with_q.output_tokens, without.output_tokens)
 
+
+
+def test_neighbour_tables_stored_as_uint16_read_back_unsigned():
+    """Tables of vocabularies up to 65536 are stored as uint16; ids above 32767 must come back as they were (torch
+    before 2.6 indexes them through their int16 bits)."""
+    ids = torch.tensor([[65535, 40000, 1], [32768, 0, 65534]], dtype=torch.int64)
+    rule = LanternRule(ids.to(torch.uint16), k=3)
+    assert rule._neighbours_of(torch.tensor([1, 0, -1]), 2).tolist() == [[32768, 0], [65535, 40000], [65535, 40000]]

@@ -134,6 +134,8 @@ class LanternRule(AcceptanceRule):
     def _neighbours_of(self, x: torch.Tensor, width: int) -> torch.Tensor:
         """[..., width] int64 neighbour ids of x [...] (x = -1 rows get entry 0's, masked by callers)."""
         table = self.neighbours.to(x.device)
+        if table.dtype == torch.uint16:  # torch < 2.6 cannot index uint16 on the CPU: index its bits as int16
+            return table.view(torch.int16)[x.clamp_min(0), :width].long() & 0xFFFF
         return table[x.clamp_min(0), :width].long()
 
     def relaxed(self, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
