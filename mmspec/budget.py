@@ -47,7 +47,41 @@ DraftSeconds = Callable[[int, int], float]
 VerifySeconds = Callable[[int, int], float]
 
 
-class AutoBudget:
+class MeasuredSteps:
+    """What the chain and tree budgets share: each size's measured step seconds (`seen`, a running mean from one
+    choice to the next: drafting, verify, acceptance and bookkeeping, as the loop ran them) and settling on plain
+    steps for the rest of a call (`settled`). Subclasses set `_last` (the size chosen last) and call
+    `_init_steps`, `_time_last_step` at every choice, `_note_plain_margin` when they choose by estimate and
+    `_new_call` at a call's start."""
+
+    def _init_steps(self, timing: bool, settle_after: int, settle_margin: float) -> None:
+        self.timing, self.settle_after, self.settle_margin = timing, settle_after, settle_margin
+        self.seen: dict = {}  # size -> running mean of its steps' measured seconds
+        self._chosen_at: float | None = None
+        self._plain_run = 0  # choices in a row (this call) where a plain step beat every size by the margin
+
+    def _time_last_step(self) -> None:
+        now = time.perf_counter()  # the previous step ran from its choice to this one (the loop syncs between)
+        if self._chosen_at is not None and self.timing:
+            took, last = now - self._chosen_at, self._last
+            self.seen[last] = took if last not in self.seen else 0.7 * self.seen[last] + 0.3 * took
+        self._chosen_at = now
+
+    def _note_plain_margin(self, plain: float, best_drafting: float) -> None:
+        """One choice by estimate: expected throughput of a plain step and of the best drafting size."""
+        self._plain_run = self._plain_run + 1 if best_drafting < self.settle_margin * plain else 0
+
+    def _new_call(self) -> None:
+        self._chosen_at, self._plain_run = None, 0  # the time between calls is not a step
+
+    def settled(self) -> bool:
+        """Plain steps for the rest of this call: for `settle_after` choices in a row a plain step was expected to
+        beat every drafting size by `settle_margin` (then the loop stops asking the budget and the drafter, so the
+        call runs at vanilla's cost; the next call asks again)."""
+        return self._plain_run >= self.settle_after
+
+
+class AutoBudget(MeasuredSteps):
     """The expected-throughput draft budget (see the module docstring). sizes: the draft counts the drafter can
     make (0 included or not: it is always added); verify_seconds(B, n): a target step's time with n tokens per row;
     draft_seconds(B, k): the drafter's. `chosen` counts how often each size was picked.
@@ -80,14 +114,11 @@ class AutoBudget:
         self.emitted_at: dict[int, float] = {}  # size k -> tokens they emitted
         self.chosen: dict[int, int] = {}
         self.warmup, self.explore_cost = warmup, explore_cost
-        self.timing, self.per_size, self.dwell, self.decay = timing, per_size, dwell, decay
+        self.per_size, self.dwell, self.decay = per_size, dwell, decay
         self.refresh_every, self._refresh_at = refresh_every, refresh_every
-        self.seen: dict[int, float] = {}  # size -> running mean of its steps' measured seconds
-        self._chosen_at: float | None = None
+        self._init_steps(timing, settle_after, settle_margin)
         self._last, self._run = 0, 0  # the current size, steps drafted at it since it was chosen
         self._forced = 0  # steps left of a warm-up or refresh run
-        self.settle_after, self.settle_margin = settle_after, settle_margin
-        self._plain_run = 0  # choices in a row (this call) where a plain step beat every size by the margin
 
     # ------------------------------------------------------------------------------------------ estimates
     def rates(self) -> torch.Tensor:
@@ -138,21 +169,12 @@ class AutoBudget:
     # ------------------------------------------------------------------------------------------- the loop
     def begin(self, target=None, drafter=None, state=None, rule=None) -> None:
         """A new call: the time between calls is not a step, and its first step is a change of size."""
-        self._chosen_at, self._run, self._plain_run = None, 0, 0
-
-    def settled(self) -> bool:
-        """Plain steps for the rest of this call: for `settle_after` choices in a row a plain step was expected to
-        beat every drafting size by `settle_margin` (then the loop stops asking the budget and the drafter, so the
-        call runs at vanilla's cost; the next call asks again)."""
-        return self._plain_run >= self.settle_after
+        self._new_call()
+        self._run = 0
 
     def choose(self, batch: int) -> int:
         """The draft size for the next step (0 = a plain step)."""
-        now = time.perf_counter()  # the previous step ran from its choice to this one (the loop syncs between)
-        if self._chosen_at is not None and self.timing:
-            took, last = now - self._chosen_at, self._last
-            self.seen[last] = took if last not in self.seen else 0.7 * self.seen[last] + 0.3 * took
-        self._chosen_at = now
+        self._time_last_step()
         steps = sum(self.chosen.values())
         if self.refresh_every and steps >= self._refresh_at:  # at steps r, 2r, 4r, ..
             self._refresh_at *= 2
@@ -166,8 +188,7 @@ class AutoBudget:
             rates = self.rates()
             speed = {k: self.throughput(batch, k, rates) for k in self.sizes}
             best = max(self.sizes, key=lambda k: (speed[k], -k))
-            drafting = max((v for k, v in speed.items() if k > 0), default=0.0)
-            self._plain_run = self._plain_run + 1 if drafting < self.settle_margin * speed[0] else 0
+            self._note_plain_margin(speed[0], max((v for k, v in speed.items() if k > 0), default=0.0))
         self._run = self._run + 1 if best == self._last and self._run else 1
         self.chosen[best] = self.chosen.get(best, 0) + 1
         self._last = best

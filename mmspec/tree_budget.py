@@ -37,12 +37,11 @@ a stopping time of the draft-side process (reference budgets.md), so the output 
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
-from mmspec.budget import position_rates
+from mmspec.budget import MeasuredSteps, position_rates
 from mmspec.errors import check
 from mmspec.tree import DraftTree, pool_size
 from mmspec.verify import ChainDraft, VerifyResult, accept
@@ -167,7 +166,7 @@ class ShapedTreeDrafter:
         self.pending_columns += 1
 
 
-class TreeBudget:
+class TreeBudget(MeasuredSteps):
     """The expected-throughput shape policy for tree drafters (see the module docstring). `costs` maps each shape
     of the menu to its seconds (set by `begin`, or given for tests)."""
 
@@ -193,12 +192,8 @@ class TreeBudget:
         self.chosen: dict[str, int] = {}
         self.steps = self.refreshes = 0
         self._refresh_at = refresh_every
-        self.timing = timing
-        self.seen: dict[TreeShape, float] = {}  # shape -> running mean of its steps' measured seconds
-        self._chosen_at: float | None = None
         self._last = full
-        self.settle_after, self.settle_margin = settle_after, settle_margin
-        self._plain_run = 0  # choices in a row (this call) where a plain step beat every shape by the margin
+        self._init_steps(timing, settle_after, settle_margin)
 
     # ------------------------------------------------------------------------------------------ estimates
     def expected_tokens(self) -> torch.Tensor:
@@ -243,11 +238,7 @@ class TreeBudget:
 
     def choose(self, batch: int) -> TreeShape | int:
         """The next step's shape (0 = a plain step)."""
-        now = time.perf_counter()  # the previous step ran from its choice to this one (the loop syncs between)
-        if self._chosen_at is not None and self.timing:
-            took = now - self._chosen_at
-            self.seen[self._last] = took if self._last not in self.seen else 0.7 * self.seen[self._last] + 0.3 * took
-        self._chosen_at = now
+        self._time_last_step()
         refresh = self.refresh_every and self.steps == self._refresh_at
         if refresh:  # at steps 32, 64, 128, 256, ..
             self._refresh_at += self.refresh_every * 2 ** self.refreshes
@@ -257,16 +248,11 @@ class TreeBudget:
         else:
             speed = self.throughput()  # [S]
             shape = self.shapes[int(speed.argmax())]
-            drafting = float(speed[1:].max()) if len(self.shapes) > 1 else 0.0
-            self._plain_run = self._plain_run + 1 if drafting < self.settle_margin * float(speed[0]) else 0
+            self._note_plain_margin(float(speed[0]), float(speed[1:].max()) if len(self.shapes) > 1 else 0.0)
         self.steps += 1
         self._last = shape
         self.chosen[str(shape)] = self.chosen.get(str(shape), 0) + 1
         return 0 if shape == PLAIN else shape
-
-    def settled(self) -> bool:
-        """Plain steps for the rest of this call (as `mmspec.budget.AutoBudget.settled`)."""
-        return self._plain_run >= self.settle_after
 
     def observe(self, result: VerifyResult, active: torch.Tensor, draft=None) -> None:
         """Count what the step accepted under every shape its tree (or chain) contains."""
@@ -290,7 +276,7 @@ class TreeBudget:
     # ---------------------------------------------------------------------------------------------- costs
     def begin(self, target, drafter, state, rule) -> None:
         """Time every menu shape on this call's own target, drafter and prefix (or read the cached times)."""
-        self._chosen_at, self._plain_run = None, 0  # the time between calls is not a step
+        self._new_call()
         if self.costs is not None:
             return
         from mmspec.cost import cached_json, profile_key
