@@ -24,7 +24,7 @@ from mmspec.errors import check, check_positive_int
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams, cfg_combine, probs_from_params, sample, split_cfg_batch
 from mmspec.tree import DraftTree, expand_eagle2, pool_size
-from mmspec.tree_budget import PLAIN_ROOM, ShapedTreeDrafter, TreeShape
+from mmspec.tree_budget import PLAIN_ROOM, PendingRoom, ShapedTreeDrafter, TreeShape
 from mmspec.verify import ChainDraft, Draft, VerifyResult
 
 
@@ -258,7 +258,7 @@ def feed_pending(runner: GuidedRunner, pending: PendingTokens,
     return logits[rows, last], slots[rows, last]
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(PendingRoom):
     """Classic speculative decoding: a (small) CachedLM drafts K tokens autoregressively.
 
     `params` is the drafter's own sampling setting; greedy drafters report no distribution (one-hot q). The
@@ -297,7 +297,7 @@ class DraftModelDrafter:
         self.pending_columns = 1
 
     def propose(self, state: DecodeState) -> ChainDraft:
-        logits, slot = feed_pending(self.runner, self.pending, self.pending_columns)  # [B, V], [B]
+        logits, slot = self.run_pending()  # [B, V], [B]
         tokens, probs = [], []
         for i in range(self.k):
             p = probs_from_params(logits, self.params)  # [B, V] the drafter's q
@@ -325,14 +325,12 @@ class DraftModelDrafter:
              target_probs: torch.Tensor) -> None:
         """The loop made a plain step without drafts: the final token pends (run with the next proposal; when the
         room is full the pending tokens run and are kept first), so plain steps cost the drafter nothing."""
-        pending = self.pending
-        if self.pending_columns >= pending.tokens.shape[1]:
-            feed_pending(self.runner, pending, self.pending_columns)
-            self.runner.commit_chain(pending.count * active)
-            pending.count = torch.where(active, 0, pending.count)
-            self.pending_columns = 0
-        pending.append(result.final_tokens, active)
-        self.pending_columns += 1
+        self.room_for_plain_token(active)
+        self.pending.append(result.final_tokens, active)
+
+    def run_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the first `pending_columns` pending tokens (not committed): `feed_pending`'s logits and slot."""
+        return feed_pending(self.runner, self.pending, self.pending_columns)
 
 
 class CandidatePool:

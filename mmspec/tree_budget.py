@@ -130,14 +130,32 @@ def counterfactual_accepts(tree: DraftTree, path: torch.Tensor, shapes: list[Tre
 PLAIN_ROOM = 64  # pending tokens a tree drafter keeps for plain steps before it runs them
 
 
-class ShapedTreeDrafter:
+class PendingRoom:
+    """Plain steps' tokens wait with a drafter's pending tokens instead of running its model every step. The drafter
+    has `runner`, `pending` (a `mmspec.lm.PendingTokens`) and `run_pending()`, which runs the first
+    `pending_columns` pending tokens (not committed); `pending_columns` is a host-side bound on every row's pending
+    count (no device sync)."""
+
+    pending_columns: int = 1
+
+    def room_for_plain_token(self, active: torch.Tensor) -> None:
+        """Before a plain step's token joins the pending tokens: when the room is full, run and commit the pending
+        tokens of every active row, leaving none pending."""
+        pending = self.pending
+        if self.pending_columns >= pending.tokens.shape[1]:
+            self.run_pending()
+            self.runner.commit_chain(pending.count * active)
+            pending.count = torch.where(active, 0, pending.count)
+            self.pending_columns = 0
+        self.pending_columns += 1
+
+
+class ShapedTreeDrafter(PendingRoom):
     """What a tree drafter needs for a `TreeBudget`: its `full_shape` (set at construction), `set_draft_size`, and
-    the pending tokens of plain steps. The drafter has `top_k`, `depth`, `total`, `runner`, `pending` (room for
-    `pending_width()` tokens) and `run_pending()`, which runs the first `pending_columns` pending tokens (not
-    committed); `pending_columns` is a host-side bound on every row's pending count (no device sync)."""
+    the pending tokens of plain steps (`PendingRoom`). The drafter has `top_k`, `depth`, `total`, `runner`,
+    `pending` (room for `pending_width()` tokens) and `run_pending()`."""
 
     full_shape: TreeShape
-    pending_columns: int = 1
 
     def pending_width(self) -> int:
         """Pending tokens a row can hold: the longest accepted path (the deepest chain) plus the final token, plus
@@ -153,17 +171,6 @@ class ShapedTreeDrafter:
               and 2 <= shape.total <= min(full.total, pool_size(shape.top_k, shape.depth)),
               f"a draft shape must fit in the drafter's {full}, got {shape}.")
         self.top_k, self.depth, self.total = shape.top_k, shape.depth, shape.total
-
-    def room_for_plain_token(self, active: torch.Tensor) -> None:
-        """Before a plain step's token joins the pending tokens: when the room is full, run and commit the pending
-        tokens of every active row, leaving none pending."""
-        pending = self.pending
-        if self.pending_columns >= pending.tokens.shape[1]:
-            self.run_pending()
-            self.runner.commit_chain(pending.count * active)
-            pending.count = torch.where(active, 0, pending.count)
-            self.pending_columns = 0
-        self.pending_columns += 1
 
 
 class TreeBudget(MeasuredSteps):

@@ -283,3 +283,27 @@ def test_the_tree_budget_picks_the_fastest_expected_shape():
     assert timed.choose(1) == 0
     dear = TreeBudget(full, costs={s: 1.0 if s == PLAIN else 10.0 + s.total for s in shapes}, warmup=1, timing=False)
     assert dear.choose(1) == TreeShape(1, 1, 2)  # nothing within 3 plain steps: the warm-up still drafts (cheapest)
+
+
+@pytest.mark.parametrize("drafter", ["draft-model", "tree"])
+def test_more_plain_steps_in_a_row_than_the_pending_room_keep_greedy_tokens(drafter):
+    """Plain steps' tokens wait in the drafter's pending room (`PLAIN_ROOM`); a longer run of them runs and commits
+    the pending tokens first (`PendingRoom.room_for_plain_token`), and the drafts after it still match vanilla."""
+    from mmspec.tree_budget import PLAIN_ROOM
+
+    v, n = 16, PLAIN_ROOM + 40
+    model = toy_model(seed=0, vocab_size=v)
+    prompt = torch.randint(0, v, (2, 5), generator=torch.Generator().manual_seed(1))
+    greedy = SamplingParams(temperature=0)
+    make = {"draft-model": lambda: DraftModelDrafter(model, 3, greedy),
+            "tree": lambda: TreeModelDrafter(model, top_k=2, depth=3, total_tokens=6)}[drafter]
+    size = 3 if drafter == "draft-model" else TreeShape(2, 3, 6)
+    budget = CyclingBudget([0] * (PLAIN_ROOM + 20) + [size] * 4)  # past the room of either drafter
+
+    def run(d, b):
+        return generate(LMTarget(model, greedy, n, max_draft_nodes=8), d, "greedy", prompt, batch_size=2,
+                        max_new_tokens=n, budget=b)
+
+    out = run(make(), budget)
+    assert torch.equal(out.tokens, run(NoDrafter(), None).tokens)
+    assert out.stats.extra["budget_0"] >= PLAIN_ROOM + 20 and out.stats.num_accepted_tokens > 0
