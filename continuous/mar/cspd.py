@@ -48,7 +48,7 @@ from continuous.mar.pipeline import (
     scatter_tokens,
 )
 from mmspec.budget import PROFILE_WIDTHS, AutoBudget, check_budget_mode
-from mmspec.cost import ForwardTimes, cache_dir, cached_profile, measure_forward_times, profile_key
+from mmspec.cost import ForwardTimes, cached_profile, measure_forward_times, profile_key
 from mmspec.diffusers_folder import MMSpecPipelineMixin
 from mmspec.errors import check, check_positive_int
 from mmspec.phases import phase
@@ -226,17 +226,19 @@ def window_costs(target: MARModel, draft: MARModel, run: MARRun, widths: list[in
             sample_at(model, run, tokens, known, run.orders[:, :width], run.guidance_scale)
         return run_forward
 
-    def measure(model: MARModel, at: list[int]) -> ForwardTimes:
+    announced = []
+
+    def measure(model: MARModel, at: list[int]) -> ForwardTimes:  # only when a table is not cached yet
+        if not announced:
+            announced.append(True)
+            print("mmspec: timing CSpD windows on this device for budget='auto' (once per model pair, batch size "
+                  "and device; cached)", file=sys.stderr, flush=True)
         return measure_forward_times(timer(model), [b], at, repeats=3, warmup=1, device=target.device)
 
     extra = f"cspd-window|B={b}|steps={run.num_sampling_steps}|cfg={run.guidance_scale}"
-    verify_key = profile_key(target, target.device, f"{extra}|W={widths}")
-    draft_key = profile_key(draft, target.device, extra)
-    if not all((cache_dir() / "profiles" / f"{k}.json").is_file() for k in (verify_key, draft_key)):
-        print("mmspec: timing CSpD windows on this device for budget='auto' (once per model pair, batch size and "
-              "device; cached)", file=sys.stderr, flush=True)
-    verify = cached_profile(verify_key, lambda: measure(target, widths))
-    return verify, cached_profile(draft_key, lambda: measure(draft, [1])).seconds_at(b, 1)
+    verify = cached_profile(profile_key(target, target.device, f"{extra}|W={widths}"), lambda: measure(target, widths))
+    draft_step = cached_profile(profile_key(draft, target.device, extra), lambda: measure(draft, [1]))
+    return verify, draft_step.seconds_at(b, 1)
 
 
 class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
