@@ -93,7 +93,7 @@ def load_official_drafter(folder: str | Path, target: LlavaCachedLM, kind: str, 
     state = dict(official_weights(folder, allow_pickle))
     config = official_config(folder, state, kind)
     embed = state.pop("embed_tokens.weight", None)
-    text_embed = target.text.embed_tokens.weight
+    text_embed = target.model.get_input_embeddings().weight
     if embed is not None:
         same = embed.shape == text_embed.shape and torch.equal(embed.to(text_embed), text_embed.detach())
         check(same, f"{folder}'s embed_tokens differ from the target's token embeddings: the drafter was made for "

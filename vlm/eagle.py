@@ -41,7 +41,8 @@ from mmspec.errors import InputError, check
 from mmspec.feature_drafter import FeatureTreeDrafter, PendingPairs
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams
-from vlm.target import LlavaCachedLM, VLMInputs, run_llama_layers
+from vlm.draft_layers import run_llama_layers
+from vlm.target import LlavaCachedLM, VLMInputs
 
 # SpecVLM's EagleVLM tree: EAGLE's depth 7 (8 levels here), top_k 10, total 60
 SPECVLM_TREE = (8, 10, 60)
@@ -162,7 +163,7 @@ class VLMEagleDrafter(AttentionBackendMixin, ModelMixin, ConfigMixin):
         bool: enter as embeds alone) at positions [R, S], written to cache slots [R, S], attending through mask
         [R, S, T]. Returns logits [R, S, V] and sets `last_hidden` [R, S, H]."""
         if embeds is None:
-            embeds = self.target.text.embed_tokens(tokens)
+            embeds = self.target.embed_tokens(tokens)
         x = run_llama_layers(self.layers, self.rotary_emb, self.fuse(embeds, features, direct), positions, mask,
                              cache=cache, slots=slots, backend=self.attention_backend)
         self.last_hidden = x.detach()

@@ -1,9 +1,11 @@
-"""A transformers LLaVA (`LlavaForConditionalGeneration`: vision tower + projector + Llama) as the loop's target.
+"""A transformers LLaVA (`LlavaForConditionalGeneration`: vision tower + projector + text model) as the loop's target.
 
-`LlavaCachedLM` implements `mmspec.lm.CachedLM` over the model's own weights: it runs the Llama decoder layers
-with mmspec's `StaticKVCache` and attention backends, so tree verification (one forward over all draft nodes
-under a tree mask), chain rollback and tree-path compaction work the same as for the image families. Nothing is
-copied: the modules are the model's (a real LLaVA-1.5 checkpoint loaded with `from_pretrained` works the same).
+`LlavaCachedLM` implements `mmspec.lm.CachedLM` by running the model's own modules: image features come from the
+model's `get_image_features`, and every step is one forward of its text model (`mmspec.hf_cache.run_text_model`:
+its decoder layers, norms, rotary embedding and attention implementation) over mmspec's `StaticKVCache`, with a
+4-D mask. Tree verification (one forward over all draft nodes under a tree mask), chain rollback and tree-path
+compaction then work the same as for the image families, and the logits are transformers' own for any text
+backbone it has (a real LLaVA-1.5 checkpoint loaded with `from_pretrained` works the same).
 
 Prompts are ragged: rows are RIGHT-padded, and prefill commits each row's own length, so a row's cache holds
 exactly its prompt and generated tokens sit at their true positions (`slots == positions`); padded entries lie
@@ -15,9 +17,8 @@ beyond the row's length, invisible, and are overwritten by the first generated t
     out = generate(target, NoDrafter(), "greedy", inputs, batch_size=B, max_new_tokens=64, eos_token_id=eos)
 
 `last_hidden` [B, S, H] after each forward is the post-norm hidden state that feeds the LM head (EAGLE's
-feature f_t). Image features follow transformers' LLaVA: the vision tower's hidden state at
-`vision_feature_layer`, the CLS token dropped for the "default" strategy, then the projector; they replace the
-`<image>` placeholder embeddings in order, and a count mismatch is an InputError.
+feature f_t). Image features replace the `<image>` placeholder embeddings in order, and a count mismatch is an
+InputError.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.attention import attend
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check
+from mmspec.hf_cache import check_attention_support, run_text_model
 
 
 @dataclass
@@ -58,11 +59,11 @@ class VLMInputs:
         return self.attention_mask.long().sum(-1)  # [B]
 
 
-# text backbones whose decoder layer is Llama's (pre-norm RMSNorm, rotary q/k, no q/k norm, no embedding scale), so
-# `run_llama_layers` computes exactly what transformers does (tests/vlm/test_vlm_target.py against generate)
-SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2")
-SUPPORTED = ("LlavaForConditionalGeneration (LLaVA-1.5 layout) with a Llama, Mistral or Qwen2 text backbone; "
-             "LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL and others are not supported yet")
+# text backbones run exactly: the text model's own forward (any decoder layer transformers has); each is proven
+# against transformers' greedy `generate` (tests/vlm/test_vlm_backbones.py)
+SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+SUPPORTED = ("LlavaForConditionalGeneration (LLaVA-1.5 layout) with a Llama, Mistral, Qwen2, Qwen3 or Gemma 1/2/3 "
+             "text backbone; LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL and others are not supported yet")
 
 
 def check_supported_config(config, where: str = "the VLM target") -> None:
@@ -75,8 +76,8 @@ def check_supported_config(config, where: str = "the VLM target") -> None:
         classes = ", ".join(config.get("architectures") or []) or "no architectures listed"
         raise InputError(f"{where} is a {model_type!r} model ({classes}); mmspec supports {SUPPORTED}.")
     if text_type not in SUPPORTED_TEXT_MODELS:
-        raise InputError(f"{where} is a LLaVA with a {text_type!r} text backbone, whose layers differ from Llama's "
-                         f"(e.g. q/k norms, embedding scaling); mmspec supports {SUPPORTED}.")
+        raise InputError(f"{where} is a LLaVA with a {text_type!r} text backbone, which mmspec has not proven "
+                         f"exact; mmspec supports {SUPPORTED}.")
 
 
 class LlavaCachedLM:
@@ -89,7 +90,10 @@ class LlavaCachedLM:
               and hasattr(model, "config"), f"expected a transformers LlavaForConditionalGeneration, got "
                                             f"{type(model).__name__}; mmspec supports {SUPPORTED}.")
         check_supported_config(model.config, f"the target ({type(model).__name__})")
-        # Mistral / Qwen2 sliding-window attention equals full attention while every sequence fits in the window
+        check_attention_support(inner.language_model.config, f"the target's text model ({type(model).__name__})",
+                                attention_backend)
+        # sliding-window attention (Mistral, Qwen2/3 when used, Gemma 2/3's local layers) equals full attention while
+        # every sequence fits in the window: mmspec's masks are full-attention masks
         text_cfg = model.config.text_config
         window = getattr(text_cfg, "sliding_window", None)
         self.window = window if window and getattr(text_cfg, "use_sliding_window", True) else None
@@ -119,17 +123,19 @@ class LlavaCachedLM:
     # ------------------------------------------------------------------------------------------- inputs
     @torch.no_grad()
     def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[N, 3, H, W] -> projected features [N, T_img, H_text] (transformers' LLaVA selection)."""
+        """[N, 3, H, W] -> projected features [N, T_img, H_text], by the model's own `get_image_features`."""
         cfg = self.model.config
         pixels = pixel_values.to(self.device, self.model.lm_head.weight.dtype)
-        return self.model.model.multi_modal_projector(vision_features(
-            self.model.model.vision_tower, pixels, cfg.vision_feature_layer, cfg.vision_feature_select_strategy))
+        out = self.model.model.get_image_features(pixel_values=pixels, vision_feature_layer=cfg.vision_feature_layer,
+                                                  vision_feature_select_strategy=cfg.vision_feature_select_strategy)
+        features = getattr(out, "pooler_output", out)  # transformers 5: a list of [T_img, H_text], one per image
+        return torch.stack(list(features)) if isinstance(features, (list, tuple)) else features
 
     @torch.no_grad()
     def embed_inputs(self, inputs: VLMInputs) -> torch.Tensor:
         """Token embeddings [B, P, H] with every `<image>` placeholder replaced by an image feature, in order."""
         ids = inputs.input_ids.to(self.device)
-        embeds = self.text.embed_tokens(ids)  # [B, P, H]
+        embeds = self.embed_tokens(ids)  # [B, P, H]
         is_image = ids == self.image_token_id  # [B, P]
         n_slots = int(is_image.sum())
         if inputs.pixel_values is None:
@@ -142,66 +148,22 @@ class LlavaCachedLM:
                              f"<image> ({features.shape[1]} tokens per image).")
         return embeds.masked_scatter(is_image.unsqueeze(-1), features.reshape(-1, features.shape[-1]).to(embeds))
 
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        """The model's own input embeddings of token ids [B, S] -> [B, S, H] (as its forward embeds them)."""
+        return self.model.get_input_embeddings()(ids)
 
     # -------------------------------------------------------------------------------------------- steps
     def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """tokens, positions, slots [B, S]; mask [B, S, T]. Writes K/V at `slots`; returns logits [B, S, V]."""
-        return self.forward_embeds(self.text.embed_tokens(tokens.to(self.device)), positions, cache, slots, mask)
+        return self.forward_embeds(self.embed_tokens(tokens.to(self.device)), positions, cache, slots, mask)
 
     @torch.no_grad()
     def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
         """Input embeddings x [B, S, H] at `positions` [B, S]; K/V written at `slots`; logits [B, S, V] float32."""
-        x = run_llama_layers(self.text.layers[: self.num_layers], self.text.rotary_emb, x, positions, mask,
-                             cache=cache, slots=slots, backend=self.backend)
-        self.last_hidden = self.text.norm(x)  # [B, S, H]
+        self.last_hidden = run_text_model(self.text, x, positions, cache, slots, mask, self.backend)  # [B, S, H]
         return self.model.lm_head(self.last_hidden).float()
-
-
-def vision_features(tower, pixel_values: torch.Tensor, layer: int | list[int], strategy: str) -> torch.Tensor:
-    """What a LLaVA projector reads (transformers' selection): the vision tower's hidden state(s) `layer`, the CLS
-    token dropped when `strategy` is "default", concatenated over the layers. [N, 3, H, W] -> [N, P, Hv * layers]."""
-    vision = tower(pixel_values, output_hidden_states=True)
-    layers = [layer] if isinstance(layer, int) else list(layer)
-    selected = [vision.hidden_states[i] for i in layers]  # each [N, 1 + patches, Hv]
-    if strategy == "default":
-        selected = [h[:, 1:] for h in selected]  # drop CLS
-    return torch.cat(selected, dim=-1)
-
-
-def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, *,
-                     cache: StaticKVCache | None = None, slots: torch.Tensor | None = None,
-                     first_layer_index: int = 0, backend: str | None = None) -> torch.Tensor:
-    """transformers Llama decoder layers (`LlamaDecoderLayer`: their projections, norms, MLPs; RoPE from `rotary`,
-    a `LlamaRotaryEmbedding`) over x [B, S, H] at positions [B, S] through mmspec's attention. With a cache,
-    layer i writes its K/V at `slots` [B, S] (cache layer first_layer_index + i) and mask [B, S, T] covers the
-    cache; without one, mask [B, S, S] covers x itself (training). Returns the last layer's output (no final
-    norm) [B, S, H]. Autograd flows when called outside no_grad."""
-    b, s, _ = x.shape
-    positions = positions.expand(b, s).to(x.device)
-    cos, sin = rotary(x, positions)  # [B, S, D] each
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, D]
-    for i, layer in enumerate(layers):
-        attn = layer.self_attn
-        num_heads = attn.q_proj.out_features // attn.head_dim
-        num_kv_heads = attn.k_proj.out_features // attn.head_dim
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(b, s, num_heads, attn.head_dim).transpose(1, 2)  # [B, Hq, S, D]
-        k = attn.k_proj(h).view(b, s, num_kv_heads, attn.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
-        v = attn.v_proj(h).view(b, s, num_kv_heads, attn.head_dim).transpose(1, 2)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        if cache is not None:
-            k, v = cache.write(first_layer_index + i, slots.expand(b, s), k, v)  # [B, Hkv, T, D]
-        out = attend(q, k, v, mask, backend=backend, scale=attn.scaling)  # [B, Hq, S, D]
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, num_heads * attn.head_dim))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return x
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def prefill_vlm(model: LlavaCachedLM, inputs: VLMInputs, extra_capacity: int) -> tuple[StaticKVCache, torch.Tensor]:

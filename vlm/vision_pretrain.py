@@ -32,7 +32,6 @@ from tqdm.auto import tqdm
 from mmspec.data import generate_batch
 from mmspec.data.world import BACKGROUNDS, BASE_SIZE, COLORS, SHAPES, SIZES, UNITS_PER_PIXEL
 from mmspec.world_training import optimizer_step
-from vlm.target import vision_features
 
 CELLS = 9  # the world's 3x3 grid
 ATTRIBUTES = {"shape": len(SHAPES), "color": len(COLORS), "size": len(SIZES), "cell": CELLS}  # before "none"
@@ -138,3 +137,14 @@ def pretrain_vision_tower(vision_config, layer: int, processor, steps: int, batc
     info = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "two_objects": two_objects,
             "feature_layer": layer, "seconds": seconds, "eval_scenes": eval_scenes, "readout_accuracy": accuracy}
     return tower.eval().state_dict(), info
+
+
+def vision_features(tower, pixel_values: torch.Tensor, layer: int | list[int], strategy: str) -> torch.Tensor:
+    """What a LLaVA projector reads (transformers' selection): the vision tower's hidden state(s) `layer`, the CLS
+    token dropped when `strategy` is "default", concatenated over the layers. [N, 3, H, W] -> [N, P, Hv * layers]."""
+    vision = tower(pixel_values, output_hidden_states=True)
+    layers = [layer] if isinstance(layer, int) else list(layer)
+    selected = [vision.hidden_states[i] for i in layers]  # each [N, 1 + patches, Hv]
+    if strategy == "default":
+        selected = [h[:, 1:] for h in selected]  # drop CLS
+    return torch.cat(selected, dim=-1)

@@ -1,0 +1,147 @@
+"""Every text backbone the LLaVA target accepts runs exactly: tiny random LLaVAs built from configs, greedy
+vanilla and greedy tree drafting with each drafter kind == transformers' own `generate(do_sample=False)` token
+for token on a ragged batch of 3; tree verification logits == transformers' forward of each root-to-node path;
+an unproven backbone is refused in one line."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from vlm_dummies import batch, greedy_vanilla_and_tree, prompt
+
+from mmspec.errors import InputError
+from vlm.family import DRAFTER_KINDS, drafter_model
+from vlm.target import SUPPORTED_TEXT_MODELS, LlavaCachedLM
+
+SMALL = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+def text_config(backbone: str):
+    """A tiny text config of `backbone` (a transformers model_type), with what makes it differ from Llama on."""
+    import transformers as tf
+
+    head = dict(head_dim=8)
+    made = {
+        "llama": lambda: tf.LlamaConfig(**SMALL),
+        "mistral": lambda: tf.MistralConfig(**SMALL, sliding_window=128),
+        "qwen2": lambda: tf.Qwen2Config(**SMALL),
+        "qwen3": lambda: tf.Qwen3Config(**SMALL, **head),  # q_norm / k_norm per head before RoPE
+        "gemma": lambda: tf.GemmaConfig(**SMALL, **head),  # embeddings scaled by sqrt(hidden), (1 + w) norms
+        "gemma2": lambda: tf.Gemma2Config(**SMALL, **head, sliding_window=128, attn_implementation="eager"),
+        "gemma3_text": lambda: tf.Gemma3TextConfig(**SMALL, **head, sliding_window=128, query_pre_attn_scalar=8),
+    }
+    return made[backbone]()
+
+
+def tiny_llava_with(text, seed: int = 0, **kwargs):
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = CLIPVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2)
+    model = LlavaForConditionalGeneration(LlavaConfig(vision_config=vision, text_config=text, image_token_index=4,
+                                                      image_seq_length=16, **kwargs)).eval()
+    with torch.no_grad():  # random init leaves some norms at exactly 0 / 1; perturb so every module matters
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def transformers_greedy(model, rows: list[list[int]], pixels: torch.Tensor, steps: int) -> list[list[int]]:
+    """transformers' own `generate(do_sample=False)` for each row alone (no padding, no EOS stop)."""
+    out = []
+    for i, r in enumerate(rows):
+        ids = torch.tensor([r])
+        gen = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=pixels[i: i + 1],
+                             max_new_tokens=steps, min_new_tokens=steps, do_sample=False, pad_token_id=0)
+        out.append(gen[0, len(r):].tolist())
+    return out
+
+
+ROWS = [prompt([7, 8, 20], [9], 16), prompt([12], [13, 30, 31, 32], 16), prompt([], [5], 16)]
+
+
+@pytest.mark.parametrize("backbone", SUPPORTED_TEXT_MODELS)
+def test_greedy_vanilla_and_every_drafter_equal_transformers_generate(backbone):
+    model = tiny_llava_with(text_config(backbone))
+    pixels = torch.rand(3, 3, 32, 32)
+    steps = 10
+    reference = transformers_greedy(model, ROWS, pixels, steps)
+    lm = LlavaCachedLM(model)
+    for kind in DRAFTER_KINDS:
+        torch.manual_seed(1)
+        drafter = drafter_model(kind).for_target(lm).eval()
+        vanilla, spec = greedy_vanilla_and_tree(lm, drafter.loop_drafter, drafter, ROWS, pixels, steps)
+        for i in range(3):
+            assert vanilla.tokens[i].tolist() == reference[i], (kind, i)
+            assert spec.tokens[i].tolist() == reference[i], (kind, i)
+
+
+@pytest.mark.parametrize("backbone", ["qwen3", "gemma3_text"])
+def test_tree_verification_equals_transformers_forward_of_each_path(backbone):
+    from mmspec.lm import LMTarget
+    from mmspec.sampling import SamplingParams
+    from mmspec.tree import DraftTree
+
+    model = tiny_llava_with(text_config(backbone), seed=2)
+    rows = ROWS[:2]
+    pixels = torch.rand(2, 3, 32, 32)
+    target = LMTarget(LlavaCachedLM(model), SamplingParams(temperature=1.0), max_new_tokens=8,
+                      prefill_fn=__import__("vlm.target", fromlist=["prefill_vlm"]).prefill_vlm)
+    target.prefill(batch(rows, pixels))
+    tokens = torch.tensor([[21, 30, 31, 32], [22, 40, 41, 42]])  # node 0 root; 1, 2 children of 0; 3 child of 1
+    parents = torch.tensor([[-1, 0, 0, 1]] * 2)
+    depths = torch.tensor([[0, 1, 1, 2]] * 2)
+    tree = DraftTree(tokens, parents, depths, torch.ones(2, 4, dtype=torch.bool), max_depth=2, max_children=2)
+    runner = target.runner
+    logits = runner.forward(tokens, tree.position_ids(runner.lengths), runner.slots(4),
+                            tree_mask=tree.attention_mask())
+    with torch.no_grad():
+        for b, r in enumerate(rows):
+            for node, path in {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3]}.items():
+                seq = torch.tensor([r + tokens[b, path].tolist()])
+                ref = model(input_ids=seq, pixel_values=pixels[b: b + 1]).logits[0, -1].float()
+                torch.testing.assert_close(logits[b, node], ref, atol=1e-5, rtol=1e-5)
+
+
+def test_an_unproven_backbone_and_flash_attention_are_refused_in_one_line():
+    from transformers import OlmoConfig
+
+    with pytest.raises(InputError, match="'olmo' text backbone.*supports LlavaForConditionalGeneration") as err:
+        LlavaCachedLM(tiny_llava_with(OlmoConfig(**SMALL)))
+    assert "\n" not in str(err.value)
+    model = tiny_llava_with(text_config("llama"))
+    model.model.language_model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(InputError, match="cannot apply a tree mask; load it with attn_implementation='sdpa'"):
+        LlavaCachedLM(model)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_mmspec_attention_backend_equals_the_models_own(backend):
+    """`attention_backend` routes the model's attention through mmspec's backends: same greedy tokens."""
+    model = tiny_llava_with(text_config("qwen3"))
+    pixels = torch.rand(3, 3, 32, 32)
+    reference = transformers_greedy(model, ROWS, pixels, 8)
+    lm = LlavaCachedLM(model, attention_backend=backend)
+    drafter = drafter_model("eagle").for_target(lm).eval()
+    vanilla, spec = greedy_vanilla_and_tree(lm, drafter.loop_drafter, drafter, ROWS, pixels, 8)
+    assert [t.tolist() for t in vanilla.tokens] == reference == [t.tolist() for t in spec.tokens]
+    assert model.model.language_model.config._attn_implementation != "mmspec"  # restored after each call
+
+
+def test_soft_capped_attention_refuses_an_mmspec_backend_at_once():
+    model = tiny_llava_with(text_config("gemma2"))
+    with pytest.raises(InputError, match="soft-caps its attention logits.*leave attention_backend unset"):
+        LlavaCachedLM(model, attention_backend="sdpa")
+    LlavaCachedLM(model)  # its own (eager) attention is fine: exact in the greedy test above
+
+
+def test_mistral_runs_through_an_mmspec_backend_inside_its_window():
+    model = tiny_llava_with(text_config("mistral"))
+    pixels = torch.rand(3, 3, 32, 32)
+    lm = LlavaCachedLM(model, attention_backend="eager")
+    drafter = drafter_model("msd").for_target(lm).eval()
+    vanilla, spec = greedy_vanilla_and_tree(lm, drafter.loop_drafter, drafter, ROWS, pixels, 6)
+    assert [t.tolist() for t in spec.tokens] == transformers_greedy(model, ROWS, pixels, 6)
