@@ -19,7 +19,7 @@ so a benchmark compares methods through one code path. Targets and drafters are 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -42,12 +42,12 @@ class DecodeState:
     last_token: torch.Tensor  # [B] the newest token; the target has not processed it yet
     done: torch.Tensor  # [B] bool
     max_new_tokens: int
-    eos_token_id: int | None = None
+    eos_token_id: int | Sequence[int] | None = None  # one stop id or several (e.g. Qwen2-VL's two)
     iteration: int = 0
 
     @classmethod
     def new(cls, batch_size: int, max_new_tokens: int, device: torch.device | str,
-            eos_token_id: int | None = None) -> DecodeState:
+            eos_token_id: int | Sequence[int] | None = None) -> DecodeState:
         check_positive_int("max_new_tokens", max_new_tokens)
         return cls(output=torch.full((batch_size, max_new_tokens + 1), -1, dtype=torch.long, device=device),
                    num_generated=torch.zeros(batch_size, dtype=torch.long, device=device),
@@ -74,7 +74,8 @@ class DecodeState:
         valid = (columns < (result.num_emitted * active).unsqueeze(-1))  # [B, K+1]
         finished = torch.zeros_like(self.done)
         if self.eos_token_id is not None:
-            is_eos = valid & (tokens == self.eos_token_id)
+            stop = torch.as_tensor(self.eos_token_id, device=tokens.device).view(-1)  # [E]
+            is_eos = valid & torch.isin(tokens, stop)
             first_eos = torch.where(is_eos, columns, tokens.shape[1]).min(-1).values  # [B]
             valid = valid & (columns <= first_eos.unsqueeze(-1))
             finished = is_eos.any(-1)
@@ -150,7 +151,7 @@ def cap_draft(draft: Draft, room: torch.Tensor) -> Draft:
 
 
 def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, inputs: Any, *, batch_size: int,
-             max_new_tokens: int, generator: Generators = None, eos_token_id: int | None = None,
+             max_new_tokens: int, generator: Generators = None, eos_token_id: int | Sequence[int] | None = None,
              device: torch.device | str = "cpu", callback: StepCallback | None = None,
              validate: str = "first", budget: Any = None) -> GenerationOutput:
     """Generate up to `max_new_tokens` per row with speculative decoding (vanilla with `NoDrafter`).

@@ -8,7 +8,7 @@ One question prints the answer (streamed as it is verified, with --stream) and t
 --batch-size rows is sampled with the seed of its first row) writes
 `answers.jsonl` (one line per finished row, flushed: a rerun skips the rows it lists) and `stats.json`. The
 model defaults to the embedded world LLaVA (`assets/vlm`, made by `mmspec train vlm`); `--model` takes any
-`LlavaForConditionalGeneration` folder with its processor (drafters in `DIR/drafters/<kind>`).
+transformers VLM folder (LLaVA-1.5, Qwen2-VL / Qwen2.5-VL) with its processor (drafters in `DIR/drafters/<kind>`).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from mmspec.checkpoints import load_checkpoint
 from mmspec.data.artifacts import atomic_output_dir
 from mmspec.errors import InputError, check
 from vlm.family import drafter_model
-from vlm.target import LlavaCachedLM
+from vlm.target import CachedVLM
 
 OFFICIAL_KINDS = ("eagle", "msd", "vispec")
 CONFIG_KEYS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size", "rms_norm_eps",
@@ -83,7 +83,7 @@ def official_config(folder: Path, state: dict[str, torch.Tensor], kind: str) -> 
     return config
 
 
-def load_official_drafter(folder: str | Path, target: LlavaCachedLM, kind: str, allow_pickle: bool = False):
+def load_official_drafter(folder: str | Path, target: CachedVLM, kind: str, allow_pickle: bool = False):
     """An official EAGLE / MSD / ViSpec drafter folder as the mmspec drafter of `kind`, attached to `target` (see
     the module docstring for the key layout and the checks)."""
     check(kind in OFFICIAL_KINDS, f"kind must be one of {', '.join(OFFICIAL_KINDS)} (official EAGLE-format "

@@ -9,7 +9,7 @@ The model (`VLMEagleDrafter`, from the facts of EAGLE's `cnets.py` and SpecVLM's
 
 e_i is the target's INPUT embedding at position i: the token embedding for text, the projected image feature
 for an image position (EagleVLM drafts over the full multimodal sequence), and f_{i-1} the target's final
-normed hidden state at the previous position (`LlavaCachedLM.last_hidden`), the one that predicts token i.
+normed hidden state at the previous position (`CachedVLM.last_hidden`), the one that predicts token i.
 h_i regresses f_i. Elements marked `direct` skip fc and enter the layer as e_i itself (MSD's image positions,
 ViSpec's compressed image tokens). The decoder layer is a transformers `LlamaDecoderLayer`; `input_norm=False`
 (the default) is EAGLE's layer 0 without its input RMSNorm, as EAGLE, ViSpec and MSD ship it; `input_norm=True`
@@ -42,7 +42,7 @@ from mmspec.feature_drafter import FeatureTreeDrafter, PendingPairs
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams
 from vlm.draft_layers import run_llama_layers
-from vlm.target import LlavaCachedLM, VLMInputs
+from vlm.target import CachedVLM, VLMInputs
 
 # SpecVLM's EagleVLM tree: EAGLE's depth 7 (8 levels here), top_k 10, total 60
 SPECVLM_TREE = (8, 10, 60)
@@ -82,7 +82,7 @@ class VLMEagleDrafter(AttentionBackendMixin, ModelMixin, ConfigMixin):
         return num_image_tokens
 
     @classmethod
-    def for_target(cls, target: LlavaCachedLM, **overrides: Any) -> VLMEagleDrafter:
+    def for_target(cls, target: CachedVLM, **overrides: Any) -> VLMEagleDrafter:
         """A fresh drafter shaped like the target's text model, attached to it."""
         c = target.model.config.text_config
         config = dict(hidden_size=c.hidden_size, num_attention_heads=c.num_attention_heads,
@@ -95,9 +95,10 @@ class VLMEagleDrafter(AttentionBackendMixin, ModelMixin, ConfigMixin):
         drafter = drafter.to(w.device) if w.dtype == drafter.dtype else drafter.to(device=w.device, dtype=w.dtype)
         return drafter.attach(target)
 
-    def attach(self, target: LlavaCachedLM) -> VLMEagleDrafter:
+    def attach(self, target: CachedVLM) -> VLMEagleDrafter:
         """Share the target's token embeddings and LM head (plain attributes: not saved); returns self."""
-        check(isinstance(target, LlavaCachedLM), f"attach needs a LlavaCachedLM target, got {type(target).__name__}.")
+        check(isinstance(target, CachedVLM),
+              f"attach needs a VLM target (vlm.target.cached_vlm), got {type(target).__name__}.")
         c = target.model.config.text_config
         bad = [f"{name}: drafter {getattr(self.config, name)!r} vs target {value!r}"
                for name, value in (("hidden_size", c.hidden_size), ("vocab_size", c.vocab_size))
@@ -109,7 +110,7 @@ class VLMEagleDrafter(AttentionBackendMixin, ModelMixin, ConfigMixin):
         return self
 
     @property
-    def target(self) -> LlavaCachedLM:
+    def target(self) -> CachedVLM:
         target = self.__dict__.get("_target")
         if target is None:
             raise InputError("the VLM drafter is not attached to its target; call drafter.attach(target).")
@@ -186,12 +187,12 @@ def official_tree_filled(drafter: VLMEagleDrafter, depth: int | None, top_k: int
 
 
 class VLMEagleTreeDrafter(FeatureTreeDrafter):
-    """EAGLE-2 dynamic trees from a `VLMEagleDrafter` over a `LlavaCachedLM` target (drafter element j at
+    """EAGLE-2 dynamic trees from a `VLMEagleDrafter` over a `CachedVLM` target (drafter element j at
     position j + 1). `begin` runs the prompt's pairs from the target's prefill (its merged input embeddings and
     features), ragged per row. Tree sizes left None take the drafter's `official_tree`; children are ranked by
     the drafter's raw log-softmax (EAGLE's code) unless child_ranking="processed"."""
 
-    def __init__(self, drafter: VLMEagleDrafter, target: LlavaCachedLM, params: SamplingParams, *,
+    def __init__(self, drafter: VLMEagleDrafter, target: CachedVLM, params: SamplingParams, *,
                  top_k: int | None = None, depth: int | None = None, total_tokens: int | None = None,
                  child_ranking: str = "raw"):
         depth, top_k, total_tokens = official_tree_filled(drafter, depth, top_k, total_tokens)

@@ -1,11 +1,14 @@
-"""`SpeculativeVLM`: batched generation from a LLaVA target with or without a speculative drafter.
+"""`SpeculativeVLM`: batched generation from a VLM target (LLaVA-1.5, Qwen2-VL / Qwen2.5-VL: `vlm.target`) with or
+without a speculative drafter.
 
     vlm = SpeculativeVLM.from_pretrained("assets/vlm", drafter="eagle")        # or a converted llava-hf folder
     out = vlm.generate(images, ["What color is the object? Answer in detail."] * len(images), max_new_tokens=96)
     out.texts, out.stats.mean_acceptance_length, out.rounds[0]                 # rounds: tokens per draft round
 
-Prompts without `<image>` are wrapped in LLaVA-1.5's conversation format (`vlm.world.build_prompt`: "USER:
-<image>\\n{prompt} ASSISTANT:"); prompts that contain `<image>` are used as given. Rows are right-padded and
+Prompts without the image marker are formatted by the tokenizer's chat template when it has one, else wrapped in
+LLaVA-1.5's conversation format (`vlm.world.build_prompt`: "USER: <image>\\n{prompt} ASSISTANT:", with the model's
+image marker: Qwen2-VL's is `<|vision_start|><|image_pad|><|vision_end|>`); prompts that contain it are used as
+given. An image of None (or images=None) makes a text-only row. Rows are right-padded and
 generated together in batches of `batch_size` (transformers' own assisted generation refuses batches > 1).
 Verification is the core's: `lossless` tree verification (greedy at temperature 0, exact rejection sampling
 otherwise), so the texts are what the target alone would produce (token for token at temperature 0, in
@@ -13,7 +16,7 @@ distribution otherwise). `stream(row, text, token_ids)` is called after every dr
 newly committed text and tokens (the round's accepted drafts, then the target's own token);
 `rounds[i]` lists row i's tokens grouped by the round that committed them (a UI can colour them).
 
-Folder layout: the target (a `LlavaForConditionalGeneration` folder with its processor) at the root, drafters in
+Folder layout: the target (a transformers VLM folder with its processor) at the root, drafters in
 `drafters/<kind>/` (`mmspec train vlm-drafter --kind eagle --target DIR`).
 """
 
@@ -33,9 +36,18 @@ from mmspec.lm import LMTarget, NoDrafter
 from mmspec.loop import generate
 from mmspec.sampling import SamplingParams
 from mmspec.stats import SpecStats
-from vlm.family import drafter_model
-from vlm.target import LlavaCachedLM, VLMInputs, check_supported_config, prefill_vlm
-from vlm.world import build_prompt, num_image_tokens
+from vlm.family import DRAFTER_KINDS, drafter_model
+from vlm.hf_generate import (
+    SpeculativeGenerateOutput,
+    StreamerBridge,
+    resolve_generation,
+    right_padded,
+    sequences_tensor,
+)
+from vlm.target import VLMInputs, cached_vlm, check_supported_config, model_class, prefill_vlm
+from vlm.world import build_prompt
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
 
 @dataclass
@@ -74,9 +86,11 @@ class SpeculativeVLM:
     def __init__(self, target, processor, drafter=None, *, attention_backend: str | None = None) -> None:
         self.model = target.eval()
         self.processor = processor
-        self.lm = LlavaCachedLM(self.model, attention_backend)
+        self.lm = cached_vlm(self.model, attention_backend)
         self.drafter = None if drafter is None else drafter.eval().attach(self.lm)
         self.budgets: dict = {}  # budget="auto": what each draft budget learnt, kept between calls
+        self.image_tokens_per_image: float | None = None  # of the last encoded batch (drafter_image_tokens)
+        self.last_stats: SpecStats | None = None  # of the last generate call
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, drafter: str | None = None, *, drafter_path: str | Path | None = None,
@@ -84,13 +98,13 @@ class SpeculativeVLM:
                         dtype: torch.dtype | None = None) -> SpeculativeVLM:
         """The target in `folder` (and its processor); `drafter` a kind from `folder/drafters/<kind>` or from
         `drafter_path`; both in `dtype` when given (else as saved). Local files only."""
-        from transformers import LlavaForConditionalGeneration, LlavaProcessor
+        from transformers import AutoProcessor
         from transformers.utils import logging as hf_logging
 
         folder = Path(folder)
-        check((folder / "config.json").is_file() and (folder / "processor_config.json").is_file(),
-              f"no VLM target in {folder}: expected a LlavaForConditionalGeneration folder with its processor "
-              f"(made by `mmspec train vlm --out {folder}` or transformers' save_pretrained).")
+        check((folder / "config.json").is_file() and any((folder / name).is_file() for name in PROCESSOR_FILES),
+              f"no VLM target in {folder}: expected a transformers VLM folder with its processor (made by "
+              f"`mmspec train vlm --out {folder}` or transformers' save_pretrained).")
         try:
             config = json.loads((folder / "config.json").read_text())
         except (OSError, json.JSONDecodeError) as err:
@@ -98,8 +112,8 @@ class SpeculativeVLM:
         check_supported_config(config, f"the model in {folder}")  # before any weights load
         hf_logging.disable_progress_bar()
         try:
-            model = LlavaForConditionalGeneration.from_pretrained(str(folder), local_files_only=True)
-            processor = LlavaProcessor.from_pretrained(str(folder), local_files_only=True)
+            model = model_class(config).from_pretrained(str(folder), local_files_only=True)
+            processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
         except (OSError, ValueError) as err:
             raise InputError(f"could not load the VLM target in {folder}: {str(err).splitlines()[0]}") from None
         finally:
@@ -113,57 +127,111 @@ class SpeculativeVLM:
     # --------------------------------------------------------------------------------------------- inputs
     def drafter_image_tokens(self) -> float | None:
         """How many image tokens the drafter attends to per row (its prefill cost): EagleVLM and MSD all of them,
-        ViSpec its one compressed token, SpecVLM the size its gate chose (the last batch's rows averaged); None
-        without a drafter."""
-        if self.drafter is None:
+        ViSpec its compressed tokens, SpecVLM the size its gate chose (the last batch's rows averaged); None
+        without a drafter or before any image was encoded."""
+        if self.drafter is None or self.image_tokens_per_image is None:
             return None
-        return self.drafter.image_tokens_attended(num_image_tokens(self.processor))
+        return self.drafter.image_tokens_attended(self.image_tokens_per_image)
 
-    def prompt_text(self, prompt: str) -> str:
+    def image_marker(self) -> str:
+        """What one image is in a prompt's text before the processor expands it (LLaVA `<image>`; Qwen2-VL
+        `<|vision_start|><|image_pad|><|vision_end|>`)."""
+        token = getattr(self.processor, "image_token", None) or "<image>"
+        bounds = [getattr(self.model.config, f"vision_{side}_token_id", None) for side in ("start", "end")]
+        if None in bounds:
+            return token
+        start, end = self.processor.tokenizer.convert_ids_to_tokens(bounds)
+        return f"{start}{token}{end}"
+
+    def prompt_text(self, prompt: str, with_image: bool = True) -> str:
+        """`prompt` as the target reads it: used as given when it holds the image marker (or, without an image,
+        when the tokenizer has a chat template it was already formatted with: give raw questions here); else the
+        tokenizer's chat template when it has one, else LLaVA-1.5's conversation format (`vlm.world.build_prompt`)
+        with the model's image marker, or without one for a text-only row."""
         check(isinstance(prompt, str) and prompt.strip(), "every prompt must be a non-empty string.")
-        return prompt if "<image>" in prompt else build_prompt(prompt.strip(), long=False)
+        marker = self.image_marker()
+        if marker in prompt or getattr(self.processor, "image_token", "<image>") in prompt:
+            check(with_image, f"a prompt holds the image marker {marker!r} but its image is None.")
+            return prompt
+        if getattr(self.processor.tokenizer, "chat_template", None):
+            content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": prompt.strip()}]
+            return self.processor.apply_chat_template([{"role": "user", "content": content}],
+                                                      add_generation_prompt=True, tokenize=False)
+        text = build_prompt(prompt.strip(), long=False).replace("<image>", marker)
+        return text if with_image else text.replace(f"{marker}\n", "")
 
-    def encode(self, images: Sequence, prompts: Sequence[str]) -> VLMInputs:
-        """Right-padded VLMInputs for images (PIL images, uint8 [3, H, W] tensors or arrays) and prompts."""
+    def encode(self, images: Sequence | None, prompts: Sequence[str]) -> VLMInputs:
+        """Right-padded VLMInputs for images (PIL images, uint8 [3, H, W] tensors or arrays; None for a text-only
+        row, or images=None for all) and prompts."""
+        images = [None] * len(prompts) if images is None else list(images)
         check(len(images) == len(prompts), f"{len(images)} images for {len(prompts)} prompts; give one image "
-                                           "per prompt.")
+                                           "(or None) per prompt.")
+        texts = [self.prompt_text(p, image is not None) for image, p in zip(images, prompts)]
+        given = [image for image in images if image is not None]
         tok = self.processor.tokenizer
         side = tok.padding_side
         tok.padding_side = "right"
         try:
-            enc = self.processor(images=list(images), text=[self.prompt_text(p) for p in prompts],
-                                 return_tensors="pt", padding=True)
+            enc = self.processor(images=given or None, text=texts, return_tensors="pt", padding=True)
         finally:
             tok.padding_side = side
-        return VLMInputs(enc["input_ids"], enc["attention_mask"], enc["pixel_values"])
+        if given:
+            self.image_tokens_per_image = float((enc["input_ids"] == self.lm.image_token_id).sum()) / len(given)
+        extras = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask", "pixel_values")
+                  and isinstance(v, torch.Tensor)}
+        return VLMInputs(enc["input_ids"], enc["attention_mask"], enc.get("pixel_values"), extras)
 
     # ------------------------------------------------------------------------------------------- generate
     @torch.no_grad()
-    def generate(self, images: Sequence, prompts: Sequence[str], max_new_tokens: int = 128,
-                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0,
-                 tree: tuple[int | None, int | None, int | None] | None = None,
+    def generate(self, images: Sequence | None = None, prompts: Sequence[str] | None = None,
+                 max_new_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, tree: tuple[int | None, int | None, int | None] | None = None,
                  batch_size: int = 8, generator: torch.Generator | None = None, use_drafter: bool = True,
                  stream: Callable[[int, str, list[int]], None] | None = None,
-                 child_ranking: str = "raw", budget: str | None = "auto") -> VLMOutput:
-        """Answers for (image, prompt) pairs; `tree` = (depth, top_k, total_tokens) of the EAGLE-2 draft tree, depth
-        in drafted levels (EAGLE's code's depth + 1); None (or a None entry) takes the drafter's paper setting
-        (`official_tree`); `child_ranking` "raw" (EAGLE's) or "processed" (`mmspec.feature_drafter`);
-        `use_drafter=False` decodes with the target alone (vanilla). `budget`: "auto" (default) lets
-        `mmspec.tree_budget.TreeBudget` pick each step's shape inside `tree` (chains, smaller trees or a plain
-        step) from this device's timed costs and the acceptance seen so far, in this call and earlier ones of this
-        object (`self.budgets`; the first call per batch size times the shapes, a few seconds, then they are cached
-        on disk); "fixed" drafts `tree` every step (and a seeded sampled call then repeats exactly). Lossless
-        either way (docs/budgets.md)."""
-        check(len(images) == len(prompts), f"{len(images)} images for {len(prompts)} prompts; give one image "
-                                           "per prompt.")
-        check(len(prompts) > 0, "no prompts given.")
-        check_positive_int("max_new_tokens", max_new_tokens)
+                 child_ranking: str = "raw", budget: str | None = "auto", *, generation_config=None,
+                 do_sample: bool | None = None, streamer=None, num_speculative_tokens: int | None = None,
+                 method: str | None = None, return_dict_in_generate: bool = False, **model_inputs):
+        """Two forms. `generate(images, prompts, ...)`: answers for (image, prompt) pairs (an image may be None:
+        a text-only row) as a `VLMOutput`; temperature (default 0: greedy), top_p, top_k; max_new_tokens default
+        128. `generate(**processor_outputs, ...)`: transformers' form (`vlm.hf_generate`): the processor's
+        input_ids, attention_mask, pixel_values and other model inputs, settings from generation_config /
+        do_sample / temperature / top_p / top_k / max_new_tokens over the model's generation config, a
+        transformers `streamer` (batch 1), and the result is the [B, P + N] tensor `model.generate` returns
+        (`return_dict_in_generate=True`: with vLLM-named metrics); the statistics stay in `self.last_stats`.
+
+        Both: `tree` = (depth, top_k, total_tokens) of the EAGLE-2 draft tree, depth in drafted levels (EAGLE's
+        code's depth + 1); None (or a None entry) takes the drafter's paper setting (`official_tree`);
+        `num_speculative_tokens=K` (vLLM's name) = a chain of K drafts, (K, 1, K + 1); `method` (vLLM's name)
+        must be the loaded drafter's kind. `child_ranking` "raw" (EAGLE's) or "processed"
+        (`mmspec.feature_drafter`); `use_drafter=False` decodes with the target alone (vanilla). `budget`: "auto"
+        (default) lets `mmspec.tree_budget.TreeBudget` pick each step's shape inside `tree` (chains, smaller
+        trees or a plain step) from this device's timed costs and the acceptance seen so far, in this call and
+        earlier ones of this object (`self.budgets`; the first call per batch size times the shapes, a few
+        seconds, then they are cached on disk); "fixed" drafts `tree` every step (and a seeded sampled call then
+        repeats exactly). Lossless either way (docs/budgets.md)."""
         check_positive_int("batch_size", batch_size)
         check_budget_mode(budget)
-        tree = (None, None, None) if tree is None else tree
-        check(isinstance(tree, (tuple, list)) and len(tree) == 3,
-              f"tree must be (depth, top_k, total_tokens) or None, got {tree!r}.")
-        params = SamplingParams(temperature, top_k, top_p)
+        tree = self.speculative_tree(tree, num_speculative_tokens, method)
+        if "input_ids" in model_inputs:
+            check(images is None and prompts is None, "give either the processor's outputs (input_ids=...) or "
+                                                      "images and prompts, not both.")
+            return self._generate_from_model_inputs(
+                model_inputs, dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                   top_p=top_p, top_k=top_k), generation_config, tree, generator, use_drafter,
+                streamer, child_ranking, budget, return_dict_in_generate)
+        check(not model_inputs, f"unknown argument(s) {', '.join(sorted(model_inputs))}; model inputs go with "
+                                "input_ids (generate(**processor(images=..., text=...))).")
+        check(generation_config is None and do_sample is None and streamer is None and not return_dict_in_generate,
+              "generation_config, do_sample, streamer and return_dict_in_generate go with the processor's outputs "
+              "(generate(**processor(...))); with images and prompts use temperature / top_p / top_k and stream=.")
+        check(prompts is not None and len(prompts) > 0, "no prompts given.")
+        images = [None] * len(prompts) if images is None else list(images)
+        check(len(images) == len(prompts), f"{len(images)} images for {len(prompts)} prompts; give one image "
+                                           "(or None) per prompt.")
+        max_new_tokens = 128 if max_new_tokens is None else max_new_tokens
+        check_positive_int("max_new_tokens", max_new_tokens)
+        params = SamplingParams(0.0 if temperature is None else temperature, top_k or 0,
+                                1.0 if top_p is None else top_p)
         eos = self.processor.tokenizer.eos_token_id
         out = VLMOutput([], [], [], SpecStats())
         for start in range(0, len(prompts), batch_size):
@@ -174,10 +242,63 @@ class SpeculativeVLM:
             for field_name in ("texts", "token_ids", "rounds"):
                 getattr(out, field_name).extend(getattr(part, field_name))
             out.stats = out.stats + part.stats
+        self.last_stats = out.stats
         return out
 
+    def speculative_tree(self, tree, num_speculative_tokens: int | None, method: str | None) -> tuple:
+        """The (depth, top_k, total_tokens) a call drafts with: `tree`, or vLLM's num_speculative_tokens=K as a
+        chain of K; `method` checked against the loaded drafter's kind."""
+        if method is not None:
+            loaded = [k for k in DRAFTER_KINDS if self.drafter is not None and type(self.drafter) is drafter_model(k)]
+            check(loaded == [method], f"method {method!r} asked for, but the loaded drafter is "
+                                      f"{loaded[0] if loaded else 'none'}; load it with drafter={method!r}.")
+        if num_speculative_tokens is not None:
+            check(tree is None, "give tree or num_speculative_tokens, not both.")
+            check_positive_int("num_speculative_tokens", num_speculative_tokens)
+            return (num_speculative_tokens, 1, num_speculative_tokens + 1)
+        tree = (None, None, None) if tree is None else tree
+        check(isinstance(tree, (tuple, list)) and len(tree) == 3,
+              f"tree must be (depth, top_k, total_tokens) or None, got {tree!r}.")
+        return tuple(tree)
+
+    def _generate_from_model_inputs(self, model_inputs: dict, settings: dict, generation_config, tree, generator,
+                                    use_drafter: bool, streamer, child_ranking: str, budget: str | None,
+                                    return_dict: bool):
+        """`generate(**processor_outputs)` (see `vlm.hf_generate`)."""
+        inputs = dict(model_inputs)
+        ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
+        pixels = inputs.pop("pixel_values", None)
+        odd = sorted(k for k, v in inputs.items() if not isinstance(v, torch.Tensor))
+        check(not odd, f"unknown argument(s) {', '.join(odd)}: model inputs must be tensors from the processor.")
+        params, max_new_tokens, eos = resolve_generation(self.model, generation_config, settings)
+        if max_new_tokens is None:  # transformers: max_length (default 20) counts the prompt
+            config = generation_config or self.model.generation_config
+            max_new_tokens = (getattr(config, "max_length", None) or 20) - ids.shape[1]
+        check(max_new_tokens > 0, f"no room for new tokens: the prompts are {ids.shape[1]} tokens and max_length "
+                                  f"leaves {max_new_tokens}; pass max_new_tokens.")
+        check_positive_int("max_new_tokens", max_new_tokens)
+        tok = self.processor.tokenizer
+        eos = tok.eos_token_id if eos is None else eos
+        batch = right_padded(ids, mask, pixels, inputs)
+        bridge = None
+        if streamer is not None:
+            check(ids.shape[0] == 1, f"transformers' streamers take one row; got a batch of {ids.shape[0]}.")
+            bridge = StreamerBridge(streamer, batch.input_ids[:, : int(batch.lengths[0])])
+        try:
+            part = self._generate_batch(batch, params, max_new_tokens, tree, generator, use_drafter, eos, bridge, 0,
+                                        child_ranking, budget)
+        finally:
+            if bridge is not None:
+                bridge.end()
+        self.last_stats = part.stats
+        pad = next((v for v in (getattr(generation_config, "pad_token_id", None), tok.pad_token_id, eos)
+                    if v is not None), 0)
+        pad = pad[0] if isinstance(pad, (list, tuple)) else pad
+        sequences = sequences_tensor(ids, part.token_ids, pad)
+        return SpeculativeGenerateOutput(sequences, part.stats.to_dict()) if return_dict else sequences
+
     def _generate_batch(self, inputs: VLMInputs, params: SamplingParams, max_new_tokens: int, tree, generator,
-                        use_drafter: bool, eos: int | None, stream, first_row: int,
+                        use_drafter: bool, eos: int | list[int] | None, stream, first_row: int,
                         child_ranking: str = "raw", budget: str | None = "auto") -> VLMOutput:
         depth, top_k, total = tree
         b = inputs.input_ids.shape[0]

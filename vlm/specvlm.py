@@ -119,7 +119,10 @@ class VLMSpecVLMDrafter(VLMEagleDrafter):
 
     @classmethod
     def for_target(cls, target, **overrides):
-        tokens = target.model.config.image_seq_length
+        tokens = getattr(target.model.config, "image_seq_length", None)
+        check(tokens is not None and math.isqrt(tokens) ** 2 == tokens,
+              f"SpecVLM's compressor pools one fixed square image grid (LLaVA's image_seq_length); "
+              f"{type(target.model).__name__} images vary in size: use the eagle, vispec or msd drafter.")
         return super().for_target(target, **{"image_grid": math.isqrt(tokens), **overrides})
 
     def choose(self, question_features: torch.Tensor, generator: torch.Generator | None = None,
@@ -158,26 +161,37 @@ def question_features(input_ids: torch.Tensor, features: torch.Tensor, lengths: 
 def specvlm_layout(drafter: VLMSpecVLMDrafter, input_ids: torch.Tensor, embeds: torch.Tensor, features: torch.Tensor,
                    lengths: torch.Tensor, prompt_lengths: torch.Tensor, image_token_id: int, *, train: bool = False,
                    generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-    """The drafter's inputs for sequences [B, L] with one image run each: pairs (e_i, f_{i-1}) at positions 1..L-1
-    with the run [s, e] replaced by the chosen primitive's K_b tokens at positions e-K_b+1..e (paired with
-    f_{pos-1}). Rows are right-padded to the longest layout. Returns embeds, features, positions, source (the
-    original position of each element: its target is f_source), valid [B, L'], count [B] (real elements) and
-    choice [B] (primitive index). The gate reads the question features of the first prompt_lengths tokens."""
+    """The drafter's inputs for sequences [B, L] with one image run each (or none: a text-only row): pairs
+    (e_i, f_{i-1}) at positions 1..L-1 with the run [s, e] replaced by the chosen primitive's K_b tokens at positions
+    e-K_b+1..e (paired with f_{pos-1}). Rows are right-padded to the longest layout. Returns embeds, features,
+    positions, source (the original position of each element: its target is f_source), valid [B, L'], count [B]
+    (real elements) and choice [B] (primitive index; text_only for a row without an image). The gate reads the
+    question features of the first prompt_lengths tokens."""
     b, length = input_ids.shape
     h = embeds.shape[-1]
     is_image = input_ids == image_token_id
-    t_img = int(is_image.sum(-1)[0])
-    check(bool((is_image.sum(-1) == t_img).all()) and t_img >= 1,
-          "SpecVLM expects exactly one image run of the same length in every row.")
+    has = is_image.any(-1)  # [B] rows with an image (text-only rows mix in: no run, nothing to compress)
+    run_lengths = is_image.sum(-1)[has]
+    t_img = int(run_lengths[0]) if len(run_lengths) else 0
+    check(bool((run_lengths == t_img).all()),
+          "SpecVLM expects image runs of one length (its compressor's fixed image grid) in every row with an image.")
     start = is_image.float().argmax(-1)  # [B]
     end = start + t_img - 1
     q = question_features(input_ids, features, prompt_lengths, image_token_id)  # [B, H]
-    weights = drafter.choose(q, generator, train)  # [B, 5]
-    tokens, counts = drafter.compress(embeds[is_image].view(b, t_img, h), weights)  # [B, M, H], [B]
+    text_only = F.one_hot(torch.tensor(PRIMITIVES.index("text_only")), len(PRIMITIVES)).to(q)
+    weights = torch.where(has.unsqueeze(-1), drafter.choose(q, generator, train), text_only)  # [B, 5]
+    m = max(drafter.compressor.sizes)
+    tokens = embeds.new_zeros(b, m, h)  # [B, M, H]
+    counts = torch.zeros(b, dtype=torch.long, device=input_ids.device)
+    if t_img:
+        run_tokens, run_counts = drafter.compress(embeds[is_image].view(-1, t_img, h), weights[has])
+        tokens, counts = tokens.index_put((has.nonzero()[:, 0],), run_tokens.to(tokens)), counts.masked_scatter(
+            has, run_counts)
     rows = []
     for r in range(b):
         s, e, k = int(start[r]), int(end[r]), int(counts[r])
-        positions = list(range(1, s)) + list(range(e - k + 1, e + 1)) + list(range(e + 1, length))
+        positions = list(range(1, s)) + list(range(e - k + 1, e + 1)) + list(range(e + 1, length)) if has[r] \
+            else list(range(1, length))
         rows.append(positions)
     width = max(len(p) for p in rows)
     positions = torch.zeros(b, width, dtype=torch.long, device=input_ids.device)
@@ -186,7 +200,7 @@ def specvlm_layout(drafter: VLMSpecVLMDrafter, input_ids: torch.Tensor, embeds: 
     count = torch.zeros(b, dtype=torch.long, device=input_ids.device)
     for r, p in enumerate(rows):
         positions[r, : len(p)] = torch.tensor(p)
-        s, e, k = int(start[r]), int(end[r]), int(counts[r])
+        s, k = int(start[r]), int(counts[r])
         cols = torch.arange(s - 1, s - 1 + k)
         is_token[r, cols] = True
         token_index[r, cols] = torch.arange(k)

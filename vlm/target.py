@@ -1,6 +1,8 @@
-"""A transformers LLaVA (`LlavaForConditionalGeneration`: vision tower + projector + text model) as the loop's target.
+"""A transformers VLM as the loop's target: `CachedVLM` (any model with `model.language_model` and `lm_head`),
+`LlavaCachedLM` (`LlavaForConditionalGeneration`: vision tower + projector + text model) and, in `vlm.qwen2_vl`,
+Qwen2-VL / Qwen2.5-VL; `cached_vlm(model)` picks the class and refuses anything else in one line.
 
-`LlavaCachedLM` implements `mmspec.lm.CachedLM` by running the model's own modules: image features come from the
+The target implements `mmspec.lm.CachedLM` by running the model's own modules: image features come from the
 model's `get_image_features`, and every step is one forward of its text model (`mmspec.hf_cache.run_text_model`:
 its decoder layers, norms, rotary embedding and attention implementation) over mmspec's `StaticKVCache`, with a
 4-D mask. Tree verification (one forward over all draft nodes under a tree mask), chain rollback and tree-path
@@ -23,7 +25,7 @@ InputError.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,12 +36,15 @@ from mmspec.hf_cache import check_attention_support, run_text_model
 
 @dataclass
 class VLMInputs:
-    """A batch of prompts: input_ids, attention_mask [B, P] (right padding: 1 = real token), pixel_values
-    [N, 3, H, W] for the N `<image>` runs in row order (None for text-only prompts)."""
+    """A batch of prompts: input_ids, attention_mask [B, P] (right padding: 1 = real token), pixel_values for the
+    images in row order as the model's processor gives them (LLaVA [N, 3, H, W]; Qwen2-VL flattened patches
+    [sum t*h*w, C*T*P*P]), None for text-only prompts; `extras` the processor's other model inputs the target reads
+    (Qwen2-VL: image_grid_thw [N, 3], mm_token_type_ids [B, P])."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     pixel_values: torch.Tensor | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         ids, mask = self.input_ids, self.attention_mask
@@ -62,8 +67,10 @@ class VLMInputs:
 # text backbones run exactly: the text model's own forward (any decoder layer transformers has); each is proven
 # against transformers' greedy `generate` (tests/vlm/test_vlm_backbones.py)
 SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+M_ROPE_MODELS = ("qwen2_vl", "qwen2_5_vl")  # Qwen2-VL / Qwen2.5-VL: their own text model, M-RoPE positions
 SUPPORTED = ("LlavaForConditionalGeneration (LLaVA-1.5 layout) with a Llama, Mistral, Qwen2, Qwen3 or Gemma 1/2/3 "
-             "text backbone; LLaVA-NeXT, LLaVA-OneVision, Qwen2-VL and others are not supported yet")
+             "text backbone, Qwen2VLForConditionalGeneration and Qwen2_5_VLForConditionalGeneration (images); "
+             "LLaVA-NeXT, LLaVA-OneVision and others are not supported yet")
 
 
 def check_supported_config(config, where: str = "the VLM target") -> None:
@@ -72,6 +79,8 @@ def check_supported_config(config, where: str = "the VLM target") -> None:
     config = config if isinstance(config, dict) else config.to_dict()  # nested configs become dicts too
     model_type, text = config.get("model_type"), config.get("text_config") or {}
     text_type = text.get("model_type")
+    if model_type in M_ROPE_MODELS:
+        return
     if model_type != "llava":
         classes = ", ".join(config.get("architectures") or []) or "no architectures listed"
         raise InputError(f"{where} is a {model_type!r} model ({classes}); mmspec supports {SUPPORTED}.")
@@ -80,31 +89,34 @@ def check_supported_config(config, where: str = "the VLM target") -> None:
                          f"exact; mmspec supports {SUPPORTED}.")
 
 
-class LlavaCachedLM:
-    """A `LlavaForConditionalGeneration` with a static KV cache: `forward_cached` (token steps) and
-    `forward_embeds` (prefill from merged embeddings); logits in float32, `last_hidden` kept."""
+class CachedVLM:
+    """A transformers VLM (`model.model.language_model` + `model.lm_head`) with a static KV cache: `forward_cached`
+    (token steps) and `forward_embeds` (prefill from merged embeddings); logits in float32, `last_hidden` kept.
+    A family subclass says how images become features (`image_features`) and where tokens sit in the model's
+    rotary positions (`prompt_positions`, `step_positions`)."""
+
+    family = "a transformers VLM"
 
     def __init__(self, model, attention_backend: str | None = None) -> None:
         inner = getattr(model, "model", None)
         check(inner is not None and hasattr(inner, "language_model") and hasattr(model, "lm_head")
-              and hasattr(model, "config"), f"expected a transformers LlavaForConditionalGeneration, got "
-                                            f"{type(model).__name__}; mmspec supports {SUPPORTED}.")
+              and hasattr(model, "config"), f"expected {self.family}, got {type(model).__name__}; mmspec supports "
+                                            f"{SUPPORTED}.")
         check_supported_config(model.config, f"the target ({type(model).__name__})")
         check_attention_support(inner.language_model.config, f"the target's text model ({type(model).__name__})",
                                 attention_backend)
         # sliding-window attention (Mistral, Qwen2/3 when used, Gemma 2/3's local layers) equals full attention while
         # every sequence fits in the window: mmspec's masks are full-attention masks
-        text_cfg = model.config.text_config
-        window = getattr(text_cfg, "sliding_window", None)
-        self.window = window if window and getattr(text_cfg, "use_sliding_window", True) else None
+        cfg = model.config.text_config
+        window = getattr(cfg, "sliding_window", None)
+        self.window = window if window and getattr(cfg, "use_sliding_window", True) else None
         self.model, self.backend = model, attention_backend
         self.text = inner.language_model
-        cfg = model.config.text_config
         self.num_layers, self.num_heads = cfg.num_hidden_layers, cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = cfg.vocab_size
-        self.image_token_id = model.config.image_token_index
+        self.image_token_id = image_token_id(model.config)
         self.last_hidden: torch.Tensor | None = None  # [B, S, H] post-norm features of the last forward
         self.prompt_embeds: torch.Tensor | None = None  # [B, P, H] merged input embeddings of the last prefill
 
@@ -121,52 +133,101 @@ class LlavaCachedLM:
                              w.device)
 
     # ------------------------------------------------------------------------------------------- inputs
-    @torch.no_grad()
-    def image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """[N, 3, H, W] -> projected features [N, T_img, H_text], by the model's own `get_image_features`."""
-        cfg = self.model.config
-        pixels = pixel_values.to(self.device, self.model.lm_head.weight.dtype)
-        out = self.model.model.get_image_features(pixel_values=pixels, vision_feature_layer=cfg.vision_feature_layer,
-                                                  vision_feature_select_strategy=cfg.vision_feature_select_strategy)
-        features = getattr(out, "pooler_output", out)  # transformers 5: a list of [T_img, H_text], one per image
-        return torch.stack(list(features)) if isinstance(features, (list, tuple)) else features
+    def image_features(self, inputs: VLMInputs) -> list[torch.Tensor]:
+        """The projected features of each image, in order: a list of [T_img, H_text] (family-specific)."""
+        raise NotImplementedError
 
     @torch.no_grad()
     def embed_inputs(self, inputs: VLMInputs) -> torch.Tensor:
-        """Token embeddings [B, P, H] with every `<image>` placeholder replaced by an image feature, in order."""
+        """Token embeddings [B, P, H] with every image placeholder replaced by an image feature, in order."""
         ids = inputs.input_ids.to(self.device)
         embeds = self.embed_tokens(ids)  # [B, P, H]
         is_image = ids == self.image_token_id  # [B, P]
         n_slots = int(is_image.sum())
         if inputs.pixel_values is None:
-            check(n_slots == 0, f"the prompts hold {n_slots} <image> tokens but no pixel_values were given.")
+            check(n_slots == 0, f"the prompts hold {n_slots} image tokens but no pixel_values were given.")
             return embeds
-        features = self.image_features(inputs.pixel_values)  # [N, T_img, H]
-        if features.shape[0] * features.shape[1] != n_slots:
-            raise InputError(f"{features.shape[0]} image(s) give {features.shape[0] * features.shape[1]} feature "
-                             f"tokens but the prompts hold {n_slots} <image> tokens; let the processor expand "
-                             f"<image> ({features.shape[1]} tokens per image).")
-        return embeds.masked_scatter(is_image.unsqueeze(-1), features.reshape(-1, features.shape[-1]).to(embeds))
+        features = self.image_features(inputs)  # N x [T_img, H]
+        n_features = sum(f.shape[0] for f in features)
+        if n_features != n_slots:
+            sizes = ", ".join(str(f.shape[0]) for f in features)
+            raise InputError(f"{len(features)} image(s) give {n_features} feature tokens ({sizes}) but the prompts "
+                             f"hold {n_slots} <image> tokens (id {self.image_token_id}); let the model's processor "
+                             "expand the image placeholders.")
+        return embeds.masked_scatter(is_image.unsqueeze(-1), torch.cat(features).to(embeds))
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """The model's own input embeddings of token ids [B, S] -> [B, S, H] (as its forward embeds them)."""
         return self.model.get_input_embeddings()(ids)
 
+    def prompt_positions(self, inputs: VLMInputs, slots: torch.Tensor) -> torch.Tensor:
+        """The rotary positions of the prompts' tokens in the model's layout (slots [B, P] = token indices)."""
+        return slots
+
+    def step_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """The model's rotary positions of generated / draft tokens at loop positions [B, S] (cache index + depth)."""
+        return positions
+
     # -------------------------------------------------------------------------------------------- steps
     def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """tokens, positions, slots [B, S]; mask [B, S, T]. Writes K/V at `slots`; returns logits [B, S, V]."""
-        return self.forward_embeds(self.embed_tokens(tokens.to(self.device)), positions, cache, slots, mask)
+        return self.forward_embeds(self.embed_tokens(tokens.to(self.device)), self.step_positions(positions), cache,
+                                   slots, mask)
 
     @torch.no_grad()
     def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
                        mask: torch.Tensor) -> torch.Tensor:
-        """Input embeddings x [B, S, H] at `positions` [B, S]; K/V written at `slots`; logits [B, S, V] float32."""
+        """Input embeddings x [B, S, H] at the model's `positions`; K/V written at `slots` [B, S]; mask [B, S, T];
+        logits [B, S, V] float32."""
         self.last_hidden = run_text_model(self.text, x, positions, cache, slots, mask, self.backend)  # [B, S, H]
         return self.model.lm_head(self.last_hidden).float()
 
 
-def prefill_vlm(model: LlavaCachedLM, inputs: VLMInputs, extra_capacity: int) -> tuple[StaticKVCache, torch.Tensor]:
+class LlavaCachedLM(CachedVLM):
+    """`LlavaForConditionalGeneration` (LLaVA-1.5 layout): one run of `image_seq_length` tokens per image, token
+    index = rotary position."""
+
+    family = "a transformers LlavaForConditionalGeneration"
+
+    @torch.no_grad()
+    def image_features(self, inputs: VLMInputs) -> list[torch.Tensor]:
+        """[N, 3, H, W] -> N x [T_img, H_text], by the model's own `get_image_features`."""
+        cfg = self.model.config
+        pixels = inputs.pixel_values.to(self.device, self.model.lm_head.weight.dtype)
+        out = self.model.model.get_image_features(pixel_values=pixels, vision_feature_layer=cfg.vision_feature_layer,
+                                                  vision_feature_select_strategy=cfg.vision_feature_select_strategy)
+        return list(getattr(out, "pooler_output", out))  # transformers 5: a list of [T_img, H_text], one per image
+
+
+def cached_vlm(model, attention_backend: str | None = None) -> CachedVLM:
+    """The `CachedVLM` of a supported transformers VLM (InputError, one line, naming the supported ones otherwise)."""
+    config = getattr(model, "config", None)
+    check(config is not None, f"expected a transformers VLM, got {type(model).__name__}; mmspec supports "
+                              f"{SUPPORTED}.")
+    if getattr(config, "model_type", None) in M_ROPE_MODELS:
+        from vlm.qwen2_vl import Qwen2VLCachedLM
+
+        return Qwen2VLCachedLM(model, attention_backend)
+    return LlavaCachedLM(model, attention_backend)
+
+
+def model_class(config: dict) -> type:
+    """The transformers class of a supported VLM config (a config.json dict, checked by check_supported_config)."""
+    import transformers
+
+    names = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
+             "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+    return getattr(transformers, names[config.get("model_type")])
+
+
+def image_token_id(config) -> int:
+    """The placeholder id image features replace (LLaVA's `image_token_index`, Qwen2-VL's `image_token_id`)."""
+    found = getattr(config, "image_token_id", None)
+    return config.image_token_index if found is None else found
+
+
+def prefill_vlm(model: CachedVLM, inputs: VLMInputs, extra_capacity: int) -> tuple[StaticKVCache, torch.Tensor]:
     """`LMTarget`'s prefill for VLM prompts: embed (images merged), run the right-padded batch causally, commit
     each row's own length; returns (cache, logits for each row's first new token [B, 1, V])."""
     check(isinstance(inputs, VLMInputs), f"VLM targets take VLMInputs, got {type(inputs).__name__}.")
@@ -174,8 +235,9 @@ def prefill_vlm(model: LlavaCachedLM, inputs: VLMInputs, extra_capacity: int) ->
     model.prompt_embeds = embeds  # drafters that read the target's input embeddings (EagleVLM) take them here
     b, p, _ = embeds.shape
     cache = model.new_cache(b, p + extra_capacity)
-    slots = cache.slots(p)  # [B, P] == positions (right padding)
-    logits = model.forward_embeds(embeds, slots, cache, slots, cache.attention_mask(slots))  # [B, P, V]
+    slots = cache.slots(p)  # [B, P] == token indices (right padding)
+    positions = model.prompt_positions(inputs, slots)  # [B, P] or the model's layout ([3, B, P] for M-RoPE)
+    logits = model.forward_embeds(embeds, positions, cache, slots, cache.attention_mask(slots))  # [B, P, V]
     lengths = inputs.lengths.to(cache.device)  # [B]
     cache.commit_chain(lengths)
     last = (lengths - 1).view(b, 1, 1)  # model.last_hidden keeps every prompt position [B, P, H] (drafters)

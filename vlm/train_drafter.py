@@ -219,7 +219,7 @@ def vispec_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: 
     ids, lengths = inputs.input_ids, inputs.lengths
     layout = vispec_layout(drafter, ids, embeds, features + noise, lm.image_token_id)
     source = layout["source"]  # [B, L'] original position i of each element: it predicts f_i
-    valid = source < lengths.unsqueeze(-1)
+    valid = layout["valid"] & (source < lengths.unsqueeze(-1))
     index = source.unsqueeze(-1).expand(-1, -1, features.shape[-1])
     targets = features.gather(1, index)  # f_i
     next_logits = lm.model.lm_head(targets).float()

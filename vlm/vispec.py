@@ -14,8 +14,9 @@ reference/vlm.md "Official code, audited"; the module names are the official che
 - every text position reads x_t = fc([e_t ; img_fc([f_{t-1} ; g_t])]), g_t = g after the image and 0 before it
   (and everywhere in a text-only sequence); img_fc: 2H -> H initialised [I | 0], bias 0.
 
-Prompts hold at most one image run per row (LLaVA-1.5 style), the same length in every row of a batch;
-`VLMViSpecTreeDrafter.begin` lays out the ragged rows and sets the per-row position offsets.
+Prompts hold at most one image run per row (LLaVA-1.5 style; Qwen2-VL's runs differ in length with the image
+size, and text-only rows mix with image rows); `VLMViSpecTreeDrafter.begin` lays out the ragged rows and sets the
+per-row position offsets.
 
 Training (`mmspec train vlm-drafter --kind vispec`, as the official main.py / main_mtp.py): stage 1 on text alone
 (the sequences without their image, run through the target with no image), SmoothL1(features) + 0.1 x (soft CE +
@@ -52,13 +53,14 @@ class ImageAdaptor(nn.Module):
         self.v_proj = nn.Linear(hidden_size, hidden_size, bias=qkv_bias)
         self.o_proj = nn.Linear(hidden_size, hidden_size, bias=False)
 
-    def forward(self, image_embeds: torch.Tensor) -> torch.Tensor:
-        """image_embeds [N, T, H] -> [N, num_q, H]."""
+    def forward(self, image_embeds: torch.Tensor, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """image_embeds [N, T, H] (key_mask [N, T]: True = attend; None = all) -> [N, num_q, H]."""
         n, t, h = image_embeds.shape
         q = self.q.to(image_embeds.dtype).transpose(0, 1).unsqueeze(0).expand(n, -1, -1, -1)  # [N, heads, Q, d]
         k = self.k_proj(image_embeds).view(n, t, self.num_heads, self.head_dim).transpose(1, 2)  # [N, heads, T, d]
         v = self.v_proj(image_embeds).view(n, t, self.num_heads, self.head_dim).transpose(1, 2)
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v)  # [N, heads, Q, d]
+        mask = None if key_mask is None else key_mask[:, None, None, :]  # [N, 1, 1, T]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [N, heads, Q, d]
         return self.o_proj(out.transpose(1, 2).reshape(n, -1, h))
 
 
@@ -90,9 +92,11 @@ class VLMViSpecDrafter(VLMEagleDrafter):
                 self.img_fc.bias.zero_()
         self.global_feature: torch.Tensor | None = None  # [R, H] g of the rows being decoded (set by begin)
 
-    def compress(self, image_embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """image_embeds [N, T, H] -> (compressed tokens [N, num_q - 1, H], global feature g [N, H])."""
-        out = self.imadpt(image_embeds.to(self.fc.weight.dtype))
+    def compress(self, image_embeds: torch.Tensor,
+                 key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """image_embeds [N, T, H] (key_mask [N, T]: True = part of the run) -> (compressed tokens
+        [N, num_q - 1, H], global feature g [N, H])."""
+        out = self.imadpt(image_embeds.to(self.fc.weight.dtype), key_mask)
         return out[:, :-1], out[:, -1]
 
     def with_global(self, features: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -112,31 +116,44 @@ class VLMViSpecDrafter(VLMEagleDrafter):
 
 def vispec_layout(drafter: VLMViSpecDrafter, input_ids: torch.Tensor, embeds: torch.Tensor, features: torch.Tensor,
                   image_token_id: int, shortcut_features: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """The drafter's inputs for sequences [B, L] holding one image run per row (or none in any row: text only).
-    Elements at positions i = 1..L-1: text pairs (e_i, img_fc([f_{i-1} ; g_i])), g_i = g after the run and 0
-    before it; the run [s, e] replaced by its num_q - 1 compressed tokens at positions e - num_q + 2..e, marked
-    `direct`. `shortcut_features` [B, L, H] (the anti-shortcut pass; own[j] = the drafter's prediction of f_j)
-    replaces f_{i-1} at every text element but the first. Returns embeds, features, direct, positions [B, L'],
-    `source` [B, L'] (= positions: element i's target is f_i), g [B, H] and image_tokens [B]."""
+    """The drafter's inputs for sequences [B, L] holding at most one image run per row, of any length (rows with
+    images of different sizes and text-only rows mix). Elements at positions i = 1..L-1: text pairs
+    (e_i, img_fc([f_{i-1} ; g_i])), g_i = g after the run and 0 before it; the run [s, e] replaced by its num_q - 1
+    compressed tokens at positions e - num_q + 2..e, marked `direct`. `shortcut_features` [B, L, H] (the
+    anti-shortcut pass; own[j] = the drafter's prediction of f_j) replaces f_{i-1} at every text element but the
+    first. Rows keep different numbers of elements: each row's come first, `valid` [B, L'] marks them. Returns
+    embeds, features, direct, positions [B, L'], `source` [B, L'] (= positions: element i's target is f_i),
+    valid, g [B, H], image_tokens [B] and dropped [B] (image positions without a compressed token)."""
     b, length = input_ids.shape
     h = embeds.shape[-1]
+    n_c = drafter.config.num_queries - 1
     is_image = input_ids == image_token_id  # [B, L]
-    count = is_image.sum(-1)
-    t_img = int(count[0])
-    check(bool((count == t_img).all()), "ViSpec expects one image run of the same length in every row, or none.")
+    count = is_image.sum(-1)  # [B]
+    has = count > 0
+    start = is_image.float().argmax(-1)  # [B] first image position s (0 without an image)
+    end = torch.where(has, start + count - 1, -1).unsqueeze(-1)  # [B, 1] e (-1 without an image)
+    pos = torch.arange(length, device=input_ids.device)
+    one_run = (pos >= start.unsqueeze(-1)) & (pos <= end)
+    check(bool((one_run == is_image).all()), "ViSpec takes at most one image run per row.")
+    check(bool((count[has] >= n_c).all()), f"ViSpec places {n_c} compressed tokens inside each image run; a run "
+                                           f"has only {int(count[has].min()) if bool(has.any()) else 0}.")
+    dropped = torch.where(has, count - n_c, 0)  # [B]
     keep = torch.arange(1, length, device=input_ids.device).unsqueeze(0).expand(b, -1)  # [B, L-1] positions i
-    if t_img:
-        n_c = drafter.config.num_queries - 1
-        check(t_img >= n_c, f"ViSpec places {n_c} compressed tokens inside the image run, which has only {t_img}.")
-        start = is_image.float().argmax(-1)  # [B] first image position s
-        end = (start + t_img - 1).unsqueeze(-1)  # [B, 1] e
-        tokens, g = drafter.compress(embeds[is_image].view(b, t_img, h))  # [B, n_c, H], [B, H]
-        kept = (keep < start.unsqueeze(-1)) | (keep > end - n_c)
+    kept = ~((keep >= start.unsqueeze(-1)) & (keep <= end - n_c))  # [B, L-1]
+    width = int(length - 1 - dropped.min())
+    order = torch.sort((~kept).to(torch.uint8), dim=-1, stable=True).indices[:, :width]  # kept positions first
+    valid = torch.arange(width, device=input_ids.device) < (length - 1 - dropped).unsqueeze(-1)  # [B, L']
+    source = torch.where(valid, keep.gather(1, order), length - 1)  # [B, L'] original positions
+    if bool(has.any()):
+        t_max = int(count.max())
+        run = (start.unsqueeze(-1) + torch.arange(t_max, device=input_ids.device)).clamp(max=length - 1)  # [B, T]
+        image_embeds = embeds.gather(1, run.unsqueeze(-1).expand(-1, -1, h))  # [B, T, H]
+        in_run = torch.arange(t_max, device=input_ids.device) < count.unsqueeze(-1)  # [B, T]
+        same = bool((count == t_max).all())  # one size in every row: no key mask (the trained drafters' path)
+        tokens, g = drafter.compress(image_embeds, None if same else in_run | ~has.unsqueeze(-1))
+        g = torch.where(has.unsqueeze(-1), g, 0)  # [B, H]
     else:
-        end = torch.full((b, 1), -1, device=input_ids.device)
-        g = embeds.new_zeros(b, h)
-        kept = torch.ones_like(keep, dtype=torch.bool)
-    source = keep[kept].view(b, -1)  # [B, L'] original positions
+        tokens, g = None, embeds.new_zeros(b, h)
     index = source.unsqueeze(-1).expand(-1, -1, h)
     pair_embeds = embeds.gather(1, index)  # e_i
     pair_features = features.gather(1, (index - 1))  # f_{i-1}
@@ -144,8 +161,8 @@ def vispec_layout(drafter: VLMViSpecDrafter, input_ids: torch.Tensor, embeds: to
         own = shortcut_features.gather(1, index - 1)
         later = (torch.arange(source.shape[1], device=source.device) > 0).view(1, -1, 1)
         pair_features = torch.where(later, own.to(pair_features.dtype), pair_features)
-    direct = (source <= end) & (source > end - drafter.config.num_queries + 1)  # [B, L'] compressed tokens
-    if t_img:
+    direct = valid & (source <= end) & (source > end - n_c)  # [B, L'] compressed tokens
+    if tokens is not None:
         slot = (source - (end - n_c + 1)).clamp(0, n_c - 1)  # [B, L'] which compressed token
         compressed = tokens.gather(1, slot.unsqueeze(-1).expand(-1, -1, h)).to(pair_embeds.dtype)
         pair_embeds = torch.where(direct.unsqueeze(-1), compressed, pair_embeds)
@@ -153,7 +170,7 @@ def vispec_layout(drafter: VLMViSpecDrafter, input_ids: torch.Tensor, embeds: to
     g_i = torch.where(after, g.unsqueeze(1).to(pair_features.dtype), torch.zeros_like(pair_features))
     pair_features = drafter.with_global(pair_features, g_i)
     return {"embeds": pair_embeds, "features": pair_features, "direct": direct, "positions": source,
-            "source": source, "g": g, "image_tokens": count}
+            "source": source, "valid": valid, "g": g, "image_tokens": count, "dropped": dropped}
 
 
 class VLMViSpecTreeDrafter(VLMEagleTreeDrafter):
@@ -170,9 +187,8 @@ class VLMViSpecTreeDrafter(VLMEagleTreeDrafter):
         ids = inputs.input_ids.to(features.device)
         lengths = inputs.lengths.to(features.device)
         layout = vispec_layout(drafter, ids, embeds, features, target.image_token_id)
-        dropped = int(layout["image_tokens"][0])
-        dropped -= min(dropped, drafter.config.num_queries - 1)  # image positions without a compressed token
-        short = p - 1 - dropped  # drafter entries of the longest prompt
+        dropped = layout["dropped"]  # [B] image positions without a compressed token
+        short = layout["positions"].shape[1]  # drafter entries of the longest row
         cache = drafter.new_cache(b, short + state.max_new_tokens + self.width + self.max_pool)
         self.runner.cache = cache
         slots = cache.slots(short)  # [B, L']
@@ -180,7 +196,7 @@ class VLMViSpecTreeDrafter(VLMEagleTreeDrafter):
                                features=layout["features"], embeds=layout["embeds"], direct=layout["direct"])
         self.runner.forwards += 1
         self.runner.commit_chain(lengths - 1 - dropped)  # each row: its P_b - 1 pairs minus the dropped ones
-        self.position_offset = torch.full((b,), 1 + dropped, dtype=torch.long, device=features.device)
+        self.position_offset = 1 + dropped  # [B]
         drafter.global_feature = layout["g"]  # every decoded element is text after the image (g = 0 without one)
         last = (lengths - 1).view(b, 1, 1).expand(-1, -1, features.shape[-1])
         self.pending = PendingPairs(state.last_token, features.gather(1, last)[:, 0], self.width)

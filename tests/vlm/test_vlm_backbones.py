@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_dummies import batch, greedy_vanilla_and_tree, prompt
+from vlm_dummies import TREE_PATHS, batch, greedy_vanilla_and_tree, prompt, verify_example_tree
 
 from mmspec.errors import InputError
 from vlm.family import DRAFTER_KINDS, drafter_model
@@ -81,26 +81,13 @@ def test_greedy_vanilla_and_every_drafter_equal_transformers_generate(backbone):
 
 @pytest.mark.parametrize("backbone", ["qwen3", "gemma3_text"])
 def test_tree_verification_equals_transformers_forward_of_each_path(backbone):
-    from mmspec.lm import LMTarget
-    from mmspec.sampling import SamplingParams
-    from mmspec.tree import DraftTree
-
     model = tiny_llava_with(text_config(backbone), seed=2)
     rows = ROWS[:2]
     pixels = torch.rand(2, 3, 32, 32)
-    target = LMTarget(LlavaCachedLM(model), SamplingParams(temperature=1.0), max_new_tokens=8,
-                      prefill_fn=__import__("vlm.target", fromlist=["prefill_vlm"]).prefill_vlm)
-    target.prefill(batch(rows, pixels))
-    tokens = torch.tensor([[21, 30, 31, 32], [22, 40, 41, 42]])  # node 0 root; 1, 2 children of 0; 3 child of 1
-    parents = torch.tensor([[-1, 0, 0, 1]] * 2)
-    depths = torch.tensor([[0, 1, 1, 2]] * 2)
-    tree = DraftTree(tokens, parents, depths, torch.ones(2, 4, dtype=torch.bool), max_depth=2, max_children=2)
-    runner = target.runner
-    logits = runner.forward(tokens, tree.position_ids(runner.lengths), runner.slots(4),
-                            tree_mask=tree.attention_mask())
+    tokens, logits = verify_example_tree(LlavaCachedLM(model), batch(rows, pixels))
     with torch.no_grad():
         for b, r in enumerate(rows):
-            for node, path in {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3]}.items():
+            for node, path in TREE_PATHS.items():
                 seq = torch.tensor([r + tokens[b, path].tolist()])
                 ref = model(input_ids=seq, pixel_values=pixels[b: b + 1]).logits[0, -1].float()
                 torch.testing.assert_close(logits[b, node], ref, atol=1e-5, rtol=1e-5)
@@ -145,3 +132,22 @@ def test_mistral_runs_through_an_mmspec_backend_inside_its_window():
     drafter = drafter_model("msd").for_target(lm).eval()
     vanilla, spec = greedy_vanilla_and_tree(lm, drafter.loop_drafter, drafter, ROWS, pixels, 6)
     assert [t.tolist() for t in spec.tokens] == transformers_greedy(model, ROWS, pixels, 6)
+
+
+@pytest.mark.parametrize("kind", DRAFTER_KINDS)
+def test_text_only_rows_mix_with_image_rows_for_every_drafter(kind):
+    """A batch whose middle row has no image (pixel_values holds the other rows' images, in row order)."""
+    from vlm_dummies import IMAGE_TOKEN
+
+    model = tiny_llava_with(text_config("llama"), seed=4)
+    rows = [ROWS[0], [1, 7, 8, 9, 10, 11], ROWS[2]]
+    pixels = torch.rand(2, 3, 32, 32)
+    lm = LlavaCachedLM(model)
+    drafter = drafter_model(kind).for_target(lm).eval()
+    vanilla, spec = greedy_vanilla_and_tree(lm, drafter.loop_drafter, drafter, rows, pixels, 8)
+    reference = [transformers_greedy(model, [rows[0]], pixels[:1], 8)[0],
+                 model.generate(input_ids=torch.tensor([rows[1]]), max_new_tokens=8, min_new_tokens=8,
+                                do_sample=False, pad_token_id=0)[0, len(rows[1]):].tolist(),
+                 transformers_greedy(model, [rows[2]], pixels[1:], 8)[0]]
+    assert IMAGE_TOKEN not in rows[1]
+    assert [t.tolist() for t in vanilla.tokens] == reference == [t.tolist() for t in spec.tokens]

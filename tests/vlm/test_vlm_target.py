@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import LlamaConfig
-from vlm_dummies import batch, prompt, tiny_llava
+from vlm_dummies import TREE_PATHS, batch, prompt, tiny_llava, verify_example_tree
 
 from mmspec.errors import InputError
 from mmspec.lm import LMTarget, NoDrafter
@@ -88,33 +88,20 @@ def test_bad_inputs_are_clear_errors():
 def test_tree_verification_scores_every_path_like_transformers():
     """One verify forward over a draft tree (root = last token, two branches) gives at each node the logits
     transformers computes for the root-to-node path appended to the prompt."""
-    from mmspec.tree import DraftTree
-
     model = tiny_llava(seed=1)
     rows = [prompt([7, 8], [9], 16), prompt([12], [13, 14, 15], 16)]
     pixels = torch.rand(2, 3, 32, 32)
-    lm = LlavaCachedLM(model)
-    target = LMTarget(lm, SamplingParams(temperature=1.0), max_new_tokens=8, prefill_fn=prefill_vlm)
-    target.prefill(batch(rows, pixels))
-    # nodes: 0 root (token 21), 1 -> child of 0, 2 -> child of 0, 3 -> child of 1 (tokens per row)
-    tokens = torch.tensor([[21, 30, 31, 32], [22, 40, 41, 42]])
-    parents = torch.tensor([[-1, 0, 0, 1], [-1, 0, 0, 1]])
-    depths = torch.tensor([[0, 1, 1, 2], [0, 1, 1, 2]])
-    tree = DraftTree(tokens, parents, depths, torch.ones(2, 4, dtype=torch.bool), max_depth=2, max_children=2)
-    runner = target.runner
-    slots = runner.slots(4)
-    logits = runner.forward(tokens, tree.position_ids(runner.lengths), slots, tree_mask=tree.attention_mask())
-    paths = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3]}
+    tokens, logits = verify_example_tree(LlavaCachedLM(model), batch(rows, pixels))
     with torch.no_grad():
         for b, r in enumerate(rows):
-            for node, path in paths.items():
+            for node, path in TREE_PATHS.items():
                 seq = torch.tensor([r + tokens[b, path].tolist()])
                 ref = model(input_ids=seq, pixel_values=pixels[b: b + 1]).logits[0, -1].float()
                 torch.testing.assert_close(logits[b, node], ref, atol=1e-5, rtol=1e-5)
 
 
 def test_targets_it_cannot_run_exactly_are_refused_in_one_line(tmp_path):
-    """An unproven text backbone (OLMo), LLaVA-NeXT and Qwen2-VL (other architectures) are refused, naming what
+    """An unproven text backbone (OLMo), LLaVA-NeXT and InternVL (other architectures) are refused, naming what
     is supported, before any weights load."""
     from test_vlm_backbones import tiny_llava_with
     from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, OlmoConfig
@@ -140,12 +127,12 @@ def test_targets_it_cannot_run_exactly_are_refused_in_one_line(tmp_path):
         with pytest.raises(InputError, match="mmspec supports LlavaForConditionalGeneration") as err:
             SpeculativeVLM.from_pretrained(folder)
         assert "\n" not in str(err.value)
-    (tmp_path / "qwen2vl").mkdir()
-    (tmp_path / "qwen2vl" / "config.json").write_text('{"model_type": "qwen2_vl", "architectures": '
-                                                      '["Qwen2VLForConditionalGeneration"]}')
-    (tmp_path / "qwen2vl" / "processor_config.json").write_text("{}")
-    with pytest.raises(InputError, match="'qwen2_vl' model \\(Qwen2VLForConditionalGeneration\\)"):
-        SpeculativeVLM.from_pretrained(tmp_path / "qwen2vl")
+    (tmp_path / "internvl").mkdir()
+    (tmp_path / "internvl" / "config.json").write_text('{"model_type": "internvl", "architectures": '
+                                                       '["InternVLForConditionalGeneration"]}')
+    (tmp_path / "internvl" / "processor_config.json").write_text("{}")
+    with pytest.raises(InputError, match="'internvl' model \\(InternVLForConditionalGeneration\\)"):
+        SpeculativeVLM.from_pretrained(tmp_path / "internvl")
 
 
 def test_a_request_longer_than_the_sliding_window_is_refused():

@@ -51,3 +51,50 @@ def greedy_vanilla_and_tree(lm, tree_cls, drafter, rows: list[list[int]], pixels
     spec = generate(LMTarget(lm, params, steps, max_draft_nodes=8, prefill_fn=prefill_vlm), tree, "lossless",
                     batch(rows, pixels), batch_size=b, max_new_tokens=steps)
     return vanilla, spec
+
+
+def pooled_chi_square(pairs: list[list[int]], next_probs) -> tuple[float, int]:
+    """Chi-square of sampled second tokens against the target's conditional law, pooled over first tokens:
+    pairs = [first, second] per row; next_probs(first) -> the target's probabilities [V] of the second token.
+    First tokens with < 20 samples are skipped; bins expecting < 5 are merged. Returns (chi2, degrees of freedom)."""
+    import numpy as np
+
+    chi2, dof = 0.0, 0
+    for first in sorted({p[0] for p in pairs}):
+        seconds = [p[1] for p in pairs if p[0] == first]
+        if len(seconds) < 20:
+            continue
+        probs = np.asarray(next_probs(first), dtype=np.float64)
+        counts = np.bincount(seconds, minlength=probs.shape[0])
+        expected = probs * len(seconds)
+        big = expected >= 5
+        obs = np.append(counts[big], counts[~big].sum())
+        exp = np.append(expected[big], expected[~big].sum())
+        keep = exp > 0
+        chi2 += float((((obs - exp) ** 2)[keep] / exp[keep]).sum())
+        dof += int(keep.sum()) - 1
+    return chi2, dof
+
+
+TREE_PATHS = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3]}  # node -> root-to-node path of `verify_example_tree`
+
+
+def verify_example_tree(lm, inputs: VLMInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill two rows, then ONE verify forward over a 4-node draft tree per row (node 0 the root = the last
+    token; nodes 1, 2 children of 0; node 3 a child of 1). Returns (tokens [2, 4], logits [2, 4, V]); a node's
+    logits must equal the model's forward of the prompt + its TREE_PATHS tokens."""
+    from mmspec.lm import LMTarget
+    from mmspec.sampling import SamplingParams
+    from mmspec.tree import DraftTree
+    from vlm.target import prefill_vlm
+
+    target = LMTarget(lm, SamplingParams(temperature=1.0), max_new_tokens=8, prefill_fn=prefill_vlm)
+    target.prefill(inputs)
+    tokens = torch.tensor([[21, 30, 31, 32], [22, 40, 41, 42]])
+    parents = torch.tensor([[-1, 0, 0, 1]] * 2)
+    depths = torch.tensor([[0, 1, 1, 2]] * 2)
+    tree = DraftTree(tokens, parents, depths, torch.ones(2, 4, dtype=torch.bool), max_depth=2, max_children=2)
+    runner = target.runner
+    logits = runner.forward(tokens, tree.position_ids(runner.lengths), runner.slots(4),
+                            tree_mask=tree.attention_mask())
+    return tokens, logits
