@@ -17,6 +17,9 @@ method's tokens follow the target's distribution. The drafter's prefill cost is 
 `drafter_image_tokens_per_row`:
 how many image tokens the drafter attends to per row (EagleVLM and MSD: all of them; ViSpec: one compressed
 token).
+
+transformers' own decoding runs beside them as peer methods (`vlm.bench_peers`): `hf_generate`,
+`hf_prompt_lookup` (num_tokens) and `hf_assisted` (layers), in the same process, on the same prompts.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import torch
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of, pop_budget
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import InputError
+from vlm.bench_peers import peer_methods
 from vlm.family import FAMILY, TREE
 
 OPTIONS = ("model", "top_p")
@@ -53,7 +57,7 @@ def build(settings: BenchSettings) -> dict:
     vlm = SpeculativeVLM.from_pretrained(model, device=settings.device)
     drafters = {kind: load_drafter(model / "drafters" / kind, kind).to(settings.device)
                 for kind in drafter_kinds_in(model)}
-    return {"target": vlm, "drafters": drafters, "folder": model}
+    return {"target": vlm, "drafters": drafters, "folder": model, "top_p": _options(settings)["top_p"]}
 
 
 def inputs(settings: BenchSettings) -> list[Sample]:
@@ -101,6 +105,8 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
     figures = {"exactness": sum(same) / len(same), "answer_contains_short": sum(right) / len(right)}
     if outputs and outputs[0]["drafter_image_tokens"] is not None:
         figures["drafter_image_tokens_per_row"] = outputs[0]["drafter_image_tokens"]
+    if outputs and "transformers_error" in outputs[0]:  # the transformers peers (vlm.bench_peers)
+        figures["transformers_errors"] = sum(o["transformers_error"] for o in outputs) / len(outputs)
     return figures
 
 
@@ -130,7 +136,7 @@ def calibration(models: dict, samples: Sequence[Sample], outputs: list, settings
 def vlm_family() -> Family:
 
     return Family(name="vlm", model_id=lambda s: _options(s)["model"], build=build, inputs=inputs,
-                  methods=methods_of(FAMILY, _runner, budget=True), quality=quality,
+                  methods={**methods_of(FAMILY, _runner, budget=True), **peer_methods()}, quality=quality,
                   primary_quality="answer_contains_short",
                   to_turn=lambda o: {"text": o["text"], "token_ids": o["tokens"]}, model_quality=calibration,
                   description=FAMILY.description)

@@ -1,0 +1,30 @@
+"""The transformers peers of the vlm bench (`vlm.bench_peers`) on a tiny world LLaVA: greedy outputs equal
+mmspec's vanilla answers, forwards are counted, and transformers' own failure (prompt lookup copying <image> ids)
+is reported per row instead of stopping the bench."""
+
+from __future__ import annotations
+
+from test_vlm_hf_generate import tiny_pipeline
+
+from mmspec.bench.registry import BenchSettings, Sample
+from vlm.bench_peers import peer_methods
+from vlm.world import world_vqa_examples
+
+
+def test_peers_give_vanilla_answers_and_report_transformers_errors():
+    vlm = tiny_pipeline("llava")
+    settings = BenchSettings(num_samples=3, max_new_tokens=8, temperature=0.0)
+    examples = world_vqa_examples("test", 3, seed=0, long_fraction=1.0)
+    batch = [Sample(question_id=i, category=ex.qa.kind, data=ex) for i, ex in enumerate(examples)]
+    vanilla = vlm.generate([ex.image for ex in examples], [ex.prompt for ex in examples], 8).token_ids
+    models = {"target": vlm, "top_p": 1.0}
+    methods = peer_methods()
+    for name, given in (("hf_generate", {}), ("hf_assisted", {}), ("hf_prompt_lookup", {})):
+        out = methods[name].run(models, batch, settings, given)
+        assert [o["tokens"] for o in out.outputs] == vanilla, name
+        assert not any(o["transformers_error"] for o in out.outputs) and out.stats.num_target_forwards > 0, name
+    assisted = methods["hf_assisted"].run(models, batch, settings, {"layers": 1})
+    assert assisted.stats.num_draft_forwards > 0
+    raw = methods["hf_prompt_lookup"].run(models, batch, settings, {"suppress_image_token": 0})
+    failed = [o for o in raw.outputs if o["transformers_error"]]  # transformers 5.23: <image> ids as candidates
+    assert all(o["tokens"] == [] and o["error"] for o in failed)
