@@ -119,7 +119,8 @@ class VLMSpecVLMDrafter(VLMEagleDrafter):
 
     @classmethod
     def for_target(cls, target, **overrides):
-        tokens = getattr(target.model.config, "image_seq_length", None)
+        fixed = getattr(target.model.config, "model_type", None) == "llava"  # LLaVA-1.5: one run size per image
+        tokens = getattr(target.model.config, "image_seq_length", None) if fixed else None
         check(tokens is not None and math.isqrt(tokens) ** 2 == tokens,
               f"SpecVLM's compressor pools one fixed square image grid (LLaVA's image_seq_length); "
               f"{type(target.model).__name__} images vary in size: use the eagle, vispec or msd drafter.")

@@ -68,9 +68,11 @@ class VLMInputs:
 # against transformers' greedy `generate` (tests/vlm/test_vlm_backbones.py)
 SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 M_ROPE_MODELS = ("qwen2_vl", "qwen2_5_vl")  # Qwen2-VL / Qwen2.5-VL: their own text model, M-RoPE positions
-SUPPORTED = ("LlavaForConditionalGeneration (LLaVA-1.5 layout) with a Llama, Mistral, Qwen2, Qwen3 or Gemma 1/2/3 "
+TILED_MODELS = ("llava_next", "llava_onevision")  # any-resolution tiles: image runs vary with the image size
+SUPPORTED = ("LlavaForConditionalGeneration (LLaVA-1.5), LlavaNextForConditionalGeneration (LLaVA-NeXT) and "
+             "LlavaOnevisionForConditionalGeneration (images) with a Llama, Mistral, Qwen2, Qwen3 or Gemma 1/2/3 "
              "text backbone, Qwen2VLForConditionalGeneration and Qwen2_5_VLForConditionalGeneration (images); "
-             "LLaVA-NeXT, LLaVA-OneVision and others are not supported yet")
+             "InternVL, Gemma 3 and others are not supported yet")
 
 
 def check_supported_config(config, where: str = "the VLM target") -> None:
@@ -81,12 +83,12 @@ def check_supported_config(config, where: str = "the VLM target") -> None:
     text_type = text.get("model_type")
     if model_type in M_ROPE_MODELS:
         return
-    if model_type != "llava":
+    if model_type not in ("llava", *TILED_MODELS):
         classes = ", ".join(config.get("architectures") or []) or "no architectures listed"
         raise InputError(f"{where} is a {model_type!r} model ({classes}); mmspec supports {SUPPORTED}.")
     if text_type not in SUPPORTED_TEXT_MODELS:
-        raise InputError(f"{where} is a LLaVA with a {text_type!r} text backbone, which mmspec has not proven "
-                         f"exact; mmspec supports {SUPPORTED}.")
+        raise InputError(f"{where} is a {model_type} model with a {text_type!r} text backbone, which mmspec has not "
+                         f"proven exact; mmspec supports {SUPPORTED}.")
 
 
 class CachedVLM:
@@ -200,6 +202,31 @@ class LlavaCachedLM(CachedVLM):
         return list(getattr(out, "pooler_output", out))  # transformers 5: a list of [T_img, H_text], one per image
 
 
+class LlavaTiledCachedLM(LlavaCachedLM):
+    """LLaVA-NeXT and LLaVA-OneVision: an image is a base view plus any-resolution tiles, unpadded to its aspect,
+    with a newline token per grid row (the model's own `get_image_features` packs them), so its run of image tokens
+    depends on its size; `extras` carries the processor's image_sizes (and OneVision's batch_num_images). Token
+    index = rotary position, as LLaVA-1.5."""
+
+    family = "a transformers LlavaNextForConditionalGeneration or LlavaOnevisionForConditionalGeneration"
+
+    @torch.no_grad()
+    def image_features(self, inputs: VLMInputs) -> list[torch.Tensor]:
+        check("pixel_values_videos" not in inputs.extras, "videos are not supported by mmspec's VLM targets yet; "
+                                                          "give images.")
+        sizes = inputs.extras.get("image_sizes")
+        check(sizes is not None, "LLaVA-NeXT / OneVision images need image_sizes (from the model's processor) next to "
+                                 "pixel_values: pass VLMInputs(..., extras={'image_sizes': ...}).")
+        cfg = self.model.config
+        kwargs = {k: v.to(self.device) for k, v in inputs.extras.items() if k == "batch_num_images"}
+        pixels = inputs.pixel_values.to(self.device, self.model.lm_head.weight.dtype)
+        out = self.model.model.get_image_features(pixel_values=pixels, image_sizes=sizes.to(self.device),
+                                                  vision_feature_layer=cfg.vision_feature_layer,
+                                                  vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                                                  **kwargs)
+        return list(getattr(out, "pooler_output", out))
+
+
 def cached_vlm(model, attention_backend: str | None = None) -> CachedVLM:
     """The `CachedVLM` of a supported transformers VLM (InputError, one line, naming the supported ones otherwise)."""
     config = getattr(model, "config", None)
@@ -209,6 +236,8 @@ def cached_vlm(model, attention_backend: str | None = None) -> CachedVLM:
         from vlm.qwen2_vl import Qwen2VLCachedLM
 
         return Qwen2VLCachedLM(model, attention_backend)
+    if getattr(config, "model_type", None) in TILED_MODELS:
+        return LlavaTiledCachedLM(model, attention_backend)
     return LlavaCachedLM(model, attention_backend)
 
 
@@ -216,8 +245,9 @@ def model_class(config: dict) -> type:
     """The transformers class of a supported VLM config (a config.json dict, checked by check_supported_config)."""
     import transformers
 
-    names = {"llava": "LlavaForConditionalGeneration", "qwen2_vl": "Qwen2VLForConditionalGeneration",
-             "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+    names = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
+             "llava_onevision": "LlavaOnevisionForConditionalGeneration",
+             "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
     return getattr(transformers, names[config.get("model_type")])
 
 

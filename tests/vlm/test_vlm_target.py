@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 from vlm_dummies import TREE_PATHS, batch, prompt, tiny_llava, verify_example_tree
 
 from mmspec.errors import InputError
@@ -101,10 +100,10 @@ def test_tree_verification_scores_every_path_like_transformers():
 
 
 def test_targets_it_cannot_run_exactly_are_refused_in_one_line(tmp_path):
-    """An unproven text backbone (OLMo), LLaVA-NeXT and InternVL (other architectures) are refused, naming what
+    """An unproven text backbone (OLMo) and InternVL (another architecture) are refused, naming what
     is supported, before any weights load."""
     from test_vlm_backbones import tiny_llava_with
-    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, OlmoConfig
+    from transformers import OlmoConfig
 
     from vlm.pipeline import SpeculativeVLM
 
@@ -113,20 +112,12 @@ def test_targets_it_cannot_run_exactly_are_refused_in_one_line(tmp_path):
     olmo = tiny_llava_with(OlmoConfig(**small))
     with pytest.raises(InputError, match="'olmo' text backbone.*supports LlavaForConditionalGeneration"):
         LlavaCachedLM(olmo)
-    nxt = LlavaNextForConditionalGeneration(LlavaNextConfig(
-        text_config=LlamaConfig(**small), vision_config=dict(model_type="clip_vision_model", image_size=32,
-                                                             patch_size=8, hidden_size=32, intermediate_size=64,
-                                                             num_hidden_layers=1, num_attention_heads=2),
-        image_grid_pinpoints=[[32, 32]]))
-    with pytest.raises(InputError, match="'llava_next' model .*not supported yet"):
-        LlavaCachedLM(nxt)
-    for model, name in ((olmo, "olmo"), (nxt, "llava_next")):
-        folder = tmp_path / name
-        model.save_pretrained(folder)
-        (folder / "processor_config.json").write_text("{}")
-        with pytest.raises(InputError, match="mmspec supports LlavaForConditionalGeneration") as err:
-            SpeculativeVLM.from_pretrained(folder)
-        assert "\n" not in str(err.value)
+    folder = tmp_path / "olmo"
+    olmo.save_pretrained(folder)
+    (folder / "processor_config.json").write_text("{}")
+    with pytest.raises(InputError, match="mmspec supports LlavaForConditionalGeneration") as err:
+        SpeculativeVLM.from_pretrained(folder)
+    assert "\n" not in str(err.value)
     (tmp_path / "internvl").mkdir()
     (tmp_path / "internvl" / "config.json").write_text('{"model_type": "internvl", "architectures": '
                                                        '["InternVLForConditionalGeneration"]}')

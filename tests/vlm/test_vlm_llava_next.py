@@ -1,0 +1,91 @@
+"""LLaVA-NeXT and LLaVA-OneVision targets (`vlm.target.LlavaTiledCachedLM`): tiny random models with their own
+processors built offline (world tokenizer, any-resolution tiles over a 32-pixel vision tower); images of three
+sizes give image runs of three lengths in one ragged batch; greedy vanilla and greedy tree drafting through
+`SpeculativeVLM` == transformers' own `generate(do_sample=False)` on the processor's outputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+from mmspec.data import load_world_tokenizer
+from mmspec.errors import InputError
+from vlm.family import drafter_model
+from vlm.pipeline import SpeculativeVLM
+
+PINPOINTS = [[32, 64], [64, 32], [64, 64]]
+PROMPTS = ["What color is the object?", "How many objects are there?", "Describe the scene."]
+
+
+def tiny_pipeline(kind: str) -> SpeculativeVLM:
+    """A tiny LLaVA-NeXT (CLIP, Llama) or OneVision (SigLIP, Qwen2) target with its processor; peaked LM head."""
+    tok = load_world_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": [tok.image_token, "<video>"]})
+    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id)
+    vision = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=2)
+    torch.manual_seed(0)
+    if kind == "llava_next":
+        model = tf.LlavaNextForConditionalGeneration(tf.LlavaNextConfig(
+            vision_config=tf.CLIPVisionConfig(**vision), text_config=tf.LlamaConfig(**text),
+            image_token_index=tok.image_token_id, image_grid_pinpoints=PINPOINTS, vision_feature_layer=-2,
+            vision_feature_select_strategy="default", image_seq_length=16))
+        processor = tf.LlavaNextProcessor(
+            image_processor=tf.LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32,
+                                                                                              "width": 32},
+                                                       image_grid_pinpoints=PINPOINTS, do_convert_rgb=False),
+            tokenizer=tok, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    else:
+        model = tf.LlavaOnevisionForConditionalGeneration(tf.LlavaOnevisionConfig(
+            vision_config=tf.SiglipVisionConfig(**vision), text_config=tf.Qwen2Config(**text),
+            image_token_index=tok.image_token_id, video_token_index=tok.convert_tokens_to_ids("<video>"),
+            image_grid_pinpoints=PINPOINTS, vision_feature_layer=-1, vision_feature_select_strategy="full"))
+        square = {"height": 32, "width": 32}
+        processor = tf.LlavaOnevisionProcessor(
+            image_processor=tf.LlavaOnevisionImageProcessor(size=square, image_grid_pinpoints=PINPOINTS,
+                                                            do_convert_rgb=False),
+            tokenizer=tok, video_processor=tf.LlavaOnevisionVideoProcessor(size=square), num_image_tokens=16,
+            vision_feature_select_strategy="full")
+    model.eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)  # peaked laws, so drafts are sometimes accepted
+    return SpeculativeVLM(model, processor)
+
+
+def images_of_three_sizes() -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in ((32, 32), (32, 64), (64, 48))]
+
+
+def transformers_answers(vlm: SpeculativeVLM, images, prompts) -> list[list[int]]:
+    """transformers' greedy `generate` on the processor's outputs, one row at a time (it stops at <eos>)."""
+    answers = []
+    for image, prompt in zip(images, prompts):
+        one = vlm.processor(images=[image], text=[vlm.prompt_text(prompt)], return_tensors="pt")
+        out = vlm.model.generate(**one, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        answers.append(out[0, one["input_ids"].shape[1]:].tolist())
+    return answers
+
+
+@pytest.mark.parametrize("target,kind", [("llava_next", "eagle"), ("llava_next", "vispec"), ("llava_next", "msd"),
+                                         ("llava_onevision", "eagle")])
+def test_greedy_answers_equal_transformers_generate_on_images_of_three_sizes(target, kind):
+    vlm = tiny_pipeline(target)
+    images = images_of_three_sizes()
+    runs = (vlm.encode(images, PROMPTS).input_ids == vlm.lm.image_token_id).sum(-1).tolist()
+    assert len(set(runs)) == 3, runs  # three image sizes, three run lengths
+    reference = transformers_answers(vlm, images, PROMPTS)
+    assert vlm.generate(images, PROMPTS, max_new_tokens=8, use_drafter=False).token_ids == reference
+    vlm.drafter = drafter_model(kind).for_target(vlm.lm).eval()
+    spec = vlm.generate(images, PROMPTS, max_new_tokens=8, tree=(3, 3, 8), budget="fixed")
+    assert spec.token_ids == reference and spec.stats.num_drafts > 0
+
+
+def test_specvlm_refuses_a_tiled_target_in_one_line():
+    with pytest.raises(InputError, match="fixed square image grid") as err:
+        drafter_model("specvlm").for_target(tiny_pipeline("llava_next").lm)
+    assert "\n" not in str(err.value)
