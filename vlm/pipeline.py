@@ -45,7 +45,7 @@ from vlm.hf_generate import (
     sequences_tensor,
 )
 from vlm.target import VLMInputs, cached_vlm, check_supported_config, model_class, prefill_vlm
-from vlm.world import build_prompt
+from vlm.world import build_prompt, image_marker
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 
@@ -134,22 +134,18 @@ class SpeculativeVLM:
         return self.drafter.image_tokens_attended(self.image_tokens_per_image)
 
     def image_marker(self) -> str:
-        """What one image is in a prompt's text before the processor expands it (LLaVA `<image>`; Qwen2-VL
-        `<|vision_start|><|image_pad|><|vision_end|>`)."""
-        token = getattr(self.processor, "image_token", None) or "<image>"
-        bounds = [getattr(self.model.config, f"vision_{side}_token_id", None) for side in ("start", "end")]
-        if None in bounds:
-            return token
-        start, end = self.processor.tokenizer.convert_ids_to_tokens(bounds)
-        return f"{start}{token}{end}"
+        """What one image is in a prompt's text before the processor expands it (`vlm.world.image_marker`)."""
+        return image_marker(self.processor)
 
     def prompt_text(self, prompt: str, with_image: bool = True) -> str:
-        """`prompt` as the target reads it: used as given when it holds the image marker (or, without an image,
-        when the tokenizer has a chat template it was already formatted with: give raw questions here); else the
-        tokenizer's chat template when it has one, else LLaVA-1.5's conversation format (`vlm.world.build_prompt`)
-        with the model's image marker, or without one for a text-only row."""
+        """`prompt` as the target reads it. A prompt holding the image marker is used as given (`<image>` stands
+        for the model's marker, e.g. Qwen2-VL's `<|vision_start|><|image_pad|><|vision_end|>`); any other is a raw
+        question, formatted by the tokenizer's chat template when it has one, else by LLaVA-1.5's conversation
+        format (`vlm.world.build_prompt`) with the model's image marker, or without one for a text-only row."""
         check(isinstance(prompt, str) and prompt.strip(), "every prompt must be a non-empty string.")
         marker = self.image_marker()
+        if "<image>" in prompt and marker != "<image>" and marker not in prompt:  # world prompts, any model
+            prompt = prompt.replace("<image>", marker)
         if marker in prompt or getattr(self.processor, "image_token", "<image>") in prompt:
             check(with_image, f"a prompt holds the image marker {marker!r} but its image is None.")
             return prompt

@@ -2,6 +2,7 @@
 procedural world's questions, on a CPU, in stages.
 
     mmspec train vlm --out assets/vlm
+    mmspec train vlm --arch qwen2_vl --out assets/vlm-qwen2      # the world Qwen2-VL target (vlm/world_qwen2_vl.py)
 
 Stages (a rerun skips a finished stage unless --force):
 1. `vision`: the CLIP vision tower pretrained on the world's scene labels (vlm/vision_pretrain.py: every image token
@@ -49,21 +50,50 @@ from vlm.vision_pretrain import pretrain_vision_tower
 from vlm.world import (
     VQAExample,
     collate_vqa,
-    load_world_processor,
     world_llava_config,
     world_processor,
     world_vqa_examples,
 )
+from vlm.world_qwen2_vl import world_qwen2_vl_config, world_qwen2_vl_processor
 
 STAGES = ("vision", "target", "eval")
 VISION_FILE = "vision-tower.pt"  # in --work-dir: the pretrained tower, read by the target stage
 MODEL_CONFIG_KEYS = {"vision", "text", "projector_hidden_act", "vision_feature_layer", "multimodal_projector_bias"}
+# the world target's architectures: its config and processor builders, transformers class, the vision tower (and
+# which of its parts stay frozen with it: LLaVA's projector and Qwen2-VL's merger train), --model-config keys, card
+ARCHS = {
+    "llava": dict(config=world_llava_config, processor=world_processor, model="LlavaForConditionalGeneration",
+                  tower=lambda model: model.model.vision_tower, frozen=lambda tower: [tower],
+                  keys=MODEL_CONFIG_KEYS, fixed_vision=("image_size", "patch_size"),
+                  title="Embedded VLM default (world LLaVA target)",
+                  about=["A small LLaVA (transformers `LlavaForConditionalGeneration`: CLIP vision tower, "
+                         "Linear-GELU-Linear projector,", "Llama language model) trained from scratch on mmspec's "
+                         "procedural world: 32x32 images, 64 image tokens, the", "world's questions with short (one "
+                         "or two words) and long (two or three sentences) answers. Load it with",
+                         "`LlavaForConditionalGeneration.from_pretrained(folder)` and "
+                         "`LlavaProcessor.from_pretrained(folder)`; the", "prompt format is `vlm.world.build_prompt`. "
+                         "Made by:"], tags=["llava", "world"]),
+    "qwen2_vl": dict(config=world_qwen2_vl_config, processor=world_qwen2_vl_processor,
+                     model="Qwen2VLForConditionalGeneration", tower=lambda model: model.model.visual,
+                     frozen=lambda tower: [tower.patch_embed, tower.blocks], keys={"vision", "text"},
+                     fixed_vision=("patch_size", "spatial_merge_size", "temporal_patch_size"),
+                     title="World Qwen2-VL target",
+                     about=["A small Qwen2-VL (transformers `Qwen2VLForConditionalGeneration`: Qwen2-VL's vision "
+                            "tower with a 2x2 patch merger,", "Qwen2 language model with M-RoPE) trained from "
+                            "scratch on mmspec's procedural world: 32x32 images, 16 image", "tokens on a 4x4 grid, "
+                            "the world's questions with short and long answers. Load it with",
+                            "`Qwen2VLForConditionalGeneration.from_pretrained(folder)` and "
+                            "`AutoProcessor.from_pretrained(folder)`", "(`vlm.world_qwen2_vl`); `SpeculativeVLM."
+                            "from_pretrained(folder)` formats prompts. Made by:"], tags=["qwen2-vl", "world"]),
+}
 SHORT_MAX_NEW_TOKENS = 6  # short answers are one or two words (at most 3 tokens with <eos>)
 LONG_MAX_NEW_TOKENS = 96  # long answers are at most ~55 tokens
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_staged_arguments(parser, "vlm", STAGES, "scratch folder (resumable training state)")
+    parser.add_argument("--arch", default="llava", choices=sorted(ARCHS),
+                        help="the target's architecture: LLaVA-1.5 (the embedded default) or Qwen2-VL (M-RoPE)")
     parser.add_argument("--steps", type=int, default=3000, help="optimiser steps")
     parser.add_argument("--batch-size", type=int, default=32, help="scenes (one question each) per step")
     parser.add_argument("--lr", type=float, default=1e-3)
@@ -109,16 +139,19 @@ def _check_args(args: argparse.Namespace) -> dict:
     except json.JSONDecodeError as err:
         raise InputError(f"--model-config is not valid JSON ({err}): {args.model_config!r}") from None
     check(isinstance(overrides, dict), f"--model-config must be a JSON object, got {args.model_config!r}.")
-    unknown = sorted(set(overrides) - MODEL_CONFIG_KEYS)
-    check(not unknown, f"--model-config keys must be among {sorted(MODEL_CONFIG_KEYS)}, got {unknown}.")
+    arch = ARCHS[args.arch]
+    unknown = sorted(set(overrides) - arch["keys"])
+    check(not unknown, f"--model-config keys of --arch {args.arch} must be among {sorted(arch['keys'])}, got "
+                       f"{unknown}.")
     vision = overrides.get("vision")
-    check(not (isinstance(vision, dict) and {"image_size", "patch_size"} & set(vision)),
-          "--model-config cannot change the vision image_size or patch_size: the processor reads 32x32 images in "
-          "4x4 patches.")
+    check(not (isinstance(vision, dict) and set(arch["fixed_vision"]) & set(vision)),
+          f"--model-config cannot change the vision {' or '.join(arch['fixed_vision'])}: the processor reads 32x32 "
+          "images in 4x4 patches.")
     try:
-        world_llava_config(**overrides)
+        arch["config"](**overrides)
     except (TypeError, ValueError, StrictDataclassError) as err:
-        raise InputError(f"--model-config {args.model_config!r} is not a valid world LLaVA config: {err}") from None
+        raise InputError(f"--model-config {args.model_config!r} is not a valid world {args.arch} config: "
+                         f"{err}") from None
     return overrides
 
 
@@ -140,27 +173,31 @@ def training_batch(processor, step: int, batch_size: int, seed: int, long_fracti
 def train_target(steps: int, batch_size: int, lr: float, seed: int, quiet: bool, long_fraction: float = 0.5,
                  two_objects: float = 0.4, model_config: dict | None = None, processor=None,
                  state_path: Path | None = None, checkpoint_every: int = 500, vision_state: dict | None = None,
-                 train_vision: bool = False):
+                 train_vision: bool = False, arch: str = "llava"):
     """A fresh world LLaVA trained with teacher forcing; returns (model in eval mode, info). `vision_state`: a
     pretrained vision tower (vlm/vision_pretrain.py), frozen unless `train_vision`; None trains a fresh tower with the
     rest. Resumes from state_path (model, optimiser, step) when it exists and saves it there every
     checkpoint_every steps; the data of a step depends only on the step, so a resumed run equals an uninterrupted
     one."""
-    from transformers import LlavaForConditionalGeneration
+    import transformers
 
-    processor = processor if processor is not None else world_processor()
+    spec = ARCHS[arch]
+    processor = processor if processor is not None else spec["processor"]()
     model_config = model_config or {}
     settings = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "long_fraction": long_fraction,
                 "two_objects": two_objects, "model_config": model_config,
                 "vision_pretrained": vision_state is not None, "train_vision": train_vision}
+    if arch != "llava":
+        settings["arch"] = arch
     torch.manual_seed(seed)
-    config = world_llava_config(tokenizer=processor.tokenizer, **model_config)
-    model = LlavaForConditionalGeneration(config).train()
+    config = spec["config"](tokenizer=processor.tokenizer, **model_config)
+    model = getattr(transformers, spec["model"])(config).train()
     if vision_state is not None:
-        tower = model.model.vision_tower
+        tower = spec["tower"](model)
         tower.load_state_dict(vision_state)
-        tower.requires_grad_(train_vision)
-        tower.train(train_vision)  # a frozen tower runs in eval mode, as at inference
+        for part in spec["frozen"](tower):
+            part.requires_grad_(train_vision)
+            part.train(train_vision)  # a frozen tower runs in eval mode, as at inference
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=lr, betas=(0.9, 0.95), weight_decay=0.05)
     first, seconds, losses = 0, 0.0, {"short": [], "long": []}
@@ -267,16 +304,12 @@ def evaluate(model, processor, n_scenes: int, n_long: int, seed: int, batch_size
 
 
 # ------------------------------------------------------------------------------------------------------------ run
-def _card(command: str, info: dict) -> str:
+def _card(command: str, info: dict, arch: str = "llava") -> str:
     t, ev = info.get("target", {}), info.get("eval", {})
-    lines = card_head("Embedded VLM default (world LLaVA target)", [
-        "A small LLaVA (transformers `LlavaForConditionalGeneration`: CLIP vision tower, Linear-GELU-Linear projector,",
-        "Llama language model) trained from scratch on mmspec's procedural world: 32x32 images, 64 image tokens, the",
-        "world's questions with short (one or two words) and long (two or three sentences) answers. Load it with",
-        "`LlavaForConditionalGeneration.from_pretrained(folder)` and `LlavaProcessor.from_pretrained(folder)`; the",
-        "prompt format is `vlm.world.build_prompt`. Made by:"], command, info.get("machine", ""))
+    spec = ARCHS[arch]
+    lines = card_head(spec["title"], spec["about"], command, info.get("machine", ""))
     overrides = t.get("model_config") or {}
-    lines.append(f"| target | world_llava_config({json.dumps(overrides) if overrides else ''}), "
+    lines.append(f"| target | {spec['config'].__name__}({json.dumps(overrides) if overrides else ''}), "
                  f"{t.get('parameters', 0) / 1e6:.2f}M params | {t.get('steps')} steps x {t.get('batch_size')} "
                  f"questions, lr {t.get('lr')}, long answers in {t.get('long_fraction')} of the steps, final loss "
                  f"{t.get('final_loss_short', 0):.3f} (short) / {t.get('final_loss_long', 0):.3f} (long) | "
@@ -284,8 +317,9 @@ def _card(command: str, info: dict) -> str:
     if info.get("vision"):
         v = info["vision"]
         acc = ", ".join(f"{k} {a:.3f}" for k, a in v["readout_accuracy"].items())
-        lines.insert(-1, f"| vision tower (pretraining) | the target's CLIP tower, per-token linear readout of patch "
-                         f"labels from hidden layer {v['feature_layer']} | {v['steps']} steps x {v['batch_size']} "
+        where = f"hidden layer {v['feature_layer']}" if v.get("feature_layer") is not None else "the merged output"
+        lines.insert(-1, f"| vision tower (pretraining) | the target's vision tower, per-token linear readout of "
+                         f"patch labels from {where} | {v['steps']} steps x {v['batch_size']} "
                          f"scenes, lr {v['lr']}; held-out readout accuracy {acc} | {v['seconds']:.0f} s |")
         how = "fine-tuned with" if t.get("train_vision") else "frozen while"
         lines.append(f"\nThe pretrained vision tower is {how} "
@@ -307,32 +341,35 @@ def _card(command: str, info: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _load_quietly(out: Path):
-    """The saved target, without transformers' weight-loading progress bar."""
-    from transformers import LlavaForConditionalGeneration
+def load_target(out: Path, arch: str, quiet: bool):
+    """The saved target and its processor (local files), without transformers' progress bar when quiet."""
+    import transformers
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    if quiet:
+        hf_logging.disable_progress_bar()
     try:
-        return LlavaForConditionalGeneration.from_pretrained(str(out), local_files_only=True)
+        model = getattr(transformers, ARCHS[arch]["model"]).from_pretrained(str(out), local_files_only=True)
+        return model, transformers.AutoProcessor.from_pretrained(str(out), local_files_only=True)
     finally:
         if was_enabled:
             hf_logging.enable_progress_bar()
 
 
 def _vision_settings(args: argparse.Namespace, overrides: dict) -> dict:
-    config = world_llava_config(**overrides)
+    config = ARCHS[args.arch]["config"](**overrides)
     return {"objective": "patch labels", "vision_config": config.vision_config.to_diff_dict(),
-            "feature_layer": config.vision_feature_layer,
+            "feature_layer": getattr(config, "vision_feature_layer", None),
             "steps": args.vision_steps, "batch_size": args.vision_batch_size, "lr": args.vision_lr, "seed": args.seed,
             "two_objects": args.two_objects}
 
 
 def vision_pretraining(args: argparse.Namespace, overrides: dict, path: Path) -> None:
     """The `vision` stage: pretrain the tower (vlm/vision_pretrain.py) and save it with its settings at `path`."""
-    config = world_llava_config(**overrides)
-    state, info = pretrain_vision_tower(config.vision_config, config.vision_feature_layer, world_processor(),
+    config = ARCHS[args.arch]["config"](**overrides)
+    state, info = pretrain_vision_tower(config.vision_config, getattr(config, "vision_feature_layer", None),
+                                        ARCHS[args.arch]["processor"](),
                                         args.vision_steps, args.vision_batch_size, args.vision_lr, args.seed,
                                         args.two_objects, args.quiet)
     acc = ", ".join(f"{k} {v:.3f}" for k, v in info["readout_accuracy"].items())
@@ -364,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
             args.force or saved_vision_pretraining(vision_path, args, overrides) is None):
         vision_pretraining(args, overrides, vision_path)
     if "target" in stages and (args.force or not has_target):
-        processor = world_processor()
+        processor = ARCHS[args.arch]["processor"]()
         vision_state = None
         if args.vision_steps:
             saved = saved_vision_pretraining(vision_path, args, overrides)
@@ -377,25 +414,24 @@ def run(args: argparse.Namespace) -> int:
             info.pop("vision", None)
         model, info["target"] = train_target(
             args.steps, args.batch_size, args.lr, args.seed, args.quiet, args.long_fraction, args.two_objects,
-            overrides, processor, work / "target-state.pt", args.checkpoint_every, vision_state, args.train_vision)
+            overrides, processor, work / "target-state.pt", args.checkpoint_every, vision_state, args.train_vision,
+            args.arch)
         info.pop("eval", None)
         save_target(out, model, processor, info)
         has_target = True
     if "eval" in stages:
-        from transformers import LlavaForConditionalGeneration
-
         check(has_target, f"no trained target in {out}: run the 'target' stage first.")
-        model = _load_quietly(out) if args.quiet else LlavaForConditionalGeneration.from_pretrained(
-            str(out), local_files_only=True)
-        processor = load_world_processor(out)
+        model, processor = load_target(out, args.arch, args.quiet)
         info["eval"] = evaluate(model, processor, args.eval_scenes, args.eval_long, args.seed,
                                 args.eval_batch_size, args.two_objects)
         folder.record()
         options = ["out", "seed", "steps", "batch_size", "lr", "long_fraction", "two_objects", "vision_steps",
                    "vision_batch_size", "vision_lr", "eval_scenes", "eval_long", "threads"] + (
-            ["model_config"] if args.model_config else []) + (["train_vision"] if args.train_vision else [])
+            ["model_config"] if args.model_config else []) + (["train_vision"] if args.train_vision else []) + (
+            ["arch"] if args.arch != "llava" else [])
         command = explicit_command("mmspec train vlm", args, options)
-        card_text = with_metadata(_card(command, info), pipeline_tag="image-text-to-text", tags=["llava", "world"])
+        card_text = with_metadata(_card(command, info, args.arch), pipeline_tag="image-text-to-text",
+                                  tags=ARCHS[args.arch]["tags"])
         (out / "README.md").write_text(card_text)
         summary = {**info["eval"], "long": {k: v for k, v in info["eval"]["long"].items() if k != "examples"}}
         print(json.dumps(summary, indent=2))

@@ -1,4 +1,4 @@
-"""`mmspec train vlm-drafter`: train a VLM drafter (EagleVLM, ViSpec, MSD or SpecVLM) for a LLaVA target on long
+"""`mmspec train vlm-drafter`: train a VLM drafter (EagleVLM, ViSpec, MSD or SpecVLM) for a VLM target on long
 answers (the target's own, or the dataset's for MSD, as each method's code does).
 
     mmspec train vlm-drafter --kind eagle --target assets/vlm          # writes assets/vlm/drafters/eagle
@@ -168,20 +168,22 @@ def training_batch(vlm: SpeculativeVLM, data: dict, rows: torch.Tensor,
     its features never see an image)."""
     lengths, prompt_lengths = data["lengths"][rows], data["prompt_lengths"][rows]
     ids = data["ids"][rows, : int(lengths.max())]
-    pixels = None
+    pixels, extras = None, {}
     if text_only:
         keep = ids != vlm.lm.image_token_id  # [B, T]
         dropped = (~keep).sum(-1)
         check(bool((dropped == dropped[0]).all()), "training rows hold different numbers of image tokens.")
         ids = ids[keep].view(ids.shape[0], -1)
         lengths, prompt_lengths = lengths - dropped, prompt_lengths - dropped
-    else:
-        pixels = vlm.processor.image_processor(list(data["images"][rows]), return_tensors="pt")["pixel_values"]
+    else:  # the processor's image inputs: pixel_values and what else the target reads (Qwen2-VL's image_grid_thw)
+        images = vlm.processor.image_processor(list(data["images"][rows]), return_tensors="pt")
+        pixels = images.pop("pixel_values")
+        extras = {k: v for k, v in images.items() if isinstance(v, torch.Tensor)}
     width = ids.shape[1]
     mask = torch.arange(width) < lengths.unsqueeze(-1)
     pair = torch.arange(width - 1)
     loss_mask = (pair + 2 >= prompt_lengths.unsqueeze(-1)) & (pair + 1 < lengths.unsqueeze(-1))  # [B, T-1]
-    return VLMInputs(ids, mask.long(), pixels), loss_mask
+    return VLMInputs(ids, mask.long(), pixels, extras), loss_mask
 
 
 def feature_noise(features: torch.Tensor, lengths: torch.Tensor, width: float, scaling: str,

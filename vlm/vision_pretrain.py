@@ -1,4 +1,5 @@
-"""Stage `vision` of `mmspec train vlm`: pretrain the world LLaVA's CLIP vision tower on the world's scene labels.
+"""Stage `vision` of `mmspec train vlm`: pretrain the world target's vision tower (the LLaVA's CLIP tower, or with
+`--arch qwen2_vl` Qwen2-VL's tower and patch merger) on the world's scene labels.
 
 LLaVA starts from a pretrained CLIP tower and keeps it frozen while the projector and the language model learn. The
 world has no CLIP, and a tower learned only through the answer loss learns colours and counts but barely tells
@@ -15,14 +16,16 @@ pretraining, supervised densely by what each scene is made of: every image token
 Each token then carries its object's shape, colour, size and place where the language model can read it with one
 attention hop ("the object in the upper left" finds the tokens that say "cell 0"). The heads read the hidden layer
 the projector reads (layer -2 by default, CLS dropped), so the features the language model sees are the trained
-ones; the heads are thrown away afterwards. Fresh scenes every step (one- and two-object scenes, like the VQA
-data), AdamW, the world trainers' schedule. Measured on held-out test scenes: the readout's accuracy per attribute
-over the covered patches, on the empty patches, and for the background.
+ones; the heads are thrown away afterwards. Qwen2-VL's tower is read at its merged output (its merger is
+LLaVA's projector): one token per 2x2 patches, a 4x4 grid for a 32x32 image (`world_tower`). Fresh scenes every
+step (one- and two-object scenes, like the VQA data), AdamW, the world trainers' schedule. Measured on held-out test
+scenes: the readout's accuracy per attribute over the covered patches, on the empty patches, and for the background.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -34,6 +37,7 @@ from mmspec.data.world import BACKGROUNDS, BASE_SIZE, COLORS, SHAPES, SIZES, UNI
 from mmspec.world_training import optimizer_step
 
 CELLS = 9  # the world's 3x3 grid
+IMAGE_SIDE = 32  # world images are 32x32
 ATTRIBUTES = {"shape": len(SHAPES), "color": len(COLORS), "size": len(SIZES), "cell": CELLS}  # before "none"
 
 
@@ -83,9 +87,32 @@ def tower_features(tower: nn.Module, pixel_values: torch.Tensor, layer: int) -> 
 
 
 def _batch(processor, n: int, seed: int, split: str, start: int, two_objects: float, patches_per_side: int):
+    """(the processor's image inputs: pixel_values and, for Qwen2-VL, image_grid_thw; the patch labels)."""
     batch = generate_batch(n, seed, split=split, start=start, two_objects=two_objects, with_text=False)
-    pixels = processor.image_processor(list(batch.images), return_tensors="pt")["pixel_values"]  # [n, 3, 32, 32]
-    return pixels, patch_targets(batch.params, patches_per_side)
+    images = dict(processor.image_processor(list(batch.images), return_tensors="pt"))  # pixel_values [n, 3, 32, 32]
+    return images, patch_targets(batch.params, patches_per_side)
+
+
+def world_tower(vision_config, layer: int) -> tuple[nn.Module, int, int, Callable]:
+    """A fresh vision tower for `vision_config` and how to read it: (tower, image tokens per side, feature size,
+    features(tower, image inputs) -> [B, P, D]). CLIP (LLaVA): the hidden layer `layer` the projector reads, one
+    token per patch; Qwen2-VL: the tower's merged output (its merger is LLaVA's projector), one token per 2x2
+    patches, raster order."""
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    if isinstance(vision_config, CLIPVisionConfig):
+        side = vision_config.image_size // vision_config.patch_size
+        return (CLIPVisionModel(vision_config), side, vision_config.hidden_size,
+                lambda tower, images: tower_features(tower, images["pixel_values"], layer))
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+    def merged(tower, images):
+        grid = images["image_grid_thw"]  # [B, 3]
+        out = tower(images["pixel_values"], grid_thw=grid).pooler_output  # [sum tokens, D]
+        return out.view(grid.shape[0], -1, out.shape[-1])
+
+    side = IMAGE_SIDE // (vision_config.patch_size * vision_config.spatial_merge_size)
+    return Qwen2VisionTransformerPretrainedModel(vision_config), side, vision_config.hidden_size, merged
 
 
 def readout_loss(logits: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -95,14 +122,14 @@ def readout_loss(logits: dict[str, torch.Tensor], targets: dict[str, torch.Tenso
 
 
 @torch.no_grad()
-def readout_accuracy(tower: nn.Module, readout: SceneReadout, processor, layer: int, n: int, seed: int,
+def readout_accuracy(tower: nn.Module, readout: SceneReadout, processor, features: Callable, n: int, seed: int,
                      two_objects: float, patches_per_side: int) -> dict[str, float]:
     """Accuracy of the readout on n held-out test scenes: per attribute over the patches an object covers, "none" on
     the background patches, and the background colour."""
     was_training = tower.training
     tower.eval()
-    pixels, targets = _batch(processor, n, seed, "test", 0, two_objects, patches_per_side)
-    logits = readout(tower_features(tower, pixels, layer))
+    images, targets = _batch(processor, n, seed, "test", 0, two_objects, patches_per_side)
+    logits = readout(features(tower, images))
     covered = targets["shape"] < ATTRIBUTES["shape"]  # [n, P]
     right = {name: logits[name].argmax(-1) == targets[name] for name in ATTRIBUTES}  # [n, P] each
     acc = {name: right[name][covered].float().mean().item() for name in ATTRIBUTES}
@@ -114,26 +141,24 @@ def readout_accuracy(tower: nn.Module, readout: SceneReadout, processor, layer: 
 
 def pretrain_vision_tower(vision_config, layer: int, processor, steps: int, batch_size: int, lr: float, seed: int,
                           two_objects: float, quiet: bool, eval_scenes: int = 512) -> tuple[dict, dict]:
-    """A fresh CLIP vision tower (`vision_config`) pretrained on the scene labels; returns (its state dict, info
-    with the held-out readout accuracy)."""
-    from transformers import CLIPVisionModel
-
+    """A fresh vision tower (`vision_config`: CLIP or Qwen2-VL's, `world_tower`) pretrained on the scene labels;
+    returns (its state dict, info with the held-out readout accuracy)."""
     torch.manual_seed(seed)
-    tower = CLIPVisionModel(vision_config).train()
-    side = vision_config.image_size // vision_config.patch_size
-    readout = SceneReadout(vision_config.hidden_size)
+    tower, side, hidden, features = world_tower(vision_config, layer)
+    tower.train()
+    readout = SceneReadout(hidden)
     params = list(tower.parameters()) + list(readout.parameters())
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.05)
     start = time.perf_counter()
     bar = tqdm(range(steps), desc="vision tower", disable=quiet)
     for step in bar:
-        pixels, targets = _batch(processor, batch_size, seed, "train", step * batch_size, two_objects, side)
-        loss = readout_loss(readout(tower_features(tower, pixels, layer)), targets)
+        images, targets = _batch(processor, batch_size, seed, "train", step * batch_size, two_objects, side)
+        loss = readout_loss(readout(features(tower, images)), targets)
         optimizer_step(opt, loss, step, steps, lr)
         if step % 20 == 0:
             bar.set_postfix(loss=f"{loss.item():.3f}")
     seconds = time.perf_counter() - start
-    accuracy = readout_accuracy(tower, readout, processor, layer, eval_scenes, seed, two_objects, side)
+    accuracy = readout_accuracy(tower, readout, processor, features, eval_scenes, seed, two_objects, side)
     info = {"steps": steps, "batch_size": batch_size, "lr": lr, "seed": seed, "two_objects": two_objects,
             "feature_layer": layer, "seconds": seconds, "eval_scenes": eval_scenes, "readout_accuracy": accuracy}
     return tower.eval().state_dict(), info

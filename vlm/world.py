@@ -162,7 +162,9 @@ def collate_vqa(examples: Sequence[VQAExample], processor, with_answers: bool = 
     side = padding_side or ("right" if with_answers else "left")
     check(side in ("left", "right"), f"padding_side must be 'left' or 'right', got {side!r}.")
     tok = processor.tokenizer
-    enc = processor(images=[ex.image for ex in examples], text=[ex.prompt for ex in examples], return_tensors=None)
+    marker = image_marker(processor)
+    enc = processor(images=[ex.image for ex in examples], return_tensors=None,
+                    text=[ex.prompt.replace("<image>", marker) for ex in examples])
     rows, targets = [], []
     for ex, prompt_ids in zip(examples, enc["input_ids"]):
         answer_ids = (tok(answer_text(ex.qa, ex.long, tok.eos_token), add_special_tokens=False)["input_ids"]
@@ -178,9 +180,23 @@ def collate_vqa(examples: Sequence[VQAExample], processor, with_answers: bool = 
         input_ids[i, cols] = torch.tensor(ids)
         attention_mask[i, cols] = 1
         labels[i, cols] = torch.tensor(target)
-    pixel_values = torch.as_tensor(np.stack(enc["pixel_values"])) if isinstance(enc["pixel_values"], list) \
-        else torch.as_tensor(enc["pixel_values"])
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "pixel_values": pixel_values.float()}
+    pixels = enc["pixel_values"]  # LLaVA: one [3, H, W] per image; Qwen2-VL: flattened patches
+    if isinstance(pixels, list):
+        pixels = np.stack(pixels) if np.asarray(pixels[0]).ndim == 3 else np.concatenate(pixels)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask,
+             "pixel_values": torch.as_tensor(pixels).float()}
+    if "image_grid_thw" in enc:  # Qwen2-VL: each image's patch grid, and which tokens are image tokens
+        batch["image_grid_thw"] = torch.as_tensor(np.asarray(enc["image_grid_thw"])).view(-1, 3)
+        batch["mm_token_type_ids"] = (input_ids == tok.convert_tokens_to_ids(processor.image_token)).long()
     if with_answers:
         batch["labels"] = labels
     return batch
+
+
+def image_marker(processor) -> str:
+    """What one image is in a prompt's text before `processor` expands it: its image token (`<image>` for LLaVA),
+    between Qwen2-VL's `<|vision_start|>` and `<|vision_end|>` when the tokenizer has them."""
+    token = getattr(processor, "image_token", None) or "<image>"
+    vocab = processor.tokenizer.get_vocab()
+    bounds = ("<|vision_start|>", "<|vision_end|>")
+    return f"{bounds[0]}{token}{bounds[1]}" if all(b in vocab for b in bounds) else token

@@ -240,3 +240,24 @@ def test_feature_noise_follows_eagles_length_scaling():
         assert noise[b].abs().max() <= half_width and noise[b].abs().max() > 0.9 * half_width
     fixed = feature_noise(features, lengths, 0.2, "fixed", torch.Generator().manual_seed(0))
     assert 0.09 < fixed.abs().max() <= 0.1
+
+
+@pytest.mark.parametrize("kind", ["eagle", "vispec"])
+def test_train_a_drafter_for_a_qwen2_vl_target(tmp_path, kind):
+    """`mmspec train vlm-drafter` on a (tiny, untrained) Qwen2-VL folder: world prompts get Qwen2-VL's image
+    marker, image batches carry image_grid_thw; the drafter trains, saves, loads and keeps greedy answers exact."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from vlm.world_qwen2_vl import world_qwen2_vl_config, world_qwen2_vl_processor
+
+    folder = tmp_path / "qwen2-vl"
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(world_qwen2_vl_config(
+        vision=dict(depth=1, embed_dim=32, num_heads=2),
+        text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=2))).save_pretrained(folder)
+    world_qwen2_vl_processor().save_pretrained(folder)
+    assert train(folder, tmp_path / "work", "--kind", kind, "--steps", "12", "--text-only-fraction", "0.5") == 0
+    info = json.loads((folder / "drafters" / kind / "training.json").read_text())
+    assert info["eval"]["greedy_equal_to_vanilla"] is True
+    assert SpeculativeVLM.from_pretrained(folder, drafter=kind).drafter is not None

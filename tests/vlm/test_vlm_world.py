@@ -268,3 +268,39 @@ def test_a_malformed_number_is_an_argparse_error(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "vlm", "--out", str(tmp_path), "--steps", "many"])
     assert exit_info.value.code == 2
+
+
+def test_train_a_qwen2_vl_world_target(tmp_path):
+    """`mmspec train vlm --arch qwen2_vl`: the vision stage pretrains Qwen2-VL's tower (readout on its merged
+    4x4 tokens), the target stage keeps its patch embedding and blocks frozen and trains the merger with the language
+    model, and the folder loads as a Qwen2-VL target of SpeculativeVLM with exact greedy answers."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from vlm.pipeline import SpeculativeVLM
+
+    out, work = tmp_path / "qwen", tmp_path / "work"
+    tiny = {"vision": {"depth": 1, "embed_dim": 32, "num_heads": 2},
+            "text": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+                     "num_key_value_heads": 2}}
+    assert main(["train", "vlm", "--arch", "qwen2_vl", "--out", str(out), "--work-dir", str(work), "--steps", "3",
+                 "--batch-size", "4", "--vision-steps", "3", "--vision-batch-size", "4", "--eval-scenes", "2",
+                 "--eval-long", "2", "--model-config", json.dumps(tiny), "--threads", "1", "--quiet"]) == 0
+    info = json.loads((out / "training.json").read_text())
+    assert info["target"]["arch"] == "qwen2_vl" and info["eval"]["short"]["n"] >= 12
+    card = (out / "README.md").read_text()
+    assert "--arch qwen2_vl" in card and "World Qwen2-VL target" in card and "the merged output" in card
+    model = Qwen2VLForConditionalGeneration.from_pretrained(out, local_files_only=True)
+    pretrained = torch.load(work / vlm_train.VISION_FILE, weights_only=True)["state"]
+    for name, value in model.model.visual.state_dict().items():
+        if not name.startswith("merger."):
+            assert torch.equal(value, pretrained[name]), name
+    vlm = SpeculativeVLM.from_pretrained(out)
+    example = world_vqa_examples("test", 1, seed=0)[0]
+    answer = vlm.generate([example.image], [example.prompt], max_new_tokens=4).token_ids[0]
+    enc = vlm.processor(images=[example.image], text=[vlm.prompt_text(example.prompt)], return_tensors="pt")
+    ref = model.generate(**enc, max_new_tokens=4, do_sample=False)[0, enc["input_ids"].shape[1]:].tolist()
+    assert answer == ref
+    with pytest.raises(SystemExit):
+        main(["train", "vlm", "--arch", "nope"])
+    assert main(["train", "vlm", "--arch", "qwen2_vl", "--out", str(out), "--model-config",
+                 '{"vision_feature_layer": -2}', "--quiet"]) != 0
