@@ -112,3 +112,15 @@ def test_bad_input(vlm, tmp_path):
         load_drafter(tmp_path, "medusa")
     with pytest.raises(InputError, match="no eagle drafter"):
         load_drafter(tmp_path, "eagle")
+
+
+def test_text_only_rows_mix_with_image_rows(vlm):
+    """An image of None is a text-only row ("USER: {question} ASSISTANT:", no <image>); its answer is the target's
+    own greedy answer to that text, in a batch with image rows; images=None makes every row text-only."""
+    images = world_images(2)
+    prompts = [QUESTIONS[0], "Say something.", QUESTIONS[1]]
+    assert vlm.prompt_text(prompts[1], with_image=False) == "USER: Say something. ASSISTANT:"
+    out = vlm.generate([images[0], None, images[1]], prompts, max_new_tokens=6, tree=(3, 3, 8), budget="fixed")
+    alone = vlm.generate(None, prompts[1:2], max_new_tokens=6, use_drafter=False)
+    assert out.token_ids[1] == alone.token_ids[0]
+    assert out.token_ids[0] == vlm.generate(images[:1], prompts[:1], max_new_tokens=6, use_drafter=False).token_ids[0]
