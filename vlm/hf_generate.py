@@ -30,6 +30,14 @@ from mmspec.sampling import SamplingParams
 from vlm.target import VLMInputs
 
 PER_TOKEN_INPUTS = ("mm_token_type_ids", "token_type_ids")  # [B, P] inputs that move with the tokens
+# what transformers uses for a generation setting left unset (None) by the user and the model's config
+UNSET_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "max_length": 20}
+
+
+def setting(config, name: str):
+    """`config`'s value of `name`, or transformers' default when it is unset."""
+    value = getattr(config, name, None)
+    return UNSET_DEFAULTS[name] if value is None else value
 
 
 @dataclass
@@ -52,13 +60,12 @@ def resolve_generation(model, generation_config, overrides: dict) -> tuple[Sampl
     for key, value in overrides.items():
         if value is not None:
             setattr(config, key, value)
-    check(getattr(config, "num_beams", 1) in (None, 1), "beam search is not speculative decoding; use num_beams=1.")
-    if not config.do_sample:
+    check(getattr(config, "num_beams", None) in (None, 1), "beam search is not speculative decoding; use num_beams=1.")
+    if not setting(config, "do_sample"):
         params = SamplingParams(temperature=0.0)
     else:
-        params = SamplingParams(temperature=float(config.temperature if config.temperature is not None else 1.0),
-                                top_k=int(config.top_k or 0), top_p=float(config.top_p if config.top_p is not None
-                                                                          else 1.0))
+        params = SamplingParams(temperature=float(setting(config, "temperature")), top_k=int(setting(config, "top_k")),
+                                top_p=float(setting(config, "top_p")))
     return params, config.max_new_tokens, config.eos_token_id
 
 

@@ -43,6 +43,7 @@ from vlm.hf_generate import (
     resolve_generation,
     right_padded,
     sequences_tensor,
+    setting,
 )
 from vlm.target import VLMInputs, cached_vlm, check_supported_config, model_class, prefill_vlm
 from vlm.world import build_prompt, image_marker
@@ -269,7 +270,7 @@ class SpeculativeVLM:
         params, max_new_tokens, eos = resolve_generation(self.model, generation_config, settings)
         if max_new_tokens is None:  # transformers: max_length (default 20) counts the prompt
             config = generation_config or self.model.generation_config
-            max_new_tokens = (getattr(config, "max_length", None) or 20) - ids.shape[1]
+            max_new_tokens = setting(config, "max_length") - ids.shape[1]
         check(max_new_tokens > 0, f"no room for new tokens: the prompts are {ids.shape[1]} tokens and max_length "
                                   f"leaves {max_new_tokens}; pass max_new_tokens.")
         check_positive_int("max_new_tokens", max_new_tokens)

@@ -87,6 +87,11 @@ def test_settings_follow_transformers_precedence():
                                                max_new_tokens=7, eos_token_id=[2, 3])
     assert resolve_generation(model, None, {}) == (SamplingParams(0.7, 5, 0.9), 7, [2, 3])
     assert resolve_generation(model, None, {"do_sample": False})[0] == SamplingParams(0.0)
+    unset = GenerationConfig(do_sample=True)  # transformers' defaults for what is unset: temperature 1, top_k 50
+    model.generation_config = unset
+    assert resolve_generation(model, None, {})[0] == SamplingParams(1.0, 50, 1.0)
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9,
+                                               max_new_tokens=7, eos_token_id=[2, 3])
     given = GenerationConfig(do_sample=True, temperature=1.3, top_k=0, top_p=1.0)
     assert resolve_generation(model, given, {"top_k": 9})[0] == SamplingParams(1.3, 9, 1.0)
     enc = processor_batch(vlm, n=2)
