@@ -322,9 +322,11 @@ def _card(command: str, info: dict, arch: str = "llava") -> str:
                          f"patch labels from {where} | {v['steps']} steps x {v['batch_size']} "
                          f"scenes, lr {v['lr']}; held-out readout accuracy {acc} | {v['seconds']:.0f} s |")
         how = "fine-tuned with" if t.get("train_vision") else "frozen while"
-        lines.append(f"\nThe pretrained vision tower is {how} "
-                     f"the projector and the language model train ({t.get('trained_parameters', 0) / 1e6:.2f}M "
-                     "parameters trained in the target stage).")
+        what = ("The pretrained vision tower is" if arch == "llava" else
+                "The pretrained tower's patch embedding and blocks are")
+        projector = "the projector" if arch == "llava" else "its patch merger (Qwen2-VL's projector)"
+        lines.append(f"\n{what} {how} {projector} and the language model train "
+                     f"({t.get('trained_parameters', 0) / 1e6:.2f}M parameters trained in the target stage).")
     lines += ["", f"Seed {t.get('seed')}.", "", "## Quality (held-out test scenes, greedy decoding)", ""]
     if "short" in ev:
         s = ev["short"]
