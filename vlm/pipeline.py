@@ -96,10 +96,14 @@ class SpeculativeVLM:
     @classmethod
     def from_pretrained(cls, folder: str | Path, drafter: str | None = None, *, drafter_path: str | Path | None = None,
                         device: str = "cpu", attention_backend: str | None = None,
-                        dtype: torch.dtype | None = None) -> SpeculativeVLM:
+                        dtype: torch.dtype | None = None, torch_dtype: torch.dtype | None = None) -> SpeculativeVLM:
         """The target in `folder` (and its processor); `drafter` a kind from `folder/drafters/<kind>` or from
-        `drafter_path`; both in `dtype` when given (else as saved). Local files only."""
+        `drafter_path`; both in `dtype` (transformers' older name: `torch_dtype`) when given (else as saved). Local
+        files only."""
         from transformers import AutoProcessor
+
+        check(dtype is None or torch_dtype is None, "give dtype or torch_dtype, not both.")
+        dtype = dtype if torch_dtype is None else torch_dtype
         from transformers.utils import logging as hf_logging
 
         folder = Path(folder)

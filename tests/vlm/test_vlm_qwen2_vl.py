@@ -173,7 +173,8 @@ def test_speculative_vlm_loads_a_qwen2_vl_folder_and_equals_transformers_generat
                                              num_attention_heads=2, num_key_value_heads=2))
     Qwen2VLForConditionalGeneration(config).save_pretrained(tmp_path)
     world_qwen2_vl_processor().save_pretrained(tmp_path)
-    vlm = SpeculativeVLM.from_pretrained(tmp_path)
+    vlm = SpeculativeVLM.from_pretrained(tmp_path, torch_dtype=torch.float32)  # transformers' older dtype name
+    assert vlm.model.dtype == torch.float32
     examples = world_vqa_examples("test", 3, seed=0)
     images = [examples[0].image, None, examples[2].image]
     prompts = [examples[0].qa.question, "What is in the world?", examples[2].qa.question]
