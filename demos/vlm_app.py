@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queue", type=int, default=16, help="requests waiting at most")
     args = parser.parse_args(argv)
     if args.model is not None and not Path(args.model).is_dir():
-        parser.error(f"--model {args.model} is not a folder; pass a LLaVA folder with its processor.")
+        parser.error(f"--model {args.model} is not a folder; pass a VLM folder (LLaVA, Qwen2-VL) with its processor.")
     launch(build_app(VLMStore(args.model, args.device), 1, args.max_queue), args.host, args.port)
     return 0
 
