@@ -18,27 +18,23 @@ FOLDER = ASSETS_DIR / "vlm-qwen2"
 
 
 @pytest.fixture(scope="module")
-def examples():
-    return world_vqa_examples("test", 6, seed=0, long_fraction=1.0)
+def loaded():
+    """(the target pipeline, 6 held-out long-answer questions, its own greedy answers to them)."""
+    target = SpeculativeVLM.from_pretrained(FOLDER)
+    examples = world_vqa_examples("test", 6, seed=0, long_fraction=1.0)
+    answers = target.generate([ex.image for ex in examples], [ex.prompt for ex in examples], max_new_tokens=64,
+                              use_drafter=False)
+    return target, examples, answers
 
 
-@pytest.fixture(scope="module")
-def target() -> SpeculativeVLM:
-    return SpeculativeVLM.from_pretrained(FOLDER)
-
-
-@pytest.fixture(scope="module")
-def vanilla(examples, target):
-    return target.generate([ex.image for ex in examples], [ex.prompt for ex in examples], max_new_tokens=64,
-                           use_drafter=False)
-
-
-def test_it_is_a_qwen2_vl_with_eagle_and_vispec_drafters(target):
+def test_it_is_a_qwen2_vl_with_eagle_and_vispec_drafters(loaded):
+    target = loaded[0]
     assert type(target.model).__name__ == "Qwen2VLForConditionalGeneration"
     assert {"eagle", "vispec"} <= set(drafter_kinds_in(FOLDER))
 
 
-def test_the_target_answers_short_questions_like_transformers(target, examples, vanilla):
+def test_the_target_answers_short_questions_like_transformers(loaded):
+    target, examples, vanilla = loaded
     result = evaluate(target.model, target.processor, n_scenes=40, n_long=4, seed=0)
     assert result["short"]["accuracy"] >= 0.8, result["short"]
     enc = target.processor(images=[examples[0].image], text=[target.prompt_text(examples[0].prompt)],
@@ -48,7 +44,8 @@ def test_the_target_answers_short_questions_like_transformers(target, examples, 
 
 
 @pytest.mark.parametrize("kind", ["eagle", "vispec"])
-def test_shipped_drafter_is_lossless_and_drafts(kind, examples, vanilla, tmp_path, monkeypatch):
+def test_shipped_drafter_is_lossless_and_drafts(kind, loaded, tmp_path, monkeypatch):
+    _, examples, vanilla = loaded
     monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
     vlm = SpeculativeVLM.from_pretrained(FOLDER, kind)
     out = vlm.generate([ex.image for ex in examples], [ex.prompt for ex in examples], max_new_tokens=64,

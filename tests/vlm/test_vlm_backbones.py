@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_dummies import TREE_PATHS, batch, greedy_vanilla_and_tree, prompt, verify_example_tree
+from vlm_dummies import assert_tree_logits_match_llava, greedy_vanilla_and_tree, prompt
 
 from mmspec.errors import InputError
 from vlm.family import DRAFTER_KINDS, drafter_model
@@ -84,13 +84,7 @@ def test_tree_verification_equals_transformers_forward_of_each_path(backbone):
     model = tiny_llava_with(text_config(backbone), seed=2)
     rows = ROWS[:2]
     pixels = torch.rand(2, 3, 32, 32)
-    tokens, logits = verify_example_tree(LlavaCachedLM(model), batch(rows, pixels))
-    with torch.no_grad():
-        for b, r in enumerate(rows):
-            for node, path in TREE_PATHS.items():
-                seq = torch.tensor([r + tokens[b, path].tolist()])
-                ref = model(input_ids=seq, pixel_values=pixels[b: b + 1]).logits[0, -1].float()
-                torch.testing.assert_close(logits[b, node], ref, atol=1e-5, rtol=1e-5)
+    assert_tree_logits_match_llava(model, rows, pixels)
 
 
 def test_an_unproven_backbone_and_flash_attention_are_refused_in_one_line():

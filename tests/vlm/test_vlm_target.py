@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_dummies import TREE_PATHS, batch, prompt, tiny_llava, verify_example_tree
+from vlm_dummies import assert_tree_logits_match_llava, batch, prompt, tiny_llava
 
 from mmspec.errors import InputError
 from mmspec.lm import LMTarget, NoDrafter
@@ -90,13 +90,7 @@ def test_tree_verification_scores_every_path_like_transformers():
     model = tiny_llava(seed=1)
     rows = [prompt([7, 8], [9], 16), prompt([12], [13, 14, 15], 16)]
     pixels = torch.rand(2, 3, 32, 32)
-    tokens, logits = verify_example_tree(LlavaCachedLM(model), batch(rows, pixels))
-    with torch.no_grad():
-        for b, r in enumerate(rows):
-            for node, path in TREE_PATHS.items():
-                seq = torch.tensor([r + tokens[b, path].tolist()])
-                ref = model(input_ids=seq, pixel_values=pixels[b: b + 1]).logits[0, -1].float()
-                torch.testing.assert_close(logits[b, node], ref, atol=1e-5, rtol=1e-5)
+    assert_tree_logits_match_llava(model, rows, pixels)
 
 
 def test_targets_it_cannot_run_exactly_are_refused_in_one_line(tmp_path):

@@ -98,3 +98,16 @@ def verify_example_tree(lm, inputs: VLMInputs) -> tuple[torch.Tensor, torch.Tens
     logits = runner.forward(tokens, tree.position_ids(runner.lengths), runner.slots(4),
                             tree_mask=tree.attention_mask())
     return tokens, logits
+
+
+def assert_tree_logits_match_llava(model, rows: list[list[int]], pixels: torch.Tensor) -> None:
+    """`verify_example_tree` on a LLaVA target: each node's logits == transformers' forward of prompt + path."""
+    from vlm.target import LlavaCachedLM
+
+    tokens, logits = verify_example_tree(LlavaCachedLM(model), batch(rows, pixels))
+    with torch.no_grad():
+        for b, r in enumerate(rows):
+            for node, path in TREE_PATHS.items():
+                seq = torch.tensor([r + tokens[b, path].tolist()])
+                ref = model(input_ids=seq, pixel_values=pixels[b: b + 1]).logits[0, -1].float()
+                torch.testing.assert_close(logits[b, node], ref, atol=1e-5, rtol=1e-5)
