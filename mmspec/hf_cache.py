@@ -120,15 +120,14 @@ def check_attention_support(config, where: str, attention_backend: str | None = 
 
 
 def run_text_model(text_model, embeds: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
-                   slots: torch.Tensor, mask: torch.Tensor, attention_backend: str | None = None,
-                   **model_kwargs) -> torch.Tensor:
+                   slots: torch.Tensor, mask: torch.Tensor, attention_backend: str | None = None) -> torch.Tensor:
     """The transformers text model `text_model` (its own forward) over input embeddings [B, S, H] at positions
     ([B, S], or the model's own layout such as M-RoPE's [3, B, S]), keys/values written at slots [B, S], mask
     [B, S, T] bool. Returns the final-norm hidden state [B, S, H] (what the LM head reads)."""
     b, s, _ = embeds.shape
     if positions.dim() == 2:
         positions = positions.expand(b, s)
-    kwargs = dict(model_kwargs)
+    kwargs = {}
     if attention_backend is not None:
         register_mmspec_attention()
         kwargs["mmspec_backend"] = attention_backend

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -44,6 +44,11 @@ class DecodeState:
     max_new_tokens: int
     eos_token_id: int | Sequence[int] | None = None  # one stop id or several (e.g. Qwen2-VL's two)
     iteration: int = 0
+    stop_ids: torch.Tensor | None = field(init=False, default=None)  # [E] eos_token_id on the device, made once
+
+    def __post_init__(self) -> None:
+        if self.eos_token_id is not None:
+            self.stop_ids = torch.as_tensor(self.eos_token_id, device=self.done.device).view(-1)
 
     @classmethod
     def new(cls, batch_size: int, max_new_tokens: int, device: torch.device | str,
@@ -73,9 +78,8 @@ class DecodeState:
         columns = torch.arange(tokens.shape[1], device=tokens.device)
         valid = (columns < (result.num_emitted * active).unsqueeze(-1))  # [B, K+1]
         finished = torch.zeros_like(self.done)
-        if self.eos_token_id is not None:
-            stop = torch.as_tensor(self.eos_token_id, device=tokens.device).view(-1)  # [E]
-            is_eos = valid & torch.isin(tokens, stop)
+        if self.stop_ids is not None:
+            is_eos = valid & torch.isin(tokens, self.stop_ids)
             first_eos = torch.where(is_eos, columns, tokens.shape[1]).min(-1).values  # [B]
             valid = valid & (columns <= first_eos.unsqueeze(-1))
             finished = is_eos.any(-1)

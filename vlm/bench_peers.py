@@ -71,7 +71,9 @@ def _runner(name: str):
         assistant = None
         if name == "hf_assisted":
             key = ("assistant", int(params["layers"]))
-            assistant = models.setdefault(key, truncated_assistant(model, int(params["layers"])))
+            if key not in models:  # built once per bench run, not per batch
+                models[key] = truncated_assistant(model, int(params["layers"]))
+            assistant = models[key]
             extra["assistant_model"] = assistant
         examples = [s.data for s in batch]
         rows = [list(range(len(examples)))] if name == "hf_generate" else [[i] for i in range(len(examples))]

@@ -45,7 +45,7 @@ from vlm.hf_generate import (
     sequences_tensor,
     setting,
 )
-from vlm.target import VLMInputs, cached_vlm, check_supported_config, model_class, prefill_vlm
+from vlm.target import VLMInputs, cached_vlm, check_supported_config, prefill_vlm
 from vlm.world import build_prompt, image_marker
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
@@ -100,11 +100,11 @@ class SpeculativeVLM:
         """The target in `folder` (and its processor); `drafter` a kind from `folder/drafters/<kind>` or from
         `drafter_path`; both in `dtype` (transformers' older name: `torch_dtype`) when given (else as saved). Local
         files only."""
-        from transformers import AutoProcessor
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers.utils import logging as hf_logging
 
         check(dtype is None or torch_dtype is None, "give dtype or torch_dtype, not both.")
         dtype = dtype if torch_dtype is None else torch_dtype
-        from transformers.utils import logging as hf_logging
 
         folder = Path(folder)
         check((folder / "config.json").is_file() and any((folder / name).is_file() for name in PROCESSOR_FILES),
@@ -117,7 +117,8 @@ class SpeculativeVLM:
         check_supported_config(config, f"the model in {folder}")  # before any weights load
         hf_logging.disable_progress_bar()
         try:
-            model = model_class(config).from_pretrained(str(folder), local_files_only=True)
+            # transformers' own class for the config's model_type (checked above to be a supported one)
+            model = AutoModelForImageTextToText.from_pretrained(str(folder), local_files_only=True)
             processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
         except (OSError, ValueError) as err:
             raise InputError(f"could not load the VLM target in {folder}: {str(err).splitlines()[0]}") from None
@@ -275,8 +276,8 @@ class SpeculativeVLM:
         if max_new_tokens is None:  # transformers: max_length (default 20) counts the prompt
             config = generation_config or self.model.generation_config
             max_new_tokens = setting(config, "max_length") - ids.shape[1]
-        check(max_new_tokens > 0, f"no room for new tokens: the prompts are {ids.shape[1]} tokens and max_length "
-                                  f"leaves {max_new_tokens}; pass max_new_tokens.")
+            check(max_new_tokens > 0, f"no room for new tokens: the prompts are {ids.shape[1]} tokens and "
+                                      f"max_length leaves {max_new_tokens}; pass max_new_tokens.")
         check_positive_int("max_new_tokens", max_new_tokens)
         tok = self.processor.tokenizer
         eos = tok.eos_token_id if eos is None else eos

@@ -184,10 +184,8 @@ def specvlm_layout(drafter: VLMSpecVLMDrafter, input_ids: torch.Tensor, embeds: 
     m = max(drafter.compressor.sizes)
     tokens = embeds.new_zeros(b, m, h)  # [B, M, H]
     counts = torch.zeros(b, dtype=torch.long, device=input_ids.device)
-    if t_img:
-        run_tokens, run_counts = drafter.compress(embeds[is_image].view(-1, t_img, h), weights[has])
-        tokens, counts = tokens.index_put((has.nonzero()[:, 0],), run_tokens.to(tokens)), counts.masked_scatter(
-            has, run_counts)
+    if t_img:  # rows with an image get their run's compressed tokens (autograd flows through the assignment)
+        tokens[has], counts[has] = drafter.compress(embeds[is_image].view(-1, t_img, h), weights[has])
     rows = []
     for r in range(b):
         s, e, k = int(start[r]), int(end[r]), int(counts[r])

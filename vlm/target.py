@@ -194,12 +194,17 @@ class LlavaCachedLM(CachedVLM):
 
     @torch.no_grad()
     def image_features(self, inputs: VLMInputs) -> list[torch.Tensor]:
-        """[N, 3, H, W] -> N x [T_img, H_text], by the model's own `get_image_features`."""
+        """pixel_values -> N x [T_img, H_text], by the model's own `get_image_features`."""
         cfg = self.model.config
         pixels = inputs.pixel_values.to(self.device, self.model.lm_head.weight.dtype)
         out = self.model.model.get_image_features(pixel_values=pixels, vision_feature_layer=cfg.vision_feature_layer,
-                                                  vision_feature_select_strategy=cfg.vision_feature_select_strategy)
+                                                  vision_feature_select_strategy=cfg.vision_feature_select_strategy,
+                                                  **self.feature_inputs(inputs))
         return list(getattr(out, "pooler_output", out))  # transformers 5: a list of [T_img, H_text], one per image
+
+    def feature_inputs(self, inputs: VLMInputs) -> dict[str, torch.Tensor]:
+        """What `get_image_features` reads besides the pixels (LLaVA-1.5: nothing)."""
+        return {}
 
 
 class LlavaTiledCachedLM(LlavaCachedLM):
@@ -210,21 +215,13 @@ class LlavaTiledCachedLM(LlavaCachedLM):
 
     family = "a transformers LlavaNextForConditionalGeneration or LlavaOnevisionForConditionalGeneration"
 
-    @torch.no_grad()
-    def image_features(self, inputs: VLMInputs) -> list[torch.Tensor]:
+    def feature_inputs(self, inputs: VLMInputs) -> dict[str, torch.Tensor]:
         check("pixel_values_videos" not in inputs.extras, "videos are not supported by mmspec's VLM targets yet; "
                                                           "give images.")
-        sizes = inputs.extras.get("image_sizes")
-        check(sizes is not None, "LLaVA-NeXT / OneVision images need image_sizes (from the model's processor) next to "
-                                 "pixel_values: pass VLMInputs(..., extras={'image_sizes': ...}).")
-        cfg = self.model.config
-        kwargs = {k: v.to(self.device) for k, v in inputs.extras.items() if k == "batch_num_images"}
-        pixels = inputs.pixel_values.to(self.device, self.model.lm_head.weight.dtype)
-        out = self.model.model.get_image_features(pixel_values=pixels, image_sizes=sizes.to(self.device),
-                                                  vision_feature_layer=cfg.vision_feature_layer,
-                                                  vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                                                  **kwargs)
-        return list(getattr(out, "pooler_output", out))
+        check("image_sizes" in inputs.extras, "LLaVA-NeXT / OneVision images need image_sizes (from the model's "
+                                              "processor) next to pixel_values: pass VLMInputs(..., "
+                                              "extras={'image_sizes': ...}).")
+        return {k: v.to(self.device) for k, v in inputs.extras.items() if k in ("image_sizes", "batch_num_images")}
 
 
 def cached_vlm(model, attention_backend: str | None = None) -> CachedVLM:
@@ -239,16 +236,6 @@ def cached_vlm(model, attention_backend: str | None = None) -> CachedVLM:
     if getattr(config, "model_type", None) in TILED_MODELS:
         return LlavaTiledCachedLM(model, attention_backend)
     return LlavaCachedLM(model, attention_backend)
-
-
-def model_class(config: dict) -> type:
-    """The transformers class of a supported VLM config (a config.json dict, checked by check_supported_config)."""
-    import transformers
-
-    names = {"llava": "LlavaForConditionalGeneration", "llava_next": "LlavaNextForConditionalGeneration",
-             "llava_onevision": "LlavaOnevisionForConditionalGeneration",
-             "qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
-    return getattr(transformers, names[config.get("model_type")])
 
 
 def image_token_id(config) -> int:
