@@ -273,8 +273,8 @@ class SpeculativeVLM:
         odd = sorted(k for k, v in inputs.items() if not isinstance(v, torch.Tensor))
         check(not odd, f"unknown argument(s) {', '.join(odd)}: model inputs must be tensors from the processor.")
         params, max_new_tokens, eos = resolve_generation(self.model, generation_config, settings)
+        config = generation_config or self.model.generation_config  # max_length and pad_token_id, as transformers
         if max_new_tokens is None:  # transformers: max_length (default 20) counts the prompt
-            config = generation_config or self.model.generation_config
             max_new_tokens = setting(config, "max_length") - ids.shape[1]
             check(max_new_tokens > 0, f"no room for new tokens: the prompts are {ids.shape[1]} tokens and "
                                       f"max_length leaves {max_new_tokens}; pass max_new_tokens.")
@@ -293,8 +293,7 @@ class SpeculativeVLM:
             if bridge is not None:
                 bridge.end()
         self.last_stats = part.stats
-        pad = next((v for v in (getattr(generation_config, "pad_token_id", None), tok.pad_token_id, eos)
-                    if v is not None), 0)
+        pad = next((v for v in (getattr(config, "pad_token_id", None), eos, tok.pad_token_id) if v is not None), 0)
         pad = pad[0] if isinstance(pad, (list, tuple)) else pad
         sequences = sequences_tensor(ids, part.token_ids, pad)
         return SpeculativeGenerateOutput(sequences, part.stats.to_dict()) if return_dict else sequences

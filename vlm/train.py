@@ -65,6 +65,7 @@ ARCHS = {
     "llava": dict(config=world_llava_config, processor=world_processor, model="LlavaForConditionalGeneration",
                   tower=lambda model: model.model.vision_tower, frozen=lambda tower: [tower],
                   keys=MODEL_CONFIG_KEYS, fixed_vision=("image_size", "patch_size"),
+                  frozen_text="The pretrained vision tower is", projector="the projector",
                   title="Embedded VLM default (world LLaVA target)",
                   about=["A small LLaVA (transformers `LlavaForConditionalGeneration`: CLIP vision tower, "
                          "Linear-GELU-Linear projector,", "Llama language model) trained from scratch on mmspec's "
@@ -77,6 +78,8 @@ ARCHS = {
                      model="Qwen2VLForConditionalGeneration", tower=lambda model: model.model.visual,
                      frozen=lambda tower: [tower.patch_embed, tower.blocks], keys={"vision", "text"},
                      fixed_vision=("patch_size", "spatial_merge_size", "temporal_patch_size"),
+                     frozen_text="The pretrained tower's patch embedding and blocks are",
+                     projector="its patch merger (Qwen2-VL's projector)",
                      title="World Qwen2-VL target",
                      about=["A small Qwen2-VL (transformers `Qwen2VLForConditionalGeneration`: Qwen2-VL's vision "
                             "tower with a 2x2 patch merger,", "Qwen2 language model with M-RoPE) trained from "
@@ -322,10 +325,7 @@ def _card(command: str, info: dict, arch: str = "llava") -> str:
                          f"patch labels from {where} | {v['steps']} steps x {v['batch_size']} "
                          f"scenes, lr {v['lr']}; held-out readout accuracy {acc} | {v['seconds']:.0f} s |")
         how = "fine-tuned with" if t.get("train_vision") else "frozen while"
-        what = ("The pretrained vision tower is" if arch == "llava" else
-                "The pretrained tower's patch embedding and blocks are")
-        projector = "the projector" if arch == "llava" else "its patch merger (Qwen2-VL's projector)"
-        lines.append(f"\n{what} {how} {projector} and the language model train "
+        lines.append(f"\n{spec['frozen_text']} {how} {spec['projector']} and the language model train "
                      f"({t.get('trained_parameters', 0) / 1e6:.2f}M parameters trained in the target stage).")
     lines += ["", f"Seed {t.get('seed')}.", "", "## Quality (held-out test scenes, greedy decoding)", ""]
     if "short" in ev:

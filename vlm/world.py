@@ -18,10 +18,8 @@ The world tokenizer collapses whitespace runs, so the newline after `<image>` is
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -86,16 +84,6 @@ def world_processor(tokenizer=None, image_size: int = IMAGE_SIZE, patch_size: in
                                          do_convert_rgb=False)
     return LlavaProcessor(image_processor=image_processor, tokenizer=tok, patch_size=patch_size,
                           vision_feature_select_strategy="default", num_additional_image_tokens=1)
-
-
-def load_world_processor(path: str | os.PathLike):
-    """The processor saved in `path` (local files only)."""
-    from transformers import LlavaProcessor
-
-    path = Path(path)
-    check((path / "processor_config.json").is_file(),
-          f"{str(path)!r} holds no processor_config.json; pass a folder written by `mmspec train vlm`.")
-    return LlavaProcessor.from_pretrained(str(path), local_files_only=True)
 
 
 def num_image_tokens(processor) -> int:
