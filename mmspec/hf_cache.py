@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from transformers.cache_utils import Cache
 
 from mmspec.attention import attend
 from mmspec.cache import StaticKVCache
@@ -33,21 +34,13 @@ from mmspec.errors import check
 MMSPEC_ATTENTION = "mmspec"  # the name mmspec's attention is registered under in transformers' AttentionInterface
 OWN_MASK_IMPLEMENTATIONS = ("eager", "sdpa", MMSPEC_ATTENTION)  # attention that applies a 4-D mask as given
 
-try:  # transformers >= 4.48; older ones have no Cache base class to stand behind
-    from transformers.cache_utils import Cache as _HFCache
-except ImportError:  # pragma: no cover - the package floor has it
-    _HFCache = object
 
-
-class SlotCache(_HFCache):
+class SlotCache(Cache):
     """A transformers `Cache` that writes each layer's new keys/values at `slots` [B, S] of `cache` and hands the
     layer the keys/values of slots [0, T) (the mask hides what a row must not see)."""
 
     def __init__(self, cache: StaticKVCache, slots: torch.Tensor) -> None:
-        try:
-            super().__init__(layers=[])
-        except TypeError:  # pragma: no cover - transformers before the layered caches
-            super().__init__()
+        super().__init__(layers=[])
         self.cache, self.slots = cache, slots  # slots [B, S]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,

@@ -173,9 +173,11 @@ class VLMEagleDrafter(AttentionBackendMixin, ModelMixin, ConfigMixin):
 
 def _rope_theta(text_config) -> float:
     theta = getattr(text_config, "rope_theta", None)
-    if theta is None:  # transformers >= 5 keeps it in rope_parameters
-        theta = (getattr(text_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
-    return float(theta)
+    if theta is None:  # transformers >= 5 keeps it in rope_parameters, per layer type where layers differ (Gemma 3)
+        params = getattr(text_config, "rope_parameters", None) or {}
+        params = params.get("full_attention", params)
+        theta = params.get("rope_theta")
+    return float(theta if theta is not None else 10000.0)
 
 
 # ---------------------------------------------------------------------------------------------- loop drafter

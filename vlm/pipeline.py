@@ -59,6 +59,20 @@ class VLMOutput:
     stats: SpecStats = field(default_factory=SpecStats)
 
 
+def check_weights_loaded(loading: dict, class_name: str, folder: Path) -> None:
+    """InputError when transformers' `from_pretrained` left parameters of the model at their random init (missing
+    or shape-mismatched keys): a folder written with another parameter layout would otherwise answer with random
+    layers, silently."""
+    import transformers
+
+    bad = sorted(loading.get("missing_keys") or []) + [str(k) for k, *_ in loading.get("mismatched_keys") or []]
+    if bad:
+        raise InputError(f"{len(bad)} weights of {class_name} are not in {folder} (e.g. {bad[0]}); the folder was "
+                         f"probably saved by another transformers version with another parameter layout than this one "
+                         f"({transformers.__version__}): install the version that wrote it (config.json's "
+                         "transformers_version).")
+
+
 def load_drafter(folder: str | Path, kind: str, dtype: torch.dtype | None = None):
     """A drafter of `kind` saved in `folder` (not yet attached to a target), in `dtype` when given."""
     model = drafter_model(kind)
@@ -118,12 +132,14 @@ class SpeculativeVLM:
         hf_logging.disable_progress_bar()
         try:
             # transformers' own class for the config's model_type (checked above to be a supported one)
-            model = AutoModelForImageTextToText.from_pretrained(str(folder), local_files_only=True)
+            model, loading = AutoModelForImageTextToText.from_pretrained(str(folder), local_files_only=True,
+                                                                         output_loading_info=True)
             processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
         except (OSError, ValueError) as err:
             raise InputError(f"could not load the VLM target in {folder}: {str(err).splitlines()[0]}") from None
         finally:
             hf_logging.enable_progress_bar()
+        check_weights_loaded(loading, type(model).__name__, folder)
         draft = None
         if drafter is not None:
             draft = load_drafter(drafter_path or folder / "drafters" / drafter, drafter, dtype).to(device)
@@ -174,11 +190,14 @@ class SpeculativeVLM:
         side = tok.padding_side
         tok.padding_side = "right"
         try:
+            if given and self.lm.images_nested_per_row:  # processors that want a list of images per prompt
+                given = [[] if image is None else [image] for image in images]
             enc = self.processor(images=given or None, text=texts, return_tensors="pt", padding=True)
         finally:
             tok.padding_side = side
         if given:
-            self.image_tokens_per_image = float((enc["input_ids"] == self.lm.image_token_id).sum()) / len(given)
+            n_images = sum(image is not None for image in images)
+            self.image_tokens_per_image = float((enc["input_ids"] == self.lm.image_token_id).sum()) / n_images
         extras = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask", "pixel_values")
                   and isinstance(v, torch.Tensor)}
         return VLMInputs(enc["input_ids"], enc["attention_mask"], enc.get("pixel_values"), extras)

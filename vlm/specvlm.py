@@ -119,10 +119,10 @@ class VLMSpecVLMDrafter(VLMEagleDrafter):
 
     @classmethod
     def for_target(cls, target, **overrides):
-        fixed = getattr(target.model.config, "model_type", None) == "llava"  # LLaVA-1.5: one run size per image
-        tokens = getattr(target.model.config, "image_seq_length", None) if fixed else None
+        tokens = getattr(target, "fixed_image_tokens", None)  # LLaVA-1.5, Gemma 3: one run size for every image
         check(tokens is not None and math.isqrt(tokens) ** 2 == tokens,
-              f"SpecVLM's compressor pools one fixed square image grid (LLaVA's image_seq_length); "
+              f"SpecVLM's compressor pools one fixed square image grid (LLaVA's image_seq_length, Gemma 3's "
+              f"mm_tokens_per_image); "
               f"{type(target.model).__name__} images vary in size: use the eagle, vispec or msd drafter.")
         return super().for_target(target, **{"image_grid": math.isqrt(tokens), **overrides})
 

@@ -69,10 +69,11 @@ class VLMInputs:
 SUPPORTED_TEXT_MODELS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
 M_ROPE_MODELS = ("qwen2_vl", "qwen2_5_vl")  # Qwen2-VL / Qwen2.5-VL: their own text model, M-RoPE positions
 TILED_MODELS = ("llava_next", "llava_onevision")  # any-resolution tiles: image runs vary with the image size
+BIDIRECTIONAL_IMAGE_MODELS = ("gemma3",)  # Gemma 3: an image's tokens attend to each other both ways in prefill
 SUPPORTED = ("LlavaForConditionalGeneration (LLaVA-1.5), LlavaNextForConditionalGeneration (LLaVA-NeXT) and "
              "LlavaOnevisionForConditionalGeneration (images) with a Llama, Mistral, Qwen2, Qwen3 or Gemma 1/2/3 "
-             "text backbone, Qwen2VLForConditionalGeneration and Qwen2_5_VLForConditionalGeneration (images); "
-             "InternVL, Gemma 3 and others are not supported yet")
+             "text backbone, Qwen2VLForConditionalGeneration and Qwen2_5_VLForConditionalGeneration (images), "
+             "Gemma3ForConditionalGeneration (images); InternVL and others are not supported yet")
 
 
 def check_supported_config(config, where: str = "the VLM target") -> None:
@@ -81,7 +82,7 @@ def check_supported_config(config, where: str = "the VLM target") -> None:
     config = config if isinstance(config, dict) else config.to_dict()  # nested configs become dicts too
     model_type, text = config.get("model_type"), config.get("text_config") or {}
     text_type = text.get("model_type")
-    if model_type in M_ROPE_MODELS:
+    if model_type in M_ROPE_MODELS or (model_type in BIDIRECTIONAL_IMAGE_MODELS and text_type == "gemma3_text"):
         return
     if model_type not in ("llava", *TILED_MODELS):
         classes = ", ".join(config.get("architectures") or []) or "no architectures listed"
@@ -98,6 +99,7 @@ class CachedVLM:
     rotary positions (`prompt_positions`, `step_positions`)."""
 
     family = "a transformers VLM"
+    images_nested_per_row = False  # the processor takes one flat list of images (True: a list per prompt)
 
     def __init__(self, model, attention_backend: str | None = None) -> None:
         inner = getattr(model, "model", None)
@@ -126,6 +128,11 @@ class CachedVLM:
     def device(self) -> torch.device:
         return self.model.lm_head.weight.device
 
+    @property
+    def fixed_image_tokens(self) -> int | None:
+        """The length of every image's token run when the model fixes it (one grid for all images), else None."""
+        return None
+
     def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
         check(self.window is None or capacity <= self.window,
               f"prompt + new tokens + draft room ({capacity}) exceed the target's sliding attention window "
@@ -143,8 +150,9 @@ class CachedVLM:
     def embed_inputs(self, inputs: VLMInputs) -> torch.Tensor:
         """Token embeddings [B, P, H] with every image placeholder replaced by an image feature, in order."""
         ids = inputs.input_ids.to(self.device)
-        embeds = self.embed_tokens(ids)  # [B, P, H]
         is_image = ids == self.image_token_id  # [B, P]
+        # image placeholders are embedded as token 0 and then replaced (Gemma 3's image id lies past its vocabulary)
+        embeds = self.embed_tokens(ids.masked_fill(is_image, 0))  # [B, P, H]
         n_slots = int(is_image.sum())
         if inputs.pixel_values is None:
             check(n_slots == 0, f"the prompts hold {n_slots} image tokens but no pixel_values were given.")
@@ -165,6 +173,10 @@ class CachedVLM:
     def prompt_positions(self, inputs: VLMInputs, slots: torch.Tensor) -> torch.Tensor:
         """The rotary positions of the prompts' tokens in the model's layout (slots [B, P] = token indices)."""
         return slots
+
+    def prompt_mask(self, inputs: VLMInputs, mask: torch.Tensor) -> torch.Tensor:
+        """The prefill mask [B, P, T] the model's own generation applies to the prompts (default: causal, as given)."""
+        return mask
 
     def step_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """The model's rotary positions of generated / draft tokens at loop positions [B, S] (cache index + depth)."""
@@ -192,6 +204,10 @@ class LlavaCachedLM(CachedVLM):
 
     family = "a transformers LlavaForConditionalGeneration"
 
+    @property
+    def fixed_image_tokens(self) -> int | None:
+        return getattr(self.model.config, "image_seq_length", None)
+
     @torch.no_grad()
     def image_features(self, inputs: VLMInputs) -> list[torch.Tensor]:
         """pixel_values -> N x [T_img, H_text], by the model's own `get_image_features`."""
@@ -214,6 +230,7 @@ class LlavaTiledCachedLM(LlavaCachedLM):
     index = rotary position, as LLaVA-1.5."""
 
     family = "a transformers LlavaNextForConditionalGeneration or LlavaOnevisionForConditionalGeneration"
+    fixed_image_tokens = None  # runs vary with the image size
 
     def feature_inputs(self, inputs: VLMInputs) -> dict[str, torch.Tensor]:
         check("pixel_values_videos" not in inputs.extras, "videos are not supported by mmspec's VLM targets yet; "
@@ -235,6 +252,10 @@ def cached_vlm(model, attention_backend: str | None = None) -> CachedVLM:
         return Qwen2VLCachedLM(model, attention_backend)
     if getattr(config, "model_type", None) in TILED_MODELS:
         return LlavaTiledCachedLM(model, attention_backend)
+    if getattr(config, "model_type", None) in BIDIRECTIONAL_IMAGE_MODELS:
+        from vlm.gemma3 import Gemma3CachedLM
+
+        return Gemma3CachedLM(model, attention_backend)
     return LlavaCachedLM(model, attention_backend)
 
 
@@ -254,7 +275,8 @@ def prefill_vlm(model: CachedVLM, inputs: VLMInputs, extra_capacity: int) -> tup
     cache = model.new_cache(b, p + extra_capacity)
     slots = cache.slots(p)  # [B, P] == token indices (right padding)
     positions = model.prompt_positions(inputs, slots)  # [B, P] or the model's layout ([3, B, P] for M-RoPE)
-    logits = model.forward_embeds(embeds, positions, cache, slots, cache.attention_mask(slots))  # [B, P, V]
+    mask = model.prompt_mask(inputs, cache.attention_mask(slots))  # [B, P, T]
+    logits = model.forward_embeds(embeds, positions, cache, slots, mask)  # [B, P, V]
     lengths = inputs.lengths.to(cache.device)  # [B]
     cache.commit_chain(lengths)
     last = (lengths - 1).view(b, 1, 1)  # model.last_hidden keeps every prompt position [B, P, H] (drafters)

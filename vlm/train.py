@@ -151,11 +151,23 @@ def _check_args(args: argparse.Namespace) -> dict:
           f"--model-config cannot change the vision {' or '.join(arch['fixed_vision'])}: the processor reads 32x32 "
           "images in 4x4 patches.")
     try:
-        arch["config"](**overrides)
+        config = arch["config"](**overrides)
+        check_heads_divide_width(config)
     except (TypeError, ValueError, StrictDataclassError) as err:
         raise InputError(f"--model-config {args.model_config!r} is not a valid world {args.arch} config: "
                          f"{err}") from None
     return overrides
+
+
+def check_heads_divide_width(config) -> None:
+    """ValueError unless each part's width is a multiple of its attention heads (newer transformers check it
+    themselves; older ones build the model and train it with a narrower attention, silently)."""
+    for part in (config.text_config, config.vision_config):
+        width = getattr(part, "hidden_size", None) or getattr(part, "embed_dim", None)
+        heads = getattr(part, "num_attention_heads", None) or getattr(part, "num_heads", None)
+        if isinstance(width, int) and isinstance(heads, int) and heads > 0 and width % heads:
+            raise ValueError(f"{type(part).__name__}'s width ({width}) is not a multiple of the number of attention "
+                             f"heads ({heads})")
 
 
 # ------------------------------------------------------------------------------------------------------- training

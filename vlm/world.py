@@ -183,8 +183,9 @@ def collate_vqa(examples: Sequence[VQAExample], processor, with_answers: bool = 
 
 def image_marker(processor) -> str:
     """What one image is in a prompt's text before `processor` expands it: its image token (`<image>` for LLaVA),
-    between Qwen2-VL's `<|vision_start|>` and `<|vision_end|>` when the tokenizer has them."""
-    token = getattr(processor, "image_token", None) or "<image>"
+    between Qwen2-VL's `<|vision_start|>` and `<|vision_end|>` when the tokenizer has them; Gemma 3's
+    begin-of-image token (its processor expands that one, whatever it calls its image token)."""
+    token = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None) or "<image>"
     vocab = processor.tokenizer.get_vocab()
     bounds = ("<|vision_start|>", "<|vision_end|>")
     return f"{bounds[0]}{token}{bounds[1]}" if all(b in vocab for b in bounds) else token

@@ -64,7 +64,7 @@ def _rejection_chain_kernel(
         accept = u < p_x.to(tl.float64)
     accept = accept & in_k & (offs_k < n)  # [BLOCK_K]
     # leading run of accepted = index of the first non-accepted position (K if none)
-    j = tl.min(tl.where(accept | ~in_k, K, offs_k), 0).to(tl.int64)  # num_accepted, scalar
+    j = tl.min(tl.where(accept | (offs_k >= K), K, offs_k), 0).to(tl.int64)  # num_accepted, scalar
     rejected = j < n  # a draft was rejected at j: recover from the residual; else bonus from p_j
 
     # ---- 2. the race at position j over the vocabulary

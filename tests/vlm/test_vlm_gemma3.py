@@ -1,0 +1,119 @@
+"""Gemma 3 (`vlm.gemma3.Gemma3CachedLM`): a tiny random Gemma3ForConditionalGeneration with its own processor built
+offline (world tokenizer + begin/end-of-image and image tokens, SigLIP over 32-pixel images, 4 tokens per image).
+The prompt's logits equal the model's own forward (which attends bidirectionally inside each image; without the
+block mask they differ, so the comparison can fail); greedy vanilla and greedy drafting through `SpeculativeVLM`
+== transformers' own `generate(do_sample=False)` on a ragged batch with a text-only row."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+from mmspec.data import load_world_tokenizer
+from vlm.family import drafter_model
+from vlm.gemma3 import Gemma3CachedLM, image_runs
+from vlm.pipeline import SpeculativeVLM
+from vlm.target import cached_vlm
+
+PROMPTS = ["What color is the object?", "How many objects are there?", "Describe the scene."]
+SPECIAL = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+def tiny_gemma3() -> SpeculativeVLM:
+    tok = load_world_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": list(SPECIAL.values())})
+    for name, token in SPECIAL.items():  # what Gemma3Processor reads off the tokenizer
+        setattr(tok, name, token)
+        setattr(tok, f"{name}_id", tok.convert_tokens_to_ids(token))
+    text = tf.Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
+                               sliding_window=256, layer_types=["sliding_attention", "full_attention"],
+                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    vision = tf.SiglipVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=2)
+    torch.manual_seed(0)
+    model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=tok.boi_token_id,
+        eoi_token_index=tok.eoi_token_id, image_token_index=tok.image_token_id)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)  # peaked laws, so drafts are sometimes accepted
+    processor = tf.Gemma3Processor(image_processor=tf.Gemma3ImageProcessor(size={"height": 32, "width": 32},
+                                                                           do_convert_rgb=False),
+                                   tokenizer=tok, image_seq_length=4)
+    return SpeculativeVLM(model, processor)
+
+
+@pytest.fixture(scope="module")
+def vlm() -> SpeculativeVLM:
+    return tiny_gemma3()
+
+
+def images(n: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(0, 256, (32, 32, 3), dtype=np.uint8) for _ in range(n)]
+
+
+def test_image_runs_number_each_image_of_a_row():
+    is_image = torch.tensor([[0, 1, 1, 0, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert image_runs(is_image).tolist() == [[-1, 0, 0, -1, 1, 1, 1, -1], [0, 0, -1, -1, -1, -1, -1, -1]]
+
+
+def test_prompt_logits_equal_the_models_forward_with_its_bidirectional_image_attention(vlm):
+    lm = cached_vlm(vlm.model)
+    assert isinstance(lm, Gemma3CachedLM)
+    enc = vlm.processor(images=[[image] for image in images(2)], text=[vlm.prompt_text(p) for p in PROMPTS[:2]],
+                        return_tensors="pt")  # Gemma3Processor: a list of images per prompt
+    with torch.no_grad():
+        want = vlm.model(**enc).logits  # [B, P, V] the model's own forward (token_type_ids: bidirectional images)
+        causal = vlm.model(**{k: v for k, v in enc.items() if k != "token_type_ids"}).logits  # images causal
+    inputs = vlm.encode(images(2), PROMPTS[:2])
+    assert torch.equal(inputs.input_ids, enc["input_ids"])
+    from vlm.target import prefill_vlm
+
+    prefill_vlm(lm, inputs, 4)
+    got = lm.model.lm_head(lm.last_hidden).float()  # [B, P, V]
+    torch.testing.assert_close(got, want.float(), atol=1e-5, rtol=1e-5)
+    assert (got - causal.float()).abs().max() > 1e-3  # the block mask matters: the comparison can fail
+
+
+def transformers_answers(vlm: SpeculativeVLM, imgs, prompts) -> list[list[int]]:
+    """transformers' greedy `generate` on the processor's outputs, one row at a time (it stops at <eos>)."""
+    answers = []
+    for image, prompt in zip(imgs, prompts):
+        text = [vlm.prompt_text(prompt, image is not None)]
+        one = vlm.processor(images=None if image is None else [image], text=text, return_tensors="pt")
+        out = vlm.model.generate(**one, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        answers.append(out[0, one["input_ids"].shape[1]:].tolist())
+    return answers
+
+
+@pytest.mark.parametrize("kind", ["eagle", "vispec", "msd", "specvlm"])
+def test_greedy_answers_equal_transformers_generate_with_a_text_only_row(vlm, kind):
+    imgs = [*images(2), None]
+    want = transformers_answers(vlm, imgs, PROMPTS)
+    vanilla = vlm.generate(imgs, PROMPTS, max_new_tokens=8)
+    assert vanilla.token_ids == want
+    vlm.drafter = drafter_model(kind).for_target(vlm.lm).eval()
+    try:
+        drafted = vlm.generate(imgs, PROMPTS, max_new_tokens=8, tree=(3, 2, 6), budget="fixed")
+    finally:
+        vlm.drafter = None
+    assert drafted.token_ids == want and drafted.stats.num_drafts > 0
+
+
+def test_a_saved_gemma3_folder_loads_through_from_pretrained_and_answers_the_same(vlm, tmp_path):
+    """The folder form a real Gemma 3 checkpoint has: the tokenizer names its image tokens in tokenizer_config.json
+    (extra_special_tokens), AutoModelForImageTextToText picks Gemma3ForConditionalGeneration."""
+    import json
+
+    vlm.model.save_pretrained(tmp_path)
+    vlm.processor.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "extra_special_tokens": SPECIAL}))
+    again = SpeculativeVLM.from_pretrained(tmp_path)
+    assert isinstance(again.lm, Gemma3CachedLM)
+    imgs = [*images(2), None]
+    assert again.generate(imgs, PROMPTS, max_new_tokens=8).token_ids == vlm.generate(imgs, PROMPTS,
+                                                                                     max_new_tokens=8).token_ids
