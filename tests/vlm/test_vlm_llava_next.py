@@ -72,7 +72,8 @@ def transformers_answers(vlm: SpeculativeVLM, images, prompts) -> list[list[int]
 
 
 @pytest.mark.parametrize("target,kind", [("llava_next", "eagle"), ("llava_next", "vispec"), ("llava_next", "msd"),
-                                         ("llava_onevision", "eagle")])
+                                         ("llava_onevision", "eagle"), ("llava_onevision", "vispec"),
+                                         ("llava_onevision", "msd")])
 def test_greedy_answers_equal_transformers_generate_on_images_of_three_sizes(target, kind):
     vlm = tiny_pipeline(target)
     images = images_of_three_sizes()
