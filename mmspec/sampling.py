@@ -43,6 +43,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def lossless_rule(self) -> str:
+        """The lossless acceptance rule for these settings: "greedy" at temperature 0 (the same tokens as "lossless"
+        on one-hot p, without drawing [B, K+1, V] randomness each step), else "lossless"."""
+        return "greedy" if self.greedy else "lossless"
+
 
 def validate_sampling_args(temperature: float, top_k: int, top_p: float) -> None:
     check(isinstance(temperature, (int, float)), f"temperature must be a number, got {temperature!r}.")

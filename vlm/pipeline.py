@@ -354,8 +354,9 @@ class SpeculativeVLM:
             else:
                 take(state.output.tolist(), state.num_generated.tolist())
 
-        draft_budget = make_budget(budget, target, drafter, "lossless", inputs, b, self.lm.device, self.budgets)
-        result = generate(target, drafter, "lossless", inputs, batch_size=b, max_new_tokens=max_new_tokens,
+        rule = params.lossless_rule
+        draft_budget = make_budget(budget, target, drafter, rule, inputs, b, self.lm.device, self.budgets)
+        result = generate(target, drafter, rule, inputs, batch_size=b, max_new_tokens=max_new_tokens,
                           generator=generator, eos_token_id=eos, device=self.lm.device, callback=record,
                           budget=draft_budget)
         tokens = result.tokens.tolist()

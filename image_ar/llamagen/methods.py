@@ -52,7 +52,7 @@ class MethodContext:
     batch_size: int
 
     def rule_name(self) -> str:
-        return "greedy" if self.params.greedy else "lossless"
+        return self.params.lossless_rule
 
     def neighbour_table(self, k: int) -> torch.Tensor:
         """LANTERN's latent-neighbour table of the VQ codebook (raw codebook vectors, as the reference code), built
