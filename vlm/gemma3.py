@@ -47,12 +47,9 @@ class Gemma3CachedLM(LlavaCachedLM):
     def fixed_image_tokens(self) -> int | None:
         return self.model.config.mm_tokens_per_image  # a square grid pooled from every image
 
-    @torch.no_grad()
-    def image_features(self, inputs: VLMInputs) -> list[torch.Tensor]:
-        """pixel_values [N, 3, H, W] -> N x [mm_tokens_per_image, H_text], by the model's own `get_image_features`."""
-        pixels = inputs.pixel_values.to(self.device, self.model.lm_head.weight.dtype)
-        out = self.model.model.get_image_features(pixel_values=pixels)
-        return list(getattr(out, "pooler_output", out))  # [N, T_img, H_text]
+    def feature_inputs(self, inputs: VLMInputs) -> dict:
+        """Gemma 3's `get_image_features` reads the pixels only (SigLIP's last layer, pooled, projected)."""
+        return {}
 
     def prompt_mask(self, inputs: VLMInputs, mask: torch.Tensor) -> torch.Tensor:
         """The prefill mask [B, P, T] (causal over each row's prompt) with each image's tokens seeing their whole

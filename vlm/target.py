@@ -211,16 +211,15 @@ class LlavaCachedLM(CachedVLM):
     @torch.no_grad()
     def image_features(self, inputs: VLMInputs) -> list[torch.Tensor]:
         """pixel_values -> N x [T_img, H_text], by the model's own `get_image_features`."""
-        cfg = self.model.config
         pixels = inputs.pixel_values.to(self.device, self.model.lm_head.weight.dtype)
-        out = self.model.model.get_image_features(pixel_values=pixels, vision_feature_layer=cfg.vision_feature_layer,
-                                                  vision_feature_select_strategy=cfg.vision_feature_select_strategy,
-                                                  **self.feature_inputs(inputs))
+        out = self.model.model.get_image_features(pixel_values=pixels, **self.feature_inputs(inputs))
         return list(getattr(out, "pooler_output", out))  # transformers 5: a list of [T_img, H_text], one per image
 
-    def feature_inputs(self, inputs: VLMInputs) -> dict[str, torch.Tensor]:
-        """What `get_image_features` reads besides the pixels (LLaVA-1.5: nothing)."""
-        return {}
+    def feature_inputs(self, inputs: VLMInputs) -> dict:
+        """What `get_image_features` reads besides the pixels (LLaVA-1.5: the feature layer and selection)."""
+        cfg = self.model.config
+        return {"vision_feature_layer": cfg.vision_feature_layer,
+                "vision_feature_select_strategy": cfg.vision_feature_select_strategy}
 
 
 class LlavaTiledCachedLM(LlavaCachedLM):
@@ -232,13 +231,14 @@ class LlavaTiledCachedLM(LlavaCachedLM):
     family = "a transformers LlavaNextForConditionalGeneration or LlavaOnevisionForConditionalGeneration"
     fixed_image_tokens = None  # runs vary with the image size
 
-    def feature_inputs(self, inputs: VLMInputs) -> dict[str, torch.Tensor]:
+    def feature_inputs(self, inputs: VLMInputs) -> dict:
         check("pixel_values_videos" not in inputs.extras, "videos are not supported by mmspec's VLM targets yet; "
                                                           "give images.")
         check("image_sizes" in inputs.extras, "LLaVA-NeXT / OneVision images need image_sizes (from the model's "
                                               "processor) next to pixel_values: pass VLMInputs(..., "
                                               "extras={'image_sizes': ...}).")
-        return {k: v.to(self.device) for k, v in inputs.extras.items() if k in ("image_sizes", "batch_num_images")}
+        sizes = {k: v.to(self.device) for k, v in inputs.extras.items() if k in ("image_sizes", "batch_num_images")}
+        return {**super().feature_inputs(inputs), **sizes}
 
 
 def cached_vlm(model, attention_backend: str | None = None) -> CachedVLM:
