@@ -57,6 +57,10 @@ class ModelStore:
         self._pipes: dict[str, object] = {}
         self._lock = threading.Lock()
 
+    def families(self) -> list[str]:
+        """The families the page offers: those with an embedded default or a --model (janus needs one)."""
+        return [f for f in image_families() if get_family(f).default_model is not None or f in self.models]
+
     @staticmethod
     def record(family: str) -> FamilyRecord:
         check(family in image_families(), f"unknown family {family!r}; pick one of {image_families()}.")
@@ -274,7 +278,7 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
         gr.Markdown("# mmspec: speculative vs vanilla image generation\nSame class, same seeds; the method's "
                     "images on the right. World images are 32 px, shown enlarged.")
         with gr.Row():
-            family_box = gr.Dropdown(image_families(), value=family, label="family")
+            family_box = gr.Dropdown(store.families(), value=family, label="family")
             # custom values: an API call may name another family's method; `compare` checks the pair
             method_box = gr.Dropdown(speculative_methods(family), value=default_method(family), label="method",
                                      allow_custom_value=True)

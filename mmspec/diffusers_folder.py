@@ -123,6 +123,20 @@ class MMSpecPipelineMixin:
 
         return on_step
 
+    def with_token_progress(self, total: int, on_step: Callable[[int, int, dict[str, torch.Tensor]], bool],
+                            run: Callable[[Callable[..., bool]], Any]) -> Any:
+        """`run(callback)` of a token loop (`mmspec.loop.generate`'s callback) under a progress bar of `total`
+        tokens (the slowest row's count), calling `on_step` (from `step_callback`) after every iteration."""
+        with self.progress_bar(total=total) as bar:
+            def callback(state, draft, result) -> bool:
+                done = int(state.num_generated.min())
+                bar.update(done - bar.n)
+                return on_step(state.iteration - 1, done, {"tokens": state.tokens})
+
+            out = run(callback)
+            bar.update(total - bar.n)
+        return out
+
     def enable_attention_slicing(self, slice_size: Any = "auto") -> None:
         raise InputError(f"{type(self).__name__} does not slice attention; lower the batch size (--max-batch, or "
                          "fewer class labels per call) to save memory.")

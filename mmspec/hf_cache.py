@@ -21,6 +21,8 @@ Glossary: B rows, S new entries this step, T key slots attended (`cache.num_keys
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -112,6 +114,16 @@ def check_attention_support(config, where: str, attention_backend: str | None = 
           "not; leave attention_backend unset to run the model's own attention.")
 
 
+def cache_argument(text_model) -> str:
+    """The name a text model's forward takes its cache under: `cache` (transformers >= 5.24) or `past_key_values`."""
+    return _cache_argument(type(text_model))
+
+
+@functools.cache
+def _cache_argument(model_class: type) -> str:
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 def run_text_model(text_model, embeds: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
                    slots: torch.Tensor, mask: torch.Tensor, attention_backend: str | None = None) -> torch.Tensor:
     """The transformers text model `text_model` (its own forward) over input embeddings [B, S, H] at positions
@@ -124,8 +136,8 @@ def run_text_model(text_model, embeds: torch.Tensor, positions: torch.Tensor, ca
     if attention_backend is not None:
         register_mmspec_attention()
         kwargs["mmspec_backend"] = attention_backend
+    kwargs[cache_argument(text_model)] = SlotCache(cache, slots)
     with attention_implementation(text_model.config, MMSPEC_ATTENTION if attention_backend else None):
         out = text_model(inputs_embeds=embeds, position_ids=positions.to(embeds.device),
-                         attention_mask=additive_mask(mask, embeds.dtype), past_key_values=SlotCache(cache, slots),
-                         use_cache=True, **kwargs)
+                         attention_mask=additive_mask(mask, embeds.dtype), use_cache=True, **kwargs)
     return out.last_hidden_state

@@ -181,14 +181,21 @@ class JacobiDrafter:
         batch-independent rows); pass the same object as to `generate`.
     greedy: take the argmax of P for the tail instead of sampling (temperature 0: classic Jacobi decoding).
     row_width: image row length for the horizon inits (first-column positions are random); None = no rows.
+    init_tokens: [N] the token ids a random initialisation draws from, uniformly (a model whose vocabulary holds
+        text and image tokens: its image tokens, as the official SJD code draws Lumina-mGPT's); None = all V.
     """
 
     forwards = 0  # no model of its own
 
     def __init__(self, vocab_size: int, window: int = 16, init: str = "random", *,
                  interval: tuple[int, int | None] | None = None, generator: Generators = None,
-                 greedy: bool = False, row_width: int | None = None) -> None:
+                 greedy: bool = False, row_width: int | None = None,
+                 init_tokens: torch.Tensor | None = None) -> None:
         check_positive_int("vocab_size", vocab_size)
+        check(init_tokens is None or (init_tokens.dim() == 1 and init_tokens.numel() >= 1
+                                      and 0 <= int(init_tokens.min()) and int(init_tokens.max()) < vocab_size),
+              f"init_tokens must be a non-empty 1-D tensor of token ids below vocab_size {vocab_size}.")
+        self.init_tokens = init_tokens
         check_positive_int("window", window)
         if row_width is not None:
             check_positive_int("row_width", row_width)
@@ -292,7 +299,11 @@ class JacobiDrafter:
     def _init_tokens(self, state: DecodeState, k: int) -> torch.Tensor:
         """[B, k] tokens for new positions (only the slots past each row's tail are used)."""
         b, device = state.batch_size, state.done.device
-        rand = random_tokens(b, k, self.vocab_size, self.generator, device)  # [B, K], drawn in every mode
+        if self.init_tokens is None:
+            rand = random_tokens(b, k, self.vocab_size, self.generator, device)  # [B, K], drawn in every mode
+        else:
+            pool = self.init_tokens.to(device)
+            rand = pool[random_tokens(b, k, pool.numel(), self.generator, device)]  # [B, K] from the pool
         if self.init == "repeat_horizon":
             known = last_tail_token(self.tail_tokens, self.tail_len, state.last_token)  # [B]
         else:  # sample_horizon (unused for random)

@@ -9,12 +9,18 @@ turns the loop into vanilla decoding. Image and VLM pipelines wrap their models 
 
 `GuidedRunner` holds a model and its cache and does classifier-free guidance the LlamaGen way when asked: the
 cache holds 2B rows [conditional ; unconditional], every token goes to both halves, and the logits returned are
-`uncond + scale * (cond - uncond)`. Targets and drafters use it, so CFG lives in one place.
+`uncond + scale * (cond - uncond)`. The unconditional prompts may be shorter or longer than the conditional ones
+(a negative prompt, Emu3's one-token context): each half's tokens then sit at its own rows' slots and positions.
+Targets and drafters use it, so CFG lives in one place.
+
+`TokenLayout` is a constraint on which tokens each generated-token index may take (an image's row ends, its end
+tokens: what transformers' `prefix_allowed_tokens_fn` does for Emu3); `LMTarget` applies it to every p it returns.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -75,6 +81,7 @@ class GuidedRunner:
         self.guidance_scale = guidance_scale
         self.prefill_fn = prefill_fn
         self.cache: StaticKVCache | None = None
+        self.uncond_shift: torch.Tensor | None = None  # [B] uncond prompt length - cond prompt length (CFG)
         self.forwards = 0
 
     @property
@@ -83,6 +90,13 @@ class GuidedRunner:
 
     def rows(self, t: torch.Tensor) -> torch.Tensor:
         return both_halves(t) if self.uses_cfg else t
+
+    def row_slots(self, t: torch.Tensor) -> torch.Tensor:
+        """Slots or positions [B, S] of the conditional rows -> [R, S]: the unconditional rows' own (shifted by
+        their prompts' length difference)."""
+        if not self.uses_cfg or self.uncond_shift is None:  # no shift known (a cache set up by its owner): equal
+            return self.rows(t)
+        return torch.cat([t, t + self.uncond_shift.view(-1, *([1] * (t.dim() - 1)))], dim=0)
 
     def combine(self, logits: torch.Tensor) -> torch.Tensor:
         """[R, ...] model logits -> [B, ...] (CFG-combined when guided)."""
@@ -101,6 +115,9 @@ class GuidedRunner:
 
     def prefill(self, inputs: Any, extra_capacity: int) -> torch.Tensor:
         self.cache, logits = self.prefill_fn(self.model, inputs, extra_capacity)
+        if self.uses_cfg:
+            b = self.cache.batch_size // 2
+            self.uncond_shift = self.cache.lengths[b:] - self.cache.lengths[:b]  # [B], zeros for equal prompts
         self.forwards += 1
         return self.combine(logits)  # [B, 1, V]
 
@@ -116,10 +133,11 @@ class GuidedRunner:
 
         `model_inputs` go to `forward_cached` unchanged, so they must already have the model's R rows (2B with
         CFG), e.g. the target features of an EAGLE drafter, which differ between the two halves."""
+        positions = self.row_slots(positions)  # [R, S]
         max_positions = getattr(self.model, "max_seq_len", None)
         if max_positions is not None:  # padding entries past the end (their outputs are never used)
             positions = positions.clamp_max(max_positions - 1)
-        full_slots = self.rows(slots)
+        full_slots = self.row_slots(slots)  # [R, S]
         cache = self.cache
         # on a CPU, attend over the slots up to this step's last one, not the whole capacity (one cheap host read;
         # on an accelerator the read would be a sync per forward, and a compiled forward wants static shapes)
@@ -130,8 +148,7 @@ class GuidedRunner:
                 mask = cache.attention_mask(full_slots, None if tree_mask is None else self.rows(tree_mask))
             else:
                 mask = self.rows(mask)[..., :limit]
-            logits = self.model.forward_cached(self.rows(tokens), self.rows(positions), cache, full_slots, mask,
-                                               **model_inputs)
+            logits = self.model.forward_cached(self.rows(tokens), positions, cache, full_slots, mask, **model_inputs)
         self.forwards += 1
         return self.combine(logits)
 
@@ -161,22 +178,43 @@ def teacher_forced_probs(runner: GuidedRunner, inputs: Any, tokens: torch.Tensor
 DRAFT_ROOM = 64
 
 
+@dataclass(frozen=True)
+class TokenLayout:
+    """Which tokens each generated-token index may take: index t is of kind kinds[t] (an index past the end takes
+    the last kind) and a kind allows the tokens allowed[kind]; every other token's logit becomes -inf, before the
+    sampling settings (as transformers' `PrefixConstrainedLogitsProcessor` runs before its warpers)."""
+
+    kinds: torch.Tensor  # [L] long
+    allowed: torch.Tensor  # [K, V] bool
+
+    def constrain(self, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """logits [B, S, V] of generated-token indices [B, S] -> the same with the disallowed tokens at -inf."""
+        kinds = self.kinds[index.clamp(0, self.kinds.shape[0] - 1)]  # [B, S]
+        return logits.masked_fill(~self.allowed[kinds], float("-inf"))
+
+
 class LMTarget:
     """A CachedLM as the loop's target; p is the model's distribution under `params` (temperature, top-k/p).
 
     `guidance_scale` turns on classifier-free guidance (see `GuidedRunner`); `prefill_fn` runs the condition
-    (default: a token prompt; `cfg_prompt_pair` for a (cond, uncond) pair of prompts).
+    (default: a token prompt; `cfg_prompt_pair` for a (cond, uncond) pair of prompts); `layout` constrains the
+    tokens of each generated-token index (after CFG, before the sampling settings).
     """
 
     def __init__(self, model: CachedLM, params: SamplingParams, max_new_tokens: int,
                  max_draft_nodes: int = DRAFT_ROOM, *, guidance_scale: float | torch.Tensor | None = None,
-                 prefill_fn: PrefillFn = prefill_prompt):
+                 prefill_fn: PrefillFn = prefill_prompt, layout: TokenLayout | None = None):
         self.runner = GuidedRunner(model, guidance_scale, prefill_fn)
         self.params = params
+        self.layout = layout
         self.extra_capacity = max_new_tokens + max_draft_nodes + 1
 
     def prefill(self, inputs: Any) -> torch.Tensor:
-        return probs_from_params(self.runner.prefill(inputs, self.extra_capacity), self.params)  # [B, 1, V]
+        logits = self.runner.prefill(inputs, self.extra_capacity)  # [B, 1, V]
+        if self.layout is not None:
+            logits = self.layout.constrain(logits, torch.zeros(logits.shape[:2], dtype=torch.long,
+                                                               device=logits.device))
+        return probs_from_params(logits, self.params)
 
     def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         runner = self.runner
@@ -184,10 +222,14 @@ class LMTarget:
             slots = runner.slots(draft.num_nodes)
             logits = runner.forward(draft.tokens.clamp_min(0), draft.position_ids(runner.lengths), slots,
                                     tree_mask=draft.attention_mask())
+            offsets = draft.depths  # [B, N] a node predicts the token after it
         else:
             tokens = torch.cat([state.last_token.unsqueeze(-1), draft.tokens.clamp_min(0)], dim=1)  # [B, K+1]
             slots = runner.slots(tokens.shape[1])
             logits = runner.forward(tokens, slots, slots)
+            offsets = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)  # [B, K+1]
+        if self.layout is not None:  # entry j predicts generated-token index num_generated + its offset
+            logits = self.layout.constrain(logits, state.num_generated.unsqueeze(-1) + offsets)
         return probs_from_params(logits, self.params)
 
     def commit(self, state: DecodeState, draft: Draft, result: VerifyResult, active: torch.Tensor) -> None:

@@ -7,7 +7,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ["README.md", "docs/verify.md", "docs/var.md", "docs/mar.md", "docs/vlm.md", "docs/demos.md",
-        "docs/architecture.md", "docs/llamagen_pipeline.md", "docs/budgets.md", "docs/diffusers.md"]
+        "docs/architecture.md", "docs/llamagen_pipeline.md", "docs/budgets.md", "docs/diffusers.md",
+        "docs/transformers_image.md"]
 
 
 def python_blocks(path: Path) -> list[str]:

@@ -27,7 +27,7 @@ from mmspec.verify import GSDRule, LanternRule, LosslessRule, get_rule, rule_kee
 
 def test_the_installed_families_and_their_commands_are_found():
     assert {"llamagen", "mar", "toy", "var", "vlm"} <= set(available_families())
-    assert set(available_families("generate")) == {"llamagen", "llamagen-t2i", "mar", "var"}
+    assert set(available_families("generate")) == {"emu3", "janus", "llamagen", "llamagen-t2i", "mar", "var"}
     t2i = get_family("llamagen-t2i")  # the t2i family shares the class-conditional one's method records
     assert t2i.condition == "prompt" and t2i.methods is get_family("llamagen").methods
     assert {"llamagen", "mar", "toy", "var", "vlm"} <= set(available_families("bench"))

@@ -22,7 +22,6 @@ Folder layout: the target (a transformers VLM folder with its processor) at the 
 
 from __future__ import annotations
 
-import json
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +30,8 @@ from pathlib import Path
 import torch
 
 from mmspec.budget import check_budget_mode, make_budget
-from mmspec.errors import InputError, check, check_positive_int
+from mmspec.errors import check, check_positive_int
+from mmspec.hf_loading import load_transformers_folder, read_folder_config
 from mmspec.lm import LMTarget, NoDrafter
 from mmspec.loop import generate
 from mmspec.sampling import SamplingParams
@@ -48,8 +48,6 @@ from vlm.hf_generate import (
 from vlm.target import VLMInputs, cached_vlm, check_supported_config, prefill_vlm
 from vlm.world import build_prompt, image_marker
 
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
-
 
 @dataclass
 class VLMOutput:
@@ -57,20 +55,6 @@ class VLMOutput:
     token_ids: list[list[int]]  # per row, generated tokens (the final <eos> included when reached)
     rounds: list[list[list[int]]] = field(default_factory=list)  # per row: tokens committed by each round
     stats: SpecStats = field(default_factory=SpecStats)
-
-
-def check_weights_loaded(loading: dict, class_name: str, folder: Path) -> None:
-    """InputError when transformers' `from_pretrained` left parameters of the model at their random init (missing
-    or shape-mismatched keys): a folder written with another parameter layout would otherwise answer with random
-    layers, silently."""
-    import transformers
-
-    bad = sorted(loading.get("missing_keys") or []) + [str(k) for k, *_ in loading.get("mismatched_keys") or []]
-    if bad:
-        raise InputError(f"{len(bad)} weights of {class_name} are not in {folder} (e.g. {bad[0]}); the folder was "
-                         f"probably saved by another transformers version with another parameter layout than this one "
-                         f"({transformers.__version__}): install the version that wrote it (config.json's "
-                         "transformers_version).")
 
 
 def load_drafter(folder: str | Path, kind: str, dtype: torch.dtype | None = None):
@@ -115,31 +99,16 @@ class SpeculativeVLM:
         `drafter_path`; both in `dtype` (transformers' older name: `torch_dtype`) when given (else as saved). Local
         files only."""
         from transformers import AutoModelForImageTextToText, AutoProcessor
-        from transformers.utils import logging as hf_logging
 
         check(dtype is None or torch_dtype is None, "give dtype or torch_dtype, not both.")
         dtype = dtype if torch_dtype is None else torch_dtype
 
         folder = Path(folder)
-        check((folder / "config.json").is_file() and any((folder / name).is_file() for name in PROCESSOR_FILES),
-              f"no VLM target in {folder}: expected a transformers VLM folder with its processor (made by "
-              f"`mmspec train vlm --out {folder}` or transformers' save_pretrained).")
-        try:
-            config = json.loads((folder / "config.json").read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise InputError(f"could not read {folder / 'config.json'}: {err}") from None
+        config = read_folder_config(folder, "VLM target", f"`mmspec train vlm --out {folder}` or transformers' "
+                                                           "save_pretrained")
         check_supported_config(config, f"the model in {folder}")  # before any weights load
-        hf_logging.disable_progress_bar()
-        try:
-            # transformers' own class for the config's model_type (checked above to be a supported one)
-            model, loading = AutoModelForImageTextToText.from_pretrained(str(folder), local_files_only=True,
-                                                                         output_loading_info=True)
-            processor = AutoProcessor.from_pretrained(str(folder), local_files_only=True)
-        except (OSError, ValueError) as err:
-            raise InputError(f"could not load the VLM target in {folder}: {str(err).splitlines()[0]}") from None
-        finally:
-            hf_logging.enable_progress_bar()
-        check_weights_loaded(loading, type(model).__name__, folder)
+        # transformers' own class for the config's model_type (checked above to be a supported one)
+        model, processor = load_transformers_folder(folder, AutoModelForImageTextToText, AutoProcessor)
         draft = None
         if drafter is not None:
             draft = load_drafter(drafter_path or folder / "drafters" / drafter, drafter, dtype).to(device)

@@ -15,12 +15,11 @@ greedy variants at temperature 0.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from image_ar.llamagen.eagle import EagleTreeDrafter
-from image_ar.llamagen.rope import grid_size_of
 from mmspec.errors import InputError, check, check_positive_int
 from mmspec.families import parameters_of
 from mmspec.jacobi import JacobiDrafter, check_init, check_interval
@@ -40,11 +39,33 @@ TRAIN_HINT = ("train one with `mmspec train llamagen-drafter --pipeline PIPELINE
               "(it registers the component in PIPELINE/model_index.json), or pass eagle_drafter= to the pipeline")
 
 
+class ImageTokenPipeline(Protocol):
+    """What the methods read from a discrete image pipeline (`LlamaGenPipeline`, `image_ar.transformers_ar`'s):
+    the token layout, the VQ codebook and the target's input embeddings of the codes, LANTERN's tables (a dict the
+    pipeline keeps, per k), and the optional drafters (None where the pipeline has none: their methods refuse)."""
+
+    lantern_tables: dict[int, torch.Tensor]
+    draft_transformer: Any
+    eagle_drafter: Any
+
+    def image_token_layout(self) -> tuple[int, int, int]:
+        """(image tokens per image, tokens per image row, code vocabulary size)."""
+
+    def code_vectors(self, as_decoded: bool = False) -> torch.Tensor:
+        """The VQ codebook [V, C]: its raw vectors, or (as_decoded) the latents the decoder sees."""
+
+    def input_token_embeddings(self) -> torch.Tensor:
+        """[V, H] the target's input embeddings of the codes (what it reads for a generated token)."""
+
+    def image_token_ids(self) -> torch.Tensor | None:
+        """The image tokens' ids where the vocabulary also holds text (Jacobi's random init draws from them)."""
+
+
 @dataclass
 class MethodContext:
     """What a method may use to build its drafter and rule."""
 
-    pipeline: Any  # the LlamaGenPipeline (its transformer, vqvae, optional draft_transformer and eagle_drafter)
+    pipeline: ImageTokenPipeline  # LlamaGen: its transformer, vqvae, optional draft_transformer and eagle_drafter
     params: SamplingParams  # the target's sampling settings
     guidance_scale: float | None  # None = no CFG
     prefill_fn: PrefillFn  # runs the condition for a model: (model, labels/embeddings, extra) -> (cache, logits)
@@ -61,7 +82,7 @@ class MethodContext:
         if k not in tables:
             from mmspec.verify import build_neighbour_table
 
-            tables[k] = build_neighbour_table(self.pipeline.vqvae.quantize.embedding.weight.detach().float().cpu(), k)
+            tables[k] = build_neighbour_table(self.pipeline.code_vectors().detach().float().cpu(), k)
         return tables[k]
 
     def token_embeddings(self, table: str | None = "target") -> torch.Tensor | None:
@@ -70,9 +91,9 @@ class MethodContext:
         decoder sees), None no table (probability test only)."""
         check(table in GSD_EMBEDDINGS, f"embeddings must be 'target', 'codebook' or None, got {table!r}.")
         if table == "target":
-            return self.pipeline.transformer.tok_embeddings.weight.detach().float()
+            return self.pipeline.input_token_embeddings().detach().float()
         if table == "codebook":
-            return self.pipeline.vqvae.codebook().detach().float()
+            return self.pipeline.code_vectors(as_decoded=True).detach().float()
         return None
 
 
@@ -99,7 +120,7 @@ def acceptance_rule(ctx: MethodContext, accept: str = "lossless", **given: Any) 
     if accept == "lossless":
         return ctx.rule_name()
     if accept == "lantern":
-        k = min(int(given.pop("k", takes["k"])), ctx.pipeline.vqvae.config.codebook_size - 1)
+        k = min(int(given.pop("k", takes["k"])), ctx.pipeline.image_token_layout()[2] - 1)
         return LanternRule(ctx.neighbour_table(k), k=k, greedy=ctx.params.greedy, **given)
     return GSDRule(embeddings=ctx.token_embeddings(given.pop("embeddings", GSD_TABLE["embeddings"])), **given)
 
@@ -132,10 +153,10 @@ def llamagen_jacobi_drafter(ctx: MethodContext, window: int = 16, init: str = "r
     check(window <= MAX_WINDOW, f"window must be <= {MAX_WINDOW} (the target's cache keeps room for "
                                 f"{MAX_WINDOW - 1} drafts), got {window}.")
     check_init(init)
-    config = ctx.pipeline.transformer.config
-    start, end = resolve_interval(interval, config.block_size, window)
-    return JacobiDrafter(config.vocab_size, window, init, interval=(start, end), generator=ctx.generator,
-                         greedy=ctx.params.greedy, row_width=grid_size_of(config.block_size))
+    block_size, row_width, vocab_size = ctx.pipeline.image_token_layout()
+    start, end = resolve_interval(interval, block_size, window)
+    return JacobiDrafter(vocab_size, window, init, interval=(start, end), generator=ctx.generator,
+                         greedy=ctx.params.greedy, row_width=row_width, init_tokens=ctx.pipeline.image_token_ids())
 
 
 def eagle_tree_drafter(ctx: MethodContext, method: str, **tree: Any) -> EagleTreeDrafter:

@@ -29,6 +29,7 @@ from diffusers import DiffusionPipeline
 from image_ar.llamagen.family import FAMILY
 from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.methods import MethodContext
+from image_ar.llamagen.rope import grid_size_of
 from image_ar.llamagen.text import caption_condition, check_prompts, tokenize_captions
 from image_ar.llamagen.vq import LlamaGenVQ
 from mmspec.budget import make_budget
@@ -135,6 +136,25 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
             else:
                 compile_cached_lm(model, mode)
         return self
+
+    # ------------------------------------------------------------ what the methods read (`ImageTokenPipeline`)
+    def image_token_layout(self) -> tuple[int, int, int]:
+        """(image tokens per image, tokens per image row, code vocabulary size)."""
+        config = self.transformer.config
+        return config.block_size, grid_size_of(config.block_size), config.vocab_size
+
+    def code_vectors(self, as_decoded: bool = False) -> torch.Tensor:
+        """The VQ codebook [V, C]: raw vectors (LANTERN's table, as the reference code) or, as_decoded, the
+        L2-normalised latents the decoder sees."""
+        return self.vqvae.codebook() if as_decoded else self.vqvae.quantize.embedding.weight
+
+    def input_token_embeddings(self) -> torch.Tensor:
+        """[V, dim] the transformer's input token embeddings (GSD's table, as the official code)."""
+        return self.transformer.tok_embeddings.weight
+
+    def image_token_ids(self) -> None:
+        """None: every token of the vocabulary is an image code."""
+        return None
 
     # ----------------------------------------------------------------------------------------- inputs
     def encode_prompt(self, prompt: str | list[str], num_images_per_prompt: int = 1,
@@ -248,15 +268,9 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                 model.check_positions = False
         draft_budget = make_budget(budget, target, drafter, rule, cond, batch, cond.device, self.budgets)
 
-        with self.progress_bar(total=block) as bar:
-            def on_step(state, draft, result):
-                done = int(state.num_generated.min())
-                bar.update(done - bar.n)
-                return user_step(state.iteration - 1, done, {"tokens": state.tokens})
-
-            gen = generate(target, drafter, rule, cond, batch_size=batch, max_new_tokens=block, generator=generator,
-                           device=cond.device, callback=on_step, budget=draft_budget)
-            bar.update(block - bar.n)
+        gen = self.with_token_progress(block, user_step, lambda on_step: generate(
+            target, drafter, rule, cond, batch_size=batch, max_new_tokens=block, generator=generator,
+            device=cond.device, callback=on_step, budget=draft_budget))
 
         tokens = gen.tokens  # [N, block]
         if output_type != "latent":

@@ -69,10 +69,17 @@ def help_epilog() -> str:
     return "\n".join(lines)
 
 
+def default_family() -> str:
+    """The family `--family` defaults to: the first, alphabetically, with a generate hook and an embedded default."""
+    with_default = [n for n in available_families("generate") if get_family(n).default_model is not None]
+    return (with_default or available_families("generate"))[0]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--family", default=None,
                         help=f"model family: one of {', '.join(available_families())} whose record has a generate hook "
-                             "(default: the first of those, alphabetically); --help lists them with their methods")
+                             "(default: the first of those with an embedded default, alphabetically); --help lists "
+                             "them with their methods")
     parser.add_argument("--job", default=None,
                         help="job file (.jsonl or .csv; columns id, class or prompt, count, seed), instead of "
                              "--classes / --prompt")
@@ -298,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
                                             "caption a line.")
     if args.model is not None:
         check(Path(args.model).exists(), f"--model {args.model} does not exist; pass a pipeline folder.")
-    args.family = args.family or available_families("generate")[0]
+    args.family = args.family or default_family()
     family = get_family(args.family)
     check(family.generate is not None, f"family {args.family!r} does not generate images; pick one of "
                                        f"{', '.join(available_families('generate'))}.")

@@ -125,7 +125,8 @@ def test_sampled_second_token_follows_the_models_own_law_with_a_negative_control
     its counts, grouped by the first token, fit the softmax of the model's own forward (pooled chi-square); the
     same counts against the law at temperature 0.8 must fail, so the test can tell."""
     from scipy import stats as scipy_stats
-    from vlm_dummies import pooled_chi_square
+
+    from mmspec.testing.distributions import pooled_chi_square
 
     vlm = tiny_gemma3()
     with torch.no_grad():

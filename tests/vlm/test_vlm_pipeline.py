@@ -8,10 +8,10 @@ import pytest
 import torch
 from scipy import stats as scipy_stats
 from transformers import LlavaForConditionalGeneration
-from vlm_dummies import pooled_chi_square
 
 from mmspec.data import generate_batch
 from mmspec.errors import InputError
+from mmspec.testing.distributions import pooled_chi_square
 from vlm.eagle import VLMEagleDrafter
 from vlm.pipeline import SpeculativeVLM
 from vlm.target import LlavaCachedLM

@@ -198,8 +198,8 @@ def test_sampled_second_token_follows_the_target_law_with_a_negative_control():
     temperature 0.8 (a near miss) must fail, so the test can tell."""
     from scipy import stats as scipy_stats
     from transformers import Qwen2VLForConditionalGeneration
-    from vlm_dummies import pooled_chi_square
 
+    from mmspec.testing.distributions import pooled_chi_square
     from vlm.pipeline import SpeculativeVLM
     from vlm.world import world_vqa_examples
     from vlm.world_qwen2_vl import world_qwen2_vl_config, world_qwen2_vl_processor

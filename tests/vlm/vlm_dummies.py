@@ -53,29 +53,6 @@ def greedy_vanilla_and_tree(lm, tree_cls, drafter, rows: list[list[int]], pixels
     return vanilla, spec
 
 
-def pooled_chi_square(pairs: list[list[int]], next_probs) -> tuple[float, int]:
-    """Chi-square of sampled second tokens against the target's conditional law, pooled over first tokens:
-    pairs = [first, second] per row; next_probs(first) -> the target's probabilities [V] of the second token.
-    First tokens with < 20 samples are skipped; bins expecting < 5 are merged. Returns (chi2, degrees of freedom)."""
-    import numpy as np
-
-    chi2, dof = 0.0, 0
-    for first in sorted({p[0] for p in pairs}):
-        seconds = [p[1] for p in pairs if p[0] == first]
-        if len(seconds) < 20:
-            continue
-        probs = np.asarray(next_probs(first), dtype=np.float64)
-        counts = np.bincount(seconds, minlength=probs.shape[0])
-        expected = probs * len(seconds)
-        big = expected >= 5
-        obs = np.append(counts[big], counts[~big].sum())
-        exp = np.append(expected[big], expected[~big].sum())
-        keep = exp > 0
-        chi2 += float((((obs - exp) ** 2)[keep] / exp[keep]).sum())
-        dof += int(keep.sum()) - 1
-    return chi2, dof
-
-
 TREE_PATHS = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3]}  # node -> root-to-node path of `verify_example_tree`
 
 

@@ -1,0 +1,160 @@
+"""transformers' `Emu3ForConditionalGeneration` generating an image as the loop's target.
+
+Emu3 generates an image with its plain language model over its whole vocabulary (text and image tokens share
+it). transformers' documented recipe: the processor's `return_for_image_generation=True` appends
+`<|image start|>{H}*{W}<|image token|>` to the prompt; `generate` runs with classifier-free guidance by
+`negative_prompt_ids` (its unbatched CFG: an unconditional context run alongside, the negative prompt or, without
+one, the prompt's last token, followed by the generated tokens; `u + g * (c - u)` on log-softmaxed logits, which
+is the raw-logit combination up to a constant per row, so the same distribution) and a `prefix_allowed_tokens_fn`
+that fixes the layout: H rows of W visual tokens, each row closed by the end-of-line token `<|extra_200|>`, then
+end-of-frame `<|extra_201|>`, end-of-image and EOS. The constraint runs after CFG and before temperature / top-k /
+top-p. `decode_image_tokens(image_tokens=, height=, width=)` drops the last 3 tokens and the end-of-line column and
+decodes the rest with the model's VQ decoder.
+
+`Emu3CachedLM` is the language model step as an `mmspec.lm.CachedLM` (its own text model and LM head), `emu3_layout`
+the layout as an `mmspec.lm.TokenLayout` over generated-token indices, `emu3_prefill` the prompt prefill with the
+unconditional rows as transformers builds them.
+
+Glossary: B prompts, R = 2B rows with CFG, P prompt length, V the whole vocabulary, H x W the image's token grid.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from image_ar.transformers_ar.prompts import Prompts
+from mmspec.cache import StaticKVCache
+from mmspec.errors import InputError, check
+from mmspec.hf_cache import check_attention_support, run_text_model
+from mmspec.lm import TokenLayout
+
+EOL_TOKEN = "<|extra_200|>"  # closes each row of visual tokens (Emu3's vocabulary_map names it)
+KINDS = ("visual", "eol", "eof", "eoi", "eos", "pad")  # what a generated-token index may be, in layout order
+
+
+@dataclass(frozen=True)
+class Emu3SpecialIds:
+    """The ids of the layout tokens."""
+
+    eol: int
+    eof: int
+    eoi: int
+    eos: int
+    pad: int
+    visual: tuple[int, ...]
+
+
+def emu3_special_ids(model, tokenizer) -> Emu3SpecialIds:
+    """The layout's ids as transformers' documented recipe reads them: end-of-line and the visual tokens from the
+    model's vocabulary map, end-of-frame / end-of-image / EOS / pad from the processor's tokenizer."""
+    mapping = model.model.vocabulary_mapping
+    ids = {"eol": mapping.eol_token_id, "eos": tokenizer.eos_token_id, "pad": tokenizer.pad_token_id,
+           "eof": tokenizer.convert_tokens_to_ids(getattr(tokenizer, "eof_token", None) or "<|extra_201|>"),
+           "eoi": tokenizer.convert_tokens_to_ids(getattr(tokenizer, "eoi_token", None) or "<|image end|>")}
+    missing = [name for name, value in ids.items() if value is None or value == tokenizer.unk_token_id]
+    if missing or not mapping.image_tokens:
+        raise InputError(f"the Emu3 model's vocabulary map and tokenizer give no {', '.join(missing) or 'visual'} "
+                         "token(s); use the processor saved with the model.")
+    return Emu3SpecialIds(**{k: int(v) for k, v in ids.items()}, visual=tuple(mapping.image_tokens))
+
+
+def layout_length(height: int, width: int) -> int:
+    """Generated tokens of an H x W image: H rows of W visual tokens + end-of-line, then EOF, EOI, EOS."""
+    return height * (width + 1) + 3
+
+
+def emu3_layout(special: Emu3SpecialIds, height: int, width: int, vocab_size: int) -> TokenLayout:
+    """The `TokenLayout` of transformers' documented `prefix_allowed_tokens_fn`: generated-token index t (its offset
+    from the `<|image token|>` that ends the prompt is t + 1) is end-of-line when (t + 1) % (W + 1) == 0, EOF at
+    t = H (W + 1), EOI and EOS after it, pad beyond, and a visual token everywhere else."""
+    n = layout_length(height, width)
+    t = torch.arange(n + 1)
+    kinds = torch.zeros(n + 1, dtype=torch.long)  # visual
+    kinds[(t + 1) % (width + 1) == 0] = KINDS.index("eol")
+    rows_end = height * (width + 1)
+    for offset, kind in enumerate(("eof", "eoi", "eos", "pad")):
+        kinds[rows_end + offset] = KINDS.index(kind)
+    allowed = torch.zeros(len(KINDS), vocab_size, dtype=torch.bool)
+    allowed[0, list(special.visual)] = True
+    for kind in KINDS[1:]:
+        allowed[KINDS.index(kind), getattr(special, kind)] = True
+    return TokenLayout(kinds, allowed)
+
+
+class Emu3CachedLM:
+    """Emu3's language model as a `CachedLM` over its whole vocabulary: logits [B, S, V] float32 from its LM head."""
+
+    def __init__(self, model, attention_backend: str | None = None) -> None:
+        check(getattr(getattr(model, "config", None), "model_type", None) == "emu3" and hasattr(model, "lm_head"),
+              f"expected a transformers Emu3ForConditionalGeneration, got {type(model).__name__}.")
+        self.text = model.model.text_model
+        check_attention_support(self.text.config, "the Emu3 text model", attention_backend)
+        self.model, self.backend = model, attention_backend
+        cfg = model.config.text_config
+        self.num_layers, self.num_heads = cfg.num_hidden_layers, cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size = cfg.vocab_size
+        self.last_hidden: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def parameters(self):
+        """The model's parameters (what `mmspec.cost` keys its timings by)."""
+        return self.model.parameters()
+
+    def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
+        w = self.model.lm_head.weight
+        return StaticKVCache(self.num_layers, batch_size, self.num_kv_heads, capacity, self.head_dim, w.dtype,
+                             w.device)
+
+    @torch.no_grad()
+    def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+        """Input embeddings x [B, S, H] at positions [B, S]; K/V at slots; mask [B, S, T] -> logits [B, S, V]."""
+        self.last_hidden = run_text_model(self.text, x, positions, cache, slots, mask, self.backend)  # [B, S, H]
+        return self.model.lm_head(self.last_hidden).float()
+
+    def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
+                       slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.forward_embeds(self.model.get_input_embeddings()(tokens.to(self.device)), positions, cache,
+                                   slots, mask)
+
+
+def last_tokens(prompts: Prompts) -> Prompts:
+    """Each prompt's last real token as a one-token prompt: Emu3's unconditional context without a negative prompt."""
+    last = prompts.input_ids.gather(1, (prompts.lengths - 1).unsqueeze(-1))  # [B, 1]
+    return Prompts(last, torch.ones_like(last))
+
+
+def emu3_prefill(guided: bool, negative: Prompts | None = None):
+    """`LMTarget`'s prefill for `Prompts`: the prompts and, guided, the unconditional rows (`negative`, one per
+    prompt, else each prompt's last token) as the second half of the batch, each row at its own positions and
+    length; returns (cache, logits for each row's first generated token [R, 1, V])."""
+
+    def prefill(model: Emu3CachedLM, prompts: Prompts, extra_capacity: int):
+        check(isinstance(prompts, Prompts), f"Emu3 targets take Prompts, got {type(prompts).__name__}.")
+        rows = [prompts]
+        if guided:
+            rows.append(negative if negative is not None else last_tokens(prompts))
+        width = max(r.input_ids.shape[1] for r in rows)
+        ids = torch.cat([torch.nn.functional.pad(r.input_ids, (0, width - r.input_ids.shape[1])) for r in rows])
+        lengths = torch.cat([r.lengths for r in rows]).to(model.device)  # [R]
+        ids = ids.to(model.device)  # [R, P] right-padded
+        cache = model.new_cache(ids.shape[0], width + extra_capacity)
+        slots = cache.slots(width)  # [R, P] == positions
+        logits = model.forward_embeds(model.model.get_input_embeddings()(ids), slots, cache, slots,
+                                      cache.attention_mask(slots))  # [R, P, V]
+        cache.commit_chain(lengths)
+        last = (lengths - 1).view(-1, 1, 1)
+        return cache, logits.gather(1, last.expand(-1, -1, logits.shape[-1]))  # [R, 1, V]
+
+    return prefill

@@ -1,0 +1,53 @@
+"""The family records of transformers' AR image generators: `janus` (Janus / Janus-Pro, `JanusPipeline`) and `emu3`
+(`Emu3Pipeline`), with the LlamaGen family's method records that need no trained drafter (declared once, in
+`image_ar.llamagen.family`). There is no embedded default: `--model` names a local folder in transformers' layout.
+
+    mmspec generate --family janus --model Janus-Pro-1B --prompt "a red fox in the snow" --method sjd --out out/
+    mmspec generate --family emu3 --model Emu3-Gen-hf --prompt "a red fox in the snow" --method gsd --out out/
+"""
+
+from __future__ import annotations
+
+import torch
+
+from image_ar.llamagen.family import FAMILY as LLAMAGEN
+from mmspec.errors import InputError
+from mmspec.families import FamilyRecord
+from mmspec.stats import SpecStats
+
+METHODS = ("vanilla", "sjd", "gsd")  # the shared records that need no drafter trained for the model
+# transformers' Janus: CFG 5; Emu3: CFG 3 and top-k 2048 (transformers' example, the SJD paper's Emu3 setting)
+JANUS_DEFAULTS = {"guidance_scale": 5.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
+EMU3_DEFAULTS = {"guidance_scale": 3.0, "temperature": 1.0, "top_k": 2048, "top_p": 1.0}
+
+
+def loader(pipeline_name: str, family: str):
+    """load(model_path, device, dtype) of a pipeline class of `image_ar.transformers_ar.pipeline`."""
+
+    def load(model_path: str | None, device: str, dtype=None):
+        from image_ar.transformers_ar import pipeline
+
+        if model_path is None:
+            raise InputError(f"the {family} family has no embedded default: pass --model FOLDER (a local {family} "
+                             "folder in transformers' layout; `python -m image_ar.transformers_ar.tiny FOLDER "
+                             f"--model {family}` writes a tiny random one to try).")
+        return getattr(pipeline, pipeline_name).from_pretrained(model_path, dtype=dtype, device=device)
+
+    return load
+
+
+def generate(pipe, prompts: list[str], generators: list[torch.Generator], options: dict) -> tuple[list, SpecStats]:
+    out = pipe(prompts, generator=generators, output_type="pil", **options)
+    return out.images, out.stats
+
+
+def shared_methods() -> dict:
+    return {name: LLAMAGEN.methods[name] for name in METHODS}
+
+
+JANUS = FamilyRecord("janus", "transformers' Janus / Janus-Pro text-to-image (a local model folder; --model)",
+                     load=loader("JanusPipeline", "janus"), generate=generate, condition="prompt",
+                     sampling_defaults=lambda pipeline: JANUS_DEFAULTS, methods=shared_methods())
+EMU3 = FamilyRecord("emu3", "transformers' Emu3 text-to-image (a local model folder; --model)",
+                    load=loader("Emu3Pipeline", "emu3"), generate=generate, condition="prompt",
+                    sampling_defaults=lambda pipeline: EMU3_DEFAULTS, methods=shared_methods())

@@ -1,0 +1,63 @@
+"""Loading a transformers model and its processor from a local folder in transformers' own layout.
+
+    config = read_folder_config(folder, "a Janus model")          # config.json as a dict, before any weights load
+    model, processor = load_transformers_folder(folder, AutoModelForImageTextToText, AutoProcessor)
+
+Local files only (nothing downloads); a folder transformers cannot read is a one-line InputError, and so is one
+whose weights leave parameters of the model at their random init (missing or shape-mismatched keys: a folder
+written by a transformers version with another parameter layout would otherwise run with random layers, silently).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from mmspec.errors import InputError, check
+
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def read_folder_config(folder: str | Path, what: str, made_by: str = "transformers' save_pretrained") -> dict:
+    """config.json of a transformers folder as a dict (InputError when the folder or its processor is missing)."""
+    folder = Path(folder)
+    check((folder / "config.json").is_file() and any((folder / name).is_file() for name in PROCESSOR_FILES),
+          f"no {what} in {folder}: expected a transformers folder with config.json and its processor (made by "
+          f"{made_by}).")
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise InputError(f"could not read {folder / 'config.json'}: {err}") from None
+
+
+def check_weights_loaded(loading: dict, class_name: str, folder: Path) -> None:
+    """InputError when transformers' `from_pretrained` left parameters of the model at their random init."""
+    import transformers
+
+    bad = sorted(loading.get("missing_keys") or []) + [str(k) for k, *_ in loading.get("mismatched_keys") or []]
+    if bad:
+        raise InputError(f"{len(bad)} weights of {class_name} are not in {folder} (e.g. {bad[0]}); the folder was "
+                         f"probably saved by another transformers version with another parameter layout than this one "
+                         f"({transformers.__version__}): install the version that wrote it (config.json's "
+                         "transformers_version).")
+
+
+def load_transformers_folder(folder: str | Path, model_class: Any, processor_class: Any,
+                             **model_kwargs: Any) -> tuple[Any, Any]:
+    """(model, processor) from `folder` with `model_class.from_pretrained` (e.g. an Auto class) and
+    `processor_class.from_pretrained`, local files only, every weight checked to be loaded."""
+    from transformers.utils import logging as hf_logging
+
+    folder = Path(folder)
+    hf_logging.disable_progress_bar()
+    try:
+        model, loading = model_class.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
+                                                     **model_kwargs)
+        processor = processor_class.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise InputError(f"could not load the model in {folder}: {str(err).splitlines()[0]}") from None
+    finally:
+        hf_logging.enable_progress_bar()
+    check_weights_loaded(loading, type(model).__name__, folder)
+    return model, processor

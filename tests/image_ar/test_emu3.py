@@ -1,0 +1,147 @@
+"""transformers' Emu3 as a discrete image target (issue 26): a tiny random Emu3ForConditionalGeneration with its own
+processor built offline (`image_ar.transformers_ar.tiny`). Greedy vanilla through mmspec == transformers'
+`generate` with the `prefix_allowed_tokens_fn` of its documentation, with and without a negative prompt, on a
+ragged batch (same tokens, same decoded images); greedy sjd / gsd == greedy vanilla; sampled images keep the
+layout; the folder round trip, the CLI and the one-line refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from image_ar.transformers_ar.emu3 import emu3_layout, layout_length
+from image_ar.transformers_ar.pipeline import Emu3Pipeline
+from image_ar.transformers_ar.tiny import tiny_emu3_pipeline
+from mmspec.cli import main
+from mmspec.errors import InputError
+
+PROMPTS = ["a red circle", "two small blue squares on a green background", "a cross"]  # ragged once tokenized
+AREA = 32 * 32  # the tiny model's area: a 4 x 4 token grid
+
+
+@pytest.fixture(scope="module")
+def pipe() -> Emu3Pipeline:
+    pipe = tiny_emu3_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def documented_prefix_fn(pipe: Emu3Pipeline, height: int, width: int):
+    """transformers' Emu3 documentation's prefix_allowed_tokens_fn, written out."""
+    tok, mapping = pipe.processor.tokenizer, pipe.model.model.vocabulary_mapping
+    wrapper = tok.convert_tokens_to_ids(tok.image_wrapper_token)
+
+    def allowed(batch_id, input_ids):
+        position = torch.nonzero(input_ids == wrapper, as_tuple=True)[0][0]
+        offset = input_ids.shape[0] - position
+        if offset % (width + 1) == 0:
+            return (mapping.eol_token_id,)
+        if offset == (width + 1) * height + 1:
+            return (tok.convert_tokens_to_ids(tok.eof_token),)
+        if offset == (width + 1) * height + 2:
+            return (tok.convert_tokens_to_ids(tok.eoi_token),)
+        if offset == (width + 1) * height + 3:
+            return (tok.eos_token_id,)
+        if offset > (width + 1) * height + 3:
+            return (tok.pad_token_id,)
+        return mapping.image_tokens
+
+    return allowed
+
+
+def transformers_tokens(pipe: Emu3Pipeline, negative: str | None = None) -> torch.Tensor:
+    enc = pipe.processor(text=PROMPTS, return_for_image_generation=True, image_area=AREA, padding=True,
+                         return_tensors="pt")
+    assert (enc["attention_mask"] == 0).any()  # ragged: left padding is exercised
+    height, width = enc.pop("image_sizes")[0]
+    extra = {}
+    if negative is not None:
+        neg = pipe.processor(text=[negative] * len(PROMPTS), return_tensors="pt")
+        extra = {"negative_prompt_ids": neg["input_ids"], "negative_prompt_attention_mask": neg["attention_mask"]}
+    out = pipe.model.generate(**enc, max_new_tokens=layout_length(height, width), do_sample=False,
+                              guidance_scale=3.0, prefix_allowed_tokens_fn=documented_prefix_fn(pipe, height, width),
+                              **extra)
+    return out[:, enc["input_ids"].shape[1]:]
+
+
+@pytest.mark.parametrize("negative", [None, "blurry"])
+def test_greedy_vanilla_equals_transformers_documented_generation(pipe, negative):
+    reference = transformers_tokens(pipe, negative)  # [3, 23]
+    out = pipe(PROMPTS, negative_prompt=negative, temperature=0.0, guidance_scale=3.0, output_type="pt")
+    assert torch.equal(out.tokens, reference)
+    codes = reference[:, :-3].view(3, 4, 5)[..., :4]
+    assert len(set(codes.flatten().tolist())) > 6  # varied codes: the comparison can fail
+    images = ((pipe.model.decode_image_tokens(image_tokens=reference, height=4, width=4) + 1) / 2).clamp(0, 1)
+    torch.testing.assert_close(out.images, images, atol=1e-5, rtol=0)
+
+
+def test_the_negative_prompt_and_the_scale_change_the_image(pipe):
+    plain = pipe(PROMPTS, temperature=0.0, output_type="latent").tokens
+    assert not torch.equal(plain, pipe(PROMPTS, negative_prompt="blurry", temperature=0.0, output_type="latent").tokens)
+    assert not torch.equal(plain, pipe(PROMPTS, guidance_scale=1.5, temperature=0.0, output_type="latent").tokens)
+
+
+@pytest.mark.parametrize("method, kwargs", [("sjd", {}), ("sjd", {"window": 6, "init": "repeat_horizon"}),
+                                            ("gsd", {})])
+def test_greedy_jacobi_methods_equal_greedy_vanilla(pipe, method, kwargs):
+    vanilla = pipe(PROMPTS, negative_prompt="blurry", temperature=0.0, output_type="latent")
+    out = pipe(PROMPTS, negative_prompt="blurry", temperature=0.0, method=method, method_kwargs=kwargs,
+               budget="fixed", output_type="latent")
+    assert torch.equal(out.tokens, vanilla.tokens)
+    assert out.stats.num_target_forwards < vanilla.stats.num_target_forwards
+
+
+def test_the_layout_is_the_documented_prefix_function_at_every_index(pipe):
+    height, width = 3, 5
+    layout = emu3_layout(pipe.special, height, width, pipe.lm.vocab_size)
+    allowed = documented_prefix_fn(pipe, height, width)
+    wrapper = pipe.processor.tokenizer.convert_tokens_to_ids(pipe.processor.tokenizer.image_wrapper_token)
+    for t in range(layout_length(height, width) + 2):
+        ids = torch.tensor([7, wrapper, *([0] * t)])  # the prompt's end, then t generated tokens
+        logits = layout.constrain(torch.zeros(1, 1, pipe.lm.vocab_size), torch.tensor([[t]]))[0, 0]
+        assert set(torch.nonzero(logits == 0).flatten().tolist()) == set(allowed(0, ids)), t
+
+
+def test_sampled_images_keep_the_layout_and_jacobi_drafts_image_tokens(pipe):
+    out = pipe(PROMPTS, method="sjd", budget="fixed", output_type="latent", generator=torch.Generator().manual_seed(0))
+    special = pipe.special
+    rows = out.tokens[:, :-3].view(3, 4, 5)
+    assert (rows[..., 4] == special.eol).all() and set(rows[..., :4].flatten().tolist()) <= set(special.visual)
+    assert out.tokens[:, -3:].tolist() == [[special.eof, special.eoi, special.eos]] * 3
+    from image_ar.llamagen.methods import MethodContext, llamagen_jacobi_drafter
+    from mmspec.loop import DecodeState
+    from mmspec.sampling import SamplingParams
+
+    drafter = llamagen_jacobi_drafter(MethodContext(pipe, SamplingParams(1.0), 3.0, None, None, 2), window=8)
+    state = DecodeState.new(2, 23, "cpu")
+    drafter.begin(None, state)
+    assert set(drafter.propose(state).tokens.flatten().tolist()) <= set(special.visual)  # SJD's image-token init
+
+
+def test_a_saved_folder_loads_and_gives_the_same_images(pipe, tmp_path):
+    pipe.save_pretrained(tmp_path / "emu3")
+    loaded = Emu3Pipeline.from_pretrained(tmp_path / "emu3")
+    loaded.set_progress_bar_config(disable=True)
+    kwargs = dict(method="sjd", budget="fixed", output_type="latent")
+    first = pipe(PROMPTS[:2], generator=torch.Generator().manual_seed(3), **kwargs).tokens
+    assert torch.equal(loaded(PROMPTS[:2], generator=torch.Generator().manual_seed(3), **kwargs).tokens, first)
+    assert main(["generate", "--family", "emu3", "--model", str(tmp_path / "emu3"), "--out", str(tmp_path / "out"),
+                 "--quiet", "--prompt", "a red circle", "--num-images", "1", "--method", "gsd"]) == 0
+    assert json.loads((tmp_path / "out" / "stats.json").read_text())["num_images"] == 1
+    with pytest.raises(InputError, match="is a emu3 model; load it with the emu3 pipeline"):
+        from image_ar.transformers_ar.pipeline import JanusPipeline
+
+        JanusPipeline.from_pretrained(tmp_path / "emu3")
+
+
+@pytest.mark.parametrize("call, match", [
+    (dict(prompt="x", method="sjd", method_kwargs={"accept": "lantern"}), "Emu3's mixes text and image tokens"),
+    (dict(prompt="x", negative_prompt=["a", "b"]), "give one or one per prompt"),
+    (dict(input_ids=torch.tensor([[1, 2]]), attention_mask=torch.tensor([[1, 1]])), "need height and width"),
+    (dict(class_labels=[0]), "text-conditional"),
+])
+def test_bad_calls_are_one_line_errors(pipe, call, match):
+    with pytest.raises(InputError, match=match):
+        pipe(**call)
