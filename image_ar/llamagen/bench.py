@@ -43,7 +43,8 @@ from mmspec.compile import compile_pipeline
 
 
 def _options(settings: BenchSettings, family: str = "llamagen") -> dict[str, Any]:
-    options = image_options(settings, family, DEFAULTS, extra=("budget",))
+    # guidance None: each model's own default (LlamaGenPipeline.default_guidance_scale)
+    options = image_options(settings, family, {**DEFAULTS, "guidance_scale": None}, extra=("budget",))
     check_budget_mode(options["budget"], "--family-option budget")
     return options
 

@@ -139,7 +139,9 @@ def _infer_condition(sd: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         rows = int(sd["cls_embedding.embedding_table.weight"].shape[0])
         return {"model_type": "c2i", "num_classes": rows - 1, "cls_token_num": 1}
     if "cls_embedding.cap_proj.fc1.weight" in sd:
-        found = {"model_type": "t2i", "caption_dim": int(sd["cls_embedding.cap_proj.fc1.weight"].shape[1])}
+        # the official t2i sampling script's cfg-scale (sample_t2i.py --cfg-scale 7.5); c2i keeps the pipeline's 4.0
+        found = {"model_type": "t2i", "caption_dim": int(sd["cls_embedding.cap_proj.fc1.weight"].shape[1]),
+                 "default_guidance_scale": 7.5}
         uncond = sd.get("cls_embedding.uncond_embedding")
         found["cls_token_num"] = int(uncond.shape[0]) if uncond is not None else 120
         return found

@@ -75,10 +75,17 @@ def profile(pipe) -> dict:
             for name, model in models.items() if model is not None}
 
 
+def sampling_defaults(pipeline) -> dict:
+    """`DEFAULTS` with the model's own guidance scale (`LlamaGenPipeline.default_guidance_scale`) when the caller
+    loads it (`pipeline()` gives it, or None)."""
+    pipe = pipeline()
+    return DEFAULTS if pipe is None else {**DEFAULTS, "guidance_scale": pipe.default_guidance_scale()}
+
+
 FAMILY = FamilyRecord("llamagen", "LlamaGen class-conditional image generation (judge accuracy, world-FID)",
                       default_model=ASSETS_DIR / "llamagen", load=load, generate=generate,
                       num_classes=lambda pipe: pipe.transformer.config.num_classes,
-                      sampling_defaults=lambda pipeline: DEFAULTS, bench=bench, profile=profile)
+                      sampling_defaults=sampling_defaults, bench=bench, profile=profile)
 
 
 def rule_lossless(mode: str | None = None):

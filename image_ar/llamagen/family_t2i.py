@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from image_ar.llamagen.family import DEFAULTS, FAMILY
+from image_ar.llamagen.family import FAMILY, sampling_defaults
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import check
 from mmspec.families import FamilyRecord
@@ -44,4 +44,4 @@ def generate(pipe, prompts: list[str], generators: list[torch.Generator], option
 
 FAMILY_T2I = FamilyRecord("llamagen-t2i", "LlamaGen text-to-image generation (judge attribute agreement, world-FID)",
                           default_model=ASSETS_DIR / "llamagen-t2i", load=load, generate=generate, condition="prompt",
-                          sampling_defaults=lambda pipeline: DEFAULTS, bench=bench, methods=FAMILY.methods)
+                          sampling_defaults=sampling_defaults, bench=bench, methods=FAMILY.methods)

@@ -321,8 +321,12 @@ class LlamaGenGPT(AttentionBackendMixin, RopePositions, ModelMixin, ConfigMixin)
         drop_path_rate: float = 0.0,
         initializer_range: float = 0.02,
         attention_backend: str | None = None,
+        default_guidance_scale: float | None = None,
     ) -> None:
         super().__init__()
+        check(default_guidance_scale is None or (isinstance(default_guidance_scale, (int, float))
+                                                 and default_guidance_scale >= 1),
+              f"default_guidance_scale must be None or a number >= 1, got {default_guidance_scale!r}.")
         _check_config(vocab_size, dim, n_layer, n_head, n_kv_head, block_size, cls_token_num, model_type,
                       num_classes, caption_dim)
         check_positive_int("multiple_of", multiple_of)

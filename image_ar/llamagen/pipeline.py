@@ -45,6 +45,7 @@ from mmspec.pipeline_io import (
 )
 from mmspec.sampling import SamplingParams
 
+DEFAULT_GUIDANCE = 4.0  # the official c2i sampling script's cfg-scale, when a model's config names none
 LlamaGenPipelineOutput = GenerationOutput  # images, tokens [N, block_size], stats (the run's SpecStats)
 
 
@@ -137,6 +138,13 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                 compile_cached_lm(model, mode)
         return self
 
+    def default_guidance_scale(self) -> float:
+        """The CFG scale a call uses when it gives none: the transformer's `default_guidance_scale` (set by the
+        official t2i conversion to the sampling script's 7.5, by `mmspec train llamagen-t2i` to the scale that
+        follows the captions best), else 4.0 (LlamaGen's class-conditional default)."""
+        found = getattr(self.transformer.config, "default_guidance_scale", None)
+        return float(DEFAULT_GUIDANCE if found is None else found)
+
     # ------------------------------------------------------------ what the methods read (`ImageTokenPipeline`)
     def image_token_layout(self) -> tuple[int, int, int]:
         """(image tokens per image, tokens per image row, code vocabulary size)."""
@@ -201,7 +209,7 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
     @torch.no_grad()
     def __call__(self, class_labels: int | list[int] | torch.Tensor | None = None,
                  prompt_embeds: torch.Tensor | None = None, prompt_embeds_mask: torch.Tensor | None = None,
-                 guidance_scale: float = 4.0, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 guidance_scale: float | None = None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  num_images_per_prompt: int = 1, generator: torch.Generator | list[torch.Generator] | None = None,
                  method: str = "vanilla", method_kwargs: dict[str, Any] | None = None, budget: str | None = "auto",
                  output_type: str = "pil", return_dict: bool = True,
@@ -216,7 +224,8 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         diffusers; needs the text_encoder) or prompt_embeds + prompt_embeds_mask (left-padded caption features, as
         `encode_prompt` returns them). negative_prompt / negative_prompt_embeds (+ mask): one or one per caption;
         the CFG null rows then read it instead of the learned unconditional caption (not in the official code).
-        guidance_scale: CFG scale (1.0 disables the unconditional half). temperature 0 = greedy; top_k 0 and
+        guidance_scale: CFG scale (1.0 disables the unconditional half; None = `default_guidance_scale()`, the
+        transformer's own default: 4.0 unless its config says otherwise). temperature 0 = greedy; top_k 0 and
         top_p 1.0 disable those filters. generator: one, or one per image (then each image is independent of
         the batch it was generated in). callback_on_step_end(pipe, step, num_tokens, {"tokens": [N, T]}) runs
         after every loop iteration (read-only; a function or a diffusers `PipelineCallback`; setting
@@ -229,6 +238,7 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         every step (the papers' loops). Lossless methods stay lossless either way; with "auto" the choices follow
         measured times, so a seeded sampled call repeats bit for bit only with "fixed".
         """
+        guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
         check(isinstance(guidance_scale, (int, float)), f"guidance_scale must be a number, got {guidance_scale!r}.")
         user_step = self.step_callback(callback_on_step_end, callback_on_step_end_tensor_inputs,
                                        self.transformer.config.block_size)

@@ -19,11 +19,13 @@ from mmspec.sampling import SamplingParams
 
 
 def target_probs(pipe: LlamaGenPipeline, conditions: list[int] | list[str] | torch.Tensor, tokens: torch.Tensor,
-                 guidance_scale: float = 4.0, temperature: float = 1.0, top_k: int = 0,
+                 guidance_scale: float | None = None, temperature: float = 1.0, top_k: int = 0,
                  top_p: float = 1.0) -> torch.Tensor:
     """The target's sampling distributions [N, T, V] at every position of `tokens` [N, T] (T <= block_size), for
-    class labels (c2i models) or captions (t2i models, encoded as `pipe(prompt)` encodes them)."""
+    class labels (c2i models) or captions (t2i models, encoded as `pipe(prompt)` encodes them); guidance_scale None =
+    the pipeline's default, as a call."""
     model = pipe.transformer
+    guidance_scale = pipe.default_guidance_scale() if guidance_scale is None else guidance_scale
     check(tokens.dim() == 2 and 1 <= tokens.shape[1] <= model.config.block_size,
           f"tokens must be [N, T] with 1 <= T <= block_size ({model.config.block_size}); got {tuple(tokens.shape)}.")
     params = SamplingParams(temperature, top_k, top_p)

@@ -155,7 +155,8 @@ def test_convert_writes_a_pipeline_that_takes_prompts(pipe, tmp_path):
     assert main([*args, "--t5", str(t5), "--out", str(tmp_path / "out")]) == 0
     converted = LlamaGenPipeline.from_pretrained(tmp_path / "out")
     converted.set_progress_bar_config(disable=True)
-    call = {"temperature": 0.0, "output_type": "latent"}
+    assert converted.default_guidance_scale() == 7.5  # the official t2i sampling script's cfg-scale
+    call = {"temperature": 0.0, "output_type": "latent", "guidance_scale": 4.0}
     assert torch.equal(converted(CAPTIONS, **call).tokens, pipe(CAPTIONS, **call).tokens)
     assert main([*args, "--t5", str(tmp_path), "--out", str(tmp_path / "bad")]) == 2  # no config.json there
     assert not (tmp_path / "bad").exists()
