@@ -20,6 +20,12 @@ largest size that costs at most `explore_cost` plain steps (the method's configu
 so the rates are learnt without paying for a size this device cannot afford; after that the choice is the best
 estimate (no random exploration), with the warm-up size again at refresh steps.
 
+At batch > 1 a call lasts as long as its slowest row, and drafting makes rows diverge (plain steps keep them
+together): with the tokens left known (`note_rows_left`, which the loop calls before each choice), sizes are
+compared by the expected time until every active row is done, `seconds(k) * batch_steps(r, n, mean_k, var_k)`
+(r tokens left in the longest row, n active rows, the mean and variance of the tokens a row emits per step at k),
+instead of by a row's tokens per second. At batch 1 the two orderings are the same.
+
 Why it stays lossless: k is chosen from past verdicts and measured costs only, before any token of this step is
 drafted; a drafted token is never dropped because of its own value, and the verifier's randomness is fresh. The
 draft length is then a stopping time of the draft-side process, which changes the speed, not the law (SpecDec++,
@@ -33,8 +39,10 @@ pipelines build it) the choices follow the machine, so a seeded sampled call rep
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
+from statistics import NormalDist
 
 import torch
 
@@ -59,6 +67,7 @@ class MeasuredSteps:
         self.seen: dict = {}  # size -> running mean of its steps' measured seconds
         self._chosen_at: float | None = None
         self._plain_run = 0  # choices in a row (this call) where a plain step beat every size by the margin
+        self._tail: tuple[int, int] | None = None  # (tokens left in the longest row, active rows), if noted
 
     def _time_last_step(self) -> None:
         now = time.perf_counter()  # the previous step ran from its choice to this one (the loop syncs between)
@@ -73,6 +82,8 @@ class MeasuredSteps:
 
     def _new_call(self) -> None:
         self._chosen_at, self._plain_run = None, 0  # the time between calls is not a step
+        self._tail: tuple[int, int] | None = None
+
 
     def settled(self) -> bool:
         """Plain steps for the rest of this call: for `settle_after` choices in a row a plain step was expected to
@@ -112,6 +123,7 @@ class AutoBudget(MeasuredSteps):
         self.accepted = torch.zeros(depth, dtype=torch.float64)  # [K] of those, accepted at position j
         self.rows_at: dict[int, float] = {}  # size k -> rows verified at size k (decayed in per-size mode)
         self.emitted_at: dict[int, float] = {}  # size k -> tokens they emitted
+        self.emitted_sq_at: dict[int, float] = {}  # size k -> sum of squares of each row's emitted tokens
         self.chosen: dict[int, int] = {}
         self.warmup, self.explore_cost = warmup, explore_cost
         self.per_size, self.dwell, self.decay = per_size, dwell, decay
@@ -143,6 +155,33 @@ class AutoBudget(MeasuredSteps):
         """Expected tokens per second per row with k drafts at this batch size."""
         return self.expected_tokens(k, rates) / max(self.seconds(batch, k), 1e-12)
 
+    def emitted_variance(self, k: int, rates: torch.Tensor | None = None) -> float:
+        """Var[tokens a row emits per step | k drafts]: measured where size k ran (blended with the position model
+        as `expected_tokens`), else the position model's: P(X > i) = prod_{j<=i} a_j,
+        E[X^2] = 1 + sum_i (2i+1) P(X > i)."""
+        if k == 0:
+            return 0.0
+        mean = self.expected_tokens(k, rates)
+        rates = self.rates() if rates is None else rates
+        tail = torch.cumprod(rates[:k].double(), 0)  # [k] P(X > i), i = 1..k
+        model_sq = 1.0 + float(((2 * torch.arange(1, k + 1, dtype=torch.float64) + 1) * tail).sum())
+        rows = self.rows_at.get(k, 0.0)
+        if self.per_size and rows > 0:
+            second = self.emitted_sq_at.get(k, 0.0) / rows
+        else:
+            second = (self.emitted_sq_at.get(k, 0.0) + self.prior_strength * model_sq) / (rows + self.prior_strength)
+        return max(second - mean * mean, 0.0)
+
+    def speeds(self, batch: int, rates: torch.Tensor) -> dict[int, float]:
+        """Each size's expected speed: tokens per second per row, or, with the tokens left noted at batch > 1, the
+        longest row's tokens left over the expected time until every active row is done (the batch tail)."""
+        if self._tail is None or self._tail[1] <= 1 or self._tail[0] <= 0:
+            return {k: self.throughput(batch, k, rates) for k in self.sizes}
+        left, rows = self._tail
+        return {k: left / max(self.seconds(batch, k) * batch_steps(left, rows, self.expected_tokens(k, rates),
+                                                                   self.emitted_variance(k, rates)), 1e-12)
+                for k in self.sizes}
+
     def table_seconds(self, batch: int, k: int) -> float:
         return self.draft_seconds(batch, k) + self.verify_seconds(batch, k + 1)
 
@@ -172,6 +211,12 @@ class AutoBudget(MeasuredSteps):
         self._new_call()
         self._run = 0
 
+    def note_rows_left(self, tokens_left: torch.Tensor) -> None:
+        """tokens_left [B]: the tokens each row may still emit (0 for finished rows), before the next choice; read
+        once, on the host, as (the longest row's, the active rows)."""
+        longest, rows = torch.stack([tokens_left.max(), (tokens_left > 0).sum()]).tolist()
+        self._tail = (int(longest), int(rows))
+
     def choose(self, batch: int) -> int:
         """The draft size for the next step (0 = a plain step)."""
         self._time_last_step()
@@ -185,8 +230,7 @@ class AutoBudget(MeasuredSteps):
         elif 0 < self._run < self.dwell:
             best = self._last
         else:
-            rates = self.rates()
-            speed = {k: self.throughput(batch, k, rates) for k in self.sizes}
+            speed = self.speeds(batch, self.rates())
             best = max(self.sizes, key=lambda k: (speed[k], -k))
             self._note_plain_margin(speed[0], max((v for k, v in speed.items() if k > 0), default=0.0))
         self._run = self._run + 1 if best == self._last and self._run else 1
@@ -202,8 +246,9 @@ class AutoBudget(MeasuredSteps):
         rows, last = float(active.sum()), self._last
         keep = self.decay if self.per_size else 1.0
         self.rows_at[last] = self.rows_at.get(last, 0.0) * keep + rows
-        self.emitted_at[last] = (self.emitted_at.get(last, 0.0) * keep
-                                 + float((result.num_emitted * active).sum()))
+        emitted = (result.num_emitted * active).double()  # [B]
+        self.emitted_at[last] = self.emitted_at.get(last, 0.0) * keep + float(emitted.sum())
+        self.emitted_sq_at[last] = self.emitted_sq_at.get(last, 0.0) * keep + float((emitted * emitted).sum())
         k = min(result.accepted_flags.shape[1], self.reached.shape[0])
         if k == 0:
             return
@@ -223,6 +268,19 @@ def position_rates(accepted: torch.Tensor, reached: torch.Tensor, pooled: float,
     if seen.numel():
         rates[int(seen[-1]) + 1:] = rates[int(seen[-1])]
     return rates
+
+
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (Blom's approximation; 0 for n = 1)."""
+    return 0.0 if n <= 1 else NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def batch_steps(tokens_left: float, rows: int, mean: float, var: float) -> float:
+    """Expected steps until the last of `rows` rows has emitted `tokens_left` more tokens, when a row emits `mean`
+    tokens per step with variance `var`: r / mean + z_rows * sqrt(r * var / mean^3) (the normal approximation of a
+    renewal count's spread; z_rows = `expected_max_normal`). Plain steps (mean 1, var 0) take exactly r."""
+    mean = max(mean, 1e-9)
+    return tokens_left / mean + expected_max_normal(rows) * math.sqrt(max(tokens_left * var, 0.0) / mean ** 3)
 
 
 def check_budget_mode(mode: str | None, what: str = "budget") -> None:

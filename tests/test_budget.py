@@ -61,6 +61,36 @@ def test_the_choice_follows_cost_and_acceptance():
     assert flat.choose(1) == 8  # drafting costs nothing here: the warm-up drafts the configured size
 
 
+def test_the_batch_tail_prices_the_slowest_row():
+    """At batch > 1 a call lasts until its slowest row is done: rows that emit 1 or 5 tokens per step (mean 3) at a
+    verify costing 2.8 plain steps pay at batch 1 (3 / 2.8 = 1.07x) but not across 7 active rows with 64 tokens left
+    (the expected maximum of their step counts), where plain steps keep every row together."""
+    from mmspec.budget import batch_steps, expected_max_normal
+
+    assert expected_max_normal(1) == 0.0 and expected_max_normal(8) == pytest.approx(1.4236, abs=0.02)
+    assert batch_steps(64, 8, 1.0, 0.0) == 64  # plain steps: exactly the tokens left
+    assert batch_steps(60, 1, 3.0, 4.0) == pytest.approx(20.0)  # one row: its mean steps
+    assert batch_steps(60, 8, 3.0, 4.0) > batch_steps(60, 2, 3.0, 4.0) > 20.0
+
+    def spread_budget() -> AutoBudget:
+        budget = AutoBudget([0, 4], verify_seconds=lambda b, n: 1.0 if n == 1 else 2.8, warmup=0, per_size=True)
+        budget._last, budget._run = 4, 2  # steps at size 4 (not the first after a change)
+        for _ in range(5):
+            budget.observe(result([0, 4, 0, 4], [4] * 4), torch.ones(4, dtype=torch.bool))
+        return budget
+
+    one = spread_budget()
+    one.note_rows_left(torch.tensor([64]))
+    assert one.emitted_variance(4) == pytest.approx(4.0) and one.choose(1) == 4
+    many = spread_budget()
+    many.note_rows_left(torch.tensor([64, 60, 0, 64, 63, 64, 64, 61]))  # 7 active rows, the longest with 64 left
+    assert many.choose(8) == 0
+    steady = spread_budget()  # the same mean with every row emitting 3 tokens: no spread, no tail, drafting pays
+    steady.emitted_sq_at[4] = 9.0 * steady.rows_at[4]
+    steady.note_rows_left(torch.tensor([64] * 8))
+    assert steady.choose(8) == 4
+
+
 def test_measured_step_times_replace_the_table(monkeypatch):
     clock = iter([0.0, 1.0, 11.0])  # the warm-up step takes 1 s; then 10 s pass between two calls
     monkeypatch.setattr("mmspec.budget.time.perf_counter", lambda: next(clock))

@@ -15,7 +15,7 @@ shared loop runs every discrete method on Janus:
 
     lm = JanusCachedLM(model)
     target = LMTarget(lm, SamplingParams(1.0), max_new_tokens=lm.num_image_tokens, guidance_scale=5.0,
-                      prefill_fn=janus_prefill(True, lm.special_ids))
+                      prefill_fn=janus_prefill(True, janus_special_ids(model, tokenizer)))
     out = generate(target, NoDrafter(), "lossless", Prompts(ids, mask), batch_size=B, max_new_tokens=...)
 
 Prompts are right-padded (a row's codes sit at its own length + i, as transformers' left-padded batch places them
