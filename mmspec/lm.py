@@ -161,7 +161,7 @@ class GuidedRunner:
 
 @torch.no_grad()
 def teacher_forced_probs(runner: GuidedRunner, inputs: Any, tokens: torch.Tensor,
-                         params: SamplingParams) -> torch.Tensor:
+                         params: SamplingParams, layout: TokenLayout | None = None) -> torch.Tensor:
     """The distributions [B, T, V] decoding samples each of the finished `tokens` [B, T] from: p[:, t] given
     `inputs` (the prompt or condition the runner's prefill takes) and tokens[:, :t], under `params` (and the
     runner's CFG). One prefill and one forward over the sequence, positions = cache slots as in decoding; used to
@@ -171,7 +171,10 @@ def teacher_forced_probs(runner: GuidedRunner, inputs: Any, tokens: torch.Tensor
     if tokens.shape[1] > 1:
         slots = runner.slots(tokens.shape[1] - 1)  # [B, T-1]
         logits.append(runner.forward(tokens[:, :-1], slots, slots))  # [B, T-1, V]
-    return probs_from_params(torch.cat(logits, dim=1), params)  # [B, T, V]
+    logits = torch.cat(logits, dim=1)  # [B, T, V]
+    if layout is not None:  # generated-token index t at column t
+        logits = layout.constrain(logits, torch.arange(logits.shape[1], device=logits.device).expand(logits.shape[:2]))
+    return probs_from_params(logits, params)  # [B, T, V]
 
 
 # draft entries (chain drafts, window positions or tree nodes) an LMTarget's cache keeps room for by default

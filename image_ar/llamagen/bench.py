@@ -31,9 +31,8 @@ from image_ar.llamagen.scoring import target_probs
 from mmspec.bench.image_family import (
     class_inputs,
     image_options,
-    image_outputs,
     image_quality,
-    sample_generators,
+    run_image_method,
     token_calibration,
     token_exactness,
 )
@@ -60,12 +59,7 @@ def _runner(record, family: str = "llamagen"):
         given, budget = pop_budget(given, o["budget"] or "auto")
         conditions = ({"prompt": [s.data for s in batch]} if family == "llamagen-t2i" else
                       {"class_labels": [int(s.data) for s in batch]})
-        out = pipe(**conditions, generator=sample_generators(batch, settings),
-                   guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],
-                   top_p=o["top_p"], method=record.name, method_kwargs=dict(given), output_type="pt",
-                   budget=budget)
-        return MethodOutput(outputs=image_outputs(out.images, out.tokens, batch),
-                            new_tokens=[out.tokens.shape[1]] * len(batch), stats=out.stats)
+        return run_image_method(pipe, conditions, batch, settings, o, record.name, given, budget)
 
     return run
 

@@ -41,13 +41,26 @@ def generate(pipe, prompts: list[str], generators: list[torch.Generator], option
     return out.images, out.stats
 
 
+def bench_of(family: str):
+    """The family's bench hook (`image_ar.transformers_ar.bench`, imported when a bench runs)."""
+
+    def bench():
+        from image_ar.transformers_ar.bench import transformers_image_family
+
+        return transformers_image_family(family)
+
+    return bench
+
+
 def shared_methods() -> dict:
     return {name: LLAMAGEN.methods[name] for name in METHODS}
 
 
 JANUS = FamilyRecord("janus", "transformers' Janus / Janus-Pro text-to-image (a local model folder; --model)",
                      load=loader("JanusPipeline", "janus"), generate=generate, condition="prompt",
-                     sampling_defaults=lambda pipeline: JANUS_DEFAULTS, methods=shared_methods())
+                     sampling_defaults=lambda pipeline: JANUS_DEFAULTS, bench=bench_of("janus"),
+                     methods=shared_methods())
 EMU3 = FamilyRecord("emu3", "transformers' Emu3 text-to-image (a local model folder; --model)",
                     load=loader("Emu3Pipeline", "emu3"), generate=generate, condition="prompt",
-                    sampling_defaults=lambda pipeline: EMU3_DEFAULTS, methods=shared_methods())
+                    sampling_defaults=lambda pipeline: EMU3_DEFAULTS, bench=bench_of("emu3"),
+                    methods=shared_methods())

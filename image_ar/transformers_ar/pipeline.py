@@ -150,6 +150,27 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
         return finish_generation(self, tokens, lambda: decode(tokens), output_type, return_dict, gen.stats)
 
 
+    @torch.no_grad()
+    def target_probs(self, prompt: str | list[str], tokens: torch.Tensor, guidance_scale: float | None = None,
+                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+        """The target's sampling distributions [N, T, V] at every position of finished `tokens` [N, T] (one prompt
+        per row, encoded as a call encodes it), under CFG and the sampling settings: what `mmspec.metrics.calibration`
+        compares a method's tokens with (one prefill and one teacher-forced forward)."""
+        from mmspec.lm import GuidedRunner, teacher_forced_probs
+
+        prompts, prefill, scale, layout = self.scoring_inputs(check_prompt_list(prompt), guidance_scale)
+        check(prompts.input_ids.shape[0] == tokens.shape[0], f"{prompts.input_ids.shape[0]} prompts for "
+                                                             f"{tokens.shape[0]} token rows.")
+        guided = scale != 1.0
+        runner = GuidedRunner(self.lm, scale if guided else None, prefill(guided))
+        return teacher_forced_probs(runner, prompts, tokens.to(self.device), SamplingParams(temperature, top_k, top_p),
+                                    layout)
+
+    def scoring_inputs(self, prompts: list[str], guidance_scale: float | None):
+        """(prompts, prefill(guided), scale, layout) as a call with these prompts and this scale builds them."""
+        raise NotImplementedError
+
+
 class JanusPipeline(TransformersImagePipeline):
     """transformers' `JanusForConditionalGeneration` and its `JanusProcessor`: images of
     `vision_config.num_image_tokens` VQ codes, CFG as its `generate(generation_mode="image")`."""
@@ -221,6 +242,12 @@ class JanusPipeline(TransformersImagePipeline):
                             generator, method, method_kwargs, budget, callback_on_step_end,
                             callback_on_step_end_tensor_inputs)
         return self.finish(gen, self.decode, output_type, return_dict)
+
+    def scoring_inputs(self, prompts: list[str], guidance_scale: float | None):
+        """(prompts, prefill(guided), scale, layout) as a call with these prompts and this scale builds them."""
+        if guidance_scale is None:
+            guidance_scale = getattr(self.model.generation_config, "guidance_scale", None) or 5.0
+        return self.encode_prompt(prompts), lambda guided: janus_prefill(guided, self.special), guidance_scale, None
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Codes [N, num_image_tokens] -> images [N, 3, H, W] in [0, 1] by the model's own VQ decoder."""
@@ -323,6 +350,15 @@ class Emu3Pipeline(TransformersImagePipeline):
                             generator, method, method_kwargs, budget, callback_on_step_end,
                             callback_on_step_end_tensor_inputs, layout=layout)
         return self.finish(gen, self.decode, output_type, return_dict)
+
+    def scoring_inputs(self, prompts: list[str], guidance_scale: float | None):
+        """(prompts, prefill(guided), scale, layout) as a call with these prompts (no negative prompt, the default
+        area) and this scale builds them."""
+        encoded, self.grid = self.encode_prompt(prompts)
+        if guidance_scale is None:
+            guidance_scale = getattr(self.model.generation_config, "guidance_scale", None) or 3.0
+        return (encoded, lambda guided: emu3_prefill(guided), guidance_scale,
+                emu3_layout(self.special, *self.grid, self.lm.vocab_size))
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Generated tokens [N, H (W + 1) + 3] -> images [N, 3, 8H, 8W] in [0, 1] by the model's own decoder."""

@@ -145,3 +145,38 @@ def test_a_saved_folder_loads_and_gives_the_same_images(pipe, tmp_path):
 def test_bad_calls_are_one_line_errors(pipe, call, match):
     with pytest.raises(InputError, match=match):
         pipe(**call)
+
+
+@pytest.mark.parametrize("family", ["janus", "emu3"])
+def test_bench_family_on_a_model_folder(family, tmp_path):
+    """`mmspec bench --family janus|emu3 --family-option model=FOLDER`: vanilla and the Jacobi methods side by side
+    on a prompts file, lossless ones exact at temperature 0, token calibration (scored under the model's CFG and, for
+    Emu3, its layout) at temperature 1; without a model folder, a one-line error."""
+    from image_ar.transformers_ar.tiny import main as write_tiny
+
+    assert write_tiny([str(tmp_path / "model"), "--model", family]) == 0
+    (tmp_path / "prompts.txt").write_text("a red circle\n\ntwo blue squares on green\n")
+    for temperature in ("0", "1"):
+        out = tmp_path / f"bench-{temperature}"
+        assert main(["bench", "--family", family, "--family-option", f"model={tmp_path / 'model'}",
+                     "--family-option", f"prompts={tmp_path / 'prompts.txt'}", "--methods", "vanilla,sjd",
+                     "--batch-sizes", "2", "--num-samples", "2", "--repeats", "1", "--warmup", "0",
+                     "--temperature", temperature, "--threads", "1", "--no-plots", "--quiet", "--out", str(out)]) == 0
+        text = (out / "summary.md").read_text()
+        if temperature == "0":
+            assert "exactness=1.000" in text.split("| sjd |")[1]
+        else:
+            assert "pit_ks" in json.dumps(json.loads((out / "summary.json").read_text()))
+    assert main(["bench", "--family", family, "--out", str(tmp_path / "none"), "--quiet"]) == 2
+
+
+def test_target_probs_score_the_generated_tokens_as_the_loop_drew_them(pipe):
+    """The teacher-forced distributions (calibration's reference) are the loop's: at temperature 0 each is the
+    one-hot of the greedy token (layout included), at temperature 1 with CFG they match the law at the first token."""
+    greedy = pipe(PROMPTS, temperature=0.0, output_type="latent").tokens
+    probs = pipe.target_probs(PROMPTS, greedy, temperature=0.0)  # [3, 23, V]
+    assert torch.equal(probs.argmax(-1), greedy) and torch.all(probs.max(-1).values == 1)
+    first = pipe(PROMPTS, temperature=1.0, guidance_scale=3.0, output_type="latent",
+                 generator=torch.Generator().manual_seed(0)).tokens
+    probs = pipe.target_probs(PROMPTS, first, guidance_scale=3.0)
+    assert torch.all(probs.gather(-1, first.unsqueeze(-1)) > 0)  # every drawn token is in its law's support

@@ -1,0 +1,101 @@
+"""Bench families `janus` and `emu3`: a local model folder side by side with every method it runs, in one process.
+
+    mmspec bench --family janus --family-option model=Janus-Pro-1B --methods vanilla,sjd,gsd --batch-sizes 1,8 \
+        --temperature 1 --out runs/bench-janus
+
+Options (`--family-option`): model (a folder in transformers' layout; required: there is no embedded default),
+prompts (a text file, one prompt a line; default: the world's held-out captions), guidance_scale, top_k, top_p
+(default: the model's and the family's, as `mmspec generate`), budget (auto | fixed). Figures: step compression,
+speed-up, acceptance, token exactness against vanilla for lossless methods at temperature 0, and how closely the
+tokens follow the target (`mmspec.metrics.calibration`, when the distributions fit in `CALIBRATION_BYTES`). There is
+no judge for these models' images: they are not world models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from image_ar.llamagen.bench import caption_inputs
+from image_ar.transformers_ar.family import EMU3, EMU3_DEFAULTS, JANUS, JANUS_DEFAULTS
+from mmspec.bench.image_family import (
+    image_options,
+    run_image_method,
+    token_calibration,
+    token_exactness,
+)
+from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of, pop_budget
+from mmspec.budget import check_budget_mode
+from mmspec.errors import check
+
+RECORDS = {"janus": (JANUS, JANUS_DEFAULTS), "emu3": (EMU3, EMU3_DEFAULTS)}
+CALIBRATION_BYTES = 2 ** 31  # the scored distributions of one chunk (n x T x V float32) must fit in this
+
+
+def _options(settings: BenchSettings, family: str) -> dict[str, Any]:
+    defaults = {**RECORDS[family][1], "guidance_scale": None}  # None: the model's own (its generation_config)
+    options = image_options(settings, family, defaults, extra=("budget", "prompts"))
+    check(options["model"] is not None, f"bench family {family!r} needs --family-option model=FOLDER (a local "
+                                        f"{family} folder in transformers' layout; there is no embedded default).")
+    check_budget_mode(options["budget"], "--family-option budget")
+    return options
+
+
+def prompt_inputs(family: str):
+    def inputs(settings: BenchSettings) -> list[Sample]:
+        path = _options(settings, family)["prompts"]
+        if path is None:
+            return caption_inputs(settings)
+        check(Path(path).is_file(), f"--family-option prompts={path}: no such file (one prompt a line).")
+        lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+        check(len(lines) > 0, f"--family-option prompts={path} holds no prompt.")
+        return [Sample(question_id=i, category="prompt", data=lines[i % len(lines)])
+                for i in range(settings.num_samples)]
+
+    return inputs
+
+
+def _runner(family: str):
+    def runner(record):
+        def run(pipe, batch: Sequence[Sample], settings: BenchSettings, given: Mapping[str, Any]) -> MethodOutput:
+            o = _options(settings, family)
+            given, budget = pop_budget(given, o["budget"] or "auto")
+            return run_image_method(pipe, {"prompt": [s.data for s in batch]}, batch, settings, o, record.name,
+                                    given, budget)
+
+        return run
+
+    return runner
+
+
+def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list, settings: BenchSettings) -> dict:
+    if method.is_lossless(params) and settings.greedy:
+        return {"exactness": token_exactness(outputs, vanilla)}
+    return {}
+
+
+def calibration(family: str):
+    def figures(pipe, samples: Sequence[Sample], outputs: list, settings: BenchSettings) -> dict:
+        o = _options(settings, family)
+        size = outputs[0]["tokens"].numel() * pipe.lm.vocab_size * 4
+        chunk = max(1, min(32, CALIBRATION_BYTES // max(size, 1)))
+        if size > CALIBRATION_BYTES:  # one image's distributions alone do not fit (Emu3 at 90 x 90 tokens)
+            return {}
+        return token_calibration(lambda prompts, tokens: pipe.target_probs(
+            prompts, tokens, guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],
+            top_p=o["top_p"]), outputs, settings, batch_size=chunk)
+
+    return figures
+
+
+def transformers_image_family(family: str) -> Family:
+    record = RECORDS[family][0]
+
+    def build(settings: BenchSettings):
+        return record.load(_options(settings, family)["model"], settings.device)
+
+    return Family(name=family, model_id=lambda s: str(_options(s, family)["model"]), build=build,
+                  inputs=prompt_inputs(family), methods=methods_of(record, _runner(family), budget=True),
+                  quality=quality, primary_quality=None, to_turn=lambda o: o["tokens"].tolist(),
+                  model_quality=calibration(family), description=record.description)
