@@ -85,6 +85,23 @@ class MeasuredSteps:
         self._tail: tuple[int, int] | None = None
 
 
+    def note_rows_left(self, tokens_left: torch.Tensor) -> None:
+        """tokens_left [B]: the tokens each row may still emit (0 for finished rows), before the next choice; read
+        once, on the host, as (the longest row's, the active rows)."""
+        longest, rows = torch.stack([tokens_left.max(), (tokens_left > 0).sum()]).tolist()
+        self._tail = (int(longest), int(rows))
+
+    def tail_speeds(self, per_row: torch.Tensor, seconds: torch.Tensor, mean: torch.Tensor,
+                    var: torch.Tensor) -> torch.Tensor:
+        """Each option's speed [S]: `per_row` (tokens per second per row) at batch 1 or without the tokens left, else
+        the longest row's tokens left over the expected time until every active row is done (`batch_steps`)."""
+        if self._tail is None or self._tail[1] <= 1 or self._tail[0] <= 0:
+            return per_row
+        left, rows = self._tail
+        steps = torch.tensor([batch_steps(left, rows, float(m), float(v)) for m, v in zip(mean, var)],
+                             dtype=torch.float64)
+        return left / (seconds.double() * steps).clamp_min(1e-12)
+
     def settled(self) -> bool:
         """Plain steps for the rest of this call: for `settle_after` choices in a row a plain step was expected to
         beat every drafting size by `settle_margin` (then the loop stops asking the budget and the drafter, so the
@@ -163,8 +180,7 @@ class AutoBudget(MeasuredSteps):
             return 0.0
         mean = self.expected_tokens(k, rates)
         rates = self.rates() if rates is None else rates
-        tail = torch.cumprod(rates[:k].double(), 0)  # [k] P(X > i), i = 1..k
-        model_sq = 1.0 + float(((2 * torch.arange(1, k + 1, dtype=torch.float64) + 1) * tail).sum())
+        model_sq = chain_second_moment(rates[:k])
         rows = self.rows_at.get(k, 0.0)
         if self.per_size and rows > 0:
             second = self.emitted_sq_at.get(k, 0.0) / rows
@@ -175,12 +191,11 @@ class AutoBudget(MeasuredSteps):
     def speeds(self, batch: int, rates: torch.Tensor) -> dict[int, float]:
         """Each size's expected speed: tokens per second per row, or, with the tokens left noted at batch > 1, the
         longest row's tokens left over the expected time until every active row is done (the batch tail)."""
-        if self._tail is None or self._tail[1] <= 1 or self._tail[0] <= 0:
-            return {k: self.throughput(batch, k, rates) for k in self.sizes}
-        left, rows = self._tail
-        return {k: left / max(self.seconds(batch, k) * batch_steps(left, rows, self.expected_tokens(k, rates),
-                                                                   self.emitted_variance(k, rates)), 1e-12)
-                for k in self.sizes}
+        mean = torch.tensor([self.expected_tokens(k, rates) for k in self.sizes], dtype=torch.float64)
+        seconds = torch.tensor([self.seconds(batch, k) for k in self.sizes], dtype=torch.float64)
+        var = torch.tensor([self.emitted_variance(k, rates) for k in self.sizes], dtype=torch.float64)
+        speed = self.tail_speeds(mean / seconds.clamp_min(1e-12), seconds, mean, var)
+        return dict(zip(self.sizes, speed.tolist()))
 
     def table_seconds(self, batch: int, k: int) -> float:
         return self.draft_seconds(batch, k) + self.verify_seconds(batch, k + 1)
@@ -211,11 +226,6 @@ class AutoBudget(MeasuredSteps):
         self._new_call()
         self._run = 0
 
-    def note_rows_left(self, tokens_left: torch.Tensor) -> None:
-        """tokens_left [B]: the tokens each row may still emit (0 for finished rows), before the next choice; read
-        once, on the host, as (the longest row's, the active rows)."""
-        longest, rows = torch.stack([tokens_left.max(), (tokens_left > 0).sum()]).tolist()
-        self._tail = (int(longest), int(rows))
 
     def choose(self, batch: int) -> int:
         """The draft size for the next step (0 = a plain step)."""
@@ -268,6 +278,13 @@ def position_rates(accepted: torch.Tensor, reached: torch.Tensor, pooled: float,
     if seen.numel():
         rates[int(seen[-1]) + 1:] = rates[int(seen[-1])]
     return rates
+
+
+def chain_second_moment(rates: torch.Tensor) -> float:
+    """E[X^2] for X = the tokens a chain step emits (1 + accepted drafts) under per-position rates a_j [k]:
+    P(X > i) = prod_{j<=i} a_j, E[X^2] = 1 + sum_i (2i + 1) P(X > i)."""
+    tail = torch.cumprod(rates.double(), 0)  # [k] P(X > i), i = 1..k
+    return 1.0 + float(((2 * torch.arange(1, rates.shape[0] + 1, dtype=torch.float64) + 1) * tail).sum())
 
 
 def expected_max_normal(n: int) -> float:

@@ -27,7 +27,9 @@ earlier depths, unseen depths at the deepest seen rate), so chains deeper than t
 among those that cost at most `explore_cost` plain steps (the drafter's full shape where drafting is cheap), so
 estimates are refreshed without paying for a shape the device cannot afford; shapes it does not contain count 1
 token (a plain step) until chosen. Older steps weigh `decay` times less per step (acceptance drifts along a
-sequence).
+sequence). At batch > 1, with the tokens left noted by the loop, shapes are compared by the expected time until
+every active row is done, as the chain budget does (`mmspec.budget.batch_steps`, from each shape's mean and
+variance of accepted tokens): drafting makes rows diverge and a batch lasts as long as its slowest row.
 
 Lossless: the shape is chosen from the measured costs and earlier steps' verdicts only, before this step drafts;
 the drafted set is a deterministic function of the drafter and every drafted node is verified. The draft length is
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.budget import MeasuredSteps, position_rates
+from mmspec.budget import MeasuredSteps, chain_second_moment, position_rates
 from mmspec.errors import check
 from mmspec.tree import DraftTree, pool_size
 from mmspec.verify import ChainDraft, VerifyResult, accept
@@ -190,6 +192,7 @@ class TreeBudget(MeasuredSteps):
         self.costs = costs
         self.accepted = torch.zeros(len(self.shapes), dtype=torch.float64)  # [S] decayed accepted drafts
         self.rows = torch.zeros(len(self.shapes), dtype=torch.float64)  # [S] decayed rows behind them
+        self.accepted_sq = torch.zeros(len(self.shapes), dtype=torch.float64)  # [S] .. sum of squared accepts
         # per shape drafted: the shapes a step of it shows [S] bool (the plain step shows none)
         self.shows = {s: torch.tensor([s.contains(o) and o != PLAIN for o in self.shapes]) for s in self.shapes}
         self.chains = {s.depth: i for i, s in enumerate(self.shapes) if s.top_k == 1}  # chain depth -> menu index
@@ -230,6 +233,23 @@ class TreeBudget(MeasuredSteps):
     def throughput(self) -> torch.Tensor:
         return self.expected_tokens() / self.step_seconds().clamp_min(1e-12)
 
+    def emitted_variance(self) -> torch.Tensor:
+        """Var[tokens per row | shape] [S]: from the counted accepts' squares (0 for shapes never seen, the plain
+        step), chains from the position model (as `expected_tokens`)."""
+        mean_acc = self.accepted / self.rows.clamp_min(1e-9)
+        var = (self.accepted_sq / self.rows.clamp_min(1e-9) - mean_acc * mean_acc).clamp_min(0.0)
+        if self.chains and bool((self.chain_reached > 0).any()):
+            rates, expected = self.chain_rates(), self.expected_tokens()
+            for depth, index in self.chains.items():
+                var[index] = max(chain_second_moment(rates[:depth]) - float(expected[index]) ** 2, 0.0)
+        return var
+
+    def speeds(self) -> torch.Tensor:
+        """[S] tokens per second per row, or at batch > 1 with the tokens left noted, the batch-tail speed
+        (`MeasuredSteps.tail_speeds`)."""
+        seconds = self.step_seconds()
+        return self.tail_speeds(self.throughput(), seconds, self.expected_tokens(), self.emitted_variance())
+
     def explore_shape(self) -> TreeShape:
         """The shape of warm-up and refresh steps: of the shapes costing at most `explore_cost` plain steps, the one
         that contains the most trees, then the deepest (the full shape where drafting is cheap, e.g. a GPU at batch
@@ -253,7 +273,7 @@ class TreeBudget(MeasuredSteps):
         if self.steps < self.warmup or refresh:
             shape = self.explore_shape()
         else:
-            speed = self.throughput()  # [S]
+            speed = self.speeds()  # [S]
             shape = self.shapes[int(speed.argmax())]
             self._note_plain_margin(float(speed[0]), float(speed[1:].max()) if len(self.shapes) > 1 else 0.0)
         self.steps += 1
@@ -271,6 +291,8 @@ class TreeBudget(MeasuredSteps):
         self.accepted = torch.where(covered, self.accepted * self.decay + (counts * rows).sum(0).double().cpu(),
                                     self.accepted)
         self.rows = torch.where(covered, self.rows * self.decay + float(active.sum()), self.rows)
+        self.accepted_sq = torch.where(covered, self.accepted_sq * self.decay
+                                       + (counts * counts * rows).sum(0).double().cpu(), self.accepted_sq)
         depth = self._last.depth  # the deepest chain the step contains: its positions 1..depth
         if depth in self.chains:
             accepted = counts[:, self.chains[depth]][active].unsqueeze(-1)  # [b, 1]

@@ -91,6 +91,22 @@ def test_the_batch_tail_prices_the_slowest_row():
     assert steady.choose(8) == 4
 
 
+def test_the_tree_budget_prices_the_batch_tail_too():
+    """A tree that accepts 0 or 4 drafts (mean 2) at 2.8 plain steps pays at batch 1 (3 / 2.8) but not for 8 rows
+    with 64 tokens left; the same mean with no spread still pays at batch 8."""
+    full = TreeShape(2, 4, 8)
+    budget = TreeBudget(full, [PLAIN, full], warmup=0, costs={PLAIN: 1.0, full: 2.8}, timing=False)
+    budget.rows[1], budget.accepted[1], budget.accepted_sq[1] = 10.0, 20.0, 80.0  # 0 or 4, mean 2, variance 4
+    assert budget.emitted_variance()[1].item() == pytest.approx(4.0)
+    budget.note_rows_left(torch.tensor([64]))
+    assert budget.choose(1) == full
+    budget.note_rows_left(torch.tensor([64] * 8))
+    assert budget.choose(8) == 0
+    budget.accepted_sq[1] = 40.0  # every row accepts 2: no spread
+    budget.note_rows_left(torch.tensor([64] * 8))
+    assert budget.choose(8) == full
+
+
 def test_measured_step_times_replace_the_table(monkeypatch):
     clock = iter([0.0, 1.0, 11.0])  # the warm-up step takes 1 s; then 10 s pass between two calls
     monkeypatch.setattr("mmspec.budget.time.perf_counter", lambda: next(clock))
