@@ -72,7 +72,7 @@ def mmspec_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
                      **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature over `mmspec.attention.attend`: query [B, Hq, S, D], key and
     value [B, Hkv, T, D], attention_mask [B, 1, S, T] additive -> output [B, S, Hq, D] (transformers' layout)."""
-    # a sliding_window kwarg needs nothing: the targets refuse requests longer than the window (full == sliding)
+    # a sliding_window kwarg needs nothing: the mask the layer gets already applies the window
     check(kwargs.get("softcap") is None, f"{type(module).__name__} soft-caps its attention logits, which mmspec's "
           "attention backends do not; leave attention_backend unset to run the model's own attention.")
     mask = None if attention_mask is None else attention_mask[:, 0] == 0  # [B, S, T] True = attend
@@ -124,11 +124,30 @@ def _cache_argument(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
+def sliding_window_masks(config, mask: torch.Tensor, slots: torch.Tensor, seq_positions: torch.Tensor,
+                         window: int, dtype: torch.dtype) -> torch.Tensor | dict[str, torch.Tensor]:
+    """The attention mask(s) of a text model with sliding-window layers, as transformers builds them for a sequence:
+    a query at sequence index q sees a key at index k only if q - k < window (on top of `mask` [B, S, T]). Keys'
+    indices: committed slots are their own index, this step's entries (at `slots` [B, S]) their `seq_positions`
+    [B, S] (a tree node: the row's length + its depth). A model with `layer_types` takes a dict by layer type (Gemma
+    2/3, Qwen2/3 with sliding layers); one without (Mistral) applies the window on every layer."""
+    b, _, t = mask.shape
+    keys = torch.arange(t, device=mask.device).expand(b, t).scatter(1, slots.clamp_max(t - 1), seq_positions)  # [B, T]
+    near = (seq_positions.unsqueeze(-1) - keys.unsqueeze(1)) < window  # [B, S, T]
+    sliding = additive_mask(mask & near, dtype)
+    if getattr(config, "layer_types", None) is None:
+        return sliding
+    return {"full_attention": additive_mask(mask, dtype), "sliding_attention": sliding}
+
+
 def run_text_model(text_model, embeds: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
-                   slots: torch.Tensor, mask: torch.Tensor, attention_backend: str | None = None) -> torch.Tensor:
+                   slots: torch.Tensor, mask: torch.Tensor, attention_backend: str | None = None,
+                   window: int | None = None, seq_positions: torch.Tensor | None = None) -> torch.Tensor:
     """The transformers text model `text_model` (its own forward) over input embeddings [B, S, H] at positions
     ([B, S], or the model's own layout such as M-RoPE's [3, B, S]), keys/values written at slots [B, S], mask
-    [B, S, T] bool. Returns the final-norm hidden state [B, S, H] (what the LM head reads)."""
+    [B, S, T] bool. `window`: the model's sliding attention window, applied by sequence index (`seq_positions`
+    [B, S], default the slots; `sliding_window_masks`). Returns the final-norm hidden state [B, S, H] (what the LM
+    head reads)."""
     b, s, _ = embeds.shape
     if positions.dim() == 2:
         positions = positions.expand(b, s)
@@ -138,6 +157,12 @@ def run_text_model(text_model, embeds: torch.Tensor, positions: torch.Tensor, ca
         kwargs["mmspec_backend"] = attention_backend
     kwargs[cache_argument(text_model)] = SlotCache(cache, slots)
     with attention_implementation(text_model.config, MMSPEC_ATTENTION if attention_backend else None):
-        out = text_model(inputs_embeds=embeds, position_ids=positions.to(embeds.device),
-                         attention_mask=additive_mask(mask, embeds.dtype), use_cache=True, **kwargs)
+        if window is None:
+            attention = additive_mask(mask, embeds.dtype)
+        else:
+            attention = sliding_window_masks(text_model.config, mask, slots.expand(b, s),
+                                             (slots if seq_positions is None else seq_positions).expand(b, s).to(
+                                                 mask.device), window, embeds.dtype)
+        out = text_model(inputs_embeds=embeds, position_ids=positions.to(embeds.device), attention_mask=attention,
+                         use_cache=True, **kwargs)
     return out.last_hidden_state

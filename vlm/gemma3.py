@@ -10,14 +10,16 @@ mmspec's prefill mask: a query at an image token also sees every token of its ow
 
 Everything else is `vlm.target.CachedVLM`: image features from the model's own `get_image_features` (SigLIP,
 pooled to `mm_tokens_per_image` tokens, projected), the text model's own forward (scaled embeddings, local and
-global rotary embeddings, q/k norms), token index = rotary position. The sliding window of the local layers
-equals full attention while a request fits in it (checked by `new_cache`), so one mask serves both layer types.
+global rotary embeddings, q/k norms), token index = rotary position. The local layers get the same mask limited to
+their sliding window (`mmspec.hf_cache.sliding_window_masks`): equal to transformers' while an image's block fits
+in one window (Gemma 3: 256 image tokens, a 1024-token window; a model where it does not is refused).
 """
 
 from __future__ import annotations
 
 import torch
 
+from mmspec.errors import check
 from vlm.target import LlavaCachedLM, VLMInputs
 
 
@@ -42,6 +44,14 @@ class Gemma3CachedLM(LlavaCachedLM):
 
     family = "a transformers Gemma3ForConditionalGeneration"
     images_nested_per_row = True  # Gemma3Processor counts images per prompt
+
+    def __init__(self, model, attention_backend: str | None = None) -> None:
+        super().__init__(model, attention_backend)
+        # the local layers see an image's whole block only if it fits one window (transformers lets image pairs
+        # farther apart than the window attend; mmspec's window applies to them too)
+        check(self.window is None or model.config.mm_tokens_per_image < self.window,
+              f"Gemma 3's image blocks ({model.config.mm_tokens_per_image} tokens) do not fit its sliding window "
+              f"({self.window}); mmspec supports Gemma 3 models whose window holds an image's tokens.")
 
     @property
     def fixed_image_tokens(self) -> int | None:

@@ -109,8 +109,8 @@ class CachedVLM:
         check_supported_config(model.config, f"the target ({type(model).__name__})")
         check_attention_support(inner.language_model.config, f"the target's text model ({type(model).__name__})",
                                 attention_backend)
-        # sliding-window attention (Mistral, Qwen2/3 when used, Gemma 2/3's local layers) equals full attention while
-        # every sequence fits in the window: mmspec's masks are full-attention masks
+        # sliding-window attention (Mistral, Qwen2/3 when used, Gemma 2/3's local layers): the masks apply the window
+        # by sequence index, as transformers does (`mmspec.hf_cache.sliding_window_masks`)
         cfg = model.config.text_config
         window = getattr(cfg, "sliding_window", None)
         self.window = window if window and getattr(cfg, "use_sliding_window", True) else None
@@ -134,9 +134,6 @@ class CachedVLM:
         return None
 
     def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
-        check(self.window is None or capacity <= self.window,
-              f"prompt + new tokens + draft room ({capacity}) exceed the target's sliding attention window "
-              f"({self.window}), which mmspec's target does not apply; ask for fewer new tokens.")
         w = self.model.lm_head.weight
         return StaticKVCache(self.num_layers, batch_size, self.num_kv_heads, capacity, self.head_dim, w.dtype,
                              w.device)
@@ -187,14 +184,16 @@ class CachedVLM:
                        slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """tokens, positions, slots [B, S]; mask [B, S, T]. Writes K/V at `slots`; returns logits [B, S, V]."""
         return self.forward_embeds(self.embed_tokens(tokens.to(self.device)), self.step_positions(positions), cache,
-                                   slots, mask)
+                                   slots, mask, seq_positions=positions)
 
     @torch.no_grad()
     def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
+                       mask: torch.Tensor, seq_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Input embeddings x [B, S, H] at the model's `positions`; K/V written at `slots` [B, S]; mask [B, S, T];
+        seq_positions [B, S]: the entries' sequence indices (default the slots) where a sliding window applies;
         logits [B, S, V] float32."""
-        self.last_hidden = run_text_model(self.text, x, positions, cache, slots, mask, self.backend)  # [B, S, H]
+        self.last_hidden = run_text_model(self.text, x, positions, cache, slots, mask, self.backend,  # [B, S, H]
+                                          window=self.window, seq_positions=seq_positions)
         return self.model.lm_head(self.last_hidden).float()
 
 

@@ -145,3 +145,25 @@ def test_text_only_rows_mix_with_image_rows_for_every_drafter(kind):
                  transformers_greedy(model, [rows[2]], pixels[1:], 8)[0]]
     assert IMAGE_TOKEN not in rows[1]
     assert [t.tolist() for t in vanilla.tokens] == reference == [t.tolist() for t in spec.tokens]
+
+
+@pytest.mark.parametrize("backbone", ["mistral", "gemma2", "gemma3_text"])
+def test_sliding_window_backbones_stay_exact_past_their_window(backbone):
+    """A window of 12 tokens under prompts of 18-23 tokens and 16 new ones: greedy vanilla and EAGLE trees ==
+    transformers' own generate (the window applied by sequence index, per layer type); the same target run with
+    full attention answers differently, so the window is what makes them equal."""
+    text = text_config(backbone)
+    text.sliding_window = 12
+    model = tiny_llava_with(text, seed=3)
+    pixels = torch.rand(3, 3, 32, 32)
+    steps = 16
+    reference = transformers_greedy(model, ROWS, pixels, steps)
+    lm = LlavaCachedLM(model)
+    assert lm.window == 12
+    torch.manual_seed(1)
+    drafter = drafter_model("eagle").for_target(lm).eval()
+    vanilla, spec = greedy_vanilla_and_tree(lm, drafter.loop_drafter, drafter, ROWS, pixels, steps)
+    assert [t.tolist() for t in vanilla.tokens] == reference == [t.tolist() for t in spec.tokens]
+    lm.window = None  # full attention everywhere
+    full, _ = greedy_vanilla_and_tree(lm, drafter.loop_drafter, drafter, ROWS, pixels, steps)
+    assert [t.tolist() for t in full.tokens] != reference

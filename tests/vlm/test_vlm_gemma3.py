@@ -155,3 +155,19 @@ def test_sampled_second_token_follows_the_models_own_law_with_a_negative_control
     assert dof >= 1 and scipy_stats.chi2.sf(chi2, dof) > 1e-3, (chi2, dof)
     chi2, dof = pooled_chi_square(pairs, law(0.8))
     assert scipy_stats.chi2.sf(chi2, dof) < 1e-3, (chi2, dof)
+
+
+def test_gemma3_stays_exact_past_its_sliding_window():
+    """Gemma 3's local layers with a 10-token window under prompts longer than it (an image's 4 tokens stay inside
+    one window): greedy vanilla and EAGLE trees == transformers' generate; with full attention the answers differ."""
+    base = tiny_gemma3()
+    base.model.config.text_config.sliding_window = 10
+    vlm = SpeculativeVLM(base.model, base.processor)
+    assert vlm.lm.window == 10
+    imgs = [*images(2), None]
+    want = transformers_answers(vlm, imgs, PROMPTS)
+    assert vlm.generate(imgs, PROMPTS, max_new_tokens=8).token_ids == want
+    vlm.drafter = drafter_model("eagle").for_target(vlm.lm).eval()
+    assert vlm.generate(imgs, PROMPTS, max_new_tokens=8, tree=(3, 2, 6), budget="fixed").token_ids == want
+    vlm.drafter, vlm.lm.window = None, None
+    assert vlm.generate(imgs, PROMPTS, max_new_tokens=8).token_ids != want

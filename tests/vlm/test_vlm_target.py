@@ -118,15 +118,3 @@ def test_targets_it_cannot_run_exactly_are_refused_in_one_line(tmp_path):
     (tmp_path / "internvl" / "processor_config.json").write_text("{}")
     with pytest.raises(InputError, match="'internvl' model \\(InternVLForConditionalGeneration\\)"):
         SpeculativeVLM.from_pretrained(tmp_path / "internvl")
-
-
-def test_a_request_longer_than_the_sliding_window_is_refused():
-    """mmspec's masks are full-attention masks: a Mistral backbone whose request would pass its sliding window is
-    refused, not computed differently (within the window it is exact: tests/vlm/test_vlm_backbones.py)."""
-    from test_vlm_backbones import text_config, tiny_llava_with
-
-    model = tiny_llava_with(text_config("mistral"))
-    rows = [prompt([7, 8, 20], [9], 16), prompt([12], [13, 30], 16)]
-    long = LMTarget(LlavaCachedLM(model), SamplingParams(temperature=0.0), max_new_tokens=120, prefill_fn=prefill_vlm)
-    with pytest.raises(InputError, match="sliding attention window \\(128\\)"):
-        generate(long, NoDrafter(), "greedy", batch(rows, torch.rand(2, 3, 32, 32)), batch_size=2, max_new_tokens=120)
