@@ -16,13 +16,13 @@ VISION_START, VISION_END, IMAGE_PAD = 151652, 151653, 151655
 PATCH_DIM = 3 * 2 * 14 * 14  # channels * temporal patch * patch * patch
 
 
-def tiny_qwen_vl(kind: str = "qwen2_vl", seed: int = 0):
+def tiny_qwen_vl(kind: str = "qwen2_vl", seed: int = 0, **text_overrides):
     import transformers as tf
 
     torch.manual_seed(seed)
     text = dict(vocab_size=151700, hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512,
-                rope_parameters=dict(rope_type="default", mrope_section=[2, 1, 1], rope_theta=1e4))
+                rope_parameters=dict(rope_type="default", mrope_section=[2, 1, 1], rope_theta=1e4), **text_overrides)
     vision = dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, patch_size=14, spatial_merge_size=2,
                   temporal_patch_size=2)
     if kind == "qwen2_vl":
@@ -111,6 +111,23 @@ def test_greedy_vanilla_and_tree_equal_transformers_generate_on_images_of_three_
     vanilla, spec = greedy_runs(lm, drafter, inputs, steps)
     assert [t.tolist() for t in vanilla.tokens] == reference
     assert [t.tolist() for t in spec.tokens] == reference
+
+
+def test_a_sliding_window_stays_exact_past_it_with_m_rope():
+    """use_sliding_window with a 12-token window on the second layer (max_window_layers=1) under 11-12-token prompts
+    and 16 new tokens: the window runs by sequence index while the rotary positions are M-RoPE's; greedy vanilla and
+    EAGLE trees == transformers' generate, full attention differs."""
+    model = tiny_qwen_vl(use_sliding_window=True, sliding_window=12, max_window_layers=1)
+    inputs = qwen_inputs(ROWS, GRIDS)
+    reference = transformers_greedy(model, inputs, 16)
+    lm = cached_vlm(model)
+    assert lm.window == 12
+    torch.manual_seed(1)
+    drafter = drafter_model("eagle").for_target(lm).eval()
+    vanilla, spec = greedy_runs(lm, drafter, inputs, 16)
+    assert [t.tolist() for t in vanilla.tokens] == reference == [t.tolist() for t in spec.tokens]
+    lm.window = None
+    assert [t.tolist() for t in greedy_runs(lm, drafter, inputs, 16)[0].tokens] != reference
 
 
 def test_text_only_rows_mixed_with_image_rows_and_a_later_text_only_call():
