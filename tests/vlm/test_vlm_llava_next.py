@@ -90,3 +90,40 @@ def test_specvlm_refuses_a_tiled_target_in_one_line():
     with pytest.raises(InputError, match="fixed square image grid") as err:
         drafter_model("specvlm").for_target(tiny_pipeline("llava_next").lm)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("target", ["llava_next", "llava_onevision"])
+def test_sampled_second_token_follows_the_models_own_law_with_a_negative_control(target):
+    """600 copies of one tiled-image prompt sample three tokens at temperature 1 with EAGLE trees (the second token
+    is the first drafted one, verified by rejection sampling): its counts, grouped by the first token, fit the
+    softmax of the model's own forward on the processor's outputs (pooled chi-square); the same counts against the
+    law at temperature 0.7 must fail, so the test can tell."""
+    from scipy import stats as scipy_stats
+
+    from mmspec.testing.distributions import pooled_chi_square
+
+    vlm = tiny_pipeline(target)
+    with torch.no_grad():
+        vlm.model.lm_head.weight.mul_(2.0)  # x20 in all: a few first tokens, each with enough samples
+    vlm.drafter = drafter_model("eagle").for_target(vlm.lm).eval()
+    n, image, prompt = 600, images_of_three_sizes()[1], vlm.prompt_text(PROMPTS[0])
+    enc = vlm.processor(images=[image] * n, text=[prompt] * n, padding=True, return_tensors="pt")
+    out = vlm.generate(**enc, max_new_tokens=3, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                       tree=(2, 4, 8), budget="fixed", generator=torch.Generator().manual_seed(1))
+    pairs = out[:, enc["input_ids"].shape[1]:][:, :2].tolist()
+    assert vlm.last_stats.num_drafts > 0
+
+    def law(temperature: float):
+        def next_probs(first: int):
+            one = {k: v[:1] for k, v in enc.items()}
+            one["input_ids"] = torch.cat([one["input_ids"], torch.tensor([[first]])], dim=1)
+            one["attention_mask"] = torch.ones_like(one["input_ids"])
+            with torch.no_grad():
+                logits = vlm.model(**one).logits
+            return torch.softmax(logits[0, -1].double() / temperature, -1).numpy()
+        return next_probs
+
+    chi2, dof = pooled_chi_square(pairs, law(1.0))
+    assert dof >= 1 and scipy_stats.chi2.sf(chi2, dof) > 1e-3, (chi2, dof)
+    chi2, dof = pooled_chi_square(pairs, law(0.7))
+    assert scipy_stats.chi2.sf(chi2, dof) < 1e-3, (chi2, dof)
