@@ -39,6 +39,18 @@ def test_relaxed_probability_delta_and_lambda_forms():
     assert moved.item() == 1 and p_tilde.item() == pytest.approx(0.15)
 
 
+def test_a_token_listed_as_its_own_neighbour_lends_no_mass():
+    """Tables over a text + image vocabulary list a token without neighbours as itself (Emu3): those entries move
+    nothing, so x's relaxed probability is its own plus its real neighbours' only."""
+    p = torch.tensor([0.1, 0.05, 0.04, 0.3, 0.31, 0.2])
+    x = torch.tensor(0)
+    table = torch.tensor([[0, 1, 0, 2, 3]] + [[1, 2, 3, 4, 5]] * 5)  # x = 0 listed twice as itself
+    p_tilde, _ = LanternRule(table, k=5, delta=0.1).relaxed(p, x)  # 0.1 + 0.05 + 0.04, never p(x) again
+    assert p_tilde.item() == pytest.approx(0.19)
+    alone = torch.tensor([[0, 0, 0]] + [[1, 2, 3]] * 5)  # no neighbours at all: exactly p(x)
+    assert LanternRule(alone, k=3, delta=1.0).relaxed(p, x)[0].item() == pytest.approx(0.1)
+
+
 def _lantern_problem(n: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     p_rows = torch.softmax(torch.randn(2, V, generator=gen) * 1.5, -1)

@@ -82,7 +82,9 @@ class MethodContext:
         if k not in tables:
             from mmspec.verify import build_neighbour_table
 
-            tables[k] = build_neighbour_table(self.pipeline.code_vectors().detach().float().cpu(), k)
+            own = getattr(self.pipeline, "lantern_table", None)  # a vocabulary that is not only codes (Emu3)
+            tables[k] = own(k) if own is not None else build_neighbour_table(
+                self.pipeline.code_vectors().detach().float().cpu(), k)
         return tables[k]
 
     def token_embeddings(self, table: str | None = "target") -> torch.Tensor | None:

@@ -15,8 +15,8 @@ the model's own modules (`image_ar.transformers_ar.janus` / `.emu3`: CFG, and Em
 them) and decoded by the model's own VQ decoder. Methods are the LlamaGen family's records that need no trained
 drafter (`image_ar.llamagen.family`): vanilla, sjd (accept="lossless" | "lantern" | "gsd") and gsd. GSD's table is
 what the model reads for a token (Janus: its generation embeddings through the aligner; Emu3: its input embeddings,
-as the official GSD code on Lumina-mGPT); LANTERN's neighbours come from Janus's VQ codebook (Emu3's vocabulary
-mixes text and image tokens: LANTERN is refused there).
+as the official GSD code on Lumina-mGPT); LANTERN's neighbours come from the VQ codebook (Emu3: its visual tokens'
+codes; its text tokens have none).
 """
 
 from __future__ import annotations
@@ -278,8 +278,22 @@ class Emu3Pipeline(TransformersImagePipeline):
         return layout_length(height, width), width + 1, self.lm.vocab_size
 
     def code_vectors(self, as_decoded: bool = False) -> torch.Tensor:
-        raise InputError("LANTERN and GSD's codebook table need a vocabulary of image codes; Emu3's mixes text and "
-                         "image tokens: use accept='lossless' or 'gsd' with embeddings='target'.")
+        raise InputError("GSD's codebook table needs a vocabulary of image codes; Emu3's mixes text and image "
+                         "tokens: use embeddings='target' (its input embeddings, the default) or None.")
+
+    def lantern_table(self, k: int) -> torch.Tensor:
+        """LANTERN's neighbour table over Emu3's whole vocabulary [V, k'] (k' = min(k, codes - 1), int32): a visual
+        token's row holds the visual tokens of its code's k' nearest codes in the VQ codebook (`build_neighbour_table`
+        on the raw codebook, as LANTERN's code); every other token lists itself (no neighbours)."""
+        from mmspec.verify import build_neighbour_table
+
+        mapping = self.model.model.vocabulary_mapping
+        codebook = self.model.model.vqmodel.quantize.embedding.weight.detach().float().cpu()  # [C, D]
+        near = build_neighbour_table(codebook, min(k, codebook.shape[0] - 1)).long()  # [C, k'] code ids
+        bpe = mapping.img2bpe_mapping_tensor.long()  # [C] code -> token id
+        table = torch.arange(self.lm.vocab_size, dtype=torch.int32).unsqueeze(1).repeat(1, near.shape[1])
+        table[bpe] = bpe[near].to(torch.int32)
+        return table
 
     def input_token_embeddings(self) -> torch.Tensor:
         """[V, H] the language model's input embeddings (GSD's table, as the official code on Lumina-mGPT)."""

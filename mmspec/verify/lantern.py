@@ -25,6 +25,9 @@ for drafts without a distribution; trees that try several siblings can move more
 reports the measured effect (token calibration).
 
 `greedy=True`: accept x iff it is the argmax of its relaxed distribution (p~(x) >= every remaining p(y)).
+
+A table row may list x itself where x has fewer than k neighbours (a vocabulary of text and image tokens: a text
+token has none, Emu3's table lists each text token as its own neighbour): such entries carry no mass.
 """
 
 from __future__ import annotations
@@ -141,7 +144,8 @@ class LanternRule(AcceptanceRule):
     def relaxed(self, p: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """p [..., V], x [...] -> (p~(x) [...], number of neighbours whose mass moved to x [...])."""
         nb = self._neighbours_of(x, self.k)  # [..., k]
-        cum = p.gather(-1, nb).cumsum(-1)  # [..., k] non-decreasing
+        mass = p.gather(-1, nb).masked_fill(nb == x.clamp_min(0).unsqueeze(-1), 0.0)  # x listed as itself: none
+        cum = mass.cumsum(-1)  # [..., k] non-decreasing
         p_x = p.gather(-1, x.clamp_min(0).unsqueeze(-1)).squeeze(-1)  # [...]
         budget = (self.lam - 1) * p_x if self.lam is not None else torch.full_like(p_x, self.delta)
         moved_count = (cum <= budget.unsqueeze(-1)).sum(-1)  # [...] qualifying i form a prefix

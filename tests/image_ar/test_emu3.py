@@ -137,7 +137,7 @@ def test_a_saved_folder_loads_and_gives_the_same_images(pipe, tmp_path):
 
 
 @pytest.mark.parametrize("call, match", [
-    (dict(prompt="x", method="sjd", method_kwargs={"accept": "lantern"}), "Emu3's mixes text and image tokens"),
+    (dict(prompt="x", method="gsd", method_kwargs={"embeddings": "codebook"}), "Emu3's mixes text and image"),
     (dict(prompt="x", negative_prompt=["a", "b"]), "give one or one per prompt"),
     (dict(input_ids=torch.tensor([[1, 2]]), attention_mask=torch.tensor([[1, 1]])), "need height and width"),
     (dict(class_labels=[0]), "text-conditional"),
@@ -180,3 +180,22 @@ def test_target_probs_score_the_generated_tokens_as_the_loop_drew_them(pipe):
                  generator=torch.Generator().manual_seed(0)).tokens
     probs = pipe.target_probs(PROMPTS, first, guidance_scale=3.0)
     assert torch.all(probs.gather(-1, first.unsqueeze(-1)) > 0)  # every drawn token is in its law's support
+
+
+def test_lantern_borrows_only_among_visual_tokens(pipe):
+    """LANTERN on Emu3: a visual token's neighbours are the visual tokens of its code's nearest codes, a text token
+    has none (itself); at delta 0 it is greedy vanilla exactly, sampled it keeps the layout."""
+    table = pipe.lantern_table(5)  # [V, 5]
+    special, bpe = pipe.special, pipe.model.model.vocabulary_mapping.img2bpe_mapping_tensor.long()
+    book = pipe.model.model.vqmodel.quantize.embedding.weight.detach()
+    nearest = torch.cdist(book, book).topk(6, largest=False).indices[:, 1:]  # [C, 5] codes, itself excluded
+    assert set(table[bpe[3]].tolist()) == set(bpe[nearest[3]].tolist())
+    assert table[special.eol].tolist() == [special.eol] * 5
+    greedy = pipe(PROMPTS, temperature=0.0, output_type="latent").tokens
+    exact = pipe(PROMPTS, temperature=0.0, method="sjd", method_kwargs={"accept": "lantern", "delta": 0.0},
+                 budget="fixed", output_type="latent").tokens
+    assert torch.equal(exact, greedy)
+    out = pipe(PROMPTS, method="sjd", method_kwargs={"accept": "lantern", "delta": 0.2}, budget="fixed",
+               output_type="latent", generator=torch.Generator().manual_seed(1)).tokens
+    rows = out[:, :-3].view(3, 4, 5)
+    assert (rows[..., 4] == special.eol).all() and set(rows[..., :4].flatten().tolist()) <= set(special.visual)
