@@ -82,8 +82,7 @@ class MeasuredSteps:
 
     def _new_call(self) -> None:
         self._chosen_at, self._plain_run = None, 0  # the time between calls is not a step
-        self._tail: tuple[int, int] | None = None
-
+        self._tail = None
 
     def note_rows_left(self, tokens_left: torch.Tensor) -> None:
         """tokens_left [B]: the tokens each row may still emit (0 for finished rows), before the next choice; read
@@ -91,12 +90,14 @@ class MeasuredSteps:
         longest, rows = torch.stack([tokens_left.max(), (tokens_left > 0).sum()]).tolist()
         self._tail = (int(longest), int(rows))
 
-    def tail_speeds(self, per_row: torch.Tensor, seconds: torch.Tensor, mean: torch.Tensor,
-                    var: torch.Tensor) -> torch.Tensor:
-        """Each option's speed [S]: `per_row` (tokens per second per row) at batch 1 or without the tokens left, else
-        the longest row's tokens left over the expected time until every active row is done (`batch_steps`)."""
-        if self._tail is None or self._tail[1] <= 1 or self._tail[0] <= 0:
-            return per_row
+    def batch_tail(self) -> tuple[int, int] | None:
+        """(tokens left in the longest row, active rows) when the batch tail is priced (noted, 2+ active rows)."""
+        tail = self._tail
+        return tail if tail is not None and tail[1] > 1 and tail[0] > 0 else None
+
+    def tail_speeds(self, seconds: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+        """Each option's speed [S] under the batch tail (`batch_tail()` set): the longest row's tokens left over the
+        expected time until every active row is done (`batch_steps`)."""
         left, rows = self._tail
         steps = torch.tensor([batch_steps(left, rows, float(m), float(v)) for m, v in zip(mean, var)],
                              dtype=torch.float64)
@@ -191,11 +192,12 @@ class AutoBudget(MeasuredSteps):
     def speeds(self, batch: int, rates: torch.Tensor) -> dict[int, float]:
         """Each size's expected speed: tokens per second per row, or, with the tokens left noted at batch > 1, the
         longest row's tokens left over the expected time until every active row is done (the batch tail)."""
+        if self.batch_tail() is None:
+            return {k: self.throughput(batch, k, rates) for k in self.sizes}
         mean = torch.tensor([self.expected_tokens(k, rates) for k in self.sizes], dtype=torch.float64)
         seconds = torch.tensor([self.seconds(batch, k) for k in self.sizes], dtype=torch.float64)
         var = torch.tensor([self.emitted_variance(k, rates) for k in self.sizes], dtype=torch.float64)
-        speed = self.tail_speeds(mean / seconds.clamp_min(1e-12), seconds, mean, var)
-        return dict(zip(self.sizes, speed.tolist()))
+        return dict(zip(self.sizes, self.tail_speeds(seconds, mean, var).tolist()))
 
     def table_seconds(self, batch: int, k: int) -> float:
         return self.draft_seconds(batch, k) + self.verify_seconds(batch, k + 1)
@@ -225,7 +227,6 @@ class AutoBudget(MeasuredSteps):
         """A new call: the time between calls is not a step, and its first step is a change of size."""
         self._new_call()
         self._run = 0
-
 
     def choose(self, batch: int) -> int:
         """The draft size for the next step (0 = a plain step)."""

@@ -174,6 +174,17 @@ class FamilyRecord:
         return dict(self.sampling_defaults((lambda: pipe) if pipe is not None else (load or (lambda: None))))
 
 
+def model_guidance_defaults(defaults: Mapping[str, Any]) -> Callable[[Callable[[], Any]], dict]:
+    """A `sampling_defaults` hook: `defaults` with the loaded pipeline's own guidance scale (its
+    `default_guidance_scale()`) when the caller loads it (`pipeline()` gives it, or None)."""
+
+    def sampling_defaults(pipeline: Callable[[], Any]) -> dict:
+        pipe = pipeline()
+        return dict(defaults) if pipe is None else {**defaults, "guidance_scale": pipe.default_guidance_scale()}
+
+    return sampling_defaults
+
+
 def method_call_generate(record: FamilyRecord, sampling: Callable[[dict], dict] = dict):
     """A `generate` hook for a family whose methods' run gives (the pipeline to call, its extra keyword arguments)
     (VAR, MAR): the options' method and method_kwargs pick the call, `sampling(options)` gives its sampling keyword

@@ -156,13 +156,13 @@ def run_text_model(text_model, embeds: torch.Tensor, positions: torch.Tensor, ca
         register_mmspec_attention()
         kwargs["mmspec_backend"] = attention_backend
     kwargs[cache_argument(text_model)] = SlotCache(cache, slots)
+    if window is None:
+        attention = additive_mask(mask, embeds.dtype)
+    else:
+        seq_positions = (slots if seq_positions is None else seq_positions).expand(b, s).to(mask.device)  # [B, S]
+        attention = sliding_window_masks(text_model.config, mask, slots.expand(b, s), seq_positions, window,
+                                         embeds.dtype)
     with attention_implementation(text_model.config, MMSPEC_ATTENTION if attention_backend else None):
-        if window is None:
-            attention = additive_mask(mask, embeds.dtype)
-        else:
-            attention = sliding_window_masks(text_model.config, mask, slots.expand(b, s),
-                                             (slots if seq_positions is None else seq_positions).expand(b, s).to(
-                                                 mask.device), window, embeds.dtype)
         out = text_model(inputs_embeds=embeds, position_ids=positions.to(embeds.device), attention_mask=attention,
                          use_cache=True, **kwargs)
     return out.last_hidden_state

@@ -192,7 +192,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         active = ~state.done
         if not bool(active.any()):  # the one host sync per iteration
             break
-        if budget is not None and not plain_for_good and hasattr(budget, "note_rows_left"):
+        if state.batch_size > 1 and budget is not None and not plain_for_good and hasattr(budget, "note_rows_left"):
             budget.note_rows_left((state.max_new_tokens - state.num_generated) * active)  # the batch tail
         size = None if budget is None else 0 if plain_for_good else budget.choose(state.batch_size)
         if size == 0 and not plain_for_good and hasattr(budget, "settled"):

@@ -247,8 +247,9 @@ class TreeBudget(MeasuredSteps):
     def speeds(self) -> torch.Tensor:
         """[S] tokens per second per row, or at batch > 1 with the tokens left noted, the batch-tail speed
         (`MeasuredSteps.tail_speeds`)."""
-        seconds = self.step_seconds()
-        return self.tail_speeds(self.throughput(), seconds, self.expected_tokens(), self.emitted_variance())
+        if self.batch_tail() is None:
+            return self.throughput()
+        return self.tail_speeds(self.step_seconds(), self.expected_tokens(), self.emitted_variance())
 
     def explore_shape(self) -> TreeShape:
         """The shape of warm-up and refresh steps: of the shapes costing at most `explore_cost` plain steps, the one

@@ -27,7 +27,7 @@ from image_ar.llamagen.methods import (
 )
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import check
-from mmspec.families import FamilyRecord, split
+from mmspec.families import FamilyRecord, model_guidance_defaults, split
 from mmspec.lm import DraftModelDrafter, NoDrafter
 from mmspec.sampling import SamplingParams
 from mmspec.stats import SpecStats
@@ -75,11 +75,8 @@ def profile(pipe) -> dict:
             for name, model in models.items() if model is not None}
 
 
-def sampling_defaults(pipeline) -> dict:
-    """`DEFAULTS` with the model's own guidance scale (`LlamaGenPipeline.default_guidance_scale`) when the caller
-    loads it (`pipeline()` gives it, or None)."""
-    pipe = pipeline()
-    return DEFAULTS if pipe is None else {**DEFAULTS, "guidance_scale": pipe.default_guidance_scale()}
+# DEFAULTS with the model's own guidance scale (`LlamaGenPipeline.default_guidance_scale`) once loaded
+sampling_defaults = model_guidance_defaults(DEFAULTS)
 
 
 FAMILY = FamilyRecord("llamagen", "LlamaGen class-conditional image generation (judge accuracy, world-FID)",

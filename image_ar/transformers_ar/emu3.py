@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from image_ar.transformers_ar.prompts import Prompts
+from image_ar.transformers_ar.prompts import Prompts, prefill_rows
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check
 from mmspec.hf_cache import check_attention_support, run_text_model
@@ -145,16 +145,6 @@ def emu3_prefill(guided: bool, negative: Prompts | None = None):
         rows = [prompts]
         if guided:
             rows.append(negative if negative is not None else last_tokens(prompts))
-        width = max(r.input_ids.shape[1] for r in rows)
-        ids = torch.cat([torch.nn.functional.pad(r.input_ids, (0, width - r.input_ids.shape[1])) for r in rows])
-        lengths = torch.cat([r.lengths for r in rows]).to(model.device)  # [R]
-        ids = ids.to(model.device)  # [R, P] right-padded
-        cache = model.new_cache(ids.shape[0], width + extra_capacity)
-        slots = cache.slots(width)  # [R, P] == positions
-        logits = model.forward_embeds(model.model.get_input_embeddings()(ids), slots, cache, slots,
-                                      cache.attention_mask(slots))  # [R, P, V]
-        cache.commit_chain(lengths)
-        last = (lengths - 1).view(-1, 1, 1)
-        return cache, logits.gather(1, last.expand(-1, -1, logits.shape[-1]))  # [R, 1, V]
+        return prefill_rows(model, rows, extra_capacity)
 
     return prefill

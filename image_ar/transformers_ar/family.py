@@ -12,11 +12,12 @@ import torch
 
 from image_ar.llamagen.family import FAMILY as LLAMAGEN
 from mmspec.errors import InputError
-from mmspec.families import FamilyRecord
+from mmspec.families import FamilyRecord, model_guidance_defaults
 from mmspec.stats import SpecStats
 
 METHODS = ("vanilla", "sjd", "gsd")  # the shared records that need no drafter trained for the model
-# transformers' Janus: CFG 5; Emu3: CFG 3 and top-k 2048 (transformers' example, the SJD paper's Emu3 setting)
+# transformers' Janus: CFG 5; Emu3: CFG 3 and top-k 2048 (transformers' example, the SJD paper's Emu3 setting); a
+# loaded model's own guidance scale (its generation_config, `default_guidance_scale`) replaces the CFG default
 JANUS_DEFAULTS = {"guidance_scale": 5.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 EMU3_DEFAULTS = {"guidance_scale": 3.0, "temperature": 1.0, "top_k": 2048, "top_p": 1.0}
 
@@ -58,9 +59,9 @@ def shared_methods() -> dict:
 
 JANUS = FamilyRecord("janus", "transformers' Janus / Janus-Pro text-to-image (a local model folder; --model)",
                      load=loader("JanusPipeline", "janus"), generate=generate, condition="prompt",
-                     sampling_defaults=lambda pipeline: JANUS_DEFAULTS, bench=bench_of("janus"),
+                     sampling_defaults=model_guidance_defaults(JANUS_DEFAULTS), bench=bench_of("janus"),
                      methods=shared_methods())
 EMU3 = FamilyRecord("emu3", "transformers' Emu3 text-to-image (a local model folder; --model)",
                     load=loader("Emu3Pipeline", "emu3"), generate=generate, condition="prompt",
-                    sampling_defaults=lambda pipeline: EMU3_DEFAULTS, bench=bench_of("emu3"),
+                    sampling_defaults=model_guidance_defaults(EMU3_DEFAULTS), bench=bench_of("emu3"),
                     methods=shared_methods())

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from image_ar.transformers_ar.prompts import Prompts
+from image_ar.transformers_ar.prompts import Prompts, prefill_rows
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check
 from mmspec.hf_cache import check_attention_support, run_text_model
@@ -138,18 +138,9 @@ def janus_prefill(guided: bool, special: JanusSpecialIds):
 
     def prefill(model: JanusCachedLM, prompts: Prompts, extra_capacity: int):
         check(isinstance(prompts, Prompts), f"Janus targets take Prompts, got {type(prompts).__name__}.")
-        ids = prompts.input_ids.to(model.device)
-        lengths = prompts.lengths.to(model.device)  # [B]
-        if guided:
-            ids = torch.cat([ids, unconditional_ids(ids, special)])  # [2B, P]
-            lengths = torch.cat([lengths, lengths])
-        rows, p = ids.shape
-        embeds = model.model.get_input_embeddings()(ids)  # [R, P, H]
-        cache = model.new_cache(rows, p + extra_capacity)
-        slots = cache.slots(p)  # [R, P] == positions (right padding)
-        logits = model.forward_embeds(embeds, slots, cache, slots, cache.attention_mask(slots))  # [R, P, V]
-        cache.commit_chain(lengths)
-        last = (lengths - 1).view(rows, 1, 1)
-        return cache, logits.gather(1, last.expand(-1, -1, logits.shape[-1]))  # [R, 1, V]
+        rows = [prompts]
+        if guided:  # the same lengths and mask, every token but BOS / BOI replaced by pad
+            rows.append(Prompts(unconditional_ids(prompts.input_ids, special), prompts.attention_mask))
+        return prefill_rows(model, rows, extra_capacity)
 
     return prefill

@@ -29,6 +29,7 @@ import torch
 from diffusers import DiffusionPipeline
 
 from image_ar.llamagen.methods import MethodContext
+from image_ar.llamagen.rope import grid_size_of
 from image_ar.transformers_ar.emu3 import Emu3CachedLM, emu3_layout, emu3_prefill, emu3_special_ids, layout_length
 from image_ar.transformers_ar.janus import JanusCachedLM, janus_prefill, janus_special_ids
 from image_ar.transformers_ar.prompts import Prompts
@@ -59,6 +60,7 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
 
     model_type = ""  # the config.json model_type this pipeline runs
     model_class = ""  # its transformers class name
+    fallback_guidance = 1.0  # the CFG scale when the model's generation_config names none
     _optional_components = ["processor"]
     draft_transformer = None  # no draft model or EAGLE drafter for these models: their methods are not offered
     eagle_drafter = None
@@ -101,6 +103,10 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
     def image_token_ids(self) -> torch.Tensor | None:
         """The ids of image tokens where the vocabulary also holds text (Jacobi's random init draws from them)."""
         return None
+
+    def default_guidance_scale(self) -> float:
+        """The CFG scale a call uses when it gives none: the model's generation_config, else `fallback_guidance`."""
+        return float(getattr(self.model.generation_config, "guidance_scale", None) or self.fallback_guidance)
 
     def check_call(self, prompt: Any, input_ids: Any, class_labels: Any, method: str, output_type: str,
                    num_images_per_prompt: int) -> None:
@@ -149,7 +155,6 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
             check(bool((tokens >= 0).all()), "generation stopped early; no image to decode (use output_type='latent').")
         return finish_generation(self, tokens, lambda: decode(tokens), output_type, return_dict, gen.stats)
 
-
     @torch.no_grad()
     def target_probs(self, prompt: str | list[str], tokens: torch.Tensor, guidance_scale: float | None = None,
                      temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -176,6 +181,7 @@ class JanusPipeline(TransformersImagePipeline):
     `vision_config.num_image_tokens` VQ codes, CFG as its `generate(generation_mode="image")`."""
 
     model_type, model_class = "janus", "JanusForConditionalGeneration"
+    fallback_guidance = 5.0  # what transformers' Janus generate uses without one
 
     def __init__(self, model: Any, processor: Any = None):
         super().__init__(model, processor)
@@ -186,9 +192,7 @@ class JanusPipeline(TransformersImagePipeline):
     def image_token_layout(self) -> tuple[int, int, int]:
         """(image tokens per image, tokens per image row, VQ codes)."""
         n = self.lm.num_image_tokens
-        side = int(round(n ** 0.5))
-        check(side * side == n, f"Janus's num_image_tokens ({n}) is not a square grid.")
-        return n, side, self.lm.vocab_size
+        return n, grid_size_of(n), self.lm.vocab_size
 
     def code_vectors(self, as_decoded: bool = False) -> torch.Tensor:
         """The VQ codebook [V, C] (its quantizer compares raw vectors, so both views are the same)."""
@@ -233,8 +237,7 @@ class JanusPipeline(TransformersImagePipeline):
         or one per image. callback_on_step_end(pipe, step, num_tokens, {"tokens": [N, T]}) after every step.
         """
         self.check_call(prompt, input_ids, class_labels, method, output_type, num_images_per_prompt)
-        if guidance_scale is None:
-            guidance_scale = getattr(self.model.generation_config, "guidance_scale", None) or 5.0
+        guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
         prompts = (self.encode_prompt(prompt, chat_template) if prompt is not None
                    else self.processor_prompts(input_ids, attention_mask)).repeat(num_images_per_prompt)
         gen = self.run_loop(self.lm, prompts, lambda guided: janus_prefill(guided, self.special),
@@ -245,8 +248,7 @@ class JanusPipeline(TransformersImagePipeline):
 
     def scoring_inputs(self, prompts: list[str], guidance_scale: float | None):
         """(prompts, prefill(guided), scale, layout) as a call with these prompts and this scale builds them."""
-        if guidance_scale is None:
-            guidance_scale = getattr(self.model.generation_config, "guidance_scale", None) or 5.0
+        guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
         return self.encode_prompt(prompts), lambda guided: janus_prefill(guided, self.special), guidance_scale, None
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -261,6 +263,7 @@ class Emu3Pipeline(TransformersImagePipeline):
     token, as transformers' documented recipe."""
 
     model_type, model_class = "emu3", "Emu3ForConditionalGeneration"
+    fallback_guidance = 3.0  # the SJD paper's Emu3 setting
 
     def __init__(self, model: Any, processor: Any = None):
         super().__init__(model, processor)
@@ -352,8 +355,7 @@ class Emu3Pipeline(TransformersImagePipeline):
             check(isinstance(height, int) and isinstance(width, int) and height > 0 and width > 0,
                   "input_ids need height and width (the processor's image_sizes, in tokens).")
             prompts, self.grid = self.processor_prompts(input_ids, attention_mask), (height, width)
-        if guidance_scale is None:
-            guidance_scale = getattr(self.model.generation_config, "guidance_scale", None) or 3.0
+        guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
         rows = prompts.input_ids.shape[0]
         negative = None if negative_prompt is None else self.encode_negative(negative_prompt, rows)
         prompts = prompts.repeat(num_images_per_prompt)
@@ -369,8 +371,7 @@ class Emu3Pipeline(TransformersImagePipeline):
         """(prompts, prefill(guided), scale, layout) as a call with these prompts (no negative prompt, the default
         area) and this scale builds them."""
         encoded, self.grid = self.encode_prompt(prompts)
-        if guidance_scale is None:
-            guidance_scale = getattr(self.model.generation_config, "guidance_scale", None) or 3.0
+        guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
         return (encoded, lambda guided: emu3_prefill(guided), guidance_scale,
                 emu3_layout(self.special, *self.grid, self.lm.vocab_size))
 

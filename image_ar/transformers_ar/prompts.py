@@ -1,4 +1,5 @@
-"""Tokenized prompts of the transformers image generators: right-padded ids and mask (`Prompts`), `right_pad`."""
+"""Tokenized prompts of the transformers image generators: right-padded ids and mask (`Prompts`), `right_pad`, and
+`prefill_rows`, the prefill both targets share (their conditional and unconditional rows, each of its own length)."""
 
 from __future__ import annotations
 
@@ -47,3 +48,22 @@ class Prompts:
         """Each prompt `times` times in a row (num_images_per_prompt)."""
         return Prompts(self.input_ids.repeat_interleave(times, dim=0),
                        self.attention_mask.repeat_interleave(times, dim=0))
+
+
+def prefill_rows(model, rows: list[Prompts], extra_capacity: int):
+    """`LMTarget`'s prefill of token prompts: `rows` (the prompts, then with CFG the unconditional rows) stacked
+    right-padded into R rows, embedded by the model's own input embeddings, run causally over a fresh cache with
+    `extra_capacity` more slots, each row's own length committed. `model` is a target with `model` (the transformers
+    model), `new_cache`, `forward_embeds` and `device`. Returns (cache, logits for each row's first new token
+    [R, 1, V])."""
+    width = max(r.input_ids.shape[1] for r in rows)
+    ids = torch.cat([torch.nn.functional.pad(r.input_ids, (0, width - r.input_ids.shape[1])) for r in rows])
+    ids = ids.to(model.device)  # [R, P] right-padded
+    lengths = torch.cat([r.lengths for r in rows]).to(model.device)  # [R]
+    cache = model.new_cache(ids.shape[0], width + extra_capacity)
+    slots = cache.slots(width)  # [R, P] == positions (right padding)
+    logits = model.forward_embeds(model.model.get_input_embeddings()(ids), slots, cache, slots,
+                                  cache.attention_mask(slots))  # [R, P, V]
+    cache.commit_chain(lengths)
+    last = (lengths - 1).view(-1, 1, 1)
+    return cache, logits.gather(1, last.expand(-1, -1, logits.shape[-1]))  # [R, 1, V]

@@ -53,3 +53,16 @@ def pooled_chi_square(pairs: list[list[int]], next_probs) -> tuple[float, int]:
         chi2 += float((((obs - exp) ** 2)[keep] / exp[keep]).sum())
         dof += int(keep.sum()) - 1
     return chi2, dof
+
+
+def assert_fits_law_not_control(pairs: list[list[int]], law, control_temperature: float, min_dof: int = 1,
+                                alpha: float = 1e-3) -> None:
+    """AssertionError unless sampled (first, second) token pairs fit `law(1.0)` (pooled chi-square p > alpha with
+    at least `min_dof` degrees of freedom) and do not fit `law(control_temperature)` (p < alpha): the negative
+    control shows the test could tell. law(temperature) -> next_probs(first) as `pooled_chi_square` takes."""
+    from scipy import stats
+
+    chi2, dof = pooled_chi_square(pairs, law(1.0))
+    assert dof >= min_dof and stats.chi2.sf(chi2, dof) > alpha, (chi2, dof)
+    chi2, dof = pooled_chi_square(pairs, law(control_temperature))
+    assert stats.chi2.sf(chi2, dof) < alpha, ("the negative control passed", chi2, dof)

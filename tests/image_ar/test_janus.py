@@ -89,9 +89,7 @@ def test_sampled_sjd_follows_the_models_own_cfg_law_with_a_negative_control():
     first, fit the CFG-combined softmax of the model's own forward (text model + generation head run by
     transformers over the prompt and the first code, no mmspec cache); the same counts against the law at
     temperature 0.8 must fail."""
-    from scipy import stats as scipy_stats
-
-    from mmspec.testing.distributions import pooled_chi_square
+    from mmspec.testing.distributions import assert_fits_law_not_control
 
     pipe = tiny_janus_pipeline(seed=1)
     pipe.set_progress_bar_config(disable=True)
@@ -118,10 +116,7 @@ def test_sampled_sjd_follows_the_models_own_cfg_law_with_a_negative_control():
             return torch.softmax(logits / temperature, -1).numpy()
         return next_probs
 
-    chi2, dof = pooled_chi_square(pairs, law(1.0))
-    assert dof >= 3 and scipy_stats.chi2.sf(chi2, dof) > 1e-3, (chi2, dof)
-    chi2, dof = pooled_chi_square(pairs, law(0.8))
-    assert scipy_stats.chi2.sf(chi2, dof) < 1e-3, (chi2, dof)
+    assert_fits_law_not_control(pairs, law, 0.8, min_dof=3)
 
 
 def test_a_saved_folder_loads_in_transformers_layout_and_gives_the_same_images(pipe, tmp_path):

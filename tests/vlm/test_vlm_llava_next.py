@@ -98,9 +98,9 @@ def test_sampled_second_token_follows_the_models_own_law_with_a_negative_control
     is the first drafted one, verified by rejection sampling): its counts, grouped by the first token, fit the
     softmax of the model's own forward on the processor's outputs (pooled chi-square); the same counts against the
     law at temperature 0.7 must fail, so the test can tell."""
-    from scipy import stats as scipy_stats
+    from vlm_dummies import appended_token_law
 
-    from mmspec.testing.distributions import pooled_chi_square
+    from mmspec.testing.distributions import assert_fits_law_not_control
 
     vlm = tiny_pipeline(target)
     with torch.no_grad():
@@ -113,17 +113,4 @@ def test_sampled_second_token_follows_the_models_own_law_with_a_negative_control
     pairs = out[:, enc["input_ids"].shape[1]:][:, :2].tolist()
     assert vlm.last_stats.num_drafts > 0
 
-    def law(temperature: float):
-        def next_probs(first: int):
-            one = {k: v[:1] for k, v in enc.items()}
-            one["input_ids"] = torch.cat([one["input_ids"], torch.tensor([[first]])], dim=1)
-            one["attention_mask"] = torch.ones_like(one["input_ids"])
-            with torch.no_grad():
-                logits = vlm.model(**one).logits
-            return torch.softmax(logits[0, -1].double() / temperature, -1).numpy()
-        return next_probs
-
-    chi2, dof = pooled_chi_square(pairs, law(1.0))
-    assert dof >= 1 and scipy_stats.chi2.sf(chi2, dof) > 1e-3, (chi2, dof)
-    chi2, dof = pooled_chi_square(pairs, law(0.7))
-    assert scipy_stats.chi2.sf(chi2, dof) < 1e-3, (chi2, dof)
+    assert_fits_law_not_control(pairs, lambda t: appended_token_law(vlm.model, enc, t), 0.7, min_dof=1)
