@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from mmspec.errors import check
-from vlm.target import CachedVLM, VLMInputs
+from vlm.target import CachedVLM, Grid, VLMInputs
 
 
 class Qwen2VLCachedLM(CachedVLM):
@@ -39,6 +39,13 @@ class Qwen2VLCachedLM(CachedVLM):
         pixels = inputs.pixel_values.to(self.device)
         out = self.model.model.get_image_features(pixel_values=pixels, image_grid_thw=grid.to(self.device))
         return list(getattr(out, "pooler_output", out))
+
+    def image_grids(self, inputs: VLMInputs, embeds: torch.Tensor) -> list[list[Grid]]:
+        """Each image's run is its merged patch grid, row by row: (t * h / merge) x (w / merge) from image_grid_thw."""
+        grid = inputs.extras.get("image_grid_thw")
+        merge = self.model.config.vision_config.spatial_merge_size
+        thw = [] if grid is None else grid.tolist()
+        return [[(0, t * h // merge, w // merge, w // merge)] for t, h, w in thw]
 
     def prompt_positions(self, inputs: VLMInputs, slots: torch.Tensor) -> torch.Tensor:
         """M-RoPE positions [3, B, P] of the right-padded prompts (transformers' `get_rope_index`); keeps each

@@ -1,16 +1,22 @@
 """SpecVLM: EagleVLM with an elastic visual compressor chosen per input by a question-aware gate, trained by online
 logit distillation (from the SpecVLM paper and reference/vlm.md).
 
-The compressor offers five primitives over a row's image run (T = g x g input embeddings, the target's projected
-vision features), each giving a different number of tokens:
+The compressor offers five primitives over a row's image run (T input embeddings, the target's projected vision
+features), each giving a different number of tokens:
 
-| primitive   | tokens      | what it does                                                                      |
-|-------------|-------------|-----------------------------------------------------------------------------------|
-| `prune`     | T / ratio   | keeps the T / ratio tokens of largest L2 norm (token drop), in their order        |
-| `pool`      | T / ratio   | 2D average pooling over the grid (kernel and stride sqrt(ratio))                   |
-| `conv`      | T / ratio   | a learned 2D convolution (kernel and stride sqrt(ratio))                           |
-| `resample`  | 2           | a 1-layer Q-former: 2 learned queries cross-attending to the run (best at 2)       |
-| `text_only` | 0           | drops every vision token                                                          |
+| primitive   | tokens         | what it does                                                                      |
+|-------------|----------------|-----------------------------------------------------------------------------------|
+| `prune`     | ceil(T / r)    | keeps the ceil(T / r) tokens of largest L2 norm (token drop), in their order      |
+| `pool`      | per grid cell  | 2D average pooling over each image grid (kernel and stride sqrt(r))               |
+| `conv`      | per grid cell  | a learned 2D convolution over each image grid (kernel and stride sqrt(r))         |
+| `resample`  | 2              | a 1-layer Q-former: 2 learned queries cross-attending to the run (best at 2)      |
+| `text_only` | 0              | drops every vision token                                                          |
+
+The grids are the run's 2D feature maps, which the target knows (`CachedVLM.image_grids`): one g x g square for
+LLaVA-1.5 and Gemma 3 (T / r tokens after pooling, as the paper's), the merged patch grid of each image for
+Qwen2-VL (sizes vary), the base view and the aspect-unpadded tiles for LLaVA-NeXT / OneVision (their newline tokens
+are in neither grid; prune and resample read them). A grid side that sqrt(r) does not divide ends in a partial
+window: pooling averages the tokens it covers, the convolution sees zeros past the border.
 
 The default "select" variant: a gate reads the target's features of the question (the mean of the final normed
 hidden states over the prompt's text after the image: the target's own view of what is asked) and picks ONE
@@ -37,7 +43,7 @@ from mmspec.errors import check
 from mmspec.feature_drafter import PendingPairs
 from mmspec.loop import DecodeState
 from vlm.eagle import SPECVLM_TREE, VLMEagleDrafter, VLMEagleTreeDrafter
-from vlm.target import VLMInputs
+from vlm.target import Grid, VLMInputs, square_grid
 
 PRIMITIVES = ("prune", "pool", "conv", "resample", "text_only")
 
@@ -64,32 +70,54 @@ class QueryResampler(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(n, -1, h))
 
 
+def grid_tokens(image: torch.Tensor, grid: Grid) -> torch.Tensor:
+    """image [N, T, H] -> the grid's tokens as feature maps [N, H, height, width]."""
+    offset, height, width, stride = grid
+    rows = torch.arange(height, device=image.device).unsqueeze(-1) * stride + offset
+    index = (rows + torch.arange(width, device=image.device)).flatten()  # [height * width]
+    return image[:, index].transpose(1, 2).reshape(image.shape[0], image.shape[2], height, width)
+
+
 class ElasticCompressor(nn.Module):
-    """The five compression primitives (see the module docstring) over image runs [N, T, H], T = grid^2."""
+    """The five compression primitives (see the module docstring) over image runs [N, T, H] that share one layout:
+    `grids`, the rectangles of the run that are 2D feature maps (a square for LLaVA-1.5, the merged patch grid for
+    Qwen2-VL, the base view and the unpadded tiles for LLaVA-NeXT / OneVision, whose newline tokens are in no
+    rectangle). `pool` and `conv` work on each rectangle (windows of sqrt(ratio) a side; a partial window at a
+    border averages the tokens it covers, the convolution sees zeros there); `prune` and `resample` read the whole
+    run. `grid` is the square assumed for a run of grid^2 tokens when no grids are given."""
 
     def __init__(self, hidden_size: int, grid: int, ratio: int = 4, num_queries: int = 2, heads: int = 4) -> None:
         super().__init__()
         side = math.isqrt(ratio)
-        check(side * side == ratio and grid % side == 0,
-              f"ratio {ratio} must be a square whose root divides the {grid}x{grid} image grid.")
-        self.grid, self.ratio, self.side = grid, ratio, side
+        check(side * side == ratio, f"the compression ratio {ratio} must be a square (4, 9, 16, ..).")
+        self.grid, self.ratio, self.side, self.num_queries = grid, ratio, side, num_queries
         self.conv = nn.Conv2d(hidden_size, hidden_size, kernel_size=side, stride=side)
         self.resampler = QueryResampler(hidden_size, num_queries, heads)
-        self.sizes = [grid * grid // ratio] * 3 + [num_queries, 0]  # tokens per primitive
 
-    def sizes_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.sizes)
+    def default_grids(self, num_tokens: int) -> list[Grid]:
+        check(num_tokens == self.grid * self.grid,
+              f"an image run of {num_tokens} tokens is not the {self.grid}x{self.grid} grid this compressor assumes "
+              "without the target's image grids.")
+        return square_grid(self.grid)
 
-    def forward(self, image: torch.Tensor) -> list[torch.Tensor]:
+    def sizes(self, num_tokens: int, grids: list[Grid]) -> list[int]:
+        """Tokens per primitive (PRIMITIVES order) for a run of num_tokens with these grids."""
+        pooled = sum(-(-h // self.side) * -(-w // self.side) for _, h, w, _ in grids)
+        return [-(-num_tokens // self.ratio), pooled, pooled, self.num_queries, 0]
+
+    def forward(self, image: torch.Tensor, grids: list[Grid] | None = None) -> list[torch.Tensor]:
         """image [N, T, H] -> one [N, K_k, H] tensor per primitive (PRIMITIVES order)."""
         n, t, h = image.shape
-        check(t == self.grid * self.grid,
-              f"the compressor was built for {self.grid}x{self.grid} image tokens, got {t}.")
-        keep = image.norm(dim=-1).topk(self.sizes[0], dim=-1).indices.sort(dim=-1).values  # [N, K]
+        grids = self.default_grids(t) if grids is None else grids
+        check(all(0 <= o and o + (hh - 1) * s + w <= t for o, hh, w, s in grids),
+              f"the image grids {grids} do not lie inside the image run of {t} tokens.")
+        keep = image.norm(dim=-1).topk(self.sizes(t, grids)[0], dim=-1).indices.sort(dim=-1).values  # [N, K]
         pruned = image.gather(1, keep.unsqueeze(-1).expand(-1, -1, h))
-        grid = image.transpose(1, 2).reshape(n, h, self.grid, self.grid)  # [N, H, g, g]
-        pooled = F.avg_pool2d(grid, self.side).flatten(2).transpose(1, 2)
-        conv = self.conv(grid).flatten(2).transpose(1, 2)
+        maps = [grid_tokens(image, g) for g in grids]  # [N, H, height, width] each
+        pooled = [F.avg_pool2d(m, self.side, ceil_mode=True).flatten(2) for m in maps]  # [N, H, k] each
+        pad = [(0, -m.shape[3] % self.side, 0, -m.shape[2] % self.side) for m in maps]
+        conv = [self.conv(F.pad(m, p)).flatten(2) for m, p in zip(maps, pad)]
+        pooled, conv = (torch.cat(x, dim=2).transpose(1, 2) if x else image[:, :0] for x in (pooled, conv))
         return [pruned, pooled, conv, self.resampler(image), image[:, :0]]
 
 
@@ -101,7 +129,7 @@ class VLMSpecVLMDrafter(VLMEagleDrafter):
 
     def image_tokens_attended(self, num_image_tokens: int) -> float:
         """The compressed size the gate chose (the last batch's rows averaged)."""
-        return float(self.compressor.sizes_tensor()[self.last_choice].float().mean())
+        return float(self.last_kept.float().mean())
 
     @register_to_config
     def __init__(self, hidden_size: int = 4096, num_attention_heads: int = 32, num_key_value_heads: int | None = None,
@@ -116,15 +144,14 @@ class VLMSpecVLMDrafter(VLMEagleDrafter):
                                   nn.Linear(hidden_size, len(PRIMITIVES)))
         self.gate_temperature = gate_temperature
         self.last_choice: torch.Tensor | None = None  # [R] primitive index per row of the last `begin`
+        self.last_kept: torch.Tensor | None = None  # [R] compressed image tokens per row of the last `begin`
 
     @classmethod
     def for_target(cls, target, **overrides):
-        tokens = getattr(target, "fixed_image_tokens", None)  # LLaVA-1.5, Gemma 3: one run size for every image
-        check(tokens is not None and math.isqrt(tokens) ** 2 == tokens,
-              f"SpecVLM's compressor pools one fixed square image grid (LLaVA's image_seq_length, Gemma 3's "
-              f"mm_tokens_per_image); "
-              f"{type(target.model).__name__} images vary in size: use the eagle, vispec or msd drafter.")
-        return super().for_target(target, **{"image_grid": math.isqrt(tokens), **overrides})
+        square = {}  # LLaVA-1.5, Gemma 3: one square grid for every image (refused here if it is not one)
+        if getattr(target, "fixed_image_tokens", None) is not None:
+            square = {"image_grid": target.fixed_square_grid()[0][1]}
+        return super().for_target(target, **{**square, **overrides})
 
     def choose(self, question_features: torch.Tensor, generator: torch.Generator | None = None,
                train: bool = False) -> torch.Tensor:
@@ -138,14 +165,25 @@ class VLMSpecVLMDrafter(VLMEagleDrafter):
         hard = F.one_hot(soft.argmax(-1), len(PRIMITIVES)).to(soft.dtype)
         return hard - soft.detach() + soft
 
-    def compress(self, image: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """image [N, T, H], choice weights [N, 5] -> (tokens [N, M, H] padded to the largest primitive, counts [N]):
-        the weighted sum of the padded primitive outputs (= the chosen one's, with the gate's gradient)."""
-        outs = self.compressor(image.to(self.fc.weight.dtype))
-        m = max(self.compressor.sizes)
-        padded = torch.stack([F.pad(o, (0, 0, 0, m - o.shape[1])) for o in outs], dim=1)  # [N, 5, M, H]
-        tokens = (weights.to(padded.dtype)[:, :, None, None] * padded).sum(1)  # [N, M, H]
-        return tokens, self.compressor.sizes_tensor().to(image.device)[weights.argmax(-1)]
+    def compress(self, runs: list[torch.Tensor], grids: list[list[Grid] | None],
+                 weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """N image runs [T_n, H] with their grids (None: the default square), choice weights [N, 5] -> (tokens
+        [N, M, H] padded to the largest primitive output, counts [N]): the weighted sum of the padded primitive
+        outputs (= the chosen one's, with the gate's gradient). Runs of one length and grids compress together."""
+        dtype = self.fc.weight.dtype
+        sizes = [self.compressor.sizes(len(r), g or self.compressor.default_grids(len(r))) for r, g in zip(runs, grids)]
+        m = max(max(k) for k in sizes)
+        groups: dict[tuple, list[int]] = {}
+        for n, (run, grid) in enumerate(zip(runs, grids)):
+            groups.setdefault((len(run), None if grid is None else tuple(grid)), []).append(n)
+        tokens = weights.new_zeros(len(runs), m, runs[0].shape[-1], dtype=dtype)  # [N, M, H]
+        for (_, grid), rows in groups.items():
+            outs = self.compressor(torch.stack([runs[n] for n in rows]).to(dtype), None if grid is None else list(grid))
+            padded = torch.stack([F.pad(o, (0, 0, 0, m - o.shape[1])) for o in outs], dim=1)  # [n, 5, M, H]
+            tokens = tokens.index_put((torch.tensor(rows, device=tokens.device),),
+                                      (weights[rows].to(dtype)[:, :, None, None] * padded).sum(1))
+        chosen = weights.argmax(-1).tolist()
+        return tokens, torch.tensor([k[c] for k, c in zip(sizes, chosen)], device=weights.device)
 
 
 def question_features(input_ids: torch.Tensor, features: torch.Tensor, lengths: torch.Tensor,
@@ -159,33 +197,50 @@ def question_features(input_ids: torch.Tensor, features: torch.Tensor, lengths: 
     return (features.float() * weight.unsqueeze(-1)).sum(1)
 
 
+def image_run_bounds(is_image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """is_image [B, L] -> (start [B], run length [B]) of each row's one image run (0, 0 for a text-only row);
+    InputError for a row with two images (SpecVLM compresses one image per prompt)."""
+    cols = torch.arange(is_image.shape[1], device=is_image.device)
+    start = is_image.float().argmax(-1)  # [B]
+    length = is_image.sum(-1)  # [B]
+    last = torch.where(is_image, cols, -1).max(-1).values
+    one_run = (length == 0) | (last - start + 1 == length)
+    check(bool(one_run.all()), "SpecVLM compresses one image per prompt; a prompt holds several: use the eagle, "
+                               "vispec or msd drafter for prompts with several images.")
+    return start, length
+
+
 def specvlm_layout(drafter: VLMSpecVLMDrafter, input_ids: torch.Tensor, embeds: torch.Tensor, features: torch.Tensor,
                    lengths: torch.Tensor, prompt_lengths: torch.Tensor, image_token_id: int, *, train: bool = False,
-                   generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+                   generator: torch.Generator | None = None,
+                   image_grids: list[list[Grid]] | None = None) -> dict[str, torch.Tensor]:
     """The drafter's inputs for sequences [B, L] with one image run each (or none: a text-only row): pairs
     (e_i, f_{i-1}) at positions 1..L-1 with the run [s, e] replaced by the chosen primitive's K_b tokens at positions
     e-K_b+1..e (paired with f_{pos-1}). Rows are right-padded to the longest layout. Returns embeds, features,
     positions, source (the original position of each element: its target is f_source), valid [B, L'], count [B]
     (real elements) and choice [B] (primitive index; text_only for a row without an image). The gate reads the
-    question features of the first prompt_lengths tokens."""
+    question features of the first prompt_lengths tokens. `image_grids`: the 2D grids of each image's run, in row
+    order (the target's `image_grids`); None: every run is the compressor's default square."""
     b, length = input_ids.shape
     h = embeds.shape[-1]
     is_image = input_ids == image_token_id
-    has = is_image.any(-1)  # [B] rows with an image (text-only rows mix in: no run, nothing to compress)
-    run_lengths = is_image.sum(-1)[has]
-    t_img = int(run_lengths[0]) if len(run_lengths) else 0
-    check(bool((run_lengths == t_img).all()),
-          "SpecVLM expects image runs of one length (its compressor's fixed image grid) in every row with an image.")
-    start = is_image.float().argmax(-1)  # [B]
-    end = start + t_img - 1
+    start, run_length = image_run_bounds(is_image)  # [B], [B]
+    has = run_length > 0  # [B] rows with an image (text-only rows mix in: no run, nothing to compress)
+    image_rows = has.nonzero().flatten().tolist()
+    check(image_grids is None or len(image_grids) == len(image_rows),
+          f"{len(image_rows)} prompts hold an image but {len(image_grids or [])} image grids were given.")
+    end = start + run_length - 1
     q = question_features(input_ids, features, prompt_lengths, image_token_id)  # [B, H]
     text_only = F.one_hot(torch.tensor(PRIMITIVES.index("text_only")), len(PRIMITIVES)).to(q)
     weights = torch.where(has.unsqueeze(-1), drafter.choose(q, generator, train), text_only)  # [B, 5]
-    m = max(drafter.compressor.sizes)
-    tokens = embeds.new_zeros(b, m, h)  # [B, M, H]
+    runs = [embeds[r, int(start[r]): int(end[r]) + 1] for r in image_rows]  # each [T_r, H]
     counts = torch.zeros(b, dtype=torch.long, device=input_ids.device)
-    if t_img:  # rows with an image get their run's compressed tokens (autograd flows through the assignment)
-        tokens[has], counts[has] = drafter.compress(embeds[is_image].view(-1, t_img, h), weights[has])
+    if image_rows:  # rows with an image get their run's compressed tokens (autograd flows through the assignment)
+        tokens, kept = drafter.compress(runs, image_grids or [None] * len(runs), weights[has])
+        tokens = embeds.new_zeros(b, tokens.shape[1], h, dtype=tokens.dtype).index_put((has.nonzero()[:, 0],), tokens)
+        counts[has] = kept.to(counts.device)
+    else:
+        tokens = embeds.new_zeros(b, 1, h)  # [B, M, H]
     rows = []
     for r in range(b):
         s, e, k = int(start[r]), int(end[r]), int(counts[r])
@@ -211,7 +266,7 @@ def specvlm_layout(drafter: VLMSpecVLMDrafter, input_ids: torch.Tensor, embeds: 
     pair_features = features.gather(1, (positions - 1).clamp_min(0).unsqueeze(-1).expand(-1, -1, h))
     return {"embeds": pair_embeds, "features": pair_features, "positions": positions.clamp_min(1),
             "source": positions, "valid": valid, "count": count, "choice": weights.argmax(-1),
-            "image_tokens": torch.full((b,), t_img), "kept": counts}
+            "image_tokens": run_length, "kept": counts}
 
 
 class VLMSpecVLMTreeDrafter(VLMEagleTreeDrafter):
@@ -227,8 +282,9 @@ class VLMSpecVLMTreeDrafter(VLMEagleTreeDrafter):
         ids = inputs.input_ids.to(features.device)
         lengths = inputs.lengths.to(features.device)
         with torch.no_grad():
-            layout = specvlm_layout(drafter, ids, embeds, features, lengths, lengths, target.image_token_id)
-        drafter.last_choice = layout["choice"]
+            layout = specvlm_layout(drafter, ids, embeds, features, lengths, lengths, target.image_token_id,
+                                    image_grids=target.image_grids(inputs, embeds))
+        drafter.last_choice, drafter.last_kept = layout["choice"], layout["kept"]
         width = layout["positions"].shape[1]
         cache = drafter.new_cache(b, width + state.max_new_tokens + self.width + self.max_pool)
         self.runner.cache = cache

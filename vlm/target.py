@@ -25,6 +25,7 @@ InputError.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,20 @@ import torch
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check
 from mmspec.hf_cache import check_attention_support, run_text_model
+
+Grid = tuple[int, int, int, int]  # (offset, height, width, row_stride): a rectangle of one image run's tokens
+
+
+def square_grid(side: int) -> list[Grid]:
+    """The grids of a run that is one side x side feature map (LLaVA-1.5's 24 x 24, Gemma 3's 16 x 16)."""
+    return [(0, side, side, side)]
+
+
+def image_run_lengths(input_ids: torch.Tensor, image_token_id: int) -> list[int]:
+    """The length of every run of image tokens in input_ids [B, P], row by row (the images in order)."""
+    is_image = torch.nn.functional.pad(input_ids == image_token_id, (1, 1))  # [B, P + 2]
+    edges = (is_image[:, 1:] != is_image[:, :-1]).nonzero()[:, 1].view(-1, 2)  # [runs, (start, end)]
+    return (edges[:, 1] - edges[:, 0]).tolist()
 
 
 @dataclass
@@ -132,6 +147,21 @@ class CachedVLM:
     def fixed_image_tokens(self) -> int | None:
         """The length of every image's token run when the model fixes it (one grid for all images), else None."""
         return None
+
+    def image_grids(self, inputs: VLMInputs, embeds: torch.Tensor) -> list[list[Grid]]:
+        """The 2D feature maps of every image's run, in order (what SpecVLM's pooling works on); embeds [B, P, H]
+        are the prompt's merged embeddings. By default from the fixed run length (`fixed_square_grid`)."""
+        return [self.fixed_square_grid() for _ in image_run_lengths(inputs.input_ids, self.image_token_id)]
+
+    def fixed_square_grid(self) -> list[Grid]:
+        """The grid of a fixed run: a g x g square, after a class token when the run is g^2 + 1 (LLaVA's "full"
+        feature selection keeps CLIP's CLS first); InputError (one line) otherwise."""
+        tokens = self.fixed_image_tokens or 0
+        side = math.isqrt(tokens)
+        cls = next((c for c in (0, 1) if side > 0 and side * side + c == tokens), None)
+        check(cls is not None, f"SpecVLM pools each image's 2D grid, which mmspec does not know for {self.family} "
+                               f"({tokens or 'varying'} tokens per image): use the eagle, vispec or msd drafter.")
+        return [(cls, side, side, side)]
 
     def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
         w = self.model.lm_head.weight
@@ -238,6 +268,26 @@ class LlavaTiledCachedLM(LlavaCachedLM):
                                               "extras={'image_sizes': ...}).")
         sizes = {k: v.to(self.device) for k, v in inputs.extras.items() if k in ("image_sizes", "batch_num_images")}
         return {**super().feature_inputs(inputs), **sizes}
+
+    def image_grids(self, inputs: VLMInputs, embeds: torch.Tensor) -> list[list[Grid]]:
+        """Each run = the base view (g x g, g = the vision tower's patches a side), then the tiles unpadded to the
+        image's aspect as `rows` lines of `width` tokens, each line ended by the model's image_newline (only a
+        newline after the base view when the image has one view): two grids, the newlines in neither. Read off
+        the merged embeddings, where the newlines sit as the model's packing put them."""
+        vision = self.model.config.vision_config
+        g = vision.image_size // vision.patch_size
+        newline = self.model.model.image_newline.to(embeds.dtype)  # [H]
+        is_image = inputs.input_ids.to(embeds.device) == self.image_token_id  # [B, P]
+        grids = []
+        for run in embeds[is_image].split(image_run_lengths(inputs.input_ids, self.image_token_id)):  # [T, H] each
+            ends = (run[g * g:] == newline).all(-1).nonzero().flatten().tolist()  # newline offsets after the base
+            width = ends[0] if ends else -1
+            rows = len(ends)
+            check(width >= 0 and ends == [r * (width + 1) + width for r in range(rows)]
+                  and len(run) == g * g + rows * (width + 1),
+                  f"an image run of {len(run)} tokens is not a {g}x{g} base view plus newline-ended tile rows.")
+            grids.append(square_grid(g) + ([(g * g, rows, width, width + 1)] if width else []))
+        return grids
 
 
 def cached_vlm(model, attention_backend: str | None = None) -> CachedVLM:

@@ -246,7 +246,8 @@ def specvlm_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise:
 
     features, embeds = lm.last_hidden, lm.prompt_embeds  # [B, T, H]
     layout = specvlm_layout(drafter, inputs.input_ids, embeds, features + noise, inputs.lengths,
-                            batch["prompt_lengths"], lm.image_token_id, train=True, generator=batch["generator"])
+                            batch["prompt_lengths"], lm.image_token_id, train=True, generator=batch["generator"],
+                            image_grids=lm.image_grids(inputs, embeds))
     source, valid = layout["source"].clamp_min(1), layout["valid"]
     h = features.shape[-1]
     targets = features.gather(1, source.unsqueeze(-1).expand(-1, -1, h))  # f_source

@@ -11,7 +11,6 @@ import torch
 import transformers as tf
 
 from mmspec.data import load_world_tokenizer
-from mmspec.errors import InputError
 from vlm.family import drafter_model
 from vlm.pipeline import SpeculativeVLM
 
@@ -86,10 +85,44 @@ def test_greedy_answers_equal_transformers_generate_on_images_of_three_sizes(tar
     assert spec.token_ids == reference and spec.stats.num_drafts > 0
 
 
-def test_specvlm_refuses_a_tiled_target_in_one_line():
-    with pytest.raises(InputError, match="fixed square image grid") as err:
-        drafter_model("specvlm").for_target(tiny_pipeline("llava_next").lm)
-    assert "\n" not in str(err.value)
+@pytest.mark.parametrize("target", ["llava_next", "llava_onevision"])
+def test_image_grids_are_the_base_view_and_the_unpadded_tiles(target):
+    """SpecVLM pools an image's base view (4 x 4 patches) and its tiles unpadded to the aspect, whose shape
+    transformers' own `get_anyres_image_grid_shape` and `unpad_image` give; each tile line ends in a newline."""
+    from transformers.models.llava_next.modeling_llava_next import get_anyres_image_grid_shape, unpad_image
+
+    from vlm.target import prefill_vlm
+
+    vlm = tiny_pipeline(target)
+    inputs = vlm.encode(images_of_three_sizes(), PROMPTS)
+    prefill_vlm(vlm.lm, inputs, 1)
+    expected = []
+    for h, w in inputs.extras["image_sizes"].tolist():
+        tiles_h, tiles_w = get_anyres_image_grid_shape((h, w), PINPOINTS, 32)
+        rows, width = unpad_image(torch.zeros(1, tiles_h * 4, tiles_w * 4), torch.tensor([h, w])).shape[1:]
+        expected.append([(0, 4, 4, 4), (16, rows, width, width + 1)])
+    assert vlm.lm.image_grids(inputs, vlm.lm.prompt_embeds) == expected
+    assert len({g[1][1:3] for g in expected}) == 3  # three tile shapes
+
+
+@pytest.mark.parametrize("target,primitive", [("llava_next", "pool"), ("llava_next", "conv"),
+                                              ("llava_onevision", "prune"), ("llava_onevision", "pool")])
+def test_greedy_specvlm_equals_transformers_generate_on_images_of_three_sizes(target, primitive):
+    """SpecVLM on tiled images: the gate forced to one primitive, which compresses each run along its own grids."""
+    from vlm.specvlm import PRIMITIVES
+
+    vlm = tiny_pipeline(target)
+    images = images_of_three_sizes()
+    reference = transformers_answers(vlm, images, PROMPTS)
+    torch.manual_seed(1)
+    vlm.drafter = drafter_model("specvlm").for_target(vlm.lm).eval()
+    with torch.no_grad():
+        vlm.drafter.gate[-1].bias[PRIMITIVES.index(primitive)] = 50.0
+    spec = vlm.generate(images, PROMPTS, max_new_tokens=8, tree=(3, 3, 8), budget="fixed")
+    assert spec.token_ids == reference and spec.stats.num_drafts > 0
+    assert vlm.drafter.last_choice.tolist() == [PRIMITIVES.index(primitive)] * 3
+    if primitive in ("pool", "conv"):  # base 2 x 2 + tiles ceil(rows / 2) x ceil(width / 2), 2 x 2 windows
+        assert vlm.drafter.last_kept.tolist() == [4 + 4, 4 + 8, 4 + 12]
 
 
 @pytest.mark.parametrize("target", ["llava_next", "llava_onevision"])
@@ -114,3 +147,21 @@ def test_sampled_second_token_follows_the_models_own_law_with_a_negative_control
     assert vlm.last_stats.num_drafts > 0
 
     assert_fits_law_not_control(pairs, lambda t: appended_token_law(vlm.model, enc, t), 0.7, min_dof=1)
+
+
+def test_train_a_specvlm_drafter_for_a_llava_next_folder(tmp_path):
+    """`mmspec train vlm-drafter --kind specvlm` on a saved tiny LLaVA-NeXT with its processor: world images become
+    tiled runs, the compressor pools their grids in training; the drafter saves, loads and keeps answers exact."""
+    import json
+
+    from mmspec.cli import main
+
+    vlm, folder = tiny_pipeline("llava_next"), tmp_path / "next"
+    vlm.model.save_pretrained(folder)
+    vlm.processor.save_pretrained(folder)
+    assert main(["train", "vlm-drafter", "--target", str(folder), "--work-dir", str(tmp_path / "work"), "--kind",
+                 "specvlm", "--steps", "12", "--num-train", "12", "--answer-max-tokens", "8", "--batch-size", "4",
+                 "--eval-prompts", "3", "--quiet"]) == 0
+    info = json.loads((folder / "drafters" / "specvlm" / "training.json").read_text())
+    assert info["eval"]["greedy_equal_to_vanilla"] is True
+    assert SpeculativeVLM.from_pretrained(folder, drafter="specvlm").drafter is not None

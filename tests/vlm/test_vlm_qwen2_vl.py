@@ -166,12 +166,30 @@ def test_tree_verification_equals_the_forward_of_each_path():
                 torch.testing.assert_close(logits[b, node], ref, atol=1e-5, rtol=1e-5)
 
 
-def test_specvlm_refuses_a_target_without_a_fixed_image_grid_in_one_line():
-    from mmspec.errors import InputError
+@pytest.mark.parametrize("primitive", ["prune", "pool", "conv", "resample"])
+def test_greedy_specvlm_equals_transformers_generate_on_images_of_three_sizes(primitive):
+    """SpecVLM pools each image on its own merged patch grid (from image_grid_thw), the gate forced to one
+    primitive; a text-only row rides along."""
+    from vlm.specvlm import PRIMITIVES
 
-    with pytest.raises(InputError, match="fixed square image grid.*use the eagle, vispec or msd drafter") as err:
-        drafter_model("specvlm").for_target(cached_vlm(tiny_qwen_vl()))
-    assert "\n" not in str(err.value)
+    model = tiny_qwen_vl()
+    rows, grids = [ROWS[0], [40, 41, 42, 43, 44], ROWS[1], ROWS[2]], [GRIDS[0], None, GRIDS[1], GRIDS[2]]
+    inputs = qwen_inputs(rows, grids)
+    reference = transformers_greedy(model, inputs, 10)
+    lm = cached_vlm(model)
+    merge = model.config.vision_config.spatial_merge_size
+    assert lm.image_grids(inputs, None) == [[(0, h // merge, w // merge, w // merge)] for h, w in GRIDS]
+    torch.manual_seed(1)
+    drafter = drafter_model("specvlm").for_target(lm).eval()
+    with torch.no_grad():
+        drafter.gate[-1].bias[PRIMITIVES.index(primitive)] = 50.0
+    spec = greedy_runs(lm, drafter, inputs, 10)[1]
+    assert [t.tolist() for t in spec.tokens] == reference
+    kept = drafter.last_kept.tolist()
+    assert kept[1] == 0 and drafter.last_choice[0] == PRIMITIVES.index(primitive)
+    if primitive in ("pool", "conv"):
+        sides = [(-(-h // merge // 2), -(-w // merge // 2)) for h, w in GRIDS]  # 2 x 2 windows, partial at borders
+        assert [kept[0], kept[2], kept[3]] == [a * b for a, b in sides]
 
 
 def test_speculative_vlm_loads_a_qwen2_vl_folder_and_equals_transformers_generate(tmp_path):

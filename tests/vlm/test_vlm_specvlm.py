@@ -8,7 +8,7 @@ import torch
 from vlm_dummies import IMAGE_TOKEN, batch, greedy_vanilla_and_tree, prompt, tiny_llava
 
 from vlm.specvlm import PRIMITIVES, VLMSpecVLMDrafter, VLMSpecVLMTreeDrafter, specvlm_layout
-from vlm.target import LlavaCachedLM, prefill_vlm
+from vlm.target import LlavaCachedLM, prefill_vlm, square_grid
 
 ROWS = [prompt([7, 8, 20], [9], 16), prompt([12], [13, 30, 31, 32], 16), prompt([], [5], 16)]
 
@@ -26,6 +26,40 @@ def test_primitives_shapes_and_pooling():
     torch.testing.assert_close(outs[1][:, 0], grid[:, :2, :2].mean((1, 2)))  # pool: top-left 2x2 block
     kept = image.norm(dim=-1).topk(4).indices.sort().values
     torch.testing.assert_close(outs[0], image.gather(1, kept.unsqueeze(-1).expand(-1, -1, 32)))
+
+
+def test_pooling_on_rectangles_with_partial_windows_and_row_strides():
+    """A 3 x 5 grid whose lines are followed by a newline token (stride 6), after a 2 x 2 square: pool averages each
+    2 x 2 window over the tokens it covers (a border window covers fewer), conv sees zeros past the border, and
+    neither reads the newline tokens; prune keeps ceil(T / 4) tokens."""
+    compressor = drafter_for(tiny_llava()).compressor
+    image = torch.randn(2, 4 + 18, 32)  # [N, T, H]
+    grids = [(0, 2, 2, 2), (4, 3, 5, 6)]
+    outs = compressor(image, grids)
+    assert [o.shape[1] for o in outs] == [6, 1 + 2 * 3, 1 + 2 * 3, 2, 0]
+    assert compressor.sizes(22, grids) == [o.shape[1] for o in outs]
+    tiles = image[:, 4:].view(2, 3, 6, 32)[:, :, :5]  # [N, 3, 5, H] without the newline column
+    torch.testing.assert_close(outs[1][:, 0], image[:, :4].mean(1))
+    torch.testing.assert_close(outs[1][:, 1], tiles[:, :2, :2].mean((1, 2)))
+    torch.testing.assert_close(outs[1][:, 3], tiles[:, :2, 4].mean(1))  # right border: one column
+    torch.testing.assert_close(outs[1][:, 6], tiles[:, 2, 4])  # corner: one token
+    conv = compressor.conv
+    corner = torch.einsum("nh,oh->no", tiles[:, 2, 4], conv.weight[:, :, 0, 0]) + conv.bias
+    torch.testing.assert_close(outs[2][:, 6], corner, atol=1e-5, rtol=1e-5)
+    image[:, 4 + 5::6] = 1e6  # the newline tokens do not enter pool or conv
+    assert torch.equal(compressor(image, grids)[1], outs[1]) and torch.equal(compressor(image, grids)[2], outs[2])
+
+
+def test_runs_of_different_lengths_compress_as_each_alone():
+    drafter = drafter_for(tiny_llava())
+    runs = [torch.randn(16, 32), torch.randn(6, 32), torch.randn(16, 32)]
+    grids = [None, [(0, 2, 3, 3)], None]
+    weights = torch.nn.functional.one_hot(torch.tensor([1, 2, 0]), len(PRIMITIVES)).float()
+    tokens, counts = drafter.compress(runs, grids, weights)
+    assert counts.tolist() == [4, 2, 4]
+    for n in range(3):
+        alone, count = drafter.compress(runs[n: n + 1], grids[n: n + 1], weights[n: n + 1])
+        torch.testing.assert_close(tokens[n, :count], alone[0, :count])
 
 
 def test_gate_is_hard_and_trainable():
@@ -52,7 +86,7 @@ def test_layout_positions_for_every_primitive(choice):
     prefill_vlm(lm, inputs, 1)
     layout = specvlm_layout(drafter, inputs.input_ids, lm.prompt_embeds, lm.last_hidden, inputs.lengths,
                             inputs.lengths, IMAGE_TOKEN)
-    k = drafter.compressor.sizes[choice]
+    k = drafter.compressor.sizes(16, square_grid(4))[choice]
     for r, row in enumerate(ROWS[:2]):
         s = row.index(IMAGE_TOKEN)
         e = s + 15
@@ -74,3 +108,41 @@ def test_greedy_specvlm_equals_greedy_vanilla(choice):
     vanilla, spec = greedy_vanilla_and_tree(lm, VLMSpecVLMTreeDrafter, drafter, ROWS, pixels)
     assert torch.equal(spec.tokens, vanilla.tokens)
     assert drafter.last_choice.tolist() == [choice] * 3
+
+
+def test_a_prompt_with_two_images_is_refused_in_one_line():
+    from mmspec.errors import InputError
+
+    lm = LlavaCachedLM(tiny_llava())
+    two = prompt([7], [9], 16) + [IMAGE_TOKEN] * 16 + [5]
+    inputs = batch([two, ROWS[1]], torch.rand(3, 3, 32, 32))
+    prefill_vlm(lm, inputs, 1)
+    with pytest.raises(InputError, match="one image per prompt") as err:
+        specvlm_layout(drafter_for(lm.model), inputs.input_ids, lm.prompt_embeds, lm.last_hidden, inputs.lengths,
+                       inputs.lengths, IMAGE_TOKEN)
+    assert "\n" not in str(err.value)
+
+
+def test_full_feature_selection_pools_the_grid_after_the_class_token():
+    """LLaVA with vision_feature_select_strategy="full": 17 tokens per image, CLIP's class token first, then the
+    4 x 4 grid that pool and conv work on; greedy SpecVLM with pooling == greedy vanilla."""
+    model = tiny_llava("full", seed=5)
+    lm = LlavaCachedLM(model)
+    assert lm.fixed_square_grid() == [(1, 4, 4, 4)]
+    torch.manual_seed(0)
+    drafter = VLMSpecVLMDrafter.for_target(lm)
+    with torch.no_grad():
+        drafter.gate[-1].bias[PRIMITIVES.index("pool")] = 50.0
+    rows = [prompt([7, 8, 20], [9], 17), prompt([12], [13, 30, 31, 32], 17)]
+    vanilla, spec = greedy_vanilla_and_tree(lm, VLMSpecVLMTreeDrafter, drafter, rows, torch.rand(2, 3, 32, 32))
+    assert torch.equal(spec.tokens, vanilla.tokens) and drafter.last_kept.tolist() == [4, 4]
+
+
+def test_a_fixed_run_that_is_no_grid_is_refused_in_one_line():
+    from mmspec.errors import InputError
+
+    lm = LlavaCachedLM(tiny_llava())
+    lm.model.config.image_seq_length = 15
+    with pytest.raises(InputError, match="use the eagle, vispec or msd drafter") as err:
+        VLMSpecVLMDrafter.for_target(lm)
+    assert "\n" not in str(err.value)

@@ -242,7 +242,7 @@ def test_feature_noise_follows_eagles_length_scaling():
     assert 0.09 < fixed.abs().max() <= 0.1
 
 
-@pytest.mark.parametrize("kind", ["eagle", "vispec"])
+@pytest.mark.parametrize("kind", ["eagle", "vispec", "specvlm"])
 def test_train_a_drafter_for_a_qwen2_vl_target(tmp_path, kind):
     """`mmspec train vlm-drafter` on a (tiny, untrained) Qwen2-VL folder: world prompts get Qwen2-VL's image
     marker, image batches carry image_grid_thw; the drafter trains, saves, loads and keeps greedy answers exact."""
