@@ -158,3 +158,22 @@ def test_gemma3_stays_exact_past_its_sliding_window():
     assert vlm.generate(imgs, PROMPTS, max_new_tokens=8, tree=(3, 2, 6), budget="fixed").token_ids == want
     vlm.drafter, vlm.lm.window = None, None
     assert vlm.generate(imgs, PROMPTS, max_new_tokens=8).token_ids != want
+
+
+def test_train_a_specvlm_drafter_for_a_gemma3_folder(vlm, tmp_path):
+    """`mmspec train vlm-drafter --kind specvlm` on a saved tiny Gemma 3: world prompts get its image marker, the
+    compressor pools its 2 x 2 grid; the drafter saves, loads and keeps answers exact."""
+    import json
+
+    from mmspec.cli import main
+
+    vlm.model.save_pretrained(tmp_path / "g3")
+    vlm.processor.save_pretrained(tmp_path / "g3")
+    config = json.loads((tmp_path / "g3" / "tokenizer_config.json").read_text())
+    (tmp_path / "g3" / "tokenizer_config.json").write_text(json.dumps({**config, "extra_special_tokens": SPECIAL}))
+    assert main(["train", "vlm-drafter", "--target", str(tmp_path / "g3"), "--work-dir", str(tmp_path / "work"),
+                 "--kind", "specvlm", "--steps", "12", "--num-train", "12", "--answer-max-tokens", "8",
+                 "--batch-size", "4", "--eval-prompts", "3", "--quiet"]) == 0
+    info = json.loads((tmp_path / "g3" / "drafters" / "specvlm" / "training.json").read_text())
+    assert info["eval"]["greedy_equal_to_vanilla"] is True
+    assert SpeculativeVLM.from_pretrained(tmp_path / "g3", drafter="specvlm").drafter is not None
