@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from mmspec.errors import InputError, check, check_positive_int
-from mmspec.lm import CandidatePool, GuidedRunner, PendingTokens
+from mmspec.lm import CandidatePool, GuidedRunner, PendingTokens, TokenLayout
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams, process_logits
 from mmspec.tree import DraftTree, expand_eagle2, pool_size
@@ -190,6 +190,9 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
         self.width = self.pending_width()  # pending pairs: an accepted path + the final token, plain steps' pairs
         self.runner = GuidedRunner(model, guidance_scale)
         self.pending: PendingPairs | None = None
+        # the target's TokenLayout, for drafters whose cache slot j holds generated token j (image drafters): the
+        # children of a node at slot s are generated token s + 1 and are ranked among the tokens allowed there
+        self.layout: TokenLayout | None = None
 
     @property
     def max_draft_nodes(self) -> int:
@@ -218,8 +221,11 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
                              f"{None if h is None else list(h.shape)}; run it with the pipeline's own target.")
         return h
 
-    def log_probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """CFG-combined drafter logits [..., V] -> log-probs used to rank children [..., V]."""
+    def log_probs(self, logits: torch.Tensor, child_index: torch.Tensor) -> torch.Tensor:
+        """CFG-combined drafter logits [B, F, V] of children at generated-token index child_index [B] -> log-probs
+        used to rank them [B, F, V] (the target's layout first, when it has one)."""
+        if self.layout is not None:
+            logits = self.layout.constrain(logits, child_index.unsqueeze(-1).expand(logits.shape[:2]))
         if self.child_ranking == "processed" and not self.params.greedy:
             logits = process_logits(logits, self.params.temperature, self.params.top_k, self.params.top_p)
         return torch.log_softmax(logits.float(), dim=-1)
@@ -247,14 +253,14 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
 
         def score(tokens: torch.Tensor, ids: torch.Tensor, parent_ids: torch.Tensor, depth: int) -> torch.Tensor:
             if depth == 0:
-                return self.log_probs(root_logits).unsqueeze(1)  # [B, 1, V]
+                return self.log_probs(root_logits.unsqueeze(1), root_slot + 1)  # [B, 1, V]
             mask = pool.mask(ids, parent_ids)  # [B, F, T]
             features = gather_nodes(pool_features, runner.rows(parent_ids))  # [R, F, dim] the parents' outputs
             positions = (root_slot + self._offset(0) + depth).unsqueeze(-1).expand_as(ids)  # [B, F]
             out = runner.forward(tokens, positions, pool.slots(ids), mask=mask, features=features)  # [B, F, V]
             index = runner.rows(ids).unsqueeze(-1).expand(-1, -1, pool_features.shape[-1])  # [R, F, dim]
             pool_features.scatter_(1, index, model.last_hidden)
-            return self.log_probs(out)
+            return self.log_probs(out, root_slot + 1 + depth)
 
         return expand_eagle2(state.last_token, score, top_k=self.top_k, depth=self.depth, total_tokens=self.total)
 

@@ -10,6 +10,7 @@ written by a transformers version with another parameter layout would otherwise 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -61,3 +62,21 @@ def load_transformers_folder(folder: str | Path, model_class: Any, processor_cla
         hf_logging.enable_progress_bar()
     check_weights_loaded(loading, type(model).__name__, folder)
     return model, processor
+
+
+def folder_fingerprint(folder: str | Path) -> str:
+    """A short fingerprint of a model folder's weights and config (names, sizes, and the first and last MiB of
+    every weight file), so data cached for one model (a trainer's answers or samples) is never reused for another.
+    Cheap for multi-GB folders."""
+    digest = hashlib.sha256()
+    folder = Path(folder)
+    for path in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) + [folder / "config.json"]:
+        if not path.is_file():
+            continue
+        size = path.stat().st_size
+        digest.update(f"{path.name}:{size}".encode())
+        with open(path, "rb") as f:
+            digest.update(f.read(1 << 20))
+            f.seek(max(0, size - (1 << 20)))
+            digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:12]

@@ -180,3 +180,35 @@ def recon_card_line(what: str, figures: dict, vocab_size: int) -> str:
     return (f"- {what} reconstructions of {figures['n']} held-out images: MSE {figures['mse']:.5f}, judge accuracy "
             f"{figures['judge_accuracy_recon']:.3f} (real images: {figures['judge_accuracy_real']:.3f}), world-FID vs "
             f"the originals {figures['world_fid_recon']:.3f}, {figures['codes_used']} of {vocab_size} codes used.")
+
+
+# ------------------------------------------------------------------------------- resumable drafter training
+def resume_training(path: Path, settings: str, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                    generator: torch.Generator, force: bool) -> tuple[int, float, list]:
+    """(first step, seconds so far, loss history) of a run: 0, 0.0, [] unless `path` holds a checkpoint of a run
+    with the same `settings` (restored into model, optimiser and generator); another run's is an InputError."""
+    if not path.is_file() or force:
+        return 0, 0.0, []
+    state = torch.load(path, weights_only=True)
+    check(state["settings"] == settings, f"{path} was made with other options ({state['settings']}, now "
+                                         f"{settings}); rerun with those, or pass --force to start over.")
+    model.load_state_dict(state["drafter"])
+    opt.load_state_dict(state["optimizer"])
+    generator.set_state(state["generator"])
+    return state["step"], state["seconds"], state["history"]
+
+
+def record_training_step(path: Path, every: int, step: int, total: int, losses: tuple, bar, settings: str,
+                         model: torch.nn.Module, opt: torch.optim.Optimizer, generator: torch.Generator,
+                         seconds: float, history: list) -> None:
+    """Append a step's (feature loss, soft CE, top-1 agreement) to history, show them every 25 steps, and save the
+    resumable state atomically every `every` steps (not after the last)."""
+    vloss, ploss, agree = (float(x) for x in losses)
+    history.append([vloss, ploss, agree])
+    if step % 25 == 0:
+        bar.set_postfix(vloss=f"{vloss:.4f}", ploss=f"{ploss:.3f}", top1=f"{agree:.3f}")
+    if every and (step + 1) % every == 0 and step + 1 < total:
+        torch.save({"drafter": model.state_dict(), "optimizer": opt.state_dict(), "generator": generator.get_state(),
+                    "step": step + 1, "settings": settings, "seconds": seconds, "history": history},
+                   path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)

@@ -31,7 +31,6 @@ Stages (a rerun skips finished ones unless --force):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import time
@@ -45,8 +44,9 @@ from tqdm.auto import tqdm
 from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
 from mmspec.errors import check, check_positive_int
 from mmspec.feature_drafter import distribution_l1_loss, feature_drafter_loss, feature_smoothl1
+from mmspec.hf_loading import folder_fingerprint as target_fingerprint
 from mmspec.model_card import with_metadata
-from mmspec.world_training import card_head, optimizer_step, write_info
+from mmspec.world_training import card_head, optimizer_step, record_training_step, resume_training, write_info
 from vlm.family import DRAFTER_KINDS, drafter_model
 from vlm.msd import msd_visual_probability
 from vlm.pipeline import SpeculativeVLM
@@ -120,23 +120,6 @@ def target_answers(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int, quie
         ids[i, : len(r)] = torch.tensor(r)
     return {"ids": ids, "lengths": torch.tensor([len(r) for r in rows]), "prompt_lengths": torch.tensor(prompt_lengths),
             "images": torch.stack([ex.image for ex in examples])}
-
-
-def target_fingerprint(folder: str | os.PathLike) -> str:
-    """A short fingerprint of the target's weights and config (names, sizes, and the first and last MiB of every
-    weight file), so an answer cache made by one target is never reused for another. Cheap for multi-GB folders."""
-    digest = hashlib.sha256()
-    folder = Path(folder)
-    for path in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.bin")) + [folder / "config.json"]:
-        if not path.is_file():
-            continue
-        size = path.stat().st_size
-        digest.update(f"{path.name}:{size}".encode())
-        with open(path, "rb") as f:
-            digest.update(f.read(1 << 20))
-            f.seek(max(0, size - (1 << 20)))
-            digest.update(f.read(1 << 20))
-    return digest.hexdigest()[:12]
 
 
 def answer_source(args: argparse.Namespace) -> str:
@@ -286,16 +269,7 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
     settings = json.dumps({name: getattr(args, name) for name in (
         "kind", "num_train", "answer_max_tokens", "steps", "batch_size", "lr", "noise", "p_weight",
         "text_only_fraction", "input_norm", "noise_scaling", "answers", "seed")}, sort_keys=True)
-    first, seconds, history = 0, 0.0, []
-    if state_path.is_file() and not args.force:
-        state = torch.load(state_path, weights_only=True)
-        check(state["settings"] == settings,
-              f"{state_path} was made with other options ({state['settings']}, now {settings}); rerun with those, "
-              "or pass --force to start over.")
-        drafter.load_state_dict(state["drafter"])
-        opt.load_state_dict(state["optimizer"])
-        gen.set_state(state["generator"])
-        first, seconds, history = state["step"], state["seconds"], state["history"]
+    first, seconds, history = resume_training(state_path, settings, drafter, opt, gen, args.force)
     start = time.perf_counter() - seconds
     bar = tqdm(range(first, args.steps), desc=f"{args.kind} drafter", initial=first, total=args.steps,
                disable=args.quiet)
@@ -310,17 +284,11 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
         with torch.no_grad():
             prefill_vlm(lm, inputs, extra_capacity=1)  # lm.last_hidden, lm.prompt_embeds [B, T, H]
         noise = feature_noise(lm.last_hidden, inputs.lengths, args.noise, args.noise_scaling, gen)
-        loss, vloss, ploss, agree = loss_fn(drafter, lm, inputs, loss_mask, noise, args.p_weight, stage,
-                                            prompt_lengths=data["prompt_lengths"][rows], generator=gen)
+        loss, *losses = loss_fn(drafter, lm, inputs, loss_mask, noise, args.p_weight, stage,
+                                prompt_lengths=data["prompt_lengths"][rows], generator=gen)
         optimizer_step(opt, loss, step, args.steps, args.lr, max_grad_norm=0.5)
-        history.append([float(vloss), float(ploss), float(agree)])
-        if step % 25 == 0:
-            bar.set_postfix(vloss=f"{vloss:.4f}", ploss=f"{ploss:.3f}", top1=f"{agree:.3f}")
-        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
-            torch.save({"drafter": drafter.state_dict(), "optimizer": opt.state_dict(), "generator": gen.get_state(),
-                        "step": step + 1, "settings": settings, "seconds": time.perf_counter() - start,
-                        "history": history}, state_path.with_suffix(".tmp"))
-            os.replace(state_path.with_suffix(".tmp"), state_path)
+        record_training_step(state_path, args.checkpoint_every, step, args.steps, losses, bar, settings, drafter, opt,
+                             gen, time.perf_counter() - start, history)
     last = torch.tensor(history[-50:]).mean(0).tolist() if history else [float("nan")] * 3
     info = {"kind": args.kind, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
             "noise": args.noise, "noise_scaling": args.noise_scaling, "p_weight": args.p_weight,

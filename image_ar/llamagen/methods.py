@@ -23,7 +23,7 @@ from image_ar.llamagen.eagle import EagleTreeDrafter
 from mmspec.errors import InputError, check, check_positive_int
 from mmspec.families import parameters_of
 from mmspec.jacobi import JacobiDrafter, check_init, check_interval
-from mmspec.lm import DRAFT_ROOM, PrefillFn
+from mmspec.lm import DRAFT_ROOM, PrefillFn, TokenLayout
 from mmspec.sampling import SamplingParams
 from mmspec.verify import AcceptanceRule, GSDRule, LanternRule
 
@@ -71,6 +71,7 @@ class MethodContext:
     prefill_fn: PrefillFn  # runs the condition for a model: (model, labels/embeddings, extra) -> (cache, logits)
     generator: torch.Generator | list[torch.Generator] | None
     batch_size: int
+    layout: TokenLayout | None = None  # the tokens each generated-token index allows (Emu3), None = all
 
     def rule_name(self) -> str:
         return self.params.lossless_rule
@@ -167,4 +168,7 @@ def eagle_tree_drafter(ctx: MethodContext, method: str, **tree: Any) -> EagleTre
     model = getattr(ctx.pipeline, "eagle_drafter", None)
     if model is None:
         raise InputError(f"method {method!r} needs a pipeline with an eagle_drafter component; {TRAIN_HINT}.")
+    own = getattr(ctx.pipeline, "eagle_tree_drafter", None)  # a pipeline whose target is not LlamaGen's GPT
+    if own is not None:
+        return own(ctx.params, ctx.guidance_scale, layout=ctx.layout, **tree)
     return EagleTreeDrafter(model, ctx.pipeline.transformer, ctx.params, guidance_scale=ctx.guidance_scale, **tree)

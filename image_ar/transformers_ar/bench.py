@@ -89,6 +89,14 @@ def calibration(family: str):
     return figures
 
 
+def runnable_methods(record, model: str | None) -> list[str]:
+    """The family's methods a model folder can run: eagle and lantern only with its trained drafter."""
+    from image_ar.transformers_ar.pipeline import DRAFTER_METHODS, EAGLE_FOLDER
+
+    has_drafter = model is not None and (Path(model) / EAGLE_FOLDER / "config.json").is_file()
+    return [m for m in record.methods if has_drafter or m not in DRAFTER_METHODS]
+
+
 def transformers_image_family(family: str) -> Family:
     record = RECORDS[family][0]
 
@@ -98,4 +106,5 @@ def transformers_image_family(family: str) -> Family:
     return Family(name=family, model_id=lambda s: str(_options(s, family)["model"]), build=build,
                   inputs=prompt_inputs(family), methods=methods_of(record, _runner(family), budget=True),
                   quality=quality, primary_quality=None, to_turn=lambda o: o["tokens"].tolist(),
+                  default_methods=lambda s: runnable_methods(record, _options(s, family)["model"]),
                   model_quality=calibration(family), description=record.description)

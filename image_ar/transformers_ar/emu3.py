@@ -98,6 +98,7 @@ class Emu3CachedLM:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = cfg.vocab_size
         self.last_hidden: torch.Tensor | None = None
+        self.prompt_lengths: torch.Tensor | None = None  # [R] each row's prompt length in the last prefill
 
     @property
     def device(self) -> torch.device:
@@ -121,12 +122,19 @@ class Emu3CachedLM:
                        mask: torch.Tensor) -> torch.Tensor:
         """Input embeddings x [B, S, H] at positions [B, S]; K/V at slots; mask [B, S, T] -> logits [B, S, V]."""
         self.last_hidden = run_text_model(self.text, x, positions, cache, slots, mask, self.backend)  # [B, S, H]
-        return self.model.lm_head(self.last_hidden).float()
+        return self.head(self.last_hidden)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [B, S] -> the model's input embeddings [B, S, H]."""
+        return self.model.get_input_embeddings()(tokens.to(self.device))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Post-norm hidden states [..., H] -> logits over the whole vocabulary [..., V] float32 (the LM head)."""
+        return self.model.lm_head(hidden.to(self.model.lm_head.weight.dtype)).float()
 
     def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.forward_embeds(self.model.get_input_embeddings()(tokens.to(self.device)), positions, cache,
-                                   slots, mask)
+        return self.forward_embeds(self.embed_tokens(tokens), positions, cache, slots, mask)
 
 
 def last_tokens(prompts: Prompts) -> Prompts:

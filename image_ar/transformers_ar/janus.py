@@ -83,6 +83,7 @@ class JanusCachedLM:
         self.vocab_size = model.config.vq_config.num_embeddings
         self.num_image_tokens = model.model.vision_model.config.num_image_tokens  # what generate reads
         self.last_hidden: torch.Tensor | None = None
+        self.prompt_lengths: torch.Tensor | None = None  # [R] each row's prompt length in the last prefill
 
     @property
     def device(self) -> torch.device:
@@ -116,13 +117,21 @@ class JanusCachedLM:
         """Input embeddings x [B, S, H] at positions [B, S]; K/V at slots [B, S]; mask [B, S, T] -> logits over
         the VQ codes [B, S, V] float32."""
         self.last_hidden = run_text_model(self.text, x, positions, cache, slots, mask, self.backend)  # [B, S, H]
-        return self.model.model.generation_head(self.last_hidden).float()
+        return self.head(self.last_hidden)
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Codes [B, S] -> what the text model reads for them [B, S, H]: generation_aligner(generation_embeddings)."""
+        return self.model.prepare_embeddings_for_image_generation(tokens.to(self.device))
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Post-norm hidden states [..., H] -> logits over the VQ codes [..., V] float32 (the generation head)."""
+        head = self.model.model.generation_head
+        return head(hidden.to(head.vision_head.weight.dtype)).float()
 
     def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Codes, positions, slots [B, S]; mask [B, S, T] -> logits [B, S, V]."""
-        x = self.model.prepare_embeddings_for_image_generation(tokens.to(self.device))  # [B, S, H]
-        return self.forward_embeds(x, positions, cache, slots, mask)
+        return self.forward_embeds(self.embed_tokens(tokens), positions, cache, slots, mask)
 
 
 def unconditional_ids(input_ids: torch.Tensor, special: JanusSpecialIds) -> torch.Tensor:

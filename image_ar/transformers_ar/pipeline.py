@@ -44,6 +44,8 @@ from mmspec.pipeline_io import check_generators, check_output_type, finish_gener
 from mmspec.sampling import SamplingParams
 
 METHODS = ("vanilla", "sjd", "gsd")  # the shared method records that need no drafter trained for the model
+DRAFTER_METHODS = ("eagle", "lantern")  # and those that run the model's EAGLE drafter (FOLDER/drafters/eagle)
+EAGLE_FOLDER = Path("drafters") / "eagle"  # where `mmspec train image-ar-drafter` writes it inside a model folder
 
 
 def check_prompt_list(prompt: Any, name: str = "prompt") -> list[str]:
@@ -62,12 +64,12 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
     model_class = ""  # its transformers class name
     fallback_guidance = 1.0  # the CFG scale when the model's generation_config names none
     _optional_components = ["processor"]
-    draft_transformer = None  # no draft model or EAGLE drafter for these models: their methods are not offered
-    eagle_drafter = None
+    draft_transformer = None  # no small draft model for these models: its methods are not offered
 
-    def __init__(self, model: Any, processor: Any = None):
+    def __init__(self, model: Any, processor: Any = None, eagle_drafter: Any = None):
         super().__init__()
         self.register_modules(model=model, processor=processor)
+        self.eagle_drafter = eagle_drafter  # an `ImageAREagleDrafter` trained for this model (methods eagle, lantern)
         self.lantern_tables: dict[int, torch.Tensor] = {}
         self.budgets: dict = {}
 
@@ -88,7 +90,30 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
         model, processor = load_transformers_folder(folder, getattr(transformers, cls.model_class),
                                                     transformers.AutoProcessor, attn_implementation="sdpa")
         model = model.eval().to(device) if dtype is None else model.eval().to(device=device, dtype=dtype)
-        return cls(model, processor)
+        pipe = cls(model, processor)
+        if (Path(folder) / EAGLE_FOLDER / "config.json").is_file():
+            pipe.load_eagle_drafter(Path(folder) / EAGLE_FOLDER)
+        return pipe
+
+    def load_eagle_drafter(self, path: str | Path) -> Any:
+        """Load an EAGLE drafter folder (`save_pretrained` of `ImageAREagleDrafter`) for this model and keep it as
+        `eagle_drafter`; InputError (one line) when it was trained for another model."""
+        from image_ar.transformers_ar.eagle import ImageAREagleDrafter
+
+        weight = next(self.model.parameters())
+        drafter = ImageAREagleDrafter.from_pretrained(str(path)).eval().placed_like(weight)
+        self.eagle_drafter = drafter.attach(self.lm)
+        return self.eagle_drafter
+
+    def eagle_tree_drafter(self, params: SamplingParams, guidance_scale: float | None,
+                           layout: TokenLayout | None = None, **tree: Any) -> Any:
+        """The loop's EAGLE-2 tree drafter of `eagle_drafter` (`MethodContext` builds it for methods eagle,
+        lantern), ranking children among the tokens the target's layout allows."""
+        from image_ar.transformers_ar.eagle import ImageAREagleTreeDrafter
+
+        drafter = ImageAREagleTreeDrafter(self.eagle_drafter, self.lm, params, guidance_scale=guidance_scale, **tree)
+        drafter.layout = layout
+        return drafter
 
     def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> None:
         """Write the model and processor in transformers' own layout (what `from_pretrained` and transformers read)."""
@@ -115,8 +140,12 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
         if prompt is not None:
             check_prompt_list(prompt)
         check((prompt is None) != (input_ids is None), "pass prompt or input_ids (with attention_mask), one of them.")
-        check(method in METHODS, f"{type(self).__name__} runs the methods {', '.join(METHODS)} (the others need a "
-                                 f"drafter trained for the model), got {method!r}.")
+        offered = METHODS + (DRAFTER_METHODS if self.eagle_drafter is not None else ())
+        check(method in offered or method in DRAFTER_METHODS,
+              f"{type(self).__name__} runs the methods {', '.join(METHODS + DRAFTER_METHODS)}, got {method!r}.")
+        check(method in offered, f"method {method!r} needs an EAGLE drafter trained for this model: run `mmspec "
+                                 f"train image-ar-drafter --model FOLDER` (it writes FOLDER/{EAGLE_FOLDER.as_posix()}"
+                                 "), or pass eagle_drafter= to the pipeline.")
         check_output_type(output_type)
         check(isinstance(num_images_per_prompt, int) and num_images_per_prompt >= 1,
               f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}.")
@@ -140,7 +169,7 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
         check_generators(generator, batch)
         user_step = self.step_callback(callback, callback_inputs, num_tokens)
         guided = guidance_scale != 1.0
-        ctx = MethodContext(self, params, guidance_scale if guided else None, prefill(guided), generator, batch)
+        ctx = MethodContext(self, params, guidance_scale if guided else None, prefill(guided), generator, batch, layout)
         drafter, rule = FAMILY.get_method(method).build(ctx, method_kwargs, type(self).__name__)
         target = LMTarget(lm, params, max_new_tokens=num_tokens, max_draft_nodes=DRAFT_ROOM,
                           guidance_scale=ctx.guidance_scale, prefill_fn=ctx.prefill_fn, layout=layout)
@@ -183,8 +212,8 @@ class JanusPipeline(TransformersImagePipeline):
     model_type, model_class = "janus", "JanusForConditionalGeneration"
     fallback_guidance = 5.0  # what transformers' Janus generate uses without one
 
-    def __init__(self, model: Any, processor: Any = None):
-        super().__init__(model, processor)
+    def __init__(self, model: Any, processor: Any = None, eagle_drafter: Any = None):
+        super().__init__(model, processor, eagle_drafter)
         self.lm = JanusCachedLM(model)
         self.special = janus_special_ids(model, getattr(processor, "tokenizer", None))
 
@@ -265,8 +294,8 @@ class Emu3Pipeline(TransformersImagePipeline):
     model_type, model_class = "emu3", "Emu3ForConditionalGeneration"
     fallback_guidance = 3.0  # the SJD paper's Emu3 setting
 
-    def __init__(self, model: Any, processor: Any = None):
-        super().__init__(model, processor)
+    def __init__(self, model: Any, processor: Any = None, eagle_drafter: Any = None):
+        super().__init__(model, processor, eagle_drafter)
         check(processor is not None, "an Emu3 pipeline needs the model's Emu3Processor (its tokenizer names the "
                                      "layout tokens).")
         self.lm = Emu3CachedLM(model)

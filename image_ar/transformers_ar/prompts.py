@@ -55,11 +55,12 @@ def prefill_rows(model, rows: list[Prompts], extra_capacity: int):
     right-padded into R rows, embedded by the model's own input embeddings, run causally over a fresh cache with
     `extra_capacity` more slots, each row's own length committed. `model` is a target with `model` (the transformers
     model), `new_cache`, `forward_embeds` and `device`. Returns (cache, logits for each row's first new token
-    [R, 1, V])."""
+    [R, 1, V]); the model keeps `prompt_lengths` [R] and `last_hidden` [R, P, H] for feature drafters."""
     width = max(r.input_ids.shape[1] for r in rows)
     ids = torch.cat([torch.nn.functional.pad(r.input_ids, (0, width - r.input_ids.shape[1])) for r in rows])
     ids = ids.to(model.device)  # [R, P] right-padded
     lengths = torch.cat([r.lengths for r in rows]).to(model.device)  # [R]
+    model.prompt_lengths = lengths  # feature drafters start from each row's last prompt feature
     cache = model.new_cache(ids.shape[0], width + extra_capacity)
     slots = cache.slots(width)  # [R, P] == positions (right padding)
     logits = model.forward_embeds(model.model.get_input_embeddings()(ids), slots, cache, slots,

@@ -135,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         except ImportError as err:
             raise InputError(f"--import {module!r} failed: {err}") from err
     family = get_family(args.family)
-    configs = parse_method_list(args.methods, family)
+    configs = parse_method_list(args.methods, family, settings)
     command = canonical_command(args, ",".join(c.label for c in configs), batch_sizes, device)
     written: dict = {}  # the latest summary; files are rewritten (atomically) after every batch size
 

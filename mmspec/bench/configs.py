@@ -66,10 +66,13 @@ def parse_config(text: str, family: Family) -> MethodConfig:
     return MethodConfig(label=label, method=name, params={**defaults, **given}, given=given)
 
 
-def parse_method_list(methods: str | Sequence[str] | None, family: Family) -> list[MethodConfig]:
-    """Configurations in the given order (all of the family's methods when None), vanilla first."""
+def parse_method_list(methods: str | Sequence[str] | None, family: Family,
+                      settings: Any = None) -> list[MethodConfig]:
+    """Configurations in the given order (when None: the family's `default_methods(settings)`, else all of its
+    methods), vanilla first."""
     if methods is None:
-        items = list(family.methods)
+        own = family.default_methods
+        items = list(own(settings)) if own is not None and settings is not None else list(family.methods)
     elif isinstance(methods, str):
         items = [m for m in methods.split(",") if m.strip()]
     else:

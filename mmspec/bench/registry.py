@@ -107,7 +107,8 @@ class Family:
     `primary_quality` names the quality figure used as the x axis of the speed-up vs quality plot.
     `model_quality(models, samples, outputs, settings)`, optional, adds figures that need the models and the
     inputs (e.g. how closely the outputs follow the target's distribution given their prompts,
-    `mmspec.metrics.calibration`); like `quality` it runs untimed.
+    `mmspec.metrics.calibration`); like `quality` it runs untimed. `default_methods(settings)`, optional, names
+    the methods a run compares when it names none (e.g. only those the chosen model has a drafter for).
     """
 
     name: str
@@ -120,6 +121,8 @@ class Family:
     to_turn: Callable[[Any], Any] | None = None
     description: str = ""
     model_quality: ModelQualityFn | None = None
+    # the methods a run without --methods compares (default: all): those the chosen model can run
+    default_methods: Callable[[BenchSettings], list[str]] | None = None
 
     def resolved_model_id(self, settings: BenchSettings) -> str:
         return self.model_id(settings) if callable(self.model_id) else self.model_id

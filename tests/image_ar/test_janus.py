@@ -84,18 +84,23 @@ def test_method_tables_come_from_the_models_own_codebook_and_embeddings(pipe):
     assert lantern.neighbours.shape[0] == 64 and set(lantern.neighbours[3, :5].tolist()) == set(nearest[3].tolist())
 
 
-def test_sampled_sjd_follows_the_models_own_cfg_law_with_a_negative_control():
-    """600 images of one prompt at temperature 1 with SJD (window 4, fixed): the first two codes, grouped by the
-    first, fit the CFG-combined softmax of the model's own forward (text model + generation head run by
-    transformers over the prompt and the first code, no mmspec cache); the same counts against the law at
-    temperature 0.8 must fail."""
+@pytest.mark.parametrize("method, kwargs", [("sjd", {"window": 4}), ("eagle", {"depth": 2, "top_k": 4,
+                                                                                "total_tokens": 8})])
+def test_sampled_methods_follow_the_models_own_cfg_law_with_a_negative_control(method, kwargs):
+    """600 images of one prompt at temperature 1 with SJD (window 4) or EAGLE trees (an untrained drafter: its
+    drafts are still verified losslessly), fixed budgets: the first two codes, grouped by the first, fit the
+    CFG-combined softmax of the model's own forward (text model + generation head run by transformers over the
+    prompt and the first code, no mmspec cache); the same counts against the law at temperature 0.8 must fail."""
+    from image_ar.transformers_ar.eagle import ImageAREagleDrafter
     from mmspec.testing.distributions import assert_fits_law_not_control
 
     pipe = tiny_janus_pipeline(seed=1)
     pipe.set_progress_bar_config(disable=True)
+    torch.manual_seed(0)
+    pipe.eagle_drafter = ImageAREagleDrafter.for_target(pipe.lm)
     n, scale = 600, 3.0
-    out = pipe(PROMPTS[0], num_images_per_prompt=n, guidance_scale=scale, method="sjd",
-               method_kwargs={"window": 4}, budget="fixed", output_type="latent",
+    out = pipe(PROMPTS[0], num_images_per_prompt=n, guidance_scale=scale, method=method,
+               method_kwargs=kwargs, budget="fixed", output_type="latent",
                generator=torch.Generator().manual_seed(0))
     assert out.stats.num_accepted_tokens > 0
     pairs = out.tokens[:, :2].tolist()
@@ -143,7 +148,9 @@ def test_mmspec_generate_runs_a_janus_folder(pipe, tmp_path):
 @pytest.mark.parametrize("call, match", [
     (dict(class_labels=[1]), "text-conditional"),
     (dict(prompt=3), "prompt must be a string"),
-    (dict(prompt="x", method="eagle"), "runs the methods vanilla, sjd, gsd"),
+    (dict(prompt="x", method="eagle"), "needs an EAGLE drafter trained for this model: run `mmspec train "
+                                       "image-ar-drafter"),
+    (dict(prompt="x", method="medusa"), "runs the methods vanilla, sjd, gsd, eagle, lantern"),
     (dict(prompt="x", method="sjd", method_kwargs={"depth": 3}), "takes"),
 ])
 def test_bad_calls_are_one_line_errors(pipe, call, match):

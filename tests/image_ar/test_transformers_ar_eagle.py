@@ -1,0 +1,77 @@
+"""EAGLE drafters for transformers' AR image generators (issue 26): `mmspec train image-ar-drafter` on tiny random
+Janus and Emu3 folders (the target's own samples, LANTERN's loss) writes MODEL/drafters/eagle with a card; the
+pipelines load it, and greedy eagle / lantern trees == greedy vanilla on ragged prompts with CFG, in fewer target
+forwards; Emu3's drafts are ranked among the tokens its layout allows. A drafter made for another model is refused
+in one line. (Sampled EAGLE trees follow Janus's own CFG law: tests/image_ar/test_janus.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from image_ar.transformers_ar.pipeline import Emu3Pipeline, JanusPipeline
+from image_ar.transformers_ar.tiny import tiny_emu3_pipeline, tiny_janus_pipeline
+from mmspec.cli import main
+from mmspec.errors import InputError
+
+PROMPTS = ["a red circle", "two small blue squares on a green background", "a cross"]  # ragged once tokenized
+TINY = {"janus": (tiny_janus_pipeline, JanusPipeline, "100"), "emu3": (tiny_emu3_pipeline, Emu3Pipeline, "600")}
+
+
+@pytest.fixture(scope="module", params=["janus", "emu3"])
+def trained(request, tmp_path_factory):
+    """(family, model folder) with a drafter trained by the CLI."""
+    make, _, steps = TINY[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    make().save_pretrained(folder)
+    assert main(["train", "image-ar-drafter", "--model", str(folder), "--work-dir", str(folder / "work"),
+                 "--num-train", "32", "--steps", steps, "--batch-size", "8", "--eval-prompts", "4", "--quiet",
+                 "--threads", "2"]) == 0
+    return request.param, folder
+
+
+def test_training_writes_a_drafter_that_drafts_and_stays_exact(trained):
+    family, folder = trained
+    out = folder / "drafters" / "eagle"
+    info = json.loads((out / "training.json").read_text())
+    assert info["drafter"]["final_top1_agreement"] > info["drafter"]["first_top1_agreement"] + 0.2
+    assert info["eval"]["greedy_equal_to_vanilla"] is True
+    assert info["eval"]["mean_acceptance_length"] > 1.5 and info["eval"]["step_compression"] > 1.3
+    card = (out / "README.md").read_text()
+    assert "mmspec train image-ar-drafter --model" in card and "mean acceptance length" in card
+
+
+@pytest.mark.parametrize("method", ["eagle", "lantern"])
+def test_greedy_trees_equal_greedy_vanilla_with_cfg_in_fewer_forwards(trained, method):
+    family, folder = trained
+    pipe = TINY[family][1].from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    assert pipe.eagle_drafter is not None
+    vanilla = pipe(PROMPTS, temperature=0.0, output_type="latent")
+    out = pipe(PROMPTS, temperature=0.0, method=method, budget="fixed", output_type="latent")
+    assert torch.equal(out.tokens, vanilla.tokens)
+    assert out.stats.num_target_forwards < vanilla.stats.num_target_forwards
+
+
+@pytest.mark.parametrize("trained", ["emu3"], indirect=True)
+def test_emu3_drafts_are_ranked_among_the_tokens_its_layout_allows(trained):
+    folder = trained[1]
+    pipe = Emu3Pipeline.from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    with_layout = pipe(PROMPTS, temperature=0.0, method="eagle", budget="fixed", output_type="latent")
+    own = pipe.eagle_tree_drafter  # the same drafter ranking over the whole vocabulary
+    pipe.eagle_tree_drafter = lambda params, scale, layout=None, **tree: own(params, scale, None, **tree)
+    without = pipe(PROMPTS, temperature=0.0, method="eagle", budget="fixed", output_type="latent")
+    assert torch.equal(without.tokens, with_layout.tokens)  # lossless either way
+    assert with_layout.stats.mean_acceptance_length > without.stats.mean_acceptance_length + 0.5
+
+
+def test_a_drafter_for_another_model_is_refused_in_one_line(trained, tmp_path):
+    family, folder = trained
+    other = "emu3" if family == "janus" else "janus"
+    pipe = TINY[other][0]()
+    with pytest.raises(InputError, match="made for another target") as err:
+        pipe.load_eagle_drafter(folder / "drafters" / "eagle")
+    assert "\n" not in str(err.value)
