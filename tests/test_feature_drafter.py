@@ -73,13 +73,27 @@ def test_child_ranking(ranking):
     temperature and top-k, so a node's cumulative score changes with them."""
     drafter = FeatureTreeDrafter.__new__(FeatureTreeDrafter)
     drafter.params, drafter.child_ranking = SamplingParams(temperature=0.5, top_k=2), ranking
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    got = drafter.log_probs(logits)
+    drafter.layout = None
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]]])  # [B, F, V]
+    got = drafter.log_probs(logits, torch.tensor([0]))
     raw = torch.log_softmax(logits, -1)
     if ranking == "raw":
         assert torch.allclose(got, raw)
     else:
-        assert torch.isinf(got[0, 2:]).all() and not torch.allclose(got[0, :2], raw[0, :2])
+        assert torch.isinf(got[0, 0, 2:]).all() and not torch.allclose(got[0, 0, :2], raw[0, 0, :2])
+
+
+def test_children_are_ranked_among_the_tokens_the_layout_allows_at_their_index():
+    from mmspec.lm import TokenLayout
+
+    drafter = FeatureTreeDrafter.__new__(FeatureTreeDrafter)
+    drafter.params, drafter.child_ranking = SamplingParams(temperature=0.0), "raw"
+    allowed = torch.tensor([[True, True, False, False], [False, False, True, True]])
+    drafter.layout = TokenLayout(kinds=torch.tensor([0, 1, 0]), allowed=allowed)  # index 1 allows tokens 2, 3
+    logits = torch.tensor([[[2.0, 1.0, 0.0, -1.0]], [[2.0, 1.0, 0.0, -1.0]]])  # [B=2, F=1, V]
+    got = drafter.log_probs(logits, torch.tensor([1, 2]))  # row 0's children are index 1, row 1's index 2
+    assert torch.isinf(got[0, 0, :2]).all() and got[0, 0, 2:].exp().sum().item() == pytest.approx(1.0)
+    assert torch.isinf(got[1, 0, 2:]).all() and got[1, 0, :2].exp().sum().item() == pytest.approx(1.0)
 
 
 def test_unknown_child_ranking_is_refused():
