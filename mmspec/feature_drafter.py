@@ -177,7 +177,7 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
 
     def __init__(self, model, target, params: SamplingParams, *, top_k: int, depth: int, total_tokens: int,
                  position_offset: int | torch.Tensor, guidance_scale: float | torch.Tensor | None = None,
-                 child_ranking: str = "raw"):
+                 child_ranking: str = "raw", layout: TokenLayout | None = None):
         check(child_ranking in CHILD_RANKINGS, f"child_ranking must be one of {', '.join(CHILD_RANKINGS)}, got "
                                                f"{child_ranking!r}.")
         self.child_ranking = child_ranking
@@ -192,7 +192,7 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
         self.pending: PendingPairs | None = None
         # the target's TokenLayout, for drafters whose cache slot j holds generated token j (image drafters): the
         # children of a node at slot s are generated token s + 1 and are ranked among the tokens allowed there
-        self.layout: TokenLayout | None = None
+        self.layout = layout
 
     @property
     def max_draft_nodes(self) -> int:

@@ -171,14 +171,15 @@ class VLMSpecVLMDrafter(VLMEagleDrafter):
         [N, M, H] padded to the largest primitive output, counts [N]): the weighted sum of the padded primitive
         outputs (= the chosen one's, with the gate's gradient). Runs of one length and grids compress together."""
         dtype = self.fc.weight.dtype
-        sizes = [self.compressor.sizes(len(r), g or self.compressor.default_grids(len(r))) for r, g in zip(runs, grids)]
+        grids = [g or self.compressor.default_grids(len(r)) for r, g in zip(runs, grids)]
+        sizes = [self.compressor.sizes(len(r), g) for r, g in zip(runs, grids)]
         m = max(max(k) for k in sizes)
         groups: dict[tuple, list[int]] = {}
         for n, (run, grid) in enumerate(zip(runs, grids)):
-            groups.setdefault((len(run), None if grid is None else tuple(grid)), []).append(n)
+            groups.setdefault((len(run), tuple(grid)), []).append(n)
         tokens = weights.new_zeros(len(runs), m, runs[0].shape[-1], dtype=dtype)  # [N, M, H]
         for (_, grid), rows in groups.items():
-            outs = self.compressor(torch.stack([runs[n] for n in rows]).to(dtype), None if grid is None else list(grid))
+            outs = self.compressor(torch.stack([runs[n] for n in rows]).to(dtype), list(grid))
             padded = torch.stack([F.pad(o, (0, 0, 0, m - o.shape[1])) for o in outs], dim=1)  # [n, 5, M, H]
             tokens = tokens.index_put((torch.tensor(rows, device=tokens.device),),
                                       (weights[rows].to(dtype)[:, :, None, None] * padded).sum(1))
@@ -226,7 +227,8 @@ def specvlm_layout(drafter: VLMSpecVLMDrafter, input_ids: torch.Tensor, embeds: 
     is_image = input_ids == image_token_id
     start, run_length = image_run_bounds(is_image)  # [B], [B]
     has = run_length > 0  # [B] rows with an image (text-only rows mix in: no run, nothing to compress)
-    image_rows = has.nonzero().flatten().tolist()
+    image_index = has.nonzero()[:, 0]  # [N]
+    image_rows = image_index.tolist()
     check(image_grids is None or len(image_grids) == len(image_rows),
           f"{len(image_rows)} prompts hold an image but {len(image_grids or [])} image grids were given.")
     end = start + run_length - 1
@@ -237,7 +239,7 @@ def specvlm_layout(drafter: VLMSpecVLMDrafter, input_ids: torch.Tensor, embeds: 
     counts = torch.zeros(b, dtype=torch.long, device=input_ids.device)
     if image_rows:  # rows with an image get their run's compressed tokens (autograd flows through the assignment)
         tokens, kept = drafter.compress(runs, image_grids or [None] * len(runs), weights[has])
-        tokens = embeds.new_zeros(b, tokens.shape[1], h, dtype=tokens.dtype).index_put((has.nonzero()[:, 0],), tokens)
+        tokens = embeds.new_zeros(b, tokens.shape[1], h, dtype=tokens.dtype).index_put((image_index,), tokens)
         counts[has] = kept.to(counts.device)
     else:
         tokens = embeds.new_zeros(b, 1, h)  # [B, M, H]

@@ -8,7 +8,8 @@ Stages (a rerun skips finished ones unless --force):
    up to --answer-max-tokens tokens): drafters learn the target's own outputs, as ViSpec and SpecVLM prescribe
    (a drafter trained on reference texts drafts what the target would not say); `--answers dataset` (MSD's
    default) takes the world's own long answers instead. Cached in --work-dir under a
-   fingerprint of the target's weights (`target_fingerprint`), so another target never reuses them.
+   fingerprint of the target's weights (`mmspec.hf_loading.folder_fingerprint`), so another target never reuses
+   them.
 2. `drafter`: each step runs the frozen target over a batch of (prompt + answer) sequences
    (`vlm.target.prefill_vlm`: merged input embeddings e and final normed features f) and trains the drafter on
    the pairs (e_{i+1}, f_i + noise) to predict f_{i+1} on the positions that draft answer tokens. `--kind eagle`
@@ -44,7 +45,7 @@ from tqdm.auto import tqdm
 from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
 from mmspec.errors import check, check_positive_int
 from mmspec.feature_drafter import distribution_l1_loss, feature_drafter_loss, feature_smoothl1
-from mmspec.hf_loading import folder_fingerprint as target_fingerprint
+from mmspec.hf_loading import folder_fingerprint
 from mmspec.model_card import with_metadata
 from mmspec.world_training import card_head, optimizer_step, record_training_step, resume_training, write_info
 from vlm.family import DRAFTER_KINDS, drafter_model
@@ -131,7 +132,7 @@ def answer_cache(vlm: SpeculativeVLM, args: argparse.Namespace, work: Path) -> d
     """The training answers (`answer_source`), made once per (target, options) and kept in `work`."""
     source = answer_source(args)
     prefix = "answers" if source == "target" else "dataset-answers"
-    path = work / (f"{prefix}-{target_fingerprint(args.target)}-{args.num_train}-seed{args.seed}"
+    path = work / (f"{prefix}-{folder_fingerprint(args.target)}-{args.num_train}-seed{args.seed}"
                    f"-max{args.answer_max_tokens}.pt")
     if path.is_file() and not args.force:
         return torch.load(path, weights_only=True)
@@ -253,7 +254,7 @@ KIND_TEXT = {"eagle": "EagleVLM feature drafter (one Llama decoder layer over [i
 
 def drafter_state_path(args: argparse.Namespace, work: Path) -> Path:
     """Where the resumable training state of this kind of drafter for this target lives."""
-    return work / f"{args.kind}-{target_fingerprint(args.target)}-state.pt"
+    return work / f"{args.kind}-{folder_fingerprint(args.target)}-state.pt"
 
 
 def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, work: Path) -> tuple[Any, dict]:

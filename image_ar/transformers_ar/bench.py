@@ -91,10 +91,10 @@ def calibration(family: str):
 
 def runnable_methods(record, model: str | None) -> list[str]:
     """The family's methods a model folder can run: eagle and lantern only with its trained drafter."""
-    from image_ar.transformers_ar.pipeline import DRAFTER_METHODS, EAGLE_FOLDER
+    from image_ar.transformers_ar.pipeline import DRAFTER_METHODS, has_eagle_drafter
 
-    has_drafter = model is not None and (Path(model) / EAGLE_FOLDER / "config.json").is_file()
-    return [m for m in record.methods if has_drafter or m not in DRAFTER_METHODS]
+    drafter = has_eagle_drafter(model)
+    return [m for m in record.methods if drafter or m not in DRAFTER_METHODS]
 
 
 def transformers_image_family(family: str) -> Family:

@@ -30,6 +30,7 @@ import torch
 from mmspec.errors import check
 from mmspec.feature_drafter import FeatureTreeDrafter, PendingPairs
 from mmspec.llama_drafter import LlamaFeatureDrafter, llama_drafter_config
+from mmspec.lm import TokenLayout
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams
 
@@ -64,14 +65,15 @@ class ImageAREagleDrafter(LlamaFeatureDrafter):
 class ImageAREagleTreeDrafter(FeatureTreeDrafter):
     """EAGLE-2 dynamic trees from an `ImageAREagleDrafter` (drafter element j at position j + 1). `begin` starts
     each row (both CFG halves) from its own last prompt feature; children are ranked after the target's sampling
-    settings (LANTERN, `child_ranking="processed"`, as the LlamaGen family) unless child_ranking="raw"."""
+    settings (LANTERN, `child_ranking="processed"`, as the LlamaGen family) unless child_ranking="raw", among the
+    tokens the target's `layout` allows at their index when it has one (Emu3)."""
 
     def __init__(self, drafter: ImageAREagleDrafter, lm: Any, params: SamplingParams, *,
                  top_k: int = DEFAULT_TREE["top_k"], depth: int = DEFAULT_TREE["depth"],
                  total_tokens: int = DEFAULT_TREE["total_tokens"], guidance_scale: float | torch.Tensor | None = None,
-                 child_ranking: str = "processed"):
+                 child_ranking: str = "processed", layout: TokenLayout | None = None):
         super().__init__(drafter.attach(lm), lm, params, top_k=top_k, depth=depth, total_tokens=total_tokens,
-                         position_offset=1, guidance_scale=guidance_scale, child_ranking=child_ranking)
+                         position_offset=1, guidance_scale=guidance_scale, child_ranking=child_ranking, layout=layout)
         self.drafter = drafter
 
     def begin(self, inputs: Any, state: DecodeState) -> None:

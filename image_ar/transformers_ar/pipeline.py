@@ -48,6 +48,11 @@ DRAFTER_METHODS = ("eagle", "lantern")  # and those that run the model's EAGLE d
 EAGLE_FOLDER = Path("drafters") / "eagle"  # where `mmspec train image-ar-drafter` writes it inside a model folder
 
 
+def has_eagle_drafter(folder: str | Path | None) -> bool:
+    """Whether a model folder holds a trained EAGLE drafter (FOLDER/drafters/eagle)."""
+    return folder is not None and (Path(folder) / EAGLE_FOLDER / "config.json").is_file()
+
+
 def check_prompt_list(prompt: Any, name: str = "prompt") -> list[str]:
     """One string or a non-empty list of strings -> the list (InputError otherwise: these models are text-to-image)."""
     ok = isinstance(prompt, str) or (isinstance(prompt, (list, tuple)) and len(prompt) > 0
@@ -91,7 +96,7 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
                                                     transformers.AutoProcessor, attn_implementation="sdpa")
         model = model.eval().to(device) if dtype is None else model.eval().to(device=device, dtype=dtype)
         pipe = cls(model, processor)
-        if (Path(folder) / EAGLE_FOLDER / "config.json").is_file():
+        if has_eagle_drafter(folder):
             pipe.load_eagle_drafter(Path(folder) / EAGLE_FOLDER)
         return pipe
 
@@ -111,9 +116,8 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
         lantern), ranking children among the tokens the target's layout allows."""
         from image_ar.transformers_ar.eagle import ImageAREagleTreeDrafter
 
-        drafter = ImageAREagleTreeDrafter(self.eagle_drafter, self.lm, params, guidance_scale=guidance_scale, **tree)
-        drafter.layout = layout
-        return drafter
+        return ImageAREagleTreeDrafter(self.eagle_drafter, self.lm, params, guidance_scale=guidance_scale,
+                                       layout=layout, **tree)
 
     def save_pretrained(self, save_directory: str | Path, **kwargs: Any) -> None:
         """Write the model and processor in transformers' own layout (what `from_pretrained` and transformers read)."""
@@ -140,12 +144,11 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
         if prompt is not None:
             check_prompt_list(prompt)
         check((prompt is None) != (input_ids is None), "pass prompt or input_ids (with attention_mask), one of them.")
-        offered = METHODS + (DRAFTER_METHODS if self.eagle_drafter is not None else ())
-        check(method in offered or method in DRAFTER_METHODS,
+        check(method in METHODS + DRAFTER_METHODS,
               f"{type(self).__name__} runs the methods {', '.join(METHODS + DRAFTER_METHODS)}, got {method!r}.")
-        check(method in offered, f"method {method!r} needs an EAGLE drafter trained for this model: run `mmspec "
-                                 f"train image-ar-drafter --model FOLDER` (it writes FOLDER/{EAGLE_FOLDER.as_posix()}"
-                                 "), or pass eagle_drafter= to the pipeline.")
+        check(method in METHODS or self.eagle_drafter is not None,
+              f"method {method!r} needs an EAGLE drafter trained for this model: run `mmspec train image-ar-drafter "
+              f"--model FOLDER` (it writes FOLDER/{EAGLE_FOLDER.as_posix()}), or pass eagle_drafter= to the pipeline.")
         check_output_type(output_type)
         check(isinstance(num_images_per_prompt, int) and num_images_per_prompt >= 1,
               f"num_images_per_prompt must be an integer >= 1, got {num_images_per_prompt!r}.")

@@ -6,7 +6,7 @@ Stages (a rerun skips finished ones unless --force):
 1. `data`: the target's own samples: --num-train prompts (a text file, one prompt a line, cycled; default the
    world's train captions) each generated once by the target alone at its default CFG scale and sampling
    (`--data-temperature`, `--data-top-k`), as LANTERN trains on the target's outputs. Cached in --work-dir under a
-   fingerprint of the model's weights (`mmspec.hf_loading.folder_fingerprint`).
+   fingerprint of the model's weights (`mmspec.hf_loading.folder_fingerprint`) and of the prompts.
 2. `drafter`: each step teacher-forces the frozen target on a batch (its CFG rows too: the drafter drafts both
    halves) and reads its final normed features f_0..f_{T-1} (f_j predicts image token j) and logits; the drafter
    sees the pairs (tok_j, f_j + noise), j < T - 1, and learns f_{j+1}:
@@ -27,6 +27,7 @@ where the pipelines' `from_pretrained` finds it.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import time
@@ -95,12 +96,12 @@ def family_top_k(pipe: TransformersImagePipeline) -> int:
 def sample_data(pipe: TransformersImagePipeline, args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """The target's own samples of --num-train prompts: {"prompts": [N], "tokens": [N, T]}, cached in work."""
     top_k = family_top_k(pipe) if args.data_top_k is None else args.data_top_k
-    key = (f"samples-{folder_fingerprint(args.model)}-{args.num_train}-seed{args.seed}-t{args.data_temperature:g}"
-           f"-k{top_k}-{Path(args.prompts).name if args.prompts else 'world'}.pt")
-    path = work / key
+    prompts = prompt_list(args.prompts, args.num_train, "train", args.seed)
+    text = hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:12]  # the prompts' content, not their file's name
+    path = work / (f"samples-{folder_fingerprint(args.model)}-{text}-seed{args.seed}-t{args.data_temperature:g}"
+                   f"-k{top_k}.pt")
     if path.is_file() and not args.force:
         return torch.load(path, weights_only=True)
-    prompts = prompt_list(args.prompts, args.num_train, "train", args.seed)
     tokens = []
     for start in tqdm(range(0, len(prompts), 16), desc="sampling the target", disable=args.quiet):
         chunk = prompts[start:start + 16]

@@ -11,6 +11,7 @@ from transformers import LlavaForConditionalGeneration
 
 import vlm.train_drafter as vlm_train_drafter
 from mmspec.cli import main
+from mmspec.hf_loading import folder_fingerprint
 from mmspec.model_card import metadata, strip_metadata
 from vlm.pipeline import SpeculativeVLM
 from vlm.world import world_llava_config, world_processor
@@ -52,7 +53,7 @@ def test_checkpoint_state_resume_and_errors(target_dir, tmp_path, monkeypatch):
     """An interrupted run leaves its state (named by kind and target) in the work dir, a rerun resumes from it, the
     finished run removes it; the answer cache is named by the target's fingerprint; clear errors."""
     out, work = tmp_path / "drafter", tmp_path / "work"
-    fingerprint = vlm_train_drafter.target_fingerprint(target_dir)
+    fingerprint = folder_fingerprint(target_dir)
     real_step = vlm_train_drafter.optimizer_step
 
     def crash_at_step_3(opt, loss, step, *args, **kwargs):
@@ -75,7 +76,7 @@ def test_checkpoint_state_resume_and_errors(target_dir, tmp_path, monkeypatch):
     other = tmp_path / "other-target"
     torch.manual_seed(1)
     LlavaForConditionalGeneration(world_llava_config(**TINY)).save_pretrained(other)
-    assert vlm_train_drafter.target_fingerprint(other) != fingerprint
+    assert folder_fingerprint(other) != fingerprint
     with pytest.raises(SystemExit, match="2"):
         main(["train", "vlm-drafter", "--kind", "medusa"])
     assert main(["train", "vlm-drafter", "--target", str(target_dir), "--stages", "nope"]) != 0
