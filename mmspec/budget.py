@@ -281,11 +281,16 @@ def position_rates(accepted: torch.Tensor, reached: torch.Tensor, pooled: float,
     return rates
 
 
-def chain_second_moment(rates: torch.Tensor) -> float:
-    """E[X^2] for X = the tokens a chain step emits (1 + accepted drafts) under per-position rates a_j [k]:
-    P(X > i) = prod_{j<=i} a_j, E[X^2] = 1 + sum_i (2i + 1) P(X > i)."""
+def chain_second_moments(rates: torch.Tensor) -> torch.Tensor:
+    """[k]: E[X^2] for X = the tokens a chain of depth d = 1..k emits (1 + accepted drafts) under per-position rates
+    a_j [k]: P(X > i) = prod_{j<=i} a_j, E[X^2] = 1 + sum_{i<=d} (2i + 1) P(X > i)."""
     tail = torch.cumprod(rates.double(), 0)  # [k] P(X > i), i = 1..k
-    return 1.0 + float(((2 * torch.arange(1, rates.shape[0] + 1, dtype=torch.float64) + 1) * tail).sum())
+    return 1.0 + torch.cumsum((2 * torch.arange(1, rates.shape[0] + 1, dtype=torch.float64) + 1) * tail, 0)
+
+
+def chain_second_moment(rates: torch.Tensor) -> float:
+    """E[X^2] of a chain of depth k = len(rates) (`chain_second_moments`)."""
+    return float(chain_second_moments(rates)[-1]) if rates.shape[0] else 1.0
 
 
 def expected_max_normal(n: int) -> float:

@@ -20,6 +20,9 @@ Feature bookkeeping, per row (n = tokens committed by the target, root = tok_n =
   u predicts u's child. With accepted path root = u_0, u_1..u_k and final (recovered / bonus) token y, the new
   pending pairs are (H[u_0], tok(u_1)), .., (H[u_{k-1}], tok(u_k)), (H[u_k], y). The old pending pairs are
   committed to the drafter's cache (they ran with true features); tree entries are dropped (overwritten).
+- a chain (top_k = 1, what a draft budget mostly picks on a CPU) skips the pool: draft d sits at slot root + d and
+  the cache's causal mask is its tree mask (`propose_chain`; the same tree as the pool's, with fewer operations),
+  and the target, the acceptance rule and the commit take their chain forms for it (`DraftTree.is_chain`).
 
 Children are the deterministic top-k of the drafter's log-probs, and the tree keeps the nodes of highest cumulative
 log-prob. `child_ranking="raw"` (the default, EAGLE's code) ranks by the drafter's raw log-softmax at every
@@ -41,7 +44,7 @@ from mmspec.errors import InputError, check, check_positive_int
 from mmspec.lm import CandidatePool, GuidedRunner, PendingTokens, TokenLayout
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams, process_logits
-from mmspec.tree import DraftTree, expand_eagle2, pool_size
+from mmspec.tree import DraftTree, chain_as_tree, expand_eagle2, pool_size
 from mmspec.tree_budget import ShapedTreeDrafter, TreeShape
 from mmspec.verify import VerifyResult
 
@@ -245,6 +248,10 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
         return logits[batch, last], root_hidden, slots[batch, last]
 
     def propose(self, state: DecodeState) -> DraftTree:
+        return self.propose_chain(state) if self.top_k == 1 else self.propose_tree(state)
+
+    def propose_tree(self, state: DecodeState) -> DraftTree:
+        """EAGLE-2 expansion over a candidate pool in the drafter's cache (`mmspec.lm.CandidatePool`)."""
         runner, model = self.runner, self.model
         root_logits, root_hidden, root_slot = self.run_pending()  # [B, V], [R, dim], [B]
         pool = CandidatePool(root_slot, self.max_pool, runner.cache.capacity)
@@ -263,6 +270,23 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
             return self.log_probs(out, root_slot + 1 + depth)
 
         return expand_eagle2(state.last_token, score, top_k=self.top_k, depth=self.depth, total_tokens=self.total)
+
+    def propose_chain(self, state: DecodeState) -> DraftTree:
+        """top_k = 1: the tree `expand_eagle2` builds (the best child of each level's one node), without its
+        candidate pool: draft d sits at slot root + d and sees every slot up to its own, the cache's causal mask."""
+        runner = self.runner
+        logits, hidden, root_slot = self.run_pending()  # [B, V], [R, dim], [B]
+        logits, hidden = logits.unsqueeze(1), hidden.unsqueeze(1)  # [B, 1, V], [R, 1, dim]
+        drafts, scores = [], [torch.zeros(root_slot.shape[0], 1, device=logits.device)]  # [B, 1] each
+        for d in range(self.depth):
+            if d:  # draft d - 1 with its parent's output feature (the predicted feature before it)
+                slot = (root_slot + d).unsqueeze(-1)  # [B, 1]
+                logits = runner.forward(drafts[-1], slot + self._offset(1), slot, features=hidden)  # [B, 1, V]
+                hidden = self.model.last_hidden  # [R, 1, dim]
+            log_prob, token = self.log_probs(logits, root_slot + 1 + d).max(-1)  # [B, 1] each
+            drafts.append(token)
+            scores.append(scores[-1] + log_prob)
+        return chain_as_tree(torch.cat(drafts, 1), state.last_token, scores=torch.cat(scores, 1))
 
     def observe(self, state: DecodeState, draft: DraftTree, result: VerifyResult, active: torch.Tensor,
                 target_probs: torch.Tensor) -> None:

@@ -224,7 +224,7 @@ class LMTarget:
         if isinstance(draft, DraftTree):
             slots = runner.slots(draft.num_nodes)
             logits = runner.forward(draft.tokens.clamp_min(0), draft.position_ids(runner.lengths), slots,
-                                    tree_mask=draft.attention_mask())
+                                    tree_mask=None if draft.is_chain else draft.attention_mask())
             offsets = draft.depths  # [B, N] a node predicts the token after it
         else:
             tokens = torch.cat([state.last_token.unsqueeze(-1), draft.tokens.clamp_min(0)], dim=1)  # [B, K+1]
@@ -237,7 +237,7 @@ class LMTarget:
 
     def commit(self, state: DecodeState, draft: Draft, result: VerifyResult, active: torch.Tensor) -> None:
         keep = (result.num_accepted + 1) * active  # the last token plus the accepted drafts
-        if isinstance(draft, DraftTree):
+        if isinstance(draft, DraftTree) and not draft.is_chain:  # a chain's accepted nodes are in place
             self.runner.commit_path(result.accepted_nodes, keep)
         else:
             self.runner.commit_chain(keep)

@@ -75,6 +75,8 @@ class DecodeState:
         Returns [B] the number of tokens actually appended per row.
         """
         tokens = result.output_tokens  # [B, K+1]
+        if tokens.shape[1] == 1:
+            return self.append_one(tokens[:, 0], active)
         columns = torch.arange(tokens.shape[1], device=tokens.device)
         valid = (columns < (result.num_emitted * active).unsqueeze(-1))  # [B, K+1]
         finished = torch.zeros_like(self.done)
@@ -92,6 +94,21 @@ class DecodeState:
         self.num_generated = self.num_generated + added
         self.last_token = torch.where(active, result.final_tokens, self.last_token)
         self.done = self.done | finished | (self.num_generated >= self.max_new_tokens)
+        return added
+
+
+    def append_one(self, token: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        """`append` for steps without drafts: each active row adds its token [B] (an active row has room for
+        one). Returns [B] the number appended (active rows: 1)."""
+        added = active.long()  # [B]
+        dst = torch.where(active, self.num_generated, self.max_new_tokens)  # inactive rows: the scratch column
+        self.output.scatter_(1, dst.unsqueeze(-1), token.unsqueeze(-1))
+        self.output[:, self.max_new_tokens] = -1
+        self.num_generated = self.num_generated + added
+        self.last_token = torch.where(active, token, self.last_token)
+        self.done = self.done | (self.num_generated >= self.max_new_tokens)
+        if self.stop_ids is not None:
+            self.done = self.done | (active & torch.isin(token, self.stop_ids))
         return added
 
 
@@ -141,6 +158,8 @@ StepCallback = Callable[[DecodeState, Draft, VerifyResult], Any]
 def cap_draft(draft: Draft, room: torch.Tensor) -> Draft:
     """Limit each row's draft to `room` [B] tokens (a row can emit at most room + 1 more tokens): chains get a
     shorter num_draft, trees lose the nodes deeper than room. Padding stays in place, so shapes are static."""
+    if isinstance(draft, ChainDraft) and draft.tokens.shape[1] == 0:  # nothing drafted (vanilla's steps)
+        return draft
     room = room.clamp_min(0)
     if isinstance(draft, ChainDraft):
         k = draft.tokens.shape[1]

@@ -1,7 +1,8 @@
 """Speculative-decoding statistics with vLLM's metric names, mergeable across batches, JSON-serialisable.
 
-`SpecStats.record(result, active)` accumulates counters on the device without host synchronisation; the
-numbers are read once, by `to_dict()` / the properties. Definitions (per row and verify call = one "draft"):
+`SpecStats.record(result, active)` keeps each step's result tensors (no tensor work in the loop); they are folded
+into the counters in one batched pass when first read, by `to_dict()` / the properties. Definitions (per row and
+verify call = one "draft"):
 
 - num_target_forwards (NFE): target forward passes (prefill included).
 - num_drafts: row-iterations that verified a draft; num_draft_tokens: positions that could be accepted;
@@ -29,6 +30,16 @@ def _grow(t: torch.Tensor, size: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(size - t.shape[0])])
 
 
+def _add_grown(total: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+    """total + new, the shorter one padded with zeros (None: nothing yet)."""
+    if total is None:
+        return new
+    return _grow(total, new.shape[0]) + _grow(new, total.shape[0])
+
+
+FOLD_EVERY = 256  # steps kept before they are folded into the counters
+
+
 # count names of stats files written before 2026-11-24 -> their names now
 OLD_NAMES = {"_verify_rows": "num_verify_rows", "_accepted_per_position": "accepted_per_position",
              "_drafted_per_position": "drafted_per_position"}
@@ -46,44 +57,57 @@ class SpecStats:
     _accepted_pos: torch.Tensor | None = field(default=None, repr=False)
     _drafted_pos: torch.Tensor | None = field(default=None, repr=False)
     _hist: torch.Tensor | None = field(default=None, repr=False)
-    _per_row: list = field(default_factory=list, repr=False)  # list of ([B] emitted, [B] active) per iteration
+    _per_row: list = field(default_factory=list, repr=False)  # list of (result, [B] active) per iteration
+    _steps: list = field(default_factory=list, repr=False)  # recorded steps not yet folded into the counters
 
     # ------------------------------------------------------------------------------------------ record
     def record(self, result: VerifyResult, active: torch.Tensor | None = None, *, keep_per_row: bool = True) -> None:
-        """Accumulate one verify call; `active` [B] bool masks rows that are already finished."""
-        acc = result.num_accepted
+        """Keep one verify call's outcome; `active` [B] bool masks rows that are already finished. No tensor work
+        here (the loop calls this every step): the counters are folded in when first read, all steps at once."""
         if active is None:
-            active = torch.ones_like(acc, dtype=torch.bool)
-        a = active.long()
-        drafted = result.num_drafted * a
-        counts = {
-            "num_drafts": (a * (result.num_drafted > 0)).sum(),
-            "num_draft_tokens": drafted.sum(),
-            "num_accepted_tokens": (acc * a).sum(),
-            "num_emitted_tokens": (result.num_emitted * a).sum(),
-            "num_verify_rows": a.sum(),
-        }
-        for key, value in counts.items():
-            self._counts[key] = self._counts.get(key, 0) + value
-        k = result.accepted_flags.shape[1]
-        positions = torch.arange(k, device=acc.device)
-        had_position = (positions < result.num_drafted.unsqueeze(-1)) & active.unsqueeze(-1)  # [B, K]
-        accepted_pos = (result.accepted_flags & had_position).long().sum(0)  # [K]
-        drafted_pos = had_position.long().sum(0)
-        hist = torch.zeros(k + 1, dtype=torch.long, device=acc.device).scatter_add_(0, acc.clamp_max(k), a)
-        self._accepted_pos = accepted_pos if self._accepted_pos is None else \
-            _grow(self._accepted_pos, k) + _grow(accepted_pos, self._accepted_pos.shape[0])
-        self._drafted_pos = drafted_pos if self._drafted_pos is None else \
-            _grow(self._drafted_pos, k) + _grow(drafted_pos, self._drafted_pos.shape[0])
-        self._hist = hist if self._hist is None else _grow(self._hist, k + 1) + _grow(hist, self._hist.shape[0])
+            active = torch.ones_like(result.num_accepted, dtype=torch.bool)
+        self._steps.append((result, active))
         if keep_per_row:
-            self._per_row.append((result.num_emitted * a, active.clone()))
+            self._per_row.append((result, active))
+        if len(self._steps) >= FOLD_EVERY:  # bound what is held on long runs
+            self._fold()
+
+    def _fold(self) -> None:
+        """Fold the kept steps into the counters (one batched pass; grouped by draft width)."""
+        steps, self._steps = self._steps, []
+        for k in sorted({result.accepted_flags.shape[1] for result, _ in steps}):
+            group = [(result, active) for result, active in steps if result.accepted_flags.shape[1] == k]
+            acc, drafted, emitted = (torch.stack([getattr(result, name) for result, _ in group])  # [S, B] each
+                                     for name in ("num_accepted", "num_drafted", "num_emitted"))
+            flags = torch.stack([result.accepted_flags for result, _ in group])  # [S, B, K]
+            active = torch.stack([active for _, active in group])  # [S, B]
+            a = active.long()
+            counts = {
+                "num_drafts": (a * (drafted > 0)).sum(),
+                "num_draft_tokens": (drafted * a).sum(),
+                "num_accepted_tokens": (acc * a).sum(),
+                "num_emitted_tokens": (emitted * a).sum(),
+                "num_verify_rows": a.sum(),
+            }
+            for key, value in counts.items():
+                self._counts[key] = self._counts.get(key, 0) + value
+            positions = torch.arange(k, device=acc.device)
+            had_position = (positions < drafted.unsqueeze(-1)) & active.unsqueeze(-1)  # [S, B, K]
+            accepted_pos = (flags & had_position).long().sum((0, 1))  # [K]
+            drafted_pos = had_position.long().sum((0, 1))
+            hist = torch.zeros(k + 1, dtype=torch.long, device=acc.device).scatter_add_(
+                0, acc.clamp_max(k).flatten(), a.flatten())  # [K+1]
+            self._accepted_pos = _add_grown(self._accepted_pos, accepted_pos)
+            self._drafted_pos = _add_grown(self._drafted_pos, drafted_pos)
+            self._hist = _add_grown(self._hist, hist)
 
     def add_extra(self, key: str, value: float) -> None:
         self.extra[key] = self.extra.get(key, 0) + value
 
     # ------------------------------------------------------------------------------------------- read
     def _count(self, key: str) -> int:
+        if self._steps:
+            self._fold()
         value = self._counts.get(key, 0)
         return int(value) if not isinstance(value, torch.Tensor) else int(value.item())
 
@@ -116,6 +140,8 @@ class SpecStats:
 
     @property
     def per_position_acceptance_rate(self) -> list[float]:
+        if self._steps:
+            self._fold()
         if self._drafted_pos is None:
             return []
         acc, dr = self._accepted_pos.tolist(), self._drafted_pos.tolist()
@@ -123,17 +149,21 @@ class SpecStats:
 
     @property
     def acceptance_histogram(self) -> list[int]:
+        if self._steps:
+            self._fold()
         return [] if self._hist is None else self._hist.tolist()
 
     def accept_lengths_per_row(self) -> list[list[int]]:
         """Spec-Bench's `accept_lengths`: per row, the emitted tokens of each verify call it took part in."""
         if not self._per_row:
             return []
-        emitted = torch.stack([e for e, _ in self._per_row], 1).tolist()  # [B, iterations]
+        emitted = torch.stack([result.num_emitted for result, _ in self._per_row], 1).tolist()  # [B, iterations]
         active = torch.stack([m for _, m in self._per_row], 1).tolist()
         return [[e for e, m in zip(er, ar) if m] for er, ar in zip(emitted, active)]
 
     def to_dict(self) -> dict:
+        if self._steps:
+            self._fold()
         return {
             "num_target_forwards": self.num_target_forwards,
             "num_draft_forwards": self.num_draft_forwards,

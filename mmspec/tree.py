@@ -48,6 +48,12 @@ class DraftTree:
     def num_nodes(self) -> int:
         return self.tokens.shape[1]
 
+    @property
+    def is_chain(self) -> bool:
+        """At most one child per node (a static fact): node i is then at depth i with parent i - 1 (invalid nodes
+        after the valid ones), so the tree mask is causal and the accepted path is nodes 0..k, in place."""
+        return self.max_children == 1
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Check the structure (one host sync); raises InputError with what is wrong."""
         b, n = self.tokens.shape
@@ -65,6 +71,10 @@ class DraftTree:
         parent_depth = self.depths.gather(1, self.parents.clamp_min(0))
         check(bool((self.depths == parent_depth + 1)[drafted].all()), "DraftTree: depth must be parent depth + 1.")
         check(bool((self.depths <= self.max_depth).all()), "DraftTree: a node is deeper than max_depth.")
+        if self.is_chain:
+            valid = self.valid.long()
+            check(bool((self.parents == idx - 1)[drafted].all()) and bool((valid.cummin(1).values == valid).all()),
+                  "DraftTree: max_children=1 is a chain: node i's parent must be i - 1, valid nodes first.")
         if vocab_size is not None:
             toks = self.tokens[self.valid]
             check(bool(((toks >= 0) & (toks < vocab_size)).all()),
@@ -109,8 +119,9 @@ class DraftTree:
 
 
 def chain_as_tree(draft_tokens: torch.Tensor, root_tokens: torch.Tensor,
-                  draft_probs: torch.Tensor | None = None) -> DraftTree:
-    """A chain of K drafts as a one-branch tree of K+1 nodes (handy for testing tree rules against chains)."""
+                  draft_probs: torch.Tensor | None = None, scores: torch.Tensor | None = None) -> DraftTree:
+    """A chain of K drafts as a one-branch tree of K+1 nodes (`is_chain`); scores [B, K+1] the drafter's
+    cumulative log-probs (root 0), if it has them."""
     b, k = draft_tokens.shape
     device = draft_tokens.device
     idx = torch.arange(k + 1, device=device)
@@ -121,7 +132,7 @@ def chain_as_tree(draft_tokens: torch.Tensor, root_tokens: torch.Tensor,
         child_probs = torch.cat([draft_probs, torch.zeros_like(draft_probs[:, :1])], dim=1)  # [B, K+1, V]
     return DraftTree(tokens=tokens, parents=parents, depths=idx.expand(b, k + 1).clone(),
                      valid=torch.ones(b, k + 1, dtype=torch.bool, device=device), max_depth=k,
-                     max_children=1, child_probs=child_probs, sampled=draft_probs is not None)
+                     max_children=1, child_probs=child_probs, sampled=draft_probs is not None, scores=scores)
 
 
 # ---------------------------------------------------------------------------------------- EAGLE-2 expansion

@@ -26,10 +26,13 @@ earlier depths, unseen depths at the deepest seen rate), so chains deeper than t
 `refresh_every` steps, then at doubling intervals) draft the exploration shape: the shape containing the most trees
 among those that cost at most `explore_cost` plain steps (the drafter's full shape where drafting is cheap), so
 estimates are refreshed without paying for a shape the device cannot afford; shapes it does not contain count 1
-token (a plain step) until chosen. Older steps weigh `decay` times less per step (acceptance drifts along a
-sequence). At batch > 1, with the tokens left noted by the loop, shapes are compared by the expected time until
-every active row is done, as the chain budget does (`mmspec.budget.batch_steps`, from each shape's mean and
-variance of accepted tokens): drafting makes rows diverge and a batch lasts as long as its slowest row.
+token (a plain step) until chosen. A refresh while chains are being chosen drafts the deepest chain instead: a
+chain of depth d says nothing about position d + 1, so without it one early miss at a deep position (the end of
+an answer) would keep every deeper chain undervalued for the rest of the run. Older steps weigh `decay` times less
+per step (acceptance drifts along a sequence). At batch > 1, with the tokens left noted by the loop, shapes are
+compared by the expected time until every active row is done, as the chain budget does (`mmspec.budget.batch_steps`,
+from each shape's mean and variance of accepted tokens): drafting makes rows diverge and a batch lasts as long as
+its slowest row.
 
 Lossless: the shape is chosen from the measured costs and earlier steps' verdicts only, before this step drafts;
 the drafted set is a deterministic function of the drafter and every drafted node is verified. The draft length is
@@ -43,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mmspec.budget import MeasuredSteps, chain_second_moment, position_rates
+from mmspec.budget import MeasuredSteps, chain_second_moments, position_rates
 from mmspec.errors import check
 from mmspec.tree import DraftTree, pool_size
 from mmspec.verify import ChainDraft, VerifyResult, accept
@@ -99,6 +102,10 @@ def counterfactual_accepts(tree: DraftTree, path: torch.Tensor, shapes: list[Tre
     node indices, root first, -1 padded) that the shape's tree holds. Needs `tree.scores`. Returns [B, S] long."""
     b, n = tree.tokens.shape
     device = tree.tokens.device
+    if tree.is_chain:  # a chain shows chains only (its tree columns are never counted): its accepted drafts
+        accepted = (path[:, 1:] >= 0).sum(-1, keepdim=True)  # [B, 1]
+        depths = torch.tensor([shape.depth if shape.top_k == 1 else 0 for shape in shapes], device=device)  # [S]
+        return torch.minimum(accepted, depths)  # [B, S]
     nodes = path[:, 1:]  # [B, W-1] u_1..u_k
     on_path = nodes >= 0
     at = nodes.clamp_min(0)
@@ -180,7 +187,7 @@ class TreeBudget(MeasuredSteps):
     of the menu to its seconds (set by `begin`, or given for tests)."""
 
     def __init__(self, full: TreeShape, shapes: list[TreeShape] | None = None, *, warmup: int = 1,
-                 refresh_every: int = 32, decay: float = 0.9, explore_cost: float = 3.0,
+                 refresh_every: int = 16, decay: float = 0.9, explore_cost: float = 3.0,
                  costs: dict[TreeShape, float] | None = None, timing: bool = True, settle_after: int = 8,
                  settle_margin: float = 0.8) -> None:
         check(0.0 < decay <= 1.0, f"decay must be in (0, 1], got {decay}.")
@@ -196,6 +203,8 @@ class TreeBudget(MeasuredSteps):
         # per shape drafted: the shapes a step of it shows [S] bool (the plain step shows none)
         self.shows = {s: torch.tensor([s.contains(o) and o != PLAIN for o in self.shapes]) for s in self.shapes}
         self.chains = {s.depth: i for i, s in enumerate(self.shapes) if s.top_k == 1}  # chain depth -> menu index
+        self.chain_index = torch.tensor(list(self.chains.values()), dtype=torch.long)  # [C] menu index of each chain
+        self.chain_depth = torch.tensor(list(self.chains), dtype=torch.long)  # [C] its depth
         depth = max(self.chains, default=0)
         self.chain_reached = torch.zeros(depth, dtype=torch.float64)  # [D] decayed rows whose chain reached j
         self.chain_accepted = torch.zeros(depth, dtype=torch.float64)  # [D] .. and accepted position j
@@ -212,8 +221,7 @@ class TreeBudget(MeasuredSteps):
         expected = 1.0 + self.accepted / self.rows.clamp_min(1e-9)
         if self.chains and bool((self.chain_reached > 0).any()):
             chain = 1.0 + torch.cumsum(torch.cumprod(self.chain_rates(), 0), 0)  # [D] E[tokens | chain of depth d]
-            for depth, index in self.chains.items():
-                expected[index] = chain[depth - 1]
+            expected[self.chain_index] = chain[self.chain_depth - 1]
         return expected
 
     def chain_rates(self, prior: float = 2.0) -> torch.Tensor:
@@ -239,9 +247,9 @@ class TreeBudget(MeasuredSteps):
         mean_acc = self.accepted / self.rows.clamp_min(1e-9)
         var = (self.accepted_sq / self.rows.clamp_min(1e-9) - mean_acc * mean_acc).clamp_min(0.0)
         if self.chains and bool((self.chain_reached > 0).any()):
-            rates, expected = self.chain_rates(), self.expected_tokens()
-            for depth, index in self.chains.items():
-                var[index] = max(chain_second_moment(rates[:depth]) - float(expected[index]) ** 2, 0.0)
+            second = chain_second_moments(self.chain_rates())[self.chain_depth - 1]  # [C]
+            expected = self.expected_tokens()[self.chain_index]  # [C]
+            var[self.chain_index] = (second - expected * expected).clamp_min(0.0)
         return var
 
     def speeds(self) -> torch.Tensor:
@@ -268,10 +276,12 @@ class TreeBudget(MeasuredSteps):
         """The next step's shape (0 = a plain step)."""
         self._time_last_step()
         refresh = self.refresh_every and self.steps == self._refresh_at
-        if refresh:  # at steps 32, 64, 128, 256, ..
+        if refresh:  # at steps 16, 32, 64, 128, ..
             self._refresh_at += self.refresh_every * 2 ** self.refreshes
             self.refreshes += 1
-        if self.steps < self.warmup or refresh:
+        if refresh and self._last.top_k == 1:  # chains are chosen: learn the positions past them
+            shape = self.shapes[max(self.chains.values(), key=lambda i: self.shapes[i].depth)]
+        elif self.steps < self.warmup or refresh:
             shape = self.explore_shape()
         else:
             speed = self.speeds()  # [S]

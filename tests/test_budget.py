@@ -299,6 +299,15 @@ def test_counterfactual_accepts_are_what_the_smaller_tree_accepts():
         for s, shape in enumerate(shapes[1:], 1):
             assert torch.equal(counts[:, s], results[shape][1].num_accepted), shape
         assert counts[:, 0].eq(0).all()
+        for shape in shapes[1:]:  # a chain counts for its own chains as the general (tree) path counts
+            chain, chain_res = results[shape]
+            if chain.is_chain:
+                chain.max_children = 2  # the same nodes through the general path
+                general = counterfactual_accepts(chain, chain_res.accepted_nodes, shapes)
+                chain.max_children = 1
+                shown = torch.tensor([shape.contains(o) and o != PLAIN for o in shapes])
+                fast = counterfactual_accepts(chain, chain_res.accepted_nodes, shapes)
+                assert torch.equal(fast[:, shown], general[:, shown]), shape
 
 
 def test_the_tree_budget_picks_the_fastest_expected_shape():
@@ -329,6 +338,22 @@ def test_the_tree_budget_picks_the_fastest_expected_shape():
     assert timed.choose(1) == 0
     dear = TreeBudget(full, costs={s: 1.0 if s == PLAIN else 10.0 + s.total for s in shapes}, warmup=1, timing=False)
     assert dear.choose(1) == TreeShape(1, 1, 2)  # nothing within 3 plain steps: the warm-up still drafts (cheapest)
+
+
+def test_a_refresh_while_chains_are_chosen_drafts_the_deepest_chain():
+    """A chain of depth d says nothing about position d + 1: refreshes then draft the deepest chain of the menu, and
+    what it accepts past d revalues the deeper chains."""
+    full = TreeShape(4, 3, 12)
+    shapes = tree_menu(full)
+    deepest = max((s for s in shapes if s.top_k == 1), key=lambda s: s.depth)
+    costs = {s: 1.0 + 0.25 * (s.total - 1) for s in shapes}
+    budget = TreeBudget(full, costs=costs, warmup=0, refresh_every=4, timing=False)
+    chain2 = shapes.index(TreeShape(1, 2, 3))
+    budget.accepted[chain2], budget.rows[chain2] = 2.0, 1.0  # chain 2 fully accepted, nothing seen deeper
+    budget.chain_reached[:2], budget.chain_accepted[:2] = 1.0, 1.0
+    budget.chain_reached[2], budget.chain_accepted[2] = 1.0, 0.0  # one miss at position 3
+    chosen = [budget.choose(1) for _ in range(5)]
+    assert chosen[:4] == [TreeShape(1, 2, 3)] * 4 and chosen[4] == deepest
 
 
 @pytest.mark.parametrize("drafter", ["draft-model", "tree"])

@@ -186,3 +186,26 @@ def test_drafts_are_capped_at_the_end_of_generation():
     assert chain.tokens.tolist() == [[1, -1, -1], [4, 5, 6]] and chain.num_draft.tolist() == [1, 3]
     tree = cap_draft(chain_as_tree(torch.tensor([[1, 2, 3]]), torch.tensor([0])), torch.tensor([2]))
     assert tree.valid.tolist() == [[True, True, True, False]]
+
+
+def test_a_step_without_drafts_appends_as_the_general_path_does():
+    """`DecodeState.append_one` (steps without drafts) == `append`'s general path: EOS, max_new_tokens, finished
+    rows."""
+    from mmspec.loop import DecodeState
+    from mmspec.verify import VerifyResult
+
+    gen = torch.Generator().manual_seed(0)
+    states = [DecodeState.new(6, 5, "cpu", eos_token_id=[3, 4]) for _ in range(2)]
+    for step in range(7):
+        token = torch.randint(0, 8, (6,), generator=gen)
+        result = VerifyResult(token.unsqueeze(-1), torch.zeros(6, dtype=torch.long),
+                              torch.zeros(6, 0, dtype=torch.bool), torch.zeros(6, dtype=torch.long))
+        fast = states[0].append(result, ~states[0].done)
+        general = result.output_tokens.new_full((6, 2), -1)  # a wider result takes the general path
+        general[:, 0] = token
+        slow = states[1].append(VerifyResult(general, result.num_accepted, torch.zeros(6, 1, dtype=torch.bool),
+                                             result.num_drafted), ~states[1].done)
+        assert torch.equal(fast, slow), step
+        for name in ("output", "num_generated", "last_token", "done"):
+            assert torch.equal(getattr(states[0], name), getattr(states[1], name)), (step, name)
+    assert bool(states[0].done.all()) and (states[0].num_generated < 5).any()  # some rows stopped at EOS

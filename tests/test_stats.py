@@ -54,3 +54,24 @@ def test_stats_files_hold_public_names_and_old_files_still_read():
     old = {("_verify_rows" if k == "num_verify_rows" else "_" + k if k.endswith("_per_position") else k): v
            for k, v in data.items()}
     assert SpecStats.from_dict(old).to_dict() == data
+
+
+def test_counters_fold_the_same_past_the_fold_interval():
+    """Steps are kept and folded when read (and every FOLD_EVERY steps): the counters equal a step-by-step sum."""
+    from mmspec.stats import FOLD_EVERY
+
+    gen = torch.Generator().manual_seed(0)
+    s, emitted, hist, per_row = SpecStats(), 0, [0] * 7, [[], [], []]
+    for step in range(FOLD_EVERY + 37):
+        k = 2 + step % 5
+        acc = torch.randint(0, k + 1, (3,), generator=gen)
+        active = torch.rand(3, generator=gen) < 0.8
+        s.record(result(acc.tolist(), [k] * 3, k), active=active)
+        emitted += int(((acc + 1) * active).sum())
+        for row, (a, m) in enumerate(zip(acc.tolist(), active.tolist())):
+            hist[a] += m
+            per_row[row] += [a + 1] if m else []
+        if step == 40:
+            assert s.num_emitted_tokens == emitted  # a read mid-way folds what is kept, recording goes on
+    assert s.num_emitted_tokens == emitted and s.acceptance_histogram == hist
+    assert s.accept_lengths_per_row() == per_row

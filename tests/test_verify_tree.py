@@ -262,3 +262,33 @@ def test_an_unknown_walk_schedule_is_a_clear_error():
     with pytest.raises(InputError, match="by_rank, by_depth"):
         walk_tree(tree, p_nodes.expand(1, N, V), Randomness.draw(1, N, V, torch.Generator()), lossless_node_accept,
                   lossless_node_reject, schedule="sideways")
+
+
+@pytest.mark.parametrize("rule_name", ["lossless", "greedy"])
+def test_accept_runs_chain_trees_by_the_chain_form_with_the_tree_forms_result(rule_name):
+    """`accept` verifies a one-branch tree of deterministic drafts (`is_chain`) by the rule's chain form; tokens,
+    accepted lengths and the accepted path equal the tree form's from the same generator, with rows capped short."""
+    from mmspec.loop import cap_draft
+
+    b, k = 256, 5
+    gen = torch.Generator().manual_seed(4)
+    p = torch.softmax(torch.randn(b, k + 1, V, generator=gen) * 3, -1)
+    x = torch.where(torch.rand(b, k, generator=gen) < 0.7, p[:, :k].argmax(-1), torch.randint(0, V, (b, k),
+                                                                                               generator=gen))
+    tree = cap_draft(chain_as_tree(x, torch.zeros(b, dtype=torch.long)), torch.randint(0, k + 2, (b,), generator=gen))
+    assert tree.is_chain and not bool(tree.valid.all())
+    fast = accept(rule_name, tree, p, torch.Generator().manual_seed(9))
+    rule = get_rule(rule_name)
+    rand = Randomness.draw(b, k + 1, V, torch.Generator().manual_seed(9)) if rule.uses_randomness else None
+    slow = rule.verify_tree(tree, p, rand)
+    for name in ("output_tokens", "num_accepted", "accepted_flags", "num_drafted", "accepted_nodes"):
+        assert torch.equal(getattr(fast, name), getattr(slow, name)), name
+    assert 0 < int(fast.num_accepted.sum()) < int(fast.num_drafted.sum())
+
+
+def test_a_chain_tree_must_be_a_chain():
+    tree = chain_as_tree(torch.tensor([[1, 2, 3]]), torch.tensor([0]))
+    tree.parents[0, 3] = 1  # node 3 under node 1: two children of node 1 in a max_children=1 tree
+    tree.depths[0, 3] = 2
+    with pytest.raises(InputError, match="max_children=1 is a chain"):
+        accept("greedy", tree, torch.softmax(torch.randn(1, 4, V), -1))

@@ -104,4 +104,20 @@ def accept(rule: str | AcceptanceRule, draft: Draft, target_probs: torch.Tensor,
         rule = PLAIN_STEP_RULE  # no drafts: the token is sampled from p, as the lossless rule does
     if isinstance(draft, ChainDraft):
         return rule.verify_chain(draft.tokens, target_probs, draft.probs, rand, draft.resolved_num_draft())
+    if draft.is_chain and not draft.sampled and rule.chain_form_on_chain_trees:
+        return verify_chain_tree(rule, draft, target_probs, rand)
     return rule.verify_tree(draft, target_probs, rand)
+
+
+def verify_chain_tree(rule: AcceptanceRule, tree: DraftTree, target_probs: torch.Tensor,
+                      rand: Randomness | None) -> VerifyResult:
+    """A one-branch tree of deterministic drafts (`tree.is_chain`) through the rule's chain form, which gives its tree
+    form's tokens from the same numbers for rules that say `chain_form_on_chain_trees` (fewer operations: no paths
+    or sibling tables). The result has the tree's layout: `accepted_nodes` [B, D+1] = 0..num_accepted, -1 after."""
+    drafted = tree.valid[:, 1:]  # [B, D] a prefix of each row's nodes
+    drafts = tree.tokens[:, 1:].masked_fill(~drafted, -1)  # [B, D]
+    chain_rand = None if rand is None else Randomness(rand.uniforms[:, 1:], rand.exponentials)  # node i -> draft i-1
+    result = rule.verify_chain(drafts, target_probs, None, chain_rand, drafted.sum(-1))
+    nodes = torch.arange(tree.num_nodes, device=drafts.device)  # [D+1]
+    result.accepted_nodes = torch.where(nodes <= result.num_accepted.unsqueeze(-1), nodes, -1)  # [B, D+1]
+    return result

@@ -58,6 +58,11 @@ def lossless_residual(p_j: torch.Tensor, q_j: torch.Tensor | None, x_j: torch.Te
     return (p_j - q_j).clamp_min(0)
 
 
+def plain_step_result(token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The outputs of a step without drafts whose token [B] is chosen: ([B, 1] token, [B] zeros, [B, 0] flags)."""
+    return token.unsqueeze(-1), torch.zeros_like(token), token.new_zeros(token.shape[0], 0, dtype=torch.bool)
+
+
 def verify_chain(
     draft_tokens: torch.Tensor,  # [B, K] int64, -1 past num_draft
     target_probs: torch.Tensor,  # [B, K+1, V] p at each draft position plus the bonus position
@@ -73,6 +78,8 @@ def verify_chain(
     output_tokens holds the accepted drafts, then the recovered or bonus token, then -1.
     """
     b, k = draft_tokens.shape
+    if k == 0:  # a plain step: the token is sampled from p (no residual, nothing to lay out)
+        return plain_step_result(race(target_probs[:, 0], exponentials))
     positions = torch.arange(k, device=draft_tokens.device)  # [K]
     drafted = positions < num_draft.unsqueeze(-1)  # [B, K]
     accepted = accept_fn(draft_tokens, target_probs, draft_probs, uniforms) & drafted  # [B, K]
@@ -114,6 +121,8 @@ def verify_chain_greedy(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
     `target_probs` may be logits or probabilities (only the argmax matters). No randomness.
     """
     b, k = draft_tokens.shape
+    if k == 0:
+        return plain_step_result(target_probs[:, 0].argmax(-1))
     best = target_probs.argmax(-1)  # [B, K+1]
     positions = torch.arange(k, device=draft_tokens.device)
     accepted = (draft_tokens == best[:, :k]) & (positions < num_draft.unsqueeze(-1))  # [B, K]

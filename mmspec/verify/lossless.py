@@ -42,6 +42,7 @@ class LosslessRule(AcceptanceRule):
     name = "lossless"
     plain_step_samples_p = True
     lossless = True
+    chain_form_on_chain_trees = True
 
     def __init__(self, kernel: str = "torch") -> None:
         """kernel: "torch" (the PyTorch implementation) or "triton" (the fused rejection-sampling kernel of
@@ -78,6 +79,7 @@ class GreedyRule(AcceptanceRule):
     name = "greedy"
     lossless = True
     uses_randomness = False
+    chain_form_on_chain_trees = True
 
     def check_inputs(self, target_probs: torch.Tensor) -> None:
         check_finite("target_probs", target_probs)  # logits are fine: only the argmax matters

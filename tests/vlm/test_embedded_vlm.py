@@ -6,9 +6,12 @@ token for token, on ragged batches of 4 held-out long answers) and drafts more t
 import json
 
 import pytest
+import torch
 
 from mmspec.cli import main
 from mmspec.data.artifacts import ASSETS_DIR
+from mmspec.feature_drafter import FeatureTreeDrafter
+from mmspec.tree import DraftTree
 from vlm.family import DRAFTER_KINDS
 from vlm.pipeline import SpeculativeVLM
 from vlm.train import evaluate
@@ -75,3 +78,24 @@ def test_mmspec_vlm_auto_uses_a_shipped_drafter(tmp_path, capsys):
     assert "drafter: eagle" in captured.err  # auto: the first of eagle, vispec, msd, specvlm found
     figures = json.loads(captured.err.strip().splitlines()[-1])
     assert captured.out.strip() in ("red", "green", "blue", "yellow") and figures
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_chain_path_gives_the_tree_paths_tokens(temperature, examples, monkeypatch):
+    """A chain shape (top_k 1) drafts without the candidate pool (`propose_chain`), verifies with the causal mask,
+    accepts by the rule's chain form and commits in place; the same steps through the tree machinery (the pool,
+    the tree mask, the tree rule, `commit_path`) give the same tokens, greedy and seeded sampling alike."""
+    vlm = SpeculativeVLM.from_pretrained(FOLDER, "eagle")
+    images, prompts = [ex.image for ex in examples[:4]], [ex.prompt for ex in examples[:4]]
+
+    def run():
+        gens = [torch.Generator().manual_seed(i) for i in range(4)]
+        out = vlm.generate(images, prompts, max_new_tokens=48, batch_size=4, budget="fixed", tree=(5, 1, 6),
+                           temperature=temperature, generator=gens)
+        return out.token_ids, out.stats.num_target_forwards, out.stats.accept_lengths_per_row()
+
+    fast = run()
+    monkeypatch.setattr(FeatureTreeDrafter, "propose", FeatureTreeDrafter.propose_tree)
+    monkeypatch.setattr(DraftTree, "is_chain", property(lambda self: False))
+    assert run() == fast
+    assert fast[1] < 48  # it drafted
