@@ -55,16 +55,24 @@ DraftSeconds = Callable[[int, int], float]
 VerifySeconds = Callable[[int, int], float]
 
 
+CALL_BACKOFF = 4  # calls run as vanilla after a call whose drafting lost to plain steps (doubled after each loss)
+
+
 class MeasuredSteps:
     """What the chain and tree budgets share: each size's measured step seconds (`seen`, a running mean from one
-    choice to the next: drafting, verify, acceptance and bookkeeping, as the loop ran them) and settling on plain
-    steps for the rest of a call (`settled`). Subclasses set `_last` (the size chosen last) and call
+    choice to the next: drafting, verify, acceptance and bookkeeping, as the loop ran them), settling on plain
+    steps for the rest of a call (`settled`) and running whole calls as vanilla after a call whose drafting lost
+    (`drafts_this_call`, `end_call`). Subclasses set `_last` (the size chosen last) and call
     `_init_steps`, `_time_last_step` at every choice, `_note_plain_margin` when they choose by estimate and
     `_new_call` at a call's start."""
+
+    plain_size: object = 0  # the key of a plain step in `seen`
 
     def _init_steps(self, timing: bool, settle_after: int, settle_margin: float) -> None:
         self.timing, self.settle_after, self.settle_margin = timing, settle_after, settle_margin
         self.seen: dict = {}  # size -> running mean of its steps' measured seconds
+        self.skip_calls, self.backoff = 0, CALL_BACKOFF  # calls left to run as vanilla; the next loss's backoff
+        self.calls = {"drafted": 0, "without_drafter": 0, "lost": 0}
         self._chosen_at: float | None = None
         self._plain_run = 0  # choices in a row (this call) where a plain step beat every size by the margin
         self._tail: tuple[int, int] | None = None  # (tokens left in the longest row, active rows), if noted
@@ -72,9 +80,42 @@ class MeasuredSteps:
     def _time_last_step(self) -> None:
         now = time.perf_counter()  # the previous step ran from its choice to this one (the loop syncs between)
         if self._chosen_at is not None and self.timing:
-            took, last = now - self._chosen_at, self._last
-            self.seen[last] = took if last not in self.seen else 0.7 * self.seen[last] + 0.3 * took
+            self._note_seconds(self._last, now - self._chosen_at)
         self._chosen_at = now
+
+    def _note_seconds(self, size, took: float) -> None:
+        self.seen[size] = took if size not in self.seen else 0.7 * self.seen[size] + 0.3 * took
+
+    def plain_seconds(self, batch: int) -> float:
+        """A plain step's seconds at this batch size (measured once run, else the table's)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------------------------------ whole calls
+    def drafts_this_call(self) -> bool:
+        """Asked by the loop before the drafter's `begin`: False runs the whole call as vanilla (no drafter prefill,
+        no budget). After a call whose drafting, the drafter's begin included, took longer than the plain steps it
+        replaced (`end_call`), the next `backoff` calls run so, then one drafts again; the backoff doubles after each
+        loss and resets after a win. Only with measured times (`timing`)."""
+        if self.timing and self.skip_calls > 0:
+            self.skip_calls -= 1
+            self.calls["without_drafter"] += 1
+            return False
+        self.calls["drafted"] += 1
+        return True
+
+    def end_call(self, batch: int, seconds: float, plain_steps: int, drafted: bool) -> None:
+        """How a call went: `seconds` from the drafter's begin (or, without the drafter, the first step) to the end,
+        `plain_steps` the steps vanilla takes for it (the longest row's tokens after the first). A call without the
+        drafter measures the plain step; a drafted one that took longer than `plain_steps` plain steps is a loss."""
+        if not self.timing or plain_steps <= 0:
+            return
+        if not drafted:
+            self._note_seconds(self.plain_size, seconds / plain_steps)
+        elif seconds > plain_steps * self.plain_seconds(batch):
+            self.skip_calls, self.backoff = self.backoff, 2 * self.backoff
+            self.calls["lost"] += 1
+        else:
+            self.backoff = CALL_BACKOFF
 
     def _note_plain_margin(self, plain: float, best_drafting: float) -> None:
         """One choice by estimate: expected throughput of a plain step and of the best drafting size."""
@@ -198,6 +239,9 @@ class AutoBudget(MeasuredSteps):
         seconds = torch.tensor([self.seconds(batch, k) for k in self.sizes], dtype=torch.float64)
         var = torch.tensor([self.emitted_variance(k, rates) for k in self.sizes], dtype=torch.float64)
         return dict(zip(self.sizes, self.tail_speeds(seconds, mean, var).tolist()))
+
+    def plain_seconds(self, batch: int) -> float:
+        return self.seconds(batch, 0)
 
     def table_seconds(self, batch: int, k: int) -> float:
         return self.draft_seconds(batch, k) + self.verify_seconds(batch, k + 1)

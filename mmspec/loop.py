@@ -184,7 +184,9 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     `mmspec.tree_budget.TreeBudget` for trees) that picks each step's draft size (`drafter.set_draft_size(k)`; 0 = a
     plain step, after which `drafter.skip(...)` replaces `observe`); None = the drafter's own size every step. A
     budget whose `settled()` says so after a plain step gets plain steps for the rest of the call, without asking it
-    or the drafter again (vanilla's cost where no drafting pays).
+    or the drafter again (vanilla's cost where no drafting pays); one whose `drafts_this_call()` says no runs the
+    whole call so, without the drafter's `begin`; `end_call(batch, seconds, plain_steps, drafted)` tells it how
+    the call went (seconds from the drafter's begin to the end; the steps vanilla would have taken).
     """
     check(validate in ("first", "always", "never"), f"validate must be first/always/never, got {validate!r}.")
     rule = get_rule(rule)
@@ -202,11 +204,16 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     first = accept(rule, no_draft, first_p, generator, validate=validate != "never")
     active = ~state.done
     state.append(first, active)
-    drafter.begin(inputs, state)
-    if budget is not None and hasattr(budget, "begin"):  # a budget that times its choices on the live models
+    # a budget may run a whole call as vanilla (its drafting, the drafter's begin included, lost on earlier calls)
+    drafting = budget is None or not hasattr(budget, "drafts_this_call") or budget.drafts_this_call()
+    plain_for_good = not drafting  # no drafts for the rest of the call: neither the budget nor the drafter is asked
+    begin_start = time.perf_counter()
+    if drafting:
+        drafter.begin(inputs, state)
+    begin_seconds = time.perf_counter() - begin_start
+    if drafting and budget is not None and hasattr(budget, "begin"):  # times its choices on the live models
         budget.begin(target, drafter, state, rule)
-
-    plain_for_good = False  # the budget settled on plain steps: neither it nor the drafter is asked again
+    decode_start = time.perf_counter()
     while True:
         active = ~state.done
         if not bool(active.any()):  # the one host sync per iteration
@@ -248,6 +255,10 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
             break
 
     synchronize(device)
+    if budget is not None and hasattr(budget, "end_call"):
+        budget.end_call(batch_size, begin_seconds + time.perf_counter() - decode_start,
+                        int(state.num_generated.max()) - 1, drafting)
+        stats.add_extra("calls_without_drafter", int(not drafting))
     stats.wall_time = time.perf_counter() - start
     stats.num_draft_forwards = getattr(drafter, "forwards", 0) - draft_forwards_before
     return GenerationOutput(tokens=state.tokens, num_generated=state.num_generated, stats=stats)

@@ -186,6 +186,8 @@ class TreeBudget(MeasuredSteps):
     """The expected-throughput shape policy for tree drafters (see the module docstring). `costs` maps each shape
     of the menu to its seconds (set by `begin`, or given for tests)."""
 
+    plain_size = PLAIN
+
     def __init__(self, full: TreeShape, shapes: list[TreeShape] | None = None, *, warmup: int = 1,
                  refresh_every: int = 16, decay: float = 0.9, explore_cost: float = 3.0,
                  costs: dict[TreeShape, float] | None = None, timing: bool = True, settle_after: int = 8,
@@ -237,6 +239,9 @@ class TreeBudget(MeasuredSteps):
         ran = [s for s in self.shapes if s in self.seen]
         scale = sum(self.seen[s] / self.costs[s] for s in ran) / len(ran) if ran else 1.0
         return torch.tensor([self.seen.get(s, self.costs[s] * scale) for s in self.shapes], dtype=torch.float64)
+
+    def plain_seconds(self, batch: int) -> float:
+        return float(self.step_seconds()[0])
 
     def throughput(self) -> torch.Tensor:
         return self.expected_tokens() / self.step_seconds().clamp_min(1e-12)

@@ -162,6 +162,51 @@ def test_a_settled_budget_gets_plain_steps_without_asking_it_or_the_drafter():
     assert not steep.settled()
 
 
+def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
+    """A call whose drafting (the drafter's begin included) took longer than the plain steps it replaced makes the
+    next `backoff` calls run as vanilla (no drafter begin, no budget), then one drafts again; the backoff doubles
+    after each loss and resets after a win; vanilla calls measure the plain step."""
+    from mmspec.budget import CALL_BACKOFF
+
+    budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)  # a plain step: 1 s by the table
+    assert budget.drafts_this_call()
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # won: 9 s against 10 plain steps
+    assert budget.drafts_this_call()
+    budget.end_call(1, seconds=11.0, plain_steps=10, drafted=True)  # lost
+    gates = [budget.drafts_this_call() for _ in range(CALL_BACKOFF + 1)]
+    assert gates == [False] * CALL_BACKOFF + [True]
+    budget.end_call(1, seconds=20.0, plain_steps=10, drafted=True)  # lost again: twice as many vanilla calls
+    assert [budget.drafts_this_call() for _ in range(2 * CALL_BACKOFF + 1)] == [False] * 2 * CALL_BACKOFF + [True]
+    budget.end_call(1, seconds=5.0, plain_steps=10, drafted=False)  # a vanilla call: a plain step took 0.5 s
+    assert budget.plain_seconds(1) == 0.5 and budget.calls["lost"] == 2
+    untimed = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=False)  # no measured times: never gated
+    untimed.end_call(1, seconds=99.0, plain_steps=1, drafted=True)
+    assert untimed.drafts_this_call()
+
+    class Gated(SettlingBudget):
+        def drafts_this_call(self):
+            return False
+
+        def end_call(self, batch, seconds, plain_steps, drafted):
+            self.ended = (batch, plain_steps, drafted)
+
+    class NoBegin(CountingSkips):
+        def begin(self, inputs, state):
+            raise AssertionError("a call without the drafter must not run its begin")
+
+    v, n = 16, 12
+    model = toy_model(seed=0, vocab_size=v)
+    prompt = torch.randint(0, v, (2, 5), generator=torch.Generator().manual_seed(1))
+    greedy = SamplingParams(temperature=0)
+    budget = Gated()
+    out = generate(LMTarget(model, greedy, n), NoBegin(v, 4, "random"), "greedy", prompt, batch_size=2,
+                   max_new_tokens=n, budget=budget)
+    vanilla = generate(LMTarget(model, greedy, n), NoDrafter(), "greedy", prompt, batch_size=2, max_new_tokens=n)
+    assert torch.equal(out.tokens, vanilla.tokens) and budget.step == 0
+    assert out.stats.extra["budget_0"] == n - 1 and out.stats.extra["calls_without_drafter"] == 1
+    assert budget.ended == (2, n - 1, False)
+
+
 def test_per_size_values_dwell_and_refresh():
     """Jacobi's options: a size is valued by what its own steps emitted (not by the position model), a choice is
     kept `dwell` steps, the first step after a change is not counted, the warm-up size returns at refresh steps."""
