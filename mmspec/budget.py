@@ -87,7 +87,11 @@ class MeasuredSteps:
         self.seen[size] = took if size not in self.seen else 0.7 * self.seen[size] + 0.3 * took
 
     def plain_seconds(self, batch: int) -> float:
-        """A plain step's seconds at this batch size (measured once run, else the table's)."""
+        """A plain step's seconds at this batch size: measured once one ran, else the table's own (not scaled by how
+        drafting steps compare with theirs: their bookkeeping is not a plain step's)."""
+        return self.seen.get(self.plain_size) or self.plain_table_seconds(batch)
+
+    def plain_table_seconds(self, batch: int) -> float:
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------ whole calls
@@ -240,8 +244,8 @@ class AutoBudget(MeasuredSteps):
         var = torch.tensor([self.emitted_variance(k, rates) for k in self.sizes], dtype=torch.float64)
         return dict(zip(self.sizes, self.tail_speeds(seconds, mean, var).tolist()))
 
-    def plain_seconds(self, batch: int) -> float:
-        return self.seconds(batch, 0)
+    def plain_table_seconds(self, batch: int) -> float:
+        return self.table_seconds(batch, 0)
 
     def table_seconds(self, batch: int, k: int) -> float:
         return self.draft_seconds(batch, k) + self.verify_seconds(batch, k + 1)
