@@ -56,6 +56,7 @@ VerifySeconds = Callable[[int, int], float]
 
 
 CALL_BACKOFF = 4  # calls run as vanilla after a call whose drafting lost to plain steps (doubled after each loss)
+CALL_DECAY = 0.7  # weight of earlier drafted calls in that comparison, per call
 
 
 class MeasuredSteps:
@@ -72,6 +73,7 @@ class MeasuredSteps:
         self.timing, self.settle_after, self.settle_margin = timing, settle_after, settle_margin
         self.seen: dict = {}  # size -> running mean of its steps' measured seconds
         self.skip_calls, self.backoff = 0, CALL_BACKOFF  # calls left to run as vanilla; the next loss's backoff
+        self.call_seconds = self.call_plain_seconds = 0.0  # drafted calls' seconds and their plain estimates, decayed
         self.calls = {"drafted": 0, "without_drafter": 0, "lost": 0}
         self._chosen_at: float | None = None
         self._plain_run = 0  # choices in a row (this call) where a plain step beat every size by the margin
@@ -110,12 +112,17 @@ class MeasuredSteps:
     def end_call(self, batch: int, seconds: float, plain_steps: int, drafted: bool) -> None:
         """How a call went: `seconds` from the drafter's begin (or, without the drafter, the first step) to the end,
         `plain_steps` the steps vanilla takes for it (the longest row's tokens after the first). A call without the
-        drafter measures the plain step; a drafted one that took longer than `plain_steps` plain steps is a loss."""
+        drafter measures the plain step. Drafted calls are pooled (each earlier one weighs CALL_DECAY times less):
+        when they took longer than the plain steps they replaced, drafting lost (one call's content decides too
+        little: a batch with one unusual answer drafts badly)."""
         if not self.timing or plain_steps <= 0:
             return
         if not drafted:
             self._note_seconds(self.plain_size, seconds / plain_steps)
-        elif seconds > plain_steps * self.plain_seconds(batch):
+            return
+        self.call_seconds = CALL_DECAY * self.call_seconds + seconds
+        self.call_plain_seconds = CALL_DECAY * self.call_plain_seconds + plain_steps * self.plain_seconds(batch)
+        if self.call_seconds > self.call_plain_seconds:
             self.skip_calls, self.backoff = self.backoff, 2 * self.backoff
             self.calls["lost"] += 1
         else:

@@ -179,6 +179,10 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
     assert [budget.drafts_this_call() for _ in range(2 * CALL_BACKOFF + 1)] == [False] * 2 * CALL_BACKOFF + [True]
     budget.end_call(1, seconds=5.0, plain_steps=10, drafted=False)  # a vanilla call: a plain step took 0.5 s
     assert budget.plain_seconds(1) == 0.5 and budget.calls["lost"] == 2
+    pooled = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
+    for seconds in (7.0, 7.0, 7.0, 12.0):  # one slow call after faster ones: drafted calls are judged pooled
+        pooled.end_call(1, seconds=seconds, plain_steps=10, drafted=True)
+    assert pooled.drafts_this_call() and pooled.calls["lost"] == 0
     untimed = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=False)  # no measured times: never gated
     untimed.end_call(1, seconds=99.0, plain_steps=1, drafted=True)
     assert untimed.drafts_this_call()
