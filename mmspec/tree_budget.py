@@ -331,48 +331,66 @@ class TreeBudget(MeasuredSteps):
         bucket = 1 << max(prefix - 1, 0).bit_length()
         models = [getattr(m, "model", m) if not isinstance(m, torch.nn.Module) else m
                   for m in (runner.model, drafter.runner.model)]
-        extra = (f"tree-budget|B={state.batch_size}|prefix<={bucket}|{getattr(rule, 'name', rule)}|{target.params}|"
+        extra = (f"tree-budget-v2|B={state.batch_size}|prefix<={bucket}|{getattr(rule, 'name', rule)}|{target.params}|"
                  f"cfg={runner.guidance_scale is not None}|{type(drafter).__name__}|{profile_key(models[1], 'cpu')}|"
                  f"{[str(s) for s in self.shapes]}")
         key = profile_key(models[0], runner.cache.device, extra)
         times = cached_json(key, lambda: measure_shapes(target, drafter, state, rule, self.shapes))
-        self.costs = {s: times["draft"].get(f"{s.top_k},{s.depth}", 0.0) + times["step"][str(s.total)]
+        self.costs = {s: times["draft"].get(f"{s.top_k},{s.depth}", 0.0) + times["step"][step_key(s)]
                       for s in self.shapes}
+
+
+def step_key(shape: TreeShape) -> str:
+    """The step table's key of a shape: its node count, "c" first for a chain (a chain's verify takes the causal
+    mask and the rule's chain form, cheaper than a tree's of as many nodes)."""
+    return f"c{shape.total}" if shape.top_k == 1 else str(shape.total)
 
 
 def measure_shapes(target, drafter, state, rule, shapes: list[TreeShape], repeats: int = 3) -> dict:
     """Median seconds of the drafter's `propose` per (top_k, depth) and of a target step (verify + acceptance rule)
-    per node count, on the live target and drafter (nothing committed; `mmspec.cost.measure_forward_times`, so a
-    deeper draft or a wider step never reads cheaper than a shallower or narrower one).
-    {"draft": {"k,d": s}, "step": {"n": s}}."""
+    per node count, chains and trees apart (`step_key`), on the live target and drafter (nothing committed;
+    `mmspec.cost.measure_forward_times`, so a deeper draft or a wider step never reads cheaper than a shallower or
+    narrower one). {"draft": {"k,d": s}, "step": {step_key: s}}."""
     from mmspec.cost import measure_forward_times
 
     print("mmspec: timing draft shapes on this device for budget='auto' (once per model, batch size and device; "
           "cached)", file=sys.stderr, flush=True)
     device = state.output.device
     generator = torch.Generator(device=device).manual_seed(0)
-    totals = sorted({s.total for s in shapes})
-    trees: dict[int, object] = {}
-    for n in totals:  # the draft each node count is timed with
-        if n == 1:
-            trees[n] = ChainDraft(torch.empty(state.batch_size, 0, dtype=torch.long, device=device))
+    drafts: dict[str, object] = {}  # step_key -> the draft its step is timed with
+    for shape in shapes:
+        key = step_key(shape)
+        if key in drafts:
             continue
-        drafter.set_draft_size(next((s for s in shapes if s.total == n and s.top_k > 1), TreeShape(1, n - 1, n)))
-        trees[n] = drafter.propose(state)
+        if shape == PLAIN:
+            drafts[key] = ChainDraft(torch.empty(state.batch_size, 0, dtype=torch.long, device=device))
+            continue
+        drafter.set_draft_size(shape)
+        drafts[key] = drafter.propose(state)
+    keys = sorted(drafts, key=lambda k: (k.startswith("c"), int(k.lstrip("c"))))
+    chains = [k for k in keys if k.startswith("c")]
+    trees = [k for k in keys if not k.startswith("c")]
 
     def draft(top_k: int, depth: int) -> None:  # the table's "batch" is top_k, its "width" the depth
         drafter.set_draft_size(TreeShape(top_k, depth, depth + 1 if top_k == 1 else min(depth + 2,
                                                                                          pool_size(top_k, depth))))
         drafter.propose(state)
 
-    def step(batch: int, total: int) -> None:
-        accept(rule, trees[total], target.verify(state, trees[total]), generator, validate=False)
+    timed: dict = {"step": {}, "draft": {}}
+    for group in (trees, chains):  # apart: a chain's step is not a tree's of as many nodes
+        widths = [int(k.lstrip("c")) for k in group]
+        prefix = "c" if group is chains else ""
 
-    steps = measure_forward_times(step, [state.batch_size], totals, repeats, warmup=1, device=device)
-    timed = {"step": {str(n): seconds for n, seconds in zip(totals, steps.seconds[0])}, "draft": {}}
+        def step(batch: int, total: int, prefix: str = prefix) -> None:
+            draft = drafts[f"{prefix}{total}"]
+            accept(rule, draft, target.verify(state, draft), generator, validate=False)
+
+        if widths:
+            steps = measure_forward_times(step, [state.batch_size], widths, repeats, warmup=1, device=device)
+            timed["step"].update({f"{prefix}{n}": seconds for n, seconds in zip(widths, steps.seconds[0])})
     for top_k in sorted({s.top_k for s in shapes if s.total > 1}):
         depths = sorted({s.depth for s in shapes if s.top_k == top_k})
-        drafts = measure_forward_times(draft, [top_k], depths, repeats, warmup=1, device=device)
-        timed["draft"].update({f"{top_k},{d}": seconds for d, seconds in zip(depths, drafts.seconds[0])})
+        proposals = measure_forward_times(draft, [top_k], depths, repeats, warmup=1, device=device)
+        timed["draft"].update({f"{top_k},{d}": seconds for d, seconds in zip(depths, proposals.seconds[0])})
     drafter.set_draft_size(drafter.full_shape)
     return timed
