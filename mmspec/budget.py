@@ -73,7 +73,7 @@ class MeasuredSteps:
         self.timing, self.settle_after, self.settle_margin = timing, settle_after, settle_margin
         self.seen: dict = {}  # size -> running mean of its steps' measured seconds
         self.skip_calls, self.backoff = 0, CALL_BACKOFF  # calls left to run as vanilla; the next loss's backoff
-        self.call_seconds = self.call_plain_seconds = 0.0  # drafted calls' seconds and their plain estimates, decayed
+        self.call_seconds = self.call_steps = 0.0  # drafted calls' seconds and the plain steps they replaced, decayed
         self.calls = {"drafted": 0, "without_drafter": 0, "lost": 0}
         self._chosen_at: float | None = None
         self._plain_run = 0  # choices in a row (this call) where a plain step beat every size by the margin
@@ -87,14 +87,6 @@ class MeasuredSteps:
 
     def _note_seconds(self, size, took: float) -> None:
         self.seen[size] = took if size not in self.seen else 0.7 * self.seen[size] + 0.3 * took
-
-    def plain_seconds(self, batch: int) -> float:
-        """A plain step's seconds at this batch size: measured once one ran, else the table's own (not scaled by how
-        drafting steps compare with theirs: their bookkeeping is not a plain step's)."""
-        return self.seen.get(self.plain_size) or self.plain_table_seconds(batch)
-
-    def plain_table_seconds(self, batch: int) -> float:
-        raise NotImplementedError
 
     # ------------------------------------------------------------------------------------------ whole calls
     def drafts_this_call(self) -> bool:
@@ -112,17 +104,25 @@ class MeasuredSteps:
     def end_call(self, batch: int, seconds: float, plain_steps: int, drafted: bool) -> None:
         """How a call went: `seconds` from the drafter's begin (or, without the drafter, the first step) to the end,
         `plain_steps` the steps vanilla takes for it (the longest row's tokens after the first). A call without the
-        drafter measures the plain step. Drafted calls are pooled (each earlier one weighs CALL_DECAY times less):
-        when they took longer than the plain steps they replaced, drafting lost (one call's content decides too
-        little: a batch with one unusual answer drafts badly)."""
+        drafter measures the plain step. Drafted calls are pooled (each earlier one weighs CALL_DECAY times less)
+        and judged against plain steps as measured: when they took longer than the plain steps they replaced,
+        drafting lost (one call's content decides too little: a batch with one unusual answer drafts badly). Until
+        a plain step has been measured (by a plain step or a vanilla call), a drafted call makes the next call a
+        vanilla probe, which measures it and judges the calls before it (a timed table's plain step can be 30% off)."""
         if not self.timing or plain_steps <= 0:
             return
         if not drafted:
+            probe = self.plain_size not in self.seen
             self._note_seconds(self.plain_size, seconds / plain_steps)
-            return
-        self.call_seconds = CALL_DECAY * self.call_seconds + seconds
-        self.call_plain_seconds = CALL_DECAY * self.call_plain_seconds + plain_steps * self.plain_seconds(batch)
-        if self.call_seconds > self.call_plain_seconds:
+            if not (probe and self.call_steps):  # only a probe judges the drafted calls before it
+                return
+        else:
+            self.call_seconds = CALL_DECAY * self.call_seconds + seconds
+            self.call_steps = CALL_DECAY * self.call_steps + plain_steps
+            if self.plain_size not in self.seen:
+                self.skip_calls = 1  # the probe
+                return
+        if self.call_seconds > self.call_steps * self.seen[self.plain_size]:
             self.skip_calls, self.backoff = self.backoff, 2 * self.backoff
             self.calls["lost"] += 1
         else:
@@ -250,9 +250,6 @@ class AutoBudget(MeasuredSteps):
         seconds = torch.tensor([self.seconds(batch, k) for k in self.sizes], dtype=torch.float64)
         var = torch.tensor([self.emitted_variance(k, rates) for k in self.sizes], dtype=torch.float64)
         return dict(zip(self.sizes, self.tail_speeds(seconds, mean, var).tolist()))
-
-    def plain_table_seconds(self, batch: int) -> float:
-        return self.table_seconds(batch, 0)
 
     def table_seconds(self, batch: int, k: int) -> float:
         return self.draft_seconds(batch, k) + self.verify_seconds(batch, k + 1)

@@ -240,9 +240,6 @@ class TreeBudget(MeasuredSteps):
         scale = sum(self.seen[s] / self.costs[s] for s in ran) / len(ran) if ran else 1.0
         return torch.tensor([self.seen.get(s, self.costs[s] * scale) for s in self.shapes], dtype=torch.float64)
 
-    def plain_table_seconds(self, batch: int) -> float:
-        return self.costs[PLAIN]
-
     def throughput(self) -> torch.Tensor:
         return self.expected_tokens() / self.step_seconds().clamp_min(1e-12)
 

@@ -168,18 +168,26 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
     after each loss and resets after a win; vanilla calls measure the plain step."""
     from mmspec.budget import CALL_BACKOFF
 
-    budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)  # a plain step: 1 s by the table
+    budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
     assert budget.drafts_this_call()
-    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # won: 9 s against 10 plain steps
-    assert budget.drafts_this_call()
-    budget.end_call(1, seconds=11.0, plain_steps=10, drafted=True)  # lost
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # no plain step measured yet: a vanilla probe
+    assert not budget.drafts_this_call()
+    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # a plain step: 1 s; the first call won (9 < 10)
+    assert budget.drafts_this_call() and budget.calls["lost"] == 0
+    budget.end_call(1, seconds=11.0, plain_steps=10, drafted=True)  # pooled: 0.7 * 9 + 11 > 0.7 * 10 + 10: lost
     gates = [budget.drafts_this_call() for _ in range(CALL_BACKOFF + 1)]
     assert gates == [False] * CALL_BACKOFF + [True]
     budget.end_call(1, seconds=20.0, plain_steps=10, drafted=True)  # lost again: twice as many vanilla calls
     assert [budget.drafts_this_call() for _ in range(2 * CALL_BACKOFF + 1)] == [False] * 2 * CALL_BACKOFF + [True]
     budget.end_call(1, seconds=5.0, plain_steps=10, drafted=False)  # a vanilla call: a plain step took 0.5 s
-    assert budget.plain_seconds(1) == 0.5 and budget.calls["lost"] == 2
+    assert budget.seen[0] == pytest.approx(0.7 * 1.0 + 0.3 * 0.5) and budget.calls["lost"] == 2
+    probed = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
+    probed.end_call(1, seconds=9.0, plain_steps=10, drafted=True)
+    assert not probed.drafts_this_call()
+    probed.end_call(1, seconds=5.0, plain_steps=10, drafted=False)  # the probe: plain 0.5 s, the drafted call lost
+    assert probed.calls["lost"] == 1 and not probed.drafts_this_call()
     pooled = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
+    pooled.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # a plain step measured: 1 s
     for seconds in (7.0, 7.0, 7.0, 12.0):  # one slow call after faster ones: drafted calls are judged pooled
         pooled.end_call(1, seconds=seconds, plain_steps=10, drafted=True)
     assert pooled.drafts_this_call() and pooled.calls["lost"] == 0
