@@ -56,7 +56,7 @@ VerifySeconds = Callable[[int, int], float]
 
 
 CALL_BACKOFF = 4  # calls run as vanilla after a call whose drafting lost to plain steps (doubled after each loss)
-CALL_DECAY = 0.7  # weight of earlier drafted calls in that comparison, per call
+CALL_DECAY = 0.9  # weight of earlier drafted calls in that comparison, per call
 
 
 class MeasuredSteps:
@@ -104,7 +104,7 @@ class MeasuredSteps:
     def end_call(self, batch: int, seconds: float, plain_steps: int, drafted: bool) -> None:
         """How a call went: `seconds` from the drafter's begin (or, without the drafter, the first step) to the end,
         `plain_steps` the steps vanilla takes for it (the longest row's tokens after the first). A call without the
-        drafter measures the plain step. Drafted calls are pooled (each earlier one weighs CALL_DECAY times less)
+        drafter measures the plain step. Drafted calls are pooled (each earlier one weighs CALL_DECAY times as much)
         and judged against plain steps as measured: when they took longer than the plain steps they replaced,
         drafting lost (one call's content decides too little: a batch with one unusual answer drafts badly). Until
         a plain step has been measured (by a plain step or a vanilla call), a drafted call makes the next call a

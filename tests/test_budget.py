@@ -174,7 +174,7 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
     assert not budget.drafts_this_call()
     budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # a plain step: 1 s; the first call won (9 < 10)
     assert budget.drafts_this_call() and budget.calls["lost"] == 0
-    budget.end_call(1, seconds=11.0, plain_steps=10, drafted=True)  # pooled: 0.7 * 9 + 11 > 0.7 * 10 + 10: lost
+    budget.end_call(1, seconds=11.0, plain_steps=10, drafted=True)  # pooled: 0.9 * 9 + 11 > 0.9 * 10 + 10: lost
     gates = [budget.drafts_this_call() for _ in range(CALL_BACKOFF + 1)]
     assert gates == [False] * CALL_BACKOFF + [True]
     budget.end_call(1, seconds=20.0, plain_steps=10, drafted=True)  # lost again: twice as many vanilla calls
