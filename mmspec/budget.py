@@ -88,6 +88,14 @@ class MeasuredSteps:
     def _note_seconds(self, size, took: float) -> None:
         self.seen[size] = took if size not in self.seen else 0.7 * self.seen[size] + 0.3 * took
 
+    def plain_seconds(self, batch: int) -> float:
+        """A plain step's seconds at this batch size: as measured once one ran (a plain step, a vanilla call), else
+        the timed table's own (not scaled by how drafting steps compare with theirs)."""
+        return self.seen.get(self.plain_size) or self.plain_table_seconds(batch)
+
+    def plain_table_seconds(self, batch: int) -> float:
+        raise NotImplementedError
+
     # ------------------------------------------------------------------------------------------ whole calls
     def drafts_this_call(self) -> bool:
         """Asked by the loop before the drafter's `begin`: False runs the whole call as vanilla (no drafter prefill,
@@ -105,24 +113,17 @@ class MeasuredSteps:
         """How a call went: `seconds` from the drafter's begin (or, without the drafter, the first step) to the end,
         `plain_steps` the steps vanilla takes for it (the longest row's tokens after the first). A call without the
         drafter measures the plain step. Drafted calls are pooled (each earlier one weighs CALL_DECAY times as much)
-        and judged against plain steps as measured: when they took longer than the plain steps they replaced,
-        drafting lost (one call's content decides too little: a batch with one unusual answer drafts badly). Until
-        a plain step has been measured (by a plain step or a vanilla call), a drafted call makes the next call a
-        vanilla probe, which measures it and judges the calls before it (a timed table's plain step can be 30% off)."""
+        and judged against a plain step's seconds (`plain_seconds`): when they took longer than the plain steps they
+        replaced, drafting lost (one call's content decides too little: a batch with one unusual answer drafts
+        badly)."""
         if not self.timing or plain_steps <= 0:
             return
         if not drafted:
-            probe = self.plain_size not in self.seen
             self._note_seconds(self.plain_size, seconds / plain_steps)
-            if not (probe and self.call_steps):  # only a probe judges the drafted calls before it
-                return
-        else:
-            self.call_seconds = CALL_DECAY * self.call_seconds + seconds
-            self.call_steps = CALL_DECAY * self.call_steps + plain_steps
-            if self.plain_size not in self.seen:
-                self.skip_calls = 1  # the probe
-                return
-        if self.call_seconds > self.call_steps * self.seen[self.plain_size]:
+            return
+        self.call_seconds = CALL_DECAY * self.call_seconds + seconds
+        self.call_steps = CALL_DECAY * self.call_steps + plain_steps
+        if self.call_seconds > self.call_steps * self.plain_seconds(batch):
             self.skip_calls, self.backoff = self.backoff, 2 * self.backoff
             self.calls["lost"] += 1
         else:
@@ -250,6 +251,9 @@ class AutoBudget(MeasuredSteps):
         seconds = torch.tensor([self.seconds(batch, k) for k in self.sizes], dtype=torch.float64)
         var = torch.tensor([self.emitted_variance(k, rates) for k in self.sizes], dtype=torch.float64)
         return dict(zip(self.sizes, self.tail_speeds(seconds, mean, var).tolist()))
+
+    def plain_table_seconds(self, batch: int) -> float:
+        return self.table_seconds(batch, 0)
 
     def table_seconds(self, batch: int, k: int) -> float:
         return self.draft_seconds(batch, k) + self.verify_seconds(batch, k + 1)

@@ -96,7 +96,6 @@ class DecodeState:
         self.done = self.done | finished | (self.num_generated >= self.max_new_tokens)
         return added
 
-
     def append_one(self, token: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         """`append` for steps without drafts: each active row adds its token [B] (an active row has room for
         one). Returns [B] the number appended (active rows: 1)."""

@@ -168,11 +168,9 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
     after each loss and resets after a win; vanilla calls measure the plain step."""
     from mmspec.budget import CALL_BACKOFF
 
-    budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
+    budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)  # a plain step: 1 s by the table
     assert budget.drafts_this_call()
-    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # no plain step measured yet: a vanilla probe
-    assert not budget.drafts_this_call()
-    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # a plain step: 1 s; the first call won (9 < 10)
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # won: 9 s against 10 plain steps
     assert budget.drafts_this_call() and budget.calls["lost"] == 0
     budget.end_call(1, seconds=11.0, plain_steps=10, drafted=True)  # pooled: 0.9 * 9 + 11 > 0.9 * 10 + 10: lost
     gates = [budget.drafts_this_call() for _ in range(CALL_BACKOFF + 1)]
@@ -180,14 +178,8 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
     budget.end_call(1, seconds=20.0, plain_steps=10, drafted=True)  # lost again: twice as many vanilla calls
     assert [budget.drafts_this_call() for _ in range(2 * CALL_BACKOFF + 1)] == [False] * 2 * CALL_BACKOFF + [True]
     budget.end_call(1, seconds=5.0, plain_steps=10, drafted=False)  # a vanilla call: a plain step took 0.5 s
-    assert budget.seen[0] == pytest.approx(0.7 * 1.0 + 0.3 * 0.5) and budget.calls["lost"] == 2
-    probed = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
-    probed.end_call(1, seconds=9.0, plain_steps=10, drafted=True)
-    assert not probed.drafts_this_call()
-    probed.end_call(1, seconds=5.0, plain_steps=10, drafted=False)  # the probe: plain 0.5 s, the drafted call lost
-    assert probed.calls["lost"] == 1 and not probed.drafts_this_call()
+    assert budget.plain_seconds(1) == 0.5 and budget.calls["lost"] == 2  # measured replaces the table
     pooled = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
-    pooled.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # a plain step measured: 1 s
     for seconds in (7.0, 7.0, 7.0, 12.0):  # one slow call after faster ones: drafted calls are judged pooled
         pooled.end_call(1, seconds=seconds, plain_steps=10, drafted=True)
     assert pooled.drafts_this_call() and pooled.calls["lost"] == 0
@@ -395,6 +387,17 @@ def test_the_tree_budget_picks_the_fastest_expected_shape():
     assert timed.choose(1) == 0
     dear = TreeBudget(full, costs={s: 1.0 if s == PLAIN else 10.0 + s.total for s in shapes}, warmup=1, timing=False)
     assert dear.choose(1) == TreeShape(1, 1, 2)  # nothing within 3 plain steps: the warm-up still drafts (cheapest)
+
+
+def test_a_timed_tree_budget_measures_a_plain_step_first_then_warms_up():
+    """With measured times the first step of a tree budget is a plain step (timed in place: the call gate and the
+    costs read it instead of the table's); the warm-up's exploration shape follows."""
+    full = TreeShape(4, 3, 12)
+    costs = {s: 1.0 + 0.25 * (s.total - 1) for s in tree_menu(full)}
+    budget = TreeBudget(full, costs=costs, warmup=1)
+    explore = TreeBudget(full, costs=costs, warmup=1, timing=False).choose(1)
+    assert budget.choose(1) == 0 and budget.choose(1) == explore and PLAIN in budget.seen
+    assert budget.plain_seconds(1) == budget.seen[PLAIN] < costs[PLAIN]  # measured, not the table's 1 s
 
 
 def test_a_refresh_while_chains_are_chosen_drafts_the_deepest_chain():
