@@ -211,7 +211,7 @@ class TreeBudget(MeasuredSteps):
         self.chain_reached = torch.zeros(depth, dtype=torch.float64)  # [D] decayed rows whose chain reached j
         self.chain_accepted = torch.zeros(depth, dtype=torch.float64)  # [D] .. and accepted position j
         self.chosen: dict[str, int] = {}
-        self.steps = self.refreshes = self.probed = 0
+        self.steps = self.refreshes = 0
         self._refresh_at = refresh_every
         self._last = full
         self._init_steps(timing, settle_after, settle_margin)
@@ -284,11 +284,9 @@ class TreeBudget(MeasuredSteps):
         if refresh:  # at steps 16, 32, 64, 128, ..
             self._refresh_at += self.refresh_every * 2 ** self.refreshes
             self.refreshes += 1
-        if self.timing and self.steps == 0 and PLAIN not in self.seen:  # a plain step measured in place (the
-            shape, self.probed = PLAIN, 1  # timed table's read 35% high once), for the call gate and the costs
-        elif refresh and self._last.top_k == 1:  # chains are chosen: learn the positions past them
+        if refresh and self._last.top_k == 1:  # chains are chosen: learn the positions past them
             shape = self.shapes[max(self.chains.values(), key=lambda i: self.shapes[i].depth)]
-        elif self.steps < self.warmup + self.probed or refresh:
+        elif self.steps < self.warmup or refresh:
             shape = self.explore_shape()
         else:
             speed = self.speeds()  # [S]

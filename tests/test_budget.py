@@ -389,17 +389,6 @@ def test_the_tree_budget_picks_the_fastest_expected_shape():
     assert dear.choose(1) == TreeShape(1, 1, 2)  # nothing within 3 plain steps: the warm-up still drafts (cheapest)
 
 
-def test_a_timed_tree_budget_measures_a_plain_step_first_then_warms_up():
-    """With measured times the first step of a tree budget is a plain step (timed in place: the call gate and the
-    costs read it instead of the table's); the warm-up's exploration shape follows."""
-    full = TreeShape(4, 3, 12)
-    costs = {s: 1.0 + 0.25 * (s.total - 1) for s in tree_menu(full)}
-    budget = TreeBudget(full, costs=costs, warmup=1)
-    explore = TreeBudget(full, costs=costs, warmup=1, timing=False).choose(1)
-    assert budget.choose(1) == 0 and budget.choose(1) == explore and PLAIN in budget.seen
-    assert budget.plain_seconds(1) == budget.seen[PLAIN] < costs[PLAIN]  # measured, not the table's 1 s
-
-
 def test_a_refresh_while_chains_are_chosen_drafts_the_deepest_chain():
     """A chain of depth d says nothing about position d + 1: refreshes then draft the deepest chain of the menu, and
     what it accepts past d revalues the deeper chains."""
