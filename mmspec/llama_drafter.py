@@ -52,7 +52,35 @@ def llama_drafter_config(text_config, vocab_size: int | None = None) -> dict[str
                 vocab_size=c.vocab_size if vocab_size is None else vocab_size)
 
 
-class LlamaFeatureDrafter(AttentionBackendMixin, ModelMixin, ConfigMixin):
+class TargetBound:
+    """A drafter model (a diffusers `ModelMixin` + `ConfigMixin`) that reads its target's embeddings and head without
+    owning them: `bind` keeps the target as a plain attribute (not a submodule, never saved) after checking the config
+    fields the two must share; `target` reads it; `placed_like` moves the drafter next to a target weight."""
+
+    def placed_like(self, weight: torch.Tensor):
+        """self on the device (and in the dtype) of a target weight."""
+        return self.to(weight.device) if weight.dtype == self.dtype else self.to(device=weight.device,
+                                                                                 dtype=weight.dtype)
+
+    def bind(self, target: Any, expected: dict[str, Any], retrain_hint: str):
+        """Attach `target` after checking the config fields in `expected` agree with it; InputError naming the
+        mismatch and `retrain_hint` otherwise. Returns self."""
+        bad = [f"{name}: drafter {getattr(self.config, name)!r} vs target {value!r}"
+               for name, value in expected.items() if getattr(self.config, name) != value]
+        if bad:
+            raise InputError("this drafter was made for another target (" + "; ".join(bad) + f"); {retrain_hint}.")
+        self.__dict__["_target"] = target
+        return self
+
+    @property
+    def target(self) -> Any:
+        target = self.__dict__.get("_target")
+        if target is None:
+            raise InputError("the drafter is not attached to its target; call drafter.attach(target).")
+        return target
+
+
+class LlamaFeatureDrafter(TargetBound, AttentionBackendMixin, ModelMixin, ConfigMixin):
     """EAGLE feature drafter with one Llama decoder layer (see the module docstring); subclasses bind a target."""
 
     @register_to_config
@@ -78,28 +106,6 @@ class LlamaFeatureDrafter(AttentionBackendMixin, ModelMixin, ConfigMixin):
         self.last_hidden: torch.Tensor | None = None  # [R, S, H] output features of the last forward_cached
 
     # ------------------------------------------------------------------------------------------ target
-    def placed_like(self, weight: torch.Tensor) -> LlamaFeatureDrafter:
-        """self on the device (and in the dtype) of a target weight."""
-        return self.to(weight.device) if weight.dtype == self.dtype else self.to(device=weight.device,
-                                                                                 dtype=weight.dtype)
-
-    def bind(self, target: Any, expected: dict[str, int], retrain_hint: str) -> LlamaFeatureDrafter:
-        """Attach `target` (a plain attribute: not saved) after checking the config fields in `expected` agree
-        with it; InputError naming the mismatch and `retrain_hint` otherwise. Returns self."""
-        bad = [f"{name}: drafter {getattr(self.config, name)!r} vs target {value!r}"
-               for name, value in expected.items() if getattr(self.config, name) != value]
-        if bad:
-            raise InputError("this drafter was made for another target (" + "; ".join(bad) + f"); {retrain_hint}.")
-        self.__dict__["_target"] = target
-        return self
-
-    @property
-    def target(self) -> Any:
-        target = self.__dict__.get("_target")
-        if target is None:
-            raise InputError("the drafter is not attached to its target; call drafter.attach(target).")
-        return target
-
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """What the target reads for tokens [R, S] -> [R, S, H] (the family's)."""
         raise NotImplementedError

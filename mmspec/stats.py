@@ -73,7 +73,7 @@ class SpecStats:
             self._fold()
 
     def _fold(self) -> None:
-        """Fold the kept steps into the counters (one batched pass; grouped by draft width)."""
+        """Fold the kept steps into the counters (one batched pass; grouped by draft width; none kept: nothing)."""
         steps, self._steps = self._steps, []
         for k in sorted({result.accepted_flags.shape[1] for result, _ in steps}):
             group = [(result, active) for result, active in steps if result.accepted_flags.shape[1] == k]
@@ -106,8 +106,7 @@ class SpecStats:
 
     # ------------------------------------------------------------------------------------------- read
     def _count(self, key: str) -> int:
-        if self._steps:
-            self._fold()
+        self._fold()
         value = self._counts.get(key, 0)
         return int(value) if not isinstance(value, torch.Tensor) else int(value.item())
 
@@ -140,8 +139,7 @@ class SpecStats:
 
     @property
     def per_position_acceptance_rate(self) -> list[float]:
-        if self._steps:
-            self._fold()
+        self._fold()
         if self._drafted_pos is None:
             return []
         acc, dr = self._accepted_pos.tolist(), self._drafted_pos.tolist()
@@ -149,8 +147,7 @@ class SpecStats:
 
     @property
     def acceptance_histogram(self) -> list[int]:
-        if self._steps:
-            self._fold()
+        self._fold()
         return [] if self._hist is None else self._hist.tolist()
 
     def accept_lengths_per_row(self) -> list[list[int]]:
@@ -162,8 +159,7 @@ class SpecStats:
         return [[e for e, m in zip(er, ar) if m] for er, ar in zip(emitted, active)]
 
     def to_dict(self) -> dict:
-        if self._steps:
-            self._fold()
+        self._fold()
         return {
             "num_target_forwards": self.num_target_forwards,
             "num_draft_forwards": self.num_draft_forwards,

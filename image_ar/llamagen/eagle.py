@@ -37,8 +37,9 @@ from image_ar.llamagen.gpt import LlamaGenGPT, TransformerBlock, causal_mask, ff
 from image_ar.llamagen.rope import RopePositions, grid_size_of, rope_table_2d
 from mmspec.attention.model_backend import AttentionBackendMixin
 from mmspec.cache import StaticKVCache
-from mmspec.errors import InputError, check, check_positive_int
+from mmspec.errors import check, check_positive_int
 from mmspec.feature_drafter import FeatureTreeDrafter, PendingPairs
+from mmspec.llama_drafter import TargetBound
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams
 
@@ -51,7 +52,7 @@ DEFAULT_TOTAL_TOKENS = 59
 _TARGET_FIELDS = ("dim", "vocab_size", "block_size", "cls_token_num", "rope_base")
 
 
-class LlamaGenEagleDrafter(AttentionBackendMixin, RopePositions, ModelMixin, ConfigMixin):
+class LlamaGenEagleDrafter(TargetBound, AttentionBackendMixin, RopePositions, ModelMixin, ConfigMixin):
     """EAGLE feature drafter over a LlamaGen target (see the module docstring). Build it for a target with
     `for_target(target)`; a loaded one must be `attach`ed to the target before use."""
 
@@ -101,28 +102,14 @@ class LlamaGenEagleDrafter(AttentionBackendMixin, RopePositions, ModelMixin, Con
         config = dict(dim=c.dim, n_head=c.n_head, n_kv_head=c.n_kv_head, multiple_of=c.multiple_of,
                       ffn_dim_multiplier=c.ffn_dim_multiplier, norm_eps=c.norm_eps, rope_base=c.rope_base,
                       block_size=c.block_size, cls_token_num=c.cls_token_num, vocab_size=c.vocab_size)
-        drafter = cls(**{**config, **overrides})
-        p = target.tok_embeddings.weight
-        drafter = drafter.to(p.device) if p.dtype == drafter.dtype else drafter.to(device=p.device, dtype=p.dtype)
-        return drafter.attach(target)
+        return cls(**{**config, **overrides}).placed_like(target.tok_embeddings.weight).attach(target)
 
     def attach(self, target: LlamaGenGPT) -> LlamaGenEagleDrafter:
         """Share `target`'s token embeddings and output head (not registered, so never saved); returns self."""
         check(isinstance(target, LlamaGenGPT), f"attach needs the LlamaGen target, got {type(target).__name__}.")
-        bad = [f"{name}: drafter {getattr(self.config, name)!r} vs target {getattr(target.config, name)!r}"
-               for name in _TARGET_FIELDS if getattr(self.config, name) != getattr(target.config, name)]
-        if bad:
-            raise InputError("this eagle drafter was made for another target (" + "; ".join(bad) + "); retrain it "
-                             "with `mmspec train llamagen-drafter --pipeline PIPELINE --out PIPELINE/eagle_drafter`.")
-        self.__dict__["_target"] = target  # a plain attribute: not a submodule, not in the state dict
-        return self
-
-    @property
-    def target(self) -> LlamaGenGPT:
-        target = self.__dict__.get("_target")
-        if target is None:
-            raise InputError("the eagle drafter is not attached to its target; call drafter.attach(transformer).")
-        return target
+        return self.bind(target, {name: getattr(target.config, name) for name in _TARGET_FIELDS},
+                         "retrain it with `mmspec train llamagen-drafter --pipeline PIPELINE --out "
+                         "PIPELINE/eagle_drafter`")
 
     # ------------------------------------------------------------------------------------------ forward
     def embed_pairs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
