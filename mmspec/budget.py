@@ -40,7 +40,9 @@ pipelines build it) the choices follow the machine, so a seeded sampled call rep
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from statistics import NormalDist
 
@@ -57,11 +59,12 @@ VerifySeconds = Callable[[int, int], float]
 
 CALL_BACKOFF = 4  # calls run as vanilla after a call whose drafting lost to plain steps (doubled after each loss)
 CALL_DECAY = 0.9  # weight of earlier drafted calls in that comparison, per call
+STEP_SAMPLES = 9  # a size's step seconds: the median of its last this many measured steps
 
 
 class MeasuredSteps:
-    """What the chain and tree budgets share: each size's measured step seconds (`seen`, a running mean from one
-    choice to the next: drafting, verify, acceptance and bookkeeping, as the loop ran them), settling on plain
+    """What the chain and tree budgets share: each size's measured step seconds (`seen`, the median of its last steps,
+    each from one choice to the next: drafting, verify, acceptance and bookkeeping, as the loop ran them), settling on plain
     steps for the rest of a call (`settled`) and running whole calls as vanilla after a call whose drafting lost
     (`drafts_this_call`, `end_call`). Subclasses set `_last` (the size chosen last) and call
     `_init_steps`, `_time_last_step` at every choice, `_note_plain_margin` when they choose by estimate and
@@ -71,7 +74,8 @@ class MeasuredSteps:
 
     def _init_steps(self, timing: bool, settle_after: int, settle_margin: float) -> None:
         self.timing, self.settle_after, self.settle_margin = timing, settle_after, settle_margin
-        self.seen: dict = {}  # size -> running mean of its steps' measured seconds
+        self.seen: dict = {}  # size -> its steps' measured seconds (the median of the last STEP_SAMPLES)
+        self._samples: dict = {}  # size -> deque of its last STEP_SAMPLES measured seconds
         self.skip_calls, self.backoff = 0, CALL_BACKOFF  # calls left to run as vanilla; the next loss's backoff
         self.call_seconds = self.call_steps = 0.0  # drafted calls' seconds and the plain steps they replaced, decayed
         self.calls = {"drafted": 0, "without_drafter": 0, "lost": 0}
@@ -86,7 +90,13 @@ class MeasuredSteps:
         self._chosen_at = now
 
     def _note_seconds(self, size, took: float) -> None:
-        self.seen[size] = took if size not in self.seen else 0.7 * self.seen[size] + 0.3 * took
+        """A step of `size` took `took` seconds. Its estimate is the median of the last STEP_SAMPLES: a step that
+        the machine paused (another process, a page fault) reads 2-5x its usual time, which a running mean would
+        carry for several steps, and more for short steps than long ones (so plain steps read slow and drafting
+        looks better than it is); a median ignores such outliers and still follows a lasting change of load."""
+        samples = self._samples.setdefault(size, deque(maxlen=STEP_SAMPLES))
+        samples.append(took)
+        self.seen[size] = statistics.median(samples)
 
     def plain_seconds(self, batch: int) -> float:
         """A plain step's seconds at this batch size: as measured once one ran (a plain step, a vanilla call), else
@@ -168,7 +178,7 @@ class AutoBudget(MeasuredSteps):
     make (0 included or not: it is always added); verify_seconds(B, n): a target step's time with n tokens per row;
     draft_seconds(B, k): the drafter's. `chosen` counts how often each size was picked.
 
-    timing: once a size has run, its steps' own measured seconds (a running mean, from one choice to the next:
+    timing: once a size has run, its steps' own measured seconds (the median of its last steps, from one choice to the next:
     drafting, verify, acceptance and the drafter's bookkeeping) replace the table, and sizes not run yet are scaled
     by how the run ones compare with their table times. per_size: value each size only by the tokens its own steps
     emitted (decayed by `decay` per step of that size), the position model only for sizes not run yet: for drafters

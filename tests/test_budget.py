@@ -121,6 +121,19 @@ def test_measured_step_times_replace_the_table(monkeypatch):
     assert budget.seen == {2: 1.0}
 
 
+
+
+def test_a_paused_step_does_not_move_the_measured_time():
+    """A step the machine paused reads several times its usual time: it must not make plain steps look slow (a
+    running mean carried it for several steps), while a lasting change of load is followed within a few steps."""
+    budget = AutoBudget(range(9), verify_seconds=lambda b, n: float(n), timing=True)
+    for took in (1.0, 1.1, 0.9, 1.0, 5.0):
+        budget._note_seconds(0, took)
+    assert budget.seen[0] == pytest.approx(1.0)  # the median of the last steps, the 5 s pause ignored
+    assert budget.plain_seconds(1) == pytest.approx(1.0)
+    for _ in range(5):
+        budget._note_seconds(0, 2.0)  # the machine got busier for good
+    assert budget.seen[0] == pytest.approx(2.0)
 class SettlingBudget(CyclingBudget):
     """Plain steps; settled after the third choice. Counts what the loop asks of it."""
 
