@@ -63,10 +63,10 @@ STEP_SAMPLES = 9  # a size's step seconds: the median of its last this many meas
 
 
 class MeasuredSteps:
-    """What the chain and tree budgets share: each size's measured step seconds (`seen`, the median of its last steps,
-    each from one choice to the next: drafting, verify, acceptance and bookkeeping, as the loop ran them), settling on plain
-    steps for the rest of a call (`settled`) and running whole calls as vanilla after a call whose drafting lost
-    (`drafts_this_call`, `end_call`). Subclasses set `_last` (the size chosen last) and call
+    """What the chain and tree budgets share: each size's measured step seconds (`seen`, the median of its last
+    steps, each from one choice to the next: drafting, verify, acceptance and bookkeeping, as the loop ran them),
+    settling on plain steps for the rest of a call (`settled`) and running whole calls as vanilla after a call whose
+    drafting lost (`drafts_this_call`, `end_call`). Subclasses set `_last` (the size chosen last) and call
     `_init_steps`, `_time_last_step` at every choice, `_note_plain_margin` when they choose by estimate and
     `_new_call` at a call's start."""
 
@@ -178,13 +178,13 @@ class AutoBudget(MeasuredSteps):
     make (0 included or not: it is always added); verify_seconds(B, n): a target step's time with n tokens per row;
     draft_seconds(B, k): the drafter's. `chosen` counts how often each size was picked.
 
-    timing: once a size has run, its steps' own measured seconds (the median of its last steps, from one choice to the next:
-    drafting, verify, acceptance and the drafter's bookkeeping) replace the table, and sizes not run yet are scaled
-    by how the run ones compare with their table times. per_size: value each size only by the tokens its own steps
-    emitted (decayed by `decay` per step of that size), the position model only for sizes not run yet: for drafters
-    whose acceptance depends on the size (a Jacobi window's tail converges only in a long window). dwell: keep a
-    choice for this many steps (a Jacobi window needs a few steps to converge after a change; the first step after
-    a change is not counted in per-size mode). refresh_every: the warm-up's size again at steps refresh_every,
+    timing: once a size has run, its steps' own measured seconds (the median of its last steps, from one choice to
+    the next: drafting, verify, acceptance and the drafter's bookkeeping) replace the table, and sizes not run yet
+    are scaled by how the run ones compare with their table times. per_size: value each size only by the tokens its
+    own steps emitted (decayed by `decay` per step of that size), the position model only for sizes not run yet: for
+    drafters whose acceptance depends on the size (a Jacobi window's tail converges only in a long window). dwell:
+    keep a choice for this many steps (a Jacobi window needs a few steps to converge after a change; the first step
+    after a change is not counted in per-size mode). refresh_every: the warm-up's size again at steps refresh_every,
     2 x, 4 x, .. (counted over the budget's life), so a size left early is measured again. settle_after /
     settle_margin: see `settled`."""
 

@@ -94,8 +94,8 @@ class StaticKVCache:
         """
         keys = torch.arange(self.num_keys, device=self.device)  # [T]
         prefix = keys < self.lengths[:, None, None]  # [B, 1, T]
-        if tree_mask is None:
-            return prefix | ((keys >= self.lengths[:, None, None]) & (keys <= slots.unsqueeze(-1)))
+        if tree_mask is None:  # the prefix, and the new entries up to the query's own (slots >= lengths)
+            return prefix | (keys <= slots.unsqueeze(-1))
         offset = keys - self.lengths.unsqueeze(-1)  # [B, T] key offset inside the new region
         in_new = (offset >= 0) & (offset < slots.shape[1])  # [B, T]
         s = slots.shape[1]

@@ -22,7 +22,7 @@ def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, m
     norm) [B, S, H]. Autograd flows when called outside no_grad."""
     b, s, _ = x.shape
     positions = positions.expand(b, s).to(x.device)
-    cos, sin = rotary(x, positions)  # [B, S, D] each
+    cos, sin = rope_cos_sin(rotary, x, positions)  # [B, S, D] each
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, D]
     for i, layer in enumerate(layers):
         attn = layer.self_attn
@@ -39,6 +39,39 @@ def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, m
         x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, num_heads * attn.head_dim))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x
+
+
+ROPE_TABLE_POSITIONS = 8192  # positions a RoPE table holds (a larger max_position_embeddings is looked up to here)
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # RoPE types whose frequencies follow the sequence length
+
+
+def rope_cos_sin(rotary, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary(x, positions)` (cos, sin [B, S, D] at positions [B, S]). On a CPU without autograd they are looked
+    up in a table of positions [0, min(max_position_embeddings, ROPE_TABLE_POSITIONS)) that `rotary` itself
+    computed once per device, dtype and frequencies: the same numbers (each entry is its position times a
+    frequency, then cos / sin), one operation instead of seven (a drafter's step on a CPU is bound by operation
+    count). Positions past the table, RoPE types whose frequencies follow the sequence length, accelerators (an
+    out-of-range lookup there is a device assert, not an error) and training compute them directly."""
+    if (x.device.type != "cpu" or torch.is_grad_enabled() or getattr(rotary, "inv_freq", None) is None
+            or getattr(rotary, "rope_type", "default") in LENGTH_DEPENDENT_ROPE):
+        return rotary(x, positions)
+    table = _rope_table(rotary, x)  # [L, 2D] cos | sin
+    try:
+        both = torch.nn.functional.embedding(positions, table)  # [B, S, 2D]
+    except IndexError:  # a position past the table
+        return rotary(x, positions)
+    return both.chunk(2, dim=-1)
+
+
+def _rope_table(rotary, x: torch.Tensor) -> torch.Tensor:
+    key = (x.device, x.dtype, rotary.inv_freq.data_ptr(), float(getattr(rotary, "attention_scaling", 1.0)))
+    cached = getattr(rotary, "_mmspec_rope_table", None)
+    if cached is None or cached[0] != key:
+        length = min(int(getattr(rotary, "original_max_seq_len", 0) or ROPE_TABLE_POSITIONS), ROPE_TABLE_POSITIONS)
+        positions = torch.arange(length, device=x.device).unsqueeze(0)  # [1, L]
+        cos, sin = rotary(x, positions)  # [1, L, D] each
+        rotary._mmspec_rope_table = cached = (key, torch.cat([cos[0], sin[0]], dim=-1))  # [L, 2D]
+    return cached[1]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@ of every depth (top_k 1) and its trees at smaller depths and node counts. Before
 with draft() the drafter's `propose` and step() the target's verify plus the acceptance rule, both timed on this
 device, at this batch size, on the call's own prefix (`TreeBudget.begin`, once per model pair, device, dtype,
 threads, batch size and prefix length; cached by `mmspec.cost.cached_json`). Once a shape has run, its steps' own
-measured seconds (the median of its last steps, from one choice to the next) replace the table, and shapes not run yet are scaled
-by how the run ones compare with the table: a table timed under another load does not decide for ever.
+measured seconds (the median of its last steps, from one choice to the next) replace the table, and shapes not run
+yet are scaled by how the run ones compare with the table: a table timed under another load does not decide for ever.
 
 E[tokens | s] comes from what earlier steps of the call accepted, counted again for every smaller shape the step's
 tree contains (`counterfactual_accepts`): EAGLE-2 keeps the nodes of highest cumulative draft log-prob and builds

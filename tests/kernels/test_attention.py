@@ -124,6 +124,24 @@ def test_fully_masked_rows_are_zero(backend: str) -> None:
     assert out[0, :, 0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_sdpa_without_the_masked_row_guard_is_the_same(dtype: torch.dtype, kv_heads: int, monkeypatch) -> None:
+    """Where this torch's CPU SDPA zeroes fully masked rows itself, `sdpa` skips its guard (five operations per
+    layer): the outputs are bit-identical to the guarded call's, fully masked rows zero."""
+    import mmspec.attention.sdpa as sdpa
+
+    q, k, v = _inputs(2, 4, kv_heads, dtype)
+    mask = torch.rand(2, 1, S, T, generator=torch.Generator().manual_seed(3)) < 0.6
+    mask[1, 0, 2] = False  # a query that sees nothing
+    with torch.no_grad():
+        skipped = sdpa.sdpa_attention(q, k, v, mask, D ** -0.5)
+        monkeypatch.setattr(sdpa, "zeroes_fully_masked_rows", lambda dtype: False)
+        guarded = sdpa.sdpa_attention(q, k, v, mask, D ** -0.5)
+    assert torch.equal(skipped, guarded)
+    assert torch.equal(skipped[1, :, 2], torch.zeros_like(skipped[1, :, 2]))
+
+
 def test_eager_fully_masked_rows_have_finite_gradients(masks) -> None:
     q, k, v = _inputs(1, 2, 2, torch.float32)
     q.requires_grad_(True)

@@ -1,0 +1,39 @@
+"""The drafters' decoder layers (`mmspec.draft_layers`): the RoPE table gives the rotary embedding's own numbers."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from mmspec.draft_layers import rope_cos_sin
+
+SCALINGS = [None, {"rope_type": "linear", "factor": 2.0},
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 64},
+            {"rope_type": "dynamic", "factor": 2.0}]
+
+
+@pytest.mark.parametrize("scaling", SCALINGS, ids=["default", "linear", "llama3", "dynamic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_table_gives_the_rotary_embeddings_numbers(scaling, dtype) -> None:
+    """Looked up in the table (or, past it and for length-dependent types, computed): bit-identical to
+    `rotary(x, positions)`, for positions inside the table, at its last entry and past it."""
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=300, rope_scaling=scaling)
+    rotary = LlamaRotaryEmbedding(config)
+    x = torch.randn(2, 3, 64).to(dtype)
+    for positions in ([[0, 5, 299], [17, 18, 19]], [[298, 299, 300], [1000, 3, 4]]):
+        positions = torch.tensor(positions)
+        with torch.no_grad():
+            looked_up, direct = rope_cos_sin(rotary, x, positions), rotary(x, positions)
+        assert all(torch.equal(a, b) for a, b in zip(looked_up, direct))
+        assert looked_up[0].dtype == dtype and looked_up[0].shape == (2, 3, 16)
+
+
+def test_rope_table_follows_the_frequencies() -> None:
+    """A rotary whose frequencies changed (another model's buffers) gets a new table, not the old one's numbers."""
+    rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=64))
+    x, positions = torch.randn(1, 2, 64), torch.tensor([[3, 40]])
+    with torch.no_grad():
+        rope_cos_sin(rotary, x, positions)
+        rotary.inv_freq = rotary.inv_freq * 0.5
+        assert all(torch.equal(a, b) for a, b in zip(rope_cos_sin(rotary, x, positions), rotary(x, positions)))
