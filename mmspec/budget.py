@@ -183,16 +183,17 @@ class AutoBudget(MeasuredSteps):
     are scaled by how the run ones compare with their table times. per_size: value each size only by the tokens its
     own steps emitted (decayed by `decay` per step of that size), the position model only for sizes not run yet: for
     drafters whose acceptance depends on the size (a Jacobi window's tail converges only in a long window). dwell:
-    keep a choice for this many steps (a Jacobi window needs a few steps to converge after a change; the first step
-    after a change is not counted in per-size mode). refresh_every: the warm-up's size again at steps refresh_every,
-    2 x, 4 x, .. (counted over the budget's life), so a size left early is measured again. settle_after /
-    settle_margin: see `settled`."""
+    keep a choice for this many steps (a Jacobi window needs a few steps to converge after a change).
+    uncounted_after_change: per-size mode does not count the first this many steps after a change (a grown window's
+    new tail is still converging: counting those steps undervalues the larger window, which is then not chosen again
+    to be measured right). refresh_every: the warm-up's size again at steps refresh_every, 2 x, 4 x, .. (counted
+    over the budget's life), so a size left early is measured again. settle_after / settle_margin: see `settled`."""
 
     def __init__(self, sizes: Iterable[int], verify_seconds: VerifySeconds, draft_seconds: DraftSeconds | None = None,
                  prior_rate: float = 0.8, prior_strength: float = 4.0, warmup: int = 3,
                  explore_cost: float = 3.0, *, timing: bool = False, per_size: bool = False, dwell: int = 1,
                  decay: float = 0.95, refresh_every: int = 0, settle_after: int = 8,
-                 settle_margin: float = 0.8) -> None:
+                 settle_margin: float = 0.8, uncounted_after_change: int = 1) -> None:
         self.sizes = sorted({0, *(int(k) for k in sizes)})
         check(self.sizes[0] >= 0, f"draft sizes must be >= 0, got {self.sizes}.")
         check(0.0 < prior_rate < 1.0 and prior_strength > 0, "prior_rate must be in (0, 1), prior_strength > 0.")
@@ -208,6 +209,7 @@ class AutoBudget(MeasuredSteps):
         self.chosen: dict[int, int] = {}
         self.warmup, self.explore_cost = warmup, explore_cost
         self.per_size, self.dwell, self.decay = per_size, dwell, decay
+        self.uncounted_after_change = uncounted_after_change
         self.refresh_every, self._refresh_at = refresh_every, refresh_every
         self._init_steps(timing, settle_after, settle_margin)
         self._last, self._run = 0, 0  # the current size, steps drafted at it since it was chosen
@@ -317,8 +319,9 @@ class AutoBudget(MeasuredSteps):
 
     def observe(self, result: VerifyResult, active: torch.Tensor, draft=None) -> None:
         """Record a chain step's verdicts: position j (1-based) was reached by rows that drafted >= j and accepted
-        j - 1, and accepted by those that accepted >= j (per-size mode: not the first step after a change)."""
-        if self.per_size and self._run <= 1 and self._last:
+        j - 1, and accepted by those that accepted >= j (per-size mode: not the first `uncounted_after_change` steps
+        after a change)."""
+        if self.per_size and self._run <= self.uncounted_after_change and self._last:
             return
         rows, last = float(active.sum()), self._last
         keep = self.decay if self.per_size else 1.0

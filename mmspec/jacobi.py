@@ -225,8 +225,9 @@ class JacobiDrafter:
     def budget_options(self) -> dict:
         """How `mmspec.budget.AutoBudget` steers a window: a window's acceptance depends on its size (its tail
         converges over the steps it stays in the window), so each size is valued by what its own steps emitted,
-        kept for 8 steps (the first after a change not counted), re-measured at the full size now and then."""
-        return {"per_size": True, "dwell": 8, "warmup": 8, "refresh_every": 64}
+        kept for 8 steps (the first 3 after a change not counted: a grown window's tail is still converging),
+        re-measured at the full size now and then."""
+        return {"per_size": True, "dwell": 8, "warmup": 8, "refresh_every": 64, "uncounted_after_change": 3}
 
     def set_draft_size(self, k: int) -> None:
         check(0 < k <= self.k, f"draft size must be in [1, {self.k}], got {k}.")

@@ -244,6 +244,20 @@ def test_per_size_values_dwell_and_refresh():
     assert chosen[8] == 3  # refresh at step 8
 
 
+def test_per_size_values_leave_out_the_steps_after_a_change():
+    """`uncounted_after_change`: a grown window's tail is still converging, so the first steps at a new size do not
+    count towards its value (Jacobi leaves out 3); the steps after them do."""
+    budget = AutoBudget([0, 3], verify_seconds=lambda b, n: 1.0, warmup=6, per_size=True, dwell=1,
+                        uncounted_after_change=3, decay=1.0)
+    every = torch.ones(1, dtype=torch.bool)
+    emitted = [1, 1, 2, 4, 4, 4]  # what the six warm-up steps at size 3 accepted + 1
+    for tokens in emitted:
+        assert budget.choose(1) == 3
+        budget.observe(result([tokens - 1], [3]), every)
+    assert budget.rows_at[3] == 3 and budget.expected_tokens(3) == 4.0  # steps 4-6 only
+    assert AutoBudget([0, 3], verify_seconds=lambda b, n: 1.0).uncounted_after_change == 1  # the default
+
+
 def sampled_tv(make_drafter, budget, rows=40_000):
     v, n = 4, 4
     model = toy_model(seed=3, vocab_size=v, dim=16)
