@@ -177,6 +177,7 @@ class FakeFamily:
         self.calls: list[tuple[str, tuple[int, ...]]] = []
         self.builds = 0
         self.fail: tuple[str, int] | None = None  # (method, batch size) that raises RuntimeError
+        self.draw = False  # outputs drawn from the global torch generator instead of the sample ids
 
     def method(self, name: str) -> Method:
         def run(models, batch, settings, params):
@@ -184,7 +185,8 @@ class FakeFamily:
             if self.fail == (name, len(batch)):
                 raise RuntimeError("index 9 is out of bounds | boom")
             stats = SpecStats(num_target_forwards=settings.max_new_tokens)
-            tokens = [torch.full((settings.max_new_tokens,), s.question_id) for s in batch]  # [n] each
+            tokens = [torch.randint(0, 1000, (settings.max_new_tokens,)) if self.draw  # [n] each
+                      else torch.full((settings.max_new_tokens,), s.question_id) for s in batch]
             return MethodOutput(outputs=tokens, new_tokens=[settings.max_new_tokens] * len(batch), stats=stats)
 
         return Method(run, params={"x": 1} if name == "b" else {})
@@ -209,14 +211,18 @@ def fake():
     unregister_family("fake")
 
 
-def test_runs_are_interleaved_warmup_first_per_batch_size(fake):
+@pytest.mark.parametrize("interleave", ["batch", "pass"])
+def test_runs_are_interleaved_warmup_first_per_batch_size(fake, interleave):
     result = run_bench("fake", "b,vanilla,a", batch_sizes=[2, 1], repeats=2, warmup=1,
-                       settings=BenchSettings(num_samples=3, max_new_tokens=2))
+                       settings=BenchSettings(num_samples=3, max_new_tokens=2), interleave=interleave)
     order = ["vanilla", "b", "a"]  # vanilla moves to the front; the others keep their order
     expected = []
     for batches in ([(0, 1), (2,)], [(0,), (1,), (2,)]):  # batch size 2, then 1
         for _ in range(1 + 2):  # one warm-up pass, then two recorded passes
-            expected += [(m, b) for m in order for b in batches]
+            if interleave == "batch":  # batch i of every configuration before batch i + 1
+                expected += [(m, b) for b in batches for m in order]
+            else:
+                expected += [(m, b) for m in order for b in batches]
     assert fake.calls == expected
     assert fake.builds == 1
     assert [(r.batch_size, r.repeat, r.config.label) for r in result.runs] == \
@@ -225,6 +231,22 @@ def test_runs_are_interleaved_warmup_first_per_batch_size(fake):
     assert all(r.quality == {"same": 1.0} for r in result.runs)
     steps = plan_steps([2, 1], result.configs, 1, 2)
     assert [s.warmup for s in steps[:3]] == [True] * 3 and not steps[3].warmup
+
+
+def test_batch_interleaved_passes_draw_what_whole_passes_draw(fake):
+    """Each configuration's global random stream starts from the seed and carries on from its own previous batch,
+    so interleaving batches changes the order of the runs, not what a method draws."""
+    fake.draw = True  # outputs drawn from the global torch generator
+    outputs = {}
+    for interleave in ("batch", "pass"):
+        result = run_bench("fake", "a,b", batch_sizes=[1], repeats=2, warmup=1, interleave=interleave,
+                           settings=BenchSettings(num_samples=3, max_new_tokens=4))
+        outputs[interleave] = [(r["method"], r["repeat"], r["question_id"], r["choices"][0]["turns"])
+                               for r in sorted(result.records, key=lambda r: (r["method"], r["repeat"],
+                                                                               r["question_id"]))]
+    assert outputs["batch"] == outputs["pass"]
+    draws = [turns for method, _, _, turns in outputs["batch"] if method == "a"]
+    assert len({str(t) for t in draws}) == len(draws) // 2  # fresh draws per sample, repeated per pass
 
 
 def test_a_failing_configuration_is_reported_and_the_others_go_on(fake, tmp_path, capsys):

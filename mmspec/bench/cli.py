@@ -24,7 +24,7 @@ from mmspec.bench.files import prepare_output_dir
 from mmspec.bench.output import RESULTS_FILE, SUMMARY_JSON, SUMMARY_MD, write_outputs
 from mmspec.bench.registry import BenchSettings, get_family
 from mmspec.bench.report import tables_markdown
-from mmspec.bench.runner import BenchResult, check_run_args, run_bench
+from mmspec.bench.runner import INTERLEAVE_MODES, BenchResult, check_run_args, run_bench
 from mmspec.errors import InputError, check_positive_int
 from mmspec.families import available_families
 
@@ -40,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default="1", help="comma-separated batch sizes, e.g. 1,8 (default 1)")
     parser.add_argument("--repeats", type=int, default=3, help="recorded passes per batch size (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up passes per batch size (default 1)")
+    parser.add_argument("--interleave", choices=INTERLEAVE_MODES, default="batch",
+                        help="inside a pass, run batch i of every method before batch i+1 (batch, the default: each "
+                             "method's time comes from the same stretches of load as vanilla's) or each method's "
+                             "whole pass in turn (pass)")
     parser.add_argument("--num-samples", type=int, default=16, help="number of inputs (default 16)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per sample (default 64)")
     parser.add_argument("--temperature", type=float, default=0.0,
@@ -100,7 +104,8 @@ def canonical_command(args: argparse.Namespace, methods: str, batch_sizes: Seque
     for module in args.imports:
         parts += ["--import", module]
     parts += ["--family", args.family, "--methods", methods, "--batch-sizes", ",".join(map(str, batch_sizes)),
-              "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--num-samples", str(args.num_samples),
+              "--repeats", str(args.repeats), "--warmup", str(args.warmup), "--interleave", args.interleave,
+              "--num-samples", str(args.num_samples),
               "--max-new-tokens", str(args.max_new_tokens), "--temperature", f"{args.temperature:g}",
               "--seed", str(args.seed), "--device", device]
     if args.threads is not None:
@@ -150,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_bench(family, configs, batch_sizes=batch_sizes, repeats=args.repeats, warmup=args.warmup,
                            settings=settings, progress=not args.quiet, command=command,
                            on_batch_size_done=write_partial, tensor_memory=args.memory == "tensors",
-                           phase_times=args.phase_times, phase_ops=args.phase_ops)
+                           phase_times=args.phase_times, phase_ops=args.phase_ops, interleave=args.interleave)
     finally:
         torch.set_num_threads(threads_before)
     summary = written["summary"]

@@ -36,6 +36,8 @@ from mmspec.phases import OUTSIDE, PHASES, PhaseTimes
 from mmspec.stats import SpecStats
 
 MIB = 1024 * 1024
+INTERLEAVED = {"batch": "per batch (batch i of every method before batch i+1)",
+               "pass": "per pass (each method's pass over all batches in turn)"}
 
 
 def spread(values: Sequence[float]) -> dict[str, float]:
@@ -154,7 +156,8 @@ def summarize(result: BenchResult) -> dict[str, Any]:
         "command": result.command,
         "settings": {"num_samples": s.num_samples, "max_new_tokens": s.max_new_tokens,
                      "temperature": s.temperature, "seed": s.seed, "device": s.device, "options": dict(s.options),
-                     "batch_sizes": result.batch_sizes, "repeats": result.repeats, "warmup": result.warmup},
+                     "batch_sizes": result.batch_sizes, "repeats": result.repeats, "warmup": result.warmup,
+                     "interleave": result.interleave},
         "memory_kind": result.memory_kind,
         "primary_quality": result.primary_quality,
         "environment": result.environment,
@@ -271,7 +274,8 @@ def summary_markdown(summary: Mapping[str, Any], plots: Mapping[int, Sequence[st
         head += ["```", summary["command"], "```", ""]
     head += [f"- samples: {s['num_samples']}, max new tokens: {s['max_new_tokens']}, temperature: "
              f"{s['temperature']:g}, seed: {s['seed']}, options: {json.dumps(s['options'])}",
-             f"- warm-up passes: {s['warmup']} (not recorded), recorded passes: {s['repeats']}, interleaved",
+             f"- warm-up passes: {s['warmup']} (not recorded), recorded passes: {s['repeats']}, interleaved "
+             f"{INTERLEAVED[s.get('interleave', 'pass')]}",
              f"- device: {env.get('gpu', env['device'])}; torch {env['torch']}, python {env['python']}, "
              f"{env.get('cpu_count')} CPUs, {env['torch_threads']} torch threads; {env['platform']}",
              f"- memory: {memory}",

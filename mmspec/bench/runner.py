@@ -1,15 +1,19 @@
 """The interleaved benchmark run: every configuration on the same models and inputs, in one process.
 
 For each batch size (in the given order): `warmup` unrecorded passes, then `repeats` recorded passes; pass r
-runs every configuration once, in the fixed configuration order (vanilla, the reference, first),
-each over all the samples in batches of that size, before pass r+1 starts. Interleaving spreads slow drifts
-(thermal throttling, other processes) over all methods instead of charging them to whichever ran last, and
-each method's speed-up is taken against vanilla within the same pass.
+runs every configuration once over all the samples in batches of that size, in the fixed configuration order
+(vanilla, the reference, first), before pass r+1 starts. Inside a pass (`interleave="batch"`, the default) batch i
+of every configuration runs before batch i+1 of any: on a shared machine whose load drifts within seconds, each
+method's time then comes from the same stretches of load as vanilla's, instead of from its own few seconds
+(`interleave="pass"`: each configuration runs all its batches in turn, the order before 2026-11-25). Either way,
+interleaving spreads slow drifts (thermal throttling, other processes) over all methods instead of charging them to
+whichever ran last, and each method's speed-up is taken against vanilla within the same pass.
 
 Only `Method.run` is timed (with a device synchronisation on both sides); quality, records and stats
-reading happen outside the timed region. The global torch seed is reset before every configuration's pass.
-A configuration that raises is reported as failed at that batch size and skipped there (see `_run_or_fail`);
-the others go on.
+reading happen outside the timed region. The global torch seed is reset before every configuration's pass, and
+each configuration's global random stream carries on from its own previous batch (batch-interleaved passes draw
+what pass-by-pass ones do). A configuration that raises is reported as failed at that batch size and skipped there
+(see `_run_or_fail`); the others go on.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from mmspec.bench.registry import REFERENCE_METHOD, BenchSettings, Family, Metho
 from mmspec.errors import InputError, check, check_device, check_nonnegative, check_positive_int
 from mmspec.phases import PhaseTimes, record_phases, synchronize
 from mmspec.stats import SpecStats
+
+INTERLEAVE_MODES = ("batch", "pass")  # what a pass interleaves: each batch across configurations, or whole passes
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,7 @@ class BenchResult:
     primary_quality: str | None
     environment: dict
     command: str | None = None
+    interleave: str = "batch"
     phase_times: bool = False
     phase_ops: bool = False
     runs: list[RunResult] = field(default_factory=list)
@@ -157,13 +164,15 @@ def _check_output(output: Any, batch: Sequence[Sample], label: str) -> MethodOut
 
 def run_config(family: Family, models: Any, config: MethodConfig, batches: Sequence[Sequence[Sample]],
                settings: BenchSettings, meter: PeakMemory, phase_times: bool = False,
-               phase_ops: bool = False) -> list[_BatchRun]:
-    """One pass of `config` over every batch; only `Method.run` is inside the timed region (with
-    `phase_times`, the loop's phases inside it are timed too; with `phase_ops` their tensor operations and host
-    syncs are counted, see `mmspec.phases`)."""
+               phase_ops: bool = False, reseed: bool = True) -> list[_BatchRun]:
+    """One pass of `config` over every batch (or, `reseed=False`, the next batches of a pass whose global random
+    stream is already in place); only `Method.run` is inside the timed region (with `phase_times`, the loop's
+    phases inside it are timed too; with `phase_ops` their tensor operations and host syncs are counted, see
+    `mmspec.phases`)."""
     device = torch.device(settings.device)
     method = family.methods[config.method]
-    torch.manual_seed(settings.seed)
+    if reseed:
+        torch.manual_seed(settings.seed)
     runs = []
     for batch in batches:
         meter.reset()
@@ -218,7 +227,7 @@ def _format_error(err: BaseException) -> str:
 
 
 def _run_or_fail(result: BenchResult, family: Family, models: Any, step: Step, batches: list[list[Sample]],
-                 meter: PeakMemory) -> list[_BatchRun] | None:
+                 meter: PeakMemory, reseed: bool = True) -> list[_BatchRun] | None:
     """run_config, except that a configuration that raised at this batch size is skipped from then on.
 
     A failure (any exception but InputError, which is the user's to fix) is recorded in `result.failures`
@@ -230,7 +239,7 @@ def _run_or_fail(result: BenchResult, family: Family, models: Any, step: Step, b
         return None
     try:
         return run_config(family, models, step.config, batches, result.settings, meter, result.phase_times,
-                          result.phase_ops)
+                          result.phase_ops, reseed)
     except InputError:
         raise
     except Exception as err:
@@ -241,6 +250,46 @@ def _run_or_fail(result: BenchResult, family: Family, models: Any, step: Step, b
         result.runs = [r for r in result.runs if keep(r.batch_size, r.config.label)]
         result.records = [r for r in result.records if keep(r["batch_size"], r["method"])]
         return None
+
+
+def _random_state(device: torch.device) -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_random_state(device: torch.device, state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def run_round(result: BenchResult, family: Family, models: Any, steps: Sequence[Step],
+              batches: list[list[Sample]], meter: PeakMemory, on_run: Callable[[], None] = lambda: None
+              ) -> list[list[_BatchRun] | None]:
+    """One pass of every configuration of `steps` (same batch size and repeat): per `result.interleave`, batch i
+    of each before batch i+1 of any ("batch"), or each configuration's whole pass in turn ("pass"). Each
+    configuration's global random stream starts from the seed and carries on from its own previous batch. Returns
+    each step's batch runs (None where it failed); `on_run` is called after every configuration's batch."""
+    if result.interleave == "pass":
+        passes = []
+        for step in steps:
+            passes.append(_run_or_fail(result, family, models, step, batches, meter))
+            for _ in batches:
+                on_run()
+        return passes
+    device = torch.device(result.settings.device)
+    runs: list[list[_BatchRun] | None] = [[] for _ in steps]
+    streams: list[tuple | None] = [None] * len(steps)  # each configuration's global random state after its batch
+    for i, batch in enumerate(batches):
+        for j, step in enumerate(steps):
+            if runs[j] is not None:
+                if i:
+                    _set_random_state(device, streams[j])
+                got = _run_or_fail(result, family, models, step, [batch], meter, reseed=i == 0)
+                runs[j] = None if got is None else runs[j] + got
+                streams[j] = _random_state(device)
+            on_run()
+    return runs
 
 
 def _resolve(family: Family | str, methods: str | Sequence[str] | Sequence[MethodConfig] | None
@@ -257,7 +306,8 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
               batch_sizes: Sequence[int] = (1,), repeats: int = 3, warmup: int = 1,
               settings: BenchSettings | None = None, progress: bool = False, command: str | None = None,
               on_batch_size_done: Callable[[BenchResult], None] | None = None,
-              tensor_memory: bool = False, phase_times: bool = False, phase_ops: bool = False) -> BenchResult:
+              tensor_memory: bool = False, phase_times: bool = False, phase_ops: bool = False,
+              interleave: str = "batch") -> BenchResult:
     """Run every configuration interleaved (see the module docstring); returns runs and per-sample records.
 
     methods: "vanilla,tree:depth=6", a list of such strings, MethodConfigs, or None for all of the family's
@@ -266,8 +316,11 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
     `mmspec.bench.memory`) instead of the device's peak. phase_times: record where each configuration's time goes
     (the loop's phases, `mmspec.phases`; on CUDA each phase synchronises, which slows the run). phase_ops: count
     each phase's tensor operations and host syncs (device-independent; slows every op, so timings of such a run are
-    not comparable with others).
+    not comparable with others). interleave: "batch" (each batch across the configurations) or "pass" (see the
+    module docstring).
     """
+    check(interleave in INTERLEAVE_MODES, f"interleave must be one of {', '.join(INTERLEAVE_MODES)}, "
+          f"got {interleave!r}.")
     settings = settings or BenchSettings()
     batch_sizes = list(batch_sizes)
     check_run_args(batch_sizes, repeats, warmup, settings)
@@ -281,27 +334,30 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
         result = BenchResult(family=family.name, model_id=family.resolved_model_id(settings), settings=settings,
                              configs=configs, batch_sizes=batch_sizes, repeats=repeats, warmup=warmup,
                              memory_kind=meter.kind, primary_quality=family.primary_quality,
-                             environment=environment(device), command=command, phase_times=phase_times,
-                             phase_ops=phase_ops)
+                             environment=environment(device), command=command, interleave=interleave,
+                             phase_times=phase_times, phase_ops=phase_ops)
         reference_outputs: dict[tuple[int, int], list[Any]] = {}
-        bar = tqdm(total=len(steps), disable=not progress, desc=f"bench {family.name}", unit="run")
+        rounds = [steps[i: i + len(configs)] for i in range(0, len(steps), len(configs))]  # one pass each
+        total = sum(len(split_batches(samples, r[0].batch_size)) * len(r) for r in rounds)
+        bar = tqdm(total=total, disable=not progress, desc=f"bench {family.name}", unit="run")
         try:
-            for i, step in enumerate(steps):
-                bar.set_postfix_str(f"bs={step.batch_size} {'warmup' if step.warmup else 'repeat'} "
-                                    f"{step.repeat} {step.config.label}", refresh=False)
-                batch_runs = _run_or_fail(result, family, models, step, split_batches(samples, step.batch_size),
-                                          meter)
-                if batch_runs is not None and not step.warmup:
-                    key = (step.batch_size, step.repeat)
-                    outputs = _record_pass(result, family, models, step, batch_runs,
-                                           reference_outputs.get(key, []))
-                    if step.config.is_reference:
-                        reference_outputs[key] = outputs
-                bar.update(1)
-                last_of_size = i + 1 == len(steps) or steps[i + 1].batch_size != step.batch_size
+            for i, steps_of_round in enumerate(rounds):
+                first = steps_of_round[0]
+                bar.set_postfix_str(f"bs={first.batch_size} {'warmup' if first.warmup else 'repeat'} "
+                                    f"{first.repeat}", refresh=False)
+                batches = split_batches(samples, first.batch_size)
+                passes = run_round(result, family, models, steps_of_round, batches, meter, lambda: bar.update(1))
+                for step, batch_runs in zip(steps_of_round, passes):  # the reference first
+                    if batch_runs is not None and not step.warmup:
+                        key = (step.batch_size, step.repeat)
+                        outputs = _record_pass(result, family, models, step, batch_runs,
+                                               reference_outputs.get(key, []))
+                        if step.config.is_reference:
+                            reference_outputs[key] = outputs
+                last_of_size = i + 1 == len(rounds) or rounds[i + 1][0].batch_size != first.batch_size
                 if last_of_size:
                     reference_outputs.clear()
-                    result.completed_batch_sizes.append(step.batch_size)
+                    result.completed_batch_sizes.append(first.batch_size)
                     if on_batch_size_done is not None:
                         on_batch_size_done(result)
         finally:
