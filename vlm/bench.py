@@ -15,8 +15,9 @@ method at temperature 0); at temperature > 0 the token calibration figures (`pit
 `mmspec.metrics.calibration`; one teacher-forced target pass per answer, its EOS included) test that each
 method's tokens follow the target's distribution. The drafter's prefill cost is reported as the figure
 `drafter_image_tokens_per_row`:
-how many image tokens the drafter attends to per row (EagleVLM and MSD: all of them; ViSpec: one compressed
-token).
+how many image tokens the drafter attends to per row, averaged over the pass's rows (EagleVLM and MSD: all of
+them; ViSpec: one compressed token; SpecVLM: what its gate chose; 0 in calls the draft budget ran without the
+drafter).
 
 transformers' own decoding runs beside them as peer methods (`vlm.bench_peers`): `hf_generate`,
 `hf_prompt_lookup` (num_tokens) and `hf_assisted` (layers), in the same process, on the same prompts.
@@ -91,7 +92,9 @@ def _runner(record):
                            settings.temperature, _options(settings)["top_p"], tree=tree, batch_size=len(batch),
                            generator=torch.Generator().manual_seed(settings.seed), use_drafter=use_drafter,
                            child_ranking=params.get("child_ranking", "raw"), budget=budget)
-        attended = vlm.drafter_image_tokens() if use_drafter else None
+        attended = None
+        if use_drafter:  # a call the budget ran without the drafter (its drafting lost) attended no image token
+            attended = 0.0 if out.stats.extra.get("calls_without_drafter") else vlm.drafter_image_tokens()
         outputs = [{"tokens": ids, "text": text, "short": ex.qa.short, "drafter_image_tokens": attended}
                    for ids, text, ex in zip(out.token_ids, out.texts, examples)]
         return MethodOutput(outputs=outputs, new_tokens=[len(ids) for ids in out.token_ids], stats=out.stats)
@@ -103,8 +106,9 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
     same = [a["tokens"] == b["tokens"] for a, b in zip(outputs, vanilla)]
     right = [re.search(rf"\b{re.escape(o['short'].lower())}\b", o["text"].lower()) is not None for o in outputs]
     figures = {"exactness": sum(same) / len(same), "answer_contains_short": sum(right) / len(right)}
-    if outputs and outputs[0]["drafter_image_tokens"] is not None:
-        figures["drafter_image_tokens_per_row"] = outputs[0]["drafter_image_tokens"]
+    attended = [o["drafter_image_tokens"] for o in outputs if o["drafter_image_tokens"] is not None]
+    if attended:  # each output carries its batch's figure: the mean over the pass's rows
+        figures["drafter_image_tokens_per_row"] = sum(attended) / len(attended)
     if outputs and "transformers_error" in outputs[0]:  # the transformers peers (vlm.bench_peers)
         figures["transformers_errors"] = sum(o["transformers_error"] for o in outputs) / len(outputs)
     return figures

@@ -130,7 +130,7 @@ def test_bench_family_vlm(target_dir, tmp_path):
     for kind, cls in ((k, drafter_model(k)) for k in DRAFTER_KINDS):
         if not (target_dir / "drafters" / kind).is_dir():
             cls.for_target(vlm.lm).save_pretrained(target_dir / "drafters" / kind)
-    tree = ":depth=3:top_k=3:total_tokens=8"
+    tree = ":depth=3:top_k=3:total_tokens=8:budget=fixed"  # the drafter runs in every call (auto may skip it)
     out = tmp_path / "bench"
     assert main(["bench", "--family", "vlm", "--methods", "vanilla," + ",".join(k + tree for k in DRAFTER_KINDS),
                  "--batch-sizes", "1,3", "--repeats", "1", "--warmup", "0", "--num-samples", "3",
