@@ -138,7 +138,7 @@ class LlamaGenEagleDrafter(TargetBound, AttentionBackendMixin, RopePositions, Mo
         if positions is None:
             positions = self.cls_token_num + torch.arange(s, device=tokens.device)  # [S]
         x = self.embed_pairs(tokens, features)  # [R, S, dim]
-        rope = self.rope_rows(positions)  # [S, hd/2, 2]
+        rope = self.rope_rows(positions)  # [S, 2, hd]
         mask = causal_mask(s, tokens.device)  # [1, S, S]
         for layer in self.layers:
             x = layer(x, rope, mask, backend=self.attention_backend)
@@ -157,7 +157,7 @@ class LlamaGenEagleDrafter(TargetBound, AttentionBackendMixin, RopePositions, Mo
         attending through mask [R, S, T]. Returns logits [R, S, V] and sets `last_hidden` [R, S, dim]."""
         check(features is not None, "the eagle drafter needs the target features of its input pairs (features=).")
         x = self.embed_pairs(tokens, features)  # [R, S, dim]
-        rope = self.rope_rows(positions)  # [R, S, hd/2, 2]
+        rope = self.rope_rows(positions)  # [R, S, 2, hd]
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, mask, cache=cache, layer_index=i, slots=slots, backend=self.attention_backend)
         self.last_hidden = x.detach()

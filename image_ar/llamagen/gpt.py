@@ -51,7 +51,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils import BaseOutput
 from torch import nn
 
-from image_ar.llamagen.rope import RopePositions, apply_rope, grid_size_of, rope_table_2d
+from image_ar.llamagen.rope import RopePositions, grid_size_of, rope_table_2d, rotate
 from mmspec.attention import attend
 from mmspec.attention.model_backend import AttentionBackendMixin
 from mmspec.cache import StaticKVCache
@@ -198,9 +198,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor, cache: StaticKVCache | None,
                 layer_index: int, slots: torch.Tensor | None, backend: str | None) -> torch.Tensor:
         b, s, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(q.view(b, s, self.n_head, self.head_dim), rope).transpose(1, 2)  # [B, H, S, hd]
-        k = apply_rope(k.view(b, s, self.n_kv_head, self.head_dim), rope).transpose(1, 2)  # [B, Hkv, S, hd]
+        qk, v = self.wqkv(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = rotate(qk.view(b, s, self.n_head + self.n_kv_head, self.head_dim), rope)  # [B, S, H + Hkv, hd]
+        q, k = qk.transpose(1, 2).split([self.n_head, self.n_kv_head], dim=1)  # [B, H, S, hd], [B, Hkv, S, hd]
         v = v.view(b, s, self.n_kv_head, self.head_dim).transpose(1, 2)  # [B, Hkv, S, hd]
         if cache is not None:
             k, v = cache.write(layer_index, slots, k, v)  # [B, Hkv, T, hd]
@@ -507,7 +507,7 @@ class LlamaGenGPT(AttentionBackendMixin, RopePositions, ModelMixin, ConfigMixin)
         cond_key_mask = getattr(cache, "cond_key_mask", None)
         if cond_key_mask is not None:
             mask = mask_condition_keys(mask, slots, cond_key_mask)  # [B, (1,) S, T]
-        rope = self.rope_rows(positions)  # [B|1, S, hd/2, 2]
+        rope = self.rope_rows(positions)  # [B|1, S, 2, hd]
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, mask, cache=cache, layer_index=i, slots=slots, backend=self.attention_backend)
         h = self.norm(x)  # [B, S, dim]
@@ -545,7 +545,7 @@ class LlamaGenGPT(AttentionBackendMixin, RopePositions, ModelMixin, ConfigMixin)
         mask = causal_mask(length, x.device)  # [1, L, L]
         if cond_mask is not None:
             mask = mask_condition_keys(mask, positions.unsqueeze(0), cond_mask)  # [B, L, L]
-        rope = self.rope_rows(positions)  # [L, hd/2, 2]
+        rope = self.rope_rows(positions)  # [L, 2, hd]
         for layer in self.layers:
             x = layer(x, rope, mask, backend=self.attention_backend, train=self.training)
         h = self.norm(x)  # [B, L, dim]

@@ -15,6 +15,11 @@ The table has one row per absolute sequence position: `cls_token_num` condition 
   trained with it), reproduced on purpose.
 
 Everything is computed in float32 and cast back to the input dtype, as the official code does.
+
+The models rotate through `rotate` with rows of `rotation_table` (per channel: the cosine of its pair, and the
+sine signed as the rotation uses it, -sin on even channels and +sin on odd): a pair swap, two products and a sum,
+four operations where the official formula takes seven, with the same numbers bit for bit (x_even * cos +
+x_odd * (-sin) is x_even * cos - x_odd * sin in IEEE arithmetic). The models rotate q and k in one call.
 """
 
 from __future__ import annotations
@@ -58,29 +63,43 @@ def rope_table_2d(grid_size: int, head_dim: int, base: float = 10000.0, cls_toke
 
 
 def lookup_rope(table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Rows of `table` [P, hd/2, 2] at positions [B, S] (or [S]) -> [B, S, hd/2, 2] (or [S, hd/2, 2])."""
+    """Rows of `table` [P, ...] at positions [B, S] (or [S]) -> [B, S, ...] (or [S, ...])."""
     return table[positions]
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, S, H, D] by rope [B|1, S, D/2, 2] (or [S, D/2, 2]); float32 math, result in x's dtype."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)  # [B, S, H, D/2, 2]
-    if rope.dim() == 3:
-        rope = rope.unsqueeze(0)  # [1, S, D/2, 2]
-    cos = rope[..., 0].unsqueeze(2)  # [B, S, 1, D/2]
-    sin = rope[..., 1].unsqueeze(2)  # [B, S, 1, D/2]
-    even, odd = pairs[..., 0], pairs[..., 1]  # [B, S, H, D/2]
-    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1)  # [B, S, H, D/2, 2]
-    return rotated.flatten(-2).to(x.dtype)  # [B, S, H, D]
+    """Rotate x [B, S, H, D] by rope [B|1, S, D/2, 2] (or [S, D/2, 2]) rows of `rope_table_2d`; float32 math,
+    result in x's dtype."""
+    return rotate(x, rotation_table(rope))
+
+
+def rotation_table(rope: torch.Tensor) -> torch.Tensor:
+    """(cos, sin) rows [..., D/2, 2] -> rotation rows [..., 2, D]: per channel the cosine of its pair, and the sine
+    as the rotation uses it (-sin on the pair's even channel, +sin on its odd one)."""
+    cos, sin = rope[..., 0], rope[..., 1]  # [..., D/2]
+    return torch.stack([torch.stack([cos, cos], -1).flatten(-2), torch.stack([-sin, sin], -1).flatten(-2)], -2)
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, S, H, D] by rotation rows [B|1, S, 2, D] (or [S, 2, D]) of `rotation_table`: channel 2j becomes
+    x_2j cos - x_2j+1 sin, channel 2j+1 x_2j+1 cos + x_2j sin; float32 math, result in x's dtype."""
+    if rotation.dim() == 3:
+        rotation = rotation.unsqueeze(0)  # [1, S, 2, D]
+    xf = x.float()  # [B, S, H, D]
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)  # [B, S, H, D] each pair's channels swapped
+    cos, sin = rotation[:, :, 0].unsqueeze(2), rotation[:, :, 1].unsqueeze(2)  # [B, S, 1, D] each
+    return (xf * cos + swapped * sin).to(x.dtype)
 
 
 class RopePositions:
     """Mixin for LlamaGen-layout models (the GPT and its EAGLE drafter): a `_rope` table from `rope_table_2d` over
-    `cls_token_num + block_size` absolute positions, moved to the device of the positions it is read at."""
+    `cls_token_num + block_size` absolute positions; `rope_rows` reads its `rotation_table` (made once, on the
+    device of the positions it is read at)."""
 
     cls_token_num: int
     block_size: int
     _rope: torch.Tensor
+    _rotation: torch.Tensor | None = None  # rotation_table(_rope), on the device last read
 
     @property
     def max_seq_len(self) -> int:
@@ -88,7 +107,8 @@ class RopePositions:
         return self.cls_token_num + self.block_size
 
     def rope_rows(self, positions: torch.Tensor) -> torch.Tensor:
-        """(cos, sin) rows [*positions.shape, head_dim // 2, 2] float32 for absolute positions."""
-        if self._rope.device != positions.device:
+        """Rotation rows [*positions.shape, 2, head_dim] float32 (`rotation_table`) for absolute positions."""
+        if self._rotation is None or self._rotation.device != positions.device:
             self._rope = self._rope.to(positions.device)
-        return lookup_rope(self._rope, positions)
+            self._rotation = rotation_table(self._rope)  # [P, 2, hd]
+        return lookup_rope(self._rotation, positions)

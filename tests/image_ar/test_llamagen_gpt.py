@@ -208,6 +208,23 @@ def test_rope_table_layout_and_condition_zeros():
     torch.testing.assert_close(out.norm(dim=-1)[:, c:], x.norm(dim=-1)[:, c:])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotation_rows_give_the_official_formula_bit_for_bit(dtype):
+    """The models rotate q and k through `rotate` with `rotation_table` rows: exactly the official complex-pair
+    formula (x_even cos - x_odd sin, x_odd cos + x_even sin), condition zeros included."""
+    from image_ar.llamagen.rope import rotate, rotation_table
+
+    table = rope_table_2d(4, 8, 10000.0, 2)  # [18, 4, 2]
+    x = (torch.randn(2, 18, 3, 8, generator=torch.Generator().manual_seed(0)) * 10).to(dtype)  # [B, S, H, D]
+    positions = torch.tensor([list(range(18)), list(range(17, -1, -1))])  # [B, S]
+    pairs = x.float().unflatten(-1, (-1, 2))  # [B, S, H, D/2, 2]
+    cos, sin = table[positions][..., 0].unsqueeze(2), table[positions][..., 1].unsqueeze(2)  # [B, S, 1, D/2]
+    even, odd = pairs[..., 0], pairs[..., 1]
+    official = torch.stack([even * cos - odd * sin, odd * cos + even * sin], -1).flatten(-2).to(dtype)
+    assert torch.equal(rotate(x, rotation_table(table)[positions]), official)
+    assert torch.equal(apply_rope(x, table[positions]), official)
+
+
 # ---------------------------------------------------------------------------------------------- conditions
 def test_cfg_null_class_and_uncond_caption():
     model = tiny()
