@@ -142,6 +142,23 @@ def test_sdpa_without_the_masked_row_guard_is_the_same(dtype: torch.dtype, kv_he
     assert torch.equal(skipped[1, :, 2], torch.zeros_like(skipped[1, :, 2]))
 
 
+def test_the_additive_mask_is_made_once_per_mask() -> None:
+    """Every layer of a forward passes the same bool mask: its additive form is made once and reused, and made
+    again for another mask, a view with other strides, a mask changed in place or another dtype."""
+    from mmspec.attention.sdpa import additive_mask
+
+    mask = torch.rand(2, S, T, generator=torch.Generator().manual_seed(4)) < 0.5
+    first = additive_mask(mask.unsqueeze(1), torch.float32)  # [B, 1, S, T]
+    assert torch.equal(first, torch.where(mask.unsqueeze(1), 0.0, float("-inf")))
+    assert additive_mask(mask.unsqueeze(1), torch.float32) is first  # another view of the same mask: reused
+    assert additive_mask(mask.clone().unsqueeze(1), torch.float32) is not first
+    assert additive_mask(mask.unsqueeze(1), torch.bfloat16).dtype == torch.bfloat16
+    again = additive_mask(mask.unsqueeze(1), torch.float32)
+    mask[0, 0, 0] = not bool(mask[0, 0, 0])  # changed in place
+    changed = additive_mask(mask.unsqueeze(1), torch.float32)
+    assert changed is not again and torch.equal(changed, torch.where(mask.unsqueeze(1), 0.0, float("-inf")))
+
+
 def test_eager_fully_masked_rows_have_finite_gradients(masks) -> None:
     q, k, v = _inputs(1, 2, 2, torch.float32)
     q.requires_grad_(True)
