@@ -60,6 +60,7 @@ VerifySeconds = Callable[[int, int], float]
 CALL_BACKOFF = 4  # calls run as vanilla after a call whose drafting lost to plain steps (doubled after each loss)
 CALL_DECAY = 0.9  # weight of earlier drafted calls in that comparison, per call
 STEP_SAMPLES = 9  # a size's step seconds: the median of its last this many measured steps
+PLAIN_PROBE_EVERY = 8  # until STEP_SAMPLES plain steps are measured, every this many choices is a plain step
 
 
 class MeasuredSteps:
@@ -81,6 +82,7 @@ class MeasuredSteps:
         self.calls = {"drafted": 0, "without_drafter": 0, "lost": 0}
         self._chosen_at: float | None = None
         self._plain_run = 0  # choices in a row (this call) where a plain step beat every size by the margin
+        self._since_probe = 0  # choices since the last plain step kept for its timing (`_plain_probe`)
         self._tail: tuple[int, int] | None = None  # (tokens left in the longest row, active rows), if noted
 
     def _time_last_step(self) -> None:
@@ -97,6 +99,19 @@ class MeasuredSteps:
         samples = self._samples.setdefault(size, deque(maxlen=STEP_SAMPLES))
         samples.append(took)
         self.seen[size] = statistics.median(samples)
+
+    def _plain_probe(self) -> bool:
+        """Whether this choice is a plain step kept for its timing: every PLAIN_PROBE_EVERY-th choice until
+        STEP_SAMPLES plain steps (or vanilla calls) have been measured. A budget that drafts from its first step
+        would otherwise weigh drafting against a plain step's table time, timed once under another load (or
+        another version of the code) and never corrected; a plain step costs at most one step's drafting."""
+        if not self.timing or len(self._samples.get(self.plain_size, ())) >= STEP_SAMPLES:
+            return False
+        self._since_probe += 1
+        if self._since_probe < PLAIN_PROBE_EVERY:
+            return False
+        self._since_probe = 0
+        return True
 
     def plain_seconds(self, batch: int) -> float:
         """A plain step's seconds at this batch size: as measured once one ran (a plain step, a vanilla call), else
@@ -308,6 +323,8 @@ class AutoBudget(MeasuredSteps):
             best = self.explore_size(batch)
         elif 0 < self._run < self.dwell:
             best = self._last
+        elif not self.per_size and self._plain_probe():  # a Jacobi window would lose its converged tail
+            best = 0
         else:
             speed = self.speeds(batch, self.rates())
             best = max(self.sizes, key=lambda k: (speed[k], -k))

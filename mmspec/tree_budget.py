@@ -288,6 +288,8 @@ class TreeBudget(MeasuredSteps):
             shape = self.shapes[max(self.chains.values(), key=lambda i: self.shapes[i].depth)]
         elif self.steps < self.warmup or refresh:
             shape = self.explore_shape()
+        elif self._plain_probe():
+            shape = PLAIN
         else:
             speed = self.speeds()  # [S]
             shape = self.shapes[int(speed.argmax())]

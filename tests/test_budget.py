@@ -123,6 +123,20 @@ def test_measured_step_times_replace_the_table(monkeypatch):
 
 
 
+def test_plain_steps_are_timed_even_when_drafting_wins(monkeypatch):
+    """A budget that drafts from its first step still measures plain steps (every 8th choice until 9 have run),
+    so drafting is weighed against a plain step's measured time, not only its table time; then it drafts on."""
+    clock = iter(range(1000))  # every step takes 1 s, whatever its size
+    monkeypatch.setattr("mmspec.budget.time.perf_counter", lambda: float(next(clock)))
+    budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, warmup=0, timing=True)  # drafting is free
+    chosen = [budget.choose(1) for _ in range(120)]
+    plain = [i for i, k in enumerate(chosen) if k == 0]
+    assert plain == [8 * j - 1 for j in range(1, 10)]  # the 8th, 16th, .. choice, nine of them
+    assert set(chosen) - {0} == {4} and len(budget._samples[0]) == 9
+    untimed = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, warmup=0)
+    assert 0 not in [untimed.choose(1) for _ in range(40)]  # without timing nothing is measured
+
+
 def test_a_paused_step_does_not_move_the_measured_time():
     """A step the machine paused reads several times its usual time: it must not make plain steps look slow (a
     running mean carried it for several steps), while a lasting change of load is followed within a few steps."""
