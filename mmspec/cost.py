@@ -103,9 +103,14 @@ def cache_dir() -> Path:
     return Path(os.environ.get("MMSPEC_CACHE", Path.home() / ".cache" / "mmspec"))
 
 
+# changed whenever mmspec's forwards get cheaper or dearer, so tables timed by an earlier version are timed again
+# (2026-11-25: LlamaGen's rotation and SDPA's shared additive mask made LlamaGen's target about 10% faster)
+COSTS_REVISION = "2026-11-25"
+
+
 def profile_key(model: torch.nn.Module, device: torch.device | str, extra: str = "") -> str:
     """A file-name key of what a measurement depends on: the model's class, size and config, the device, its dtype,
-    torch's CPU threads and version (and `extra`, e.g. the prefix length or CFG)."""
+    torch's CPU threads and version, mmspec's `COSTS_REVISION` (and `extra`, e.g. the prefix length or CFG)."""
     param = next(model.parameters(), None)
     dtype = str(param.dtype) if param is not None else "none"
     config = getattr(model, "config", None) or {}
@@ -113,7 +118,7 @@ def profile_key(model: torch.nn.Module, device: torch.device | str, extra: str =
     config = json.dumps(config, sort_keys=True, default=str)
     size = sum(p.numel() for p in model.parameters())
     text = "|".join([type(model).__name__, str(size), config, str(torch.device(device)), dtype,
-                     str(torch.get_num_threads()), torch.__version__, extra])
+                     str(torch.get_num_threads()), torch.__version__, COSTS_REVISION, extra])
     return f"{type(model).__name__.lower()}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
 
 

@@ -53,6 +53,17 @@ def test_tables_are_cached_per_key_and_measured_again_on_request(tmp_path, monke
     assert profile_key(model, "cpu") == profile_key(model, "cpu") != profile_key(toy_model(seed=0, dim=16), "cpu")
 
 
+def test_a_new_costs_revision_times_the_tables_again(monkeypatch):
+    """A change to mmspec that makes forwards cheaper or dearer bumps COSTS_REVISION: tables timed before it are
+    not read again."""
+    import mmspec.cost
+
+    model = toy_model(seed=0)
+    before = profile_key(model, "cpu")
+    monkeypatch.setattr(mmspec.cost, "COSTS_REVISION", "a later revision")
+    assert profile_key(model, "cpu") != before
+
+
 def test_the_lm_runner_scores_new_tokens_without_committing_them():
     model = toy_model(seed=0, max_positions=64)
     run = lm_forward_runner(model, lambda b: torch.zeros(b, 3, dtype=torch.long), max_width=8)
