@@ -270,25 +270,19 @@ def run_round(result: BenchResult, family: Family, models: Any, steps: Sequence[
     of each before batch i+1 of any ("batch"), or each configuration's whole pass in turn ("pass"). Each
     configuration's global random stream starts from the seed and carries on from its own previous batch. Returns
     each step's batch runs (None where it failed); `on_run` is called after every configuration's batch."""
-    if result.interleave == "pass":
-        passes = []
-        for step in steps:
-            passes.append(_run_or_fail(result, family, models, step, batches, meter))
-            for _ in batches:
-                on_run()
-        return passes
     device = torch.device(result.settings.device)
     runs: list[list[_BatchRun] | None] = [[] for _ in steps]
     streams: list[tuple | None] = [None] * len(steps)  # each configuration's global random state after its batch
-    for i, batch in enumerate(batches):
-        for j, step in enumerate(steps):
-            if runs[j] is not None:
-                if i:
-                    _set_random_state(device, streams[j])
-                got = _run_or_fail(result, family, models, step, [batch], meter, reseed=i == 0)
-                runs[j] = None if got is None else runs[j] + got
-                streams[j] = _random_state(device)
-            on_run()
+    order = ([(i, j) for j in range(len(steps)) for i in range(len(batches))] if result.interleave == "pass"
+             else [(i, j) for i in range(len(batches)) for j in range(len(steps))])  # (batch, configuration)
+    for i, j in order:
+        if runs[j] is not None:
+            if i:
+                _set_random_state(device, streams[j])
+            got = _run_or_fail(result, family, models, steps[j], [batches[i]], meter, reseed=i == 0)
+            runs[j] = None if got is None else runs[j] + got
+            streams[j] = _random_state(device)
+        on_run()
     return runs
 
 
