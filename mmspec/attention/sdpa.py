@@ -4,7 +4,7 @@ torch picks its fastest kernel for the inputs (flash, memory-efficient, cuDNN, o
 Grouped-query attention uses `enable_gqa` where torch has it (2.5+) and repeats the kv heads otherwise.
 Query rows whose mask is all False are given a harmless all-True row for the call (so no kernel ever sees a
 fully masked row, which some produce NaN for) and their output is set to zero afterwards; on a CPU whose torch
-already gives zeros for such rows (checked once per dtype: `zeroes_fully_masked_rows`) the mask goes in as it is,
+already gives zeros for such rows (checked once per dtype: `zeroes_fully_masked_rows`) the mask goes in unguarded,
 saving the guard's five operations per layer (a drafter's step on a CPU is bound by operation count), as the
 additive float mask SDPA would make of it, made once for all the layers of a forward (`additive_mask`).
 """
@@ -68,13 +68,15 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @functools.cache
 def zeroes_fully_masked_rows(dtype: torch.dtype) -> bool:
-    """Whether this torch's CPU `scaled_dot_product_attention` returns zeros (not NaN) for a query row whose bool
-    mask hides every key, with grouped-query attention or without: then the guard above is not needed."""
+    """Whether this torch's CPU `scaled_dot_product_attention` returns zeros (not NaN) for a query row whose mask
+    hides every key, given the additive mask the unguarded path passes (`additive_mask`), with grouped-query
+    attention or without: then the guard above is not needed."""
     with torch.no_grad():
         q = torch.randn(1, 4, 3, 8, generator=torch.Generator().manual_seed(0)).to(dtype)  # [B, H, S, D]
         k = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(1)).to(dtype)  # [B, Hkv, T, D]
-        mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
-        mask[..., 1, :] = False  # query row 1 sees nothing
+        hidden = torch.zeros(1, 1, 3, 5, dtype=torch.bool)
+        hidden[..., 1, :] = True  # query row 1 sees nothing
+        mask = torch.zeros(1, 1, 3, 5, dtype=dtype).masked_fill_(hidden, float("-inf"))  # as additive_mask makes it
         outs = [F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), k.repeat_interleave(2, 1),
                                                attn_mask=mask)]
         if _HAS_GQA:
