@@ -22,8 +22,8 @@ def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, m
     norm) [B, S, H]. Autograd flows when called outside no_grad."""
     b, s, _ = x.shape
     positions = positions.expand(b, s).to(x.device)
-    cos, sin = rope_cos_sin(rotary, x, positions)  # [B, S, D] each
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, S, D]
+    cos, signed_sin = rope_rotation(rotary, x, positions)  # [B, S, D] each
+    cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)  # [B, 1, S, D]
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         num_heads = attn.q_proj.out_features // attn.head_dim
@@ -32,7 +32,7 @@ def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, m
         q = attn.q_proj(h).view(b, s, num_heads, attn.head_dim).transpose(1, 2)  # [B, Hq, S, D]
         k = attn.k_proj(h).view(b, s, num_kv_heads, attn.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
         v = attn.v_proj(h).view(b, s, num_kv_heads, attn.head_dim).transpose(1, 2)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = rotate_together(q, k, cos, signed_sin)
         if cache is not None:
             k, v = cache.write(first_layer_index + i, slots.expand(b, s), k, v)  # [B, Hkv, T, D]
         out = attend(q, k, v, mask, backend=backend, scale=attn.scaling)  # [B, Hq, S, D]
@@ -52,28 +52,52 @@ def rope_cos_sin(rotary, x: torch.Tensor, positions: torch.Tensor) -> tuple[torc
     frequency, then cos / sin), one operation instead of seven (a drafter's step on a CPU is bound by operation
     count). Positions past the table, RoPE types whose frequencies follow the sequence length, accelerators (an
     out-of-range lookup there is a device assert, not an error) and training compute them directly."""
+    return _rope_lookup(rotary, x, positions, signed=False)
+
+
+def rope_rotation(rotary, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, signed sin) [B, S, D] for `rotate_together`: the signed sin is `rotary`'s sin with its first half
+    negated, looked up like `rope_cos_sin` (no extra operation), else computed from it."""
+    return _rope_lookup(rotary, x, positions, signed=True)
+
+
+def rotate_together(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                    signed_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' `apply_rotary_pos_emb` for q [B, Hq, S, D] and k [B, Hkv, S, D] in one pass (cos, signed_sin
+    [B, 1, S, D]): x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, D / 2) * signed_sin (the
+    same products: (-a) * b = a * (-b)), so bit-identical in 5 operations instead of 10."""
+    heads = q.shape[1]
+    both = torch.cat((q, k), dim=1)  # [B, Hq + Hkv, S, D]
+    both = both * cos + both.roll(both.shape[-1] // 2, dims=-1) * signed_sin
+    return both[:, :heads], both[:, heads:]
+
+
+def _rope_lookup(rotary, x: torch.Tensor, positions: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     if (x.device.type != "cpu" or torch.is_grad_enabled() or getattr(rotary, "inv_freq", None) is None
             or getattr(rotary, "rope_type", "default") in LENGTH_DEPENDENT_ROPE):
-        return rotary(x, positions)
-    table = _rope_table(rotary, x)  # [L, 2D] cos | sin
+        return _signed(*rotary(x, positions)) if signed else rotary(x, positions)
+    table = _rope_tables(rotary, x)[signed]  # [L, 2D] cos | sin, or cos | signed sin
     try:
         both = torch.nn.functional.embedding(positions, table)  # [B, S, 2D]
     except IndexError:  # a position past the table
-        return rotary(x, positions)
+        return _signed(*rotary(x, positions)) if signed else rotary(x, positions)
     return both.chunk(2, dim=-1)
 
 
-def _rope_table(rotary, x: torch.Tensor) -> torch.Tensor:
+def _signed(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def _rope_tables(rotary, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([L, 2D] cos | sin, [L, 2D] cos | signed sin) for positions [0, L), made by `rotary` once per device, dtype
+    and frequencies."""
     key = (x.device, x.dtype, rotary.inv_freq.data_ptr(), float(getattr(rotary, "attention_scaling", 1.0)))
-    cached = getattr(rotary, "_mmspec_rope_table", None)
+    cached = getattr(rotary, "_mmspec_rope_tables", None)
     if cached is None or cached[0] != key:
         length = min(int(getattr(rotary, "original_max_seq_len", 0) or ROPE_TABLE_POSITIONS), ROPE_TABLE_POSITIONS)
         positions = torch.arange(length, device=x.device).unsqueeze(0)  # [1, L]
         cos, sin = rotary(x, positions)  # [1, L, D] each
-        rotary._mmspec_rope_table = cached = (key, torch.cat([cos[0], sin[0]], dim=-1))  # [L, 2D]
+        tables = (torch.cat([cos[0], sin[0]], dim=-1), torch.cat(_signed(cos[0], sin[0]), dim=-1))
+        rotary._mmspec_rope_tables = cached = (key, tables)
     return cached[1]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

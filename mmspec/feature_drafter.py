@@ -277,16 +277,18 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
         runner = self.runner
         logits, hidden, root_slot = self.run_pending()  # [B, V], [R, dim], [B]
         logits, hidden = logits.unsqueeze(1), hidden.unsqueeze(1)  # [B, 1, V], [R, 1, dim]
-        drafts, scores = [], [torch.zeros(root_slot.shape[0], 1, device=logits.device)]  # [B, 1] each
+        slots = root_slot.unsqueeze(-1) + torch.arange(self.depth + 1, device=root_slot.device)  # [B, D+1]
+        positions = slots + self._offset(1)  # [B, D+1]
+        drafts, log_probs = [], []  # D of [B, 1] each
         for d in range(self.depth):
             if d:  # draft d - 1 with its parent's output feature (the predicted feature before it)
-                slot = (root_slot + d).unsqueeze(-1)  # [B, 1]
-                logits = runner.forward(drafts[-1], slot + self._offset(1), slot, features=hidden)  # [B, 1, V]
+                logits = runner.forward(drafts[-1], positions[:, d:d + 1], slots[:, d:d + 1], features=hidden)
                 hidden = self.model.last_hidden  # [R, 1, dim]
-            log_prob, token = self.log_probs(logits, root_slot + 1 + d).max(-1)  # [B, 1] each
+            log_prob, token = self.log_probs(logits, slots[:, d + 1]).max(-1)  # [B, 1] each; child index root + 1 + d
             drafts.append(token)
-            scores.append(scores[-1] + log_prob)
-        return chain_as_tree(torch.cat(drafts, 1), state.last_token, scores=torch.cat(scores, 1))
+            log_probs.append(log_prob)
+        scores = torch.nn.functional.pad(torch.cat(log_probs, 1).cumsum(-1), (1, 0))  # [B, D+1] cumulative, the root's 0 first
+        return chain_as_tree(torch.cat(drafts, 1), state.last_token, scores=scores)
 
     def observe(self, state: DecodeState, draft: DraftTree, result: VerifyResult, active: torch.Tensor,
                 target_probs: torch.Tensor) -> None:

@@ -67,6 +67,18 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(mask, zero, torch.finfo(dtype).min).unsqueeze(1)
 
 
+_ZEROS: dict = {}  # (dtype, device) -> the largest zero additive mask made yet [1, 1, 1, T]
+
+
+def zero_mask(b: int, s: int, t: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The 4-D additive mask [B, 1, S, T] that lets every query see every key: a broadcast view of one zeros
+    tensor kept per dtype and device (no operation per step; what `additive_mask` makes of an all-True mask)."""
+    zeros = _ZEROS.get((dtype, device))
+    if zeros is None or zeros.shape[-1] < t:
+        zeros = _ZEROS[(dtype, device)] = torch.zeros(1, 1, 1, max(t, 1024), dtype=dtype, device=device)
+    return zeros[..., :t].expand(b, 1, s, t)
+
+
 def mmspec_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs) -> tuple[torch.Tensor, None]:
@@ -145,7 +157,7 @@ def run_text_model(text_model, embeds: torch.Tensor, positions: torch.Tensor, ca
                    window: int | None = None, seq_positions: torch.Tensor | None = None) -> torch.Tensor:
     """The transformers text model `text_model` (its own forward) over input embeddings [B, S, H] at positions
     ([B, S], or the model's own layout such as M-RoPE's [3, B, S]), keys/values written at slots [B, S], mask
-    [B, S, T] bool. `window`: the model's sliding attention window, applied by sequence index (`seq_positions`
+    [B, S, T] bool (None: every key of the cache's visible range, `mmspec.lm.CachedLM`). `window`: the model's sliding attention window, applied by sequence index (`seq_positions`
     [B, S], default the slots; `sliding_window_masks`). Returns the final-norm hidden state [B, S, H] (what the LM
     head reads)."""
     b, s, _ = embeds.shape
@@ -156,7 +168,10 @@ def run_text_model(text_model, embeds: torch.Tensor, positions: torch.Tensor, ca
         register_mmspec_attention()
         kwargs["mmspec_backend"] = attention_backend
     kwargs[cache_argument(text_model)] = SlotCache(cache, slots)
-    if window is None:
+    if mask is None:  # every query sees every key of [0, T): the additive mask of an all-True mask, without building it
+        check(window is None, "a sliding-window model needs the step's mask.")
+        attention = zero_mask(b, s, cache.num_keys, embeds.dtype, embeds.device)
+    elif window is None:
         attention = additive_mask(mask, embeds.dtype)
     else:
         seq_positions = (slots if seq_positions is None else seq_positions).expand(b, s).to(mask.device)  # [B, S]

@@ -83,6 +83,8 @@ class TargetBound:
 class LlamaFeatureDrafter(TargetBound, AttentionBackendMixin, ModelMixin, ConfigMixin):
     """EAGLE feature drafter with one Llama decoder layer (see the module docstring); subclasses bind a target."""
 
+    attends_without_mask = True  # forward_cached takes mask None (`mmspec.lm.CachedLM`)
+
     @register_to_config
     def __init__(self, hidden_size: int = 4096, num_attention_heads: int = 32, num_key_value_heads: int | None = None,
                  intermediate_size: int = 11008, rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0,

@@ -42,7 +42,10 @@ class CachedLM(Protocol):
 
     def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """tokens, positions, slots [B, S]; mask [B, S, T]. Writes K/V at `slots`; returns logits [B, S, V]."""
+        """tokens, positions, slots [B, S]; mask [B, S, T]. Writes K/V at `slots`; returns logits [B, S, V].
+        A model with `attends_without_mask = True` also takes mask None: every query sees every key of the cache's
+        visible range (`GuidedRunner.forward` passes None for one query per row, all rows at that range's last slot,
+        on a CPU: the mask's 7 operations are most of what a tiny drafter's step costs beyond its matrix products)."""
 
 
 def prefill_prompt(model: CachedLM, prompt: torch.Tensor, extra_capacity: int) -> tuple[StaticKVCache, torch.Tensor]:
@@ -142,9 +145,17 @@ class GuidedRunner:
         # on a CPU, attend over the slots up to this step's last one, not the whole capacity (one cheap host read;
         # on an accelerator the read would be a sync per forward, and a compiled forward wants static shapes)
         eager_cpu = cache.device.type == "cpu" and not hasattr(self.model, "eager_forward_cached")
-        limit = int(full_slots.max()) + 1 if eager_cpu else cache.capacity
+        unmasked = False
+        if eager_cpu and full_slots.shape[1] == 1 and mask is None and tree_mask is None:
+            last = full_slots.view(-1).tolist()  # one query per row: its slot, read without a device operation
+            limit = max(last) + 1
+            unmasked = min(last) + 1 == limit and getattr(self.model, "attends_without_mask", False)
+        else:
+            limit = int(full_slots.max()) + 1 if eager_cpu else cache.capacity
         with cache.keys_up_to(limit):
-            if mask is None:
+            if unmasked:  # every row's one query at the same slot sees every key up to it (a drafter's chain step)
+                mask = None
+            elif mask is None:
                 mask = cache.attention_mask(full_slots, None if tree_mask is None else self.rows(tree_mask))
             else:
                 mask = self.rows(mask)[..., :limit]

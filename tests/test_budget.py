@@ -406,7 +406,7 @@ def test_the_tree_budget_picks_the_fastest_expected_shape():
     assert shapes[0] == PLAIN and TreeShape(1, 3, 4) in shapes and full in shapes
     flat = {s: 1.0 for s in shapes}  # every shape costs a plain step: the most accepting one wins
     budget = TreeBudget(full, costs=flat, warmup=0, refresh_every=0, timing=False)
-    budget.accepted[:] = torch.tensor([0.0] + [s.total + 0.1 * s.depth for s in shapes[1:]])
+    budget.accepted[:] = torch.tensor([0.0] + [s.total + 0.1 * s.top_k + 0.01 * s.depth for s in shapes[1:]])
     budget.rows[:] = 1.0
     assert budget.choose(1) == full
     steep = TreeBudget(full, costs={s: float(s.total) for s in shapes}, warmup=0, refresh_every=0, timing=False)

@@ -210,9 +210,15 @@ class CachedVLM:
         return positions
 
     # -------------------------------------------------------------------------------------------- steps
+    @property
+    def attends_without_mask(self) -> bool:
+        """`forward_cached` takes mask None (`mmspec.lm.CachedLM`) unless a sliding window needs the mask."""
+        return self.window is None
+
     def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """tokens, positions, slots [B, S]; mask [B, S, T]. Writes K/V at `slots`; returns logits [B, S, V]."""
+        """tokens, positions, slots [B, S]; mask [B, S, T] or None (every key up to the cache's visible end). Writes
+        K/V at `slots`; returns logits [B, S, V]."""
         return self.forward_embeds(self.embed_tokens(tokens.to(self.device)), self.step_positions(positions), cache,
                                    slots, mask, seq_positions=positions)
 

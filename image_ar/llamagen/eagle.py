@@ -56,6 +56,8 @@ class LlamaGenEagleDrafter(TargetBound, AttentionBackendMixin, RopePositions, Mo
     """EAGLE feature drafter over a LlamaGen target (see the module docstring). Build it for a target with
     `for_target(target)`; a loaded one must be `attach`ed to the target before use."""
 
+    attends_without_mask = True  # forward_cached takes mask None (`mmspec.lm.CachedLM`)
+
     @register_to_config
     def __init__(
         self,
