@@ -297,6 +297,8 @@ def _check_rates(**rates: float) -> None:
 class LlamaGenGPT(AttentionBackendMixin, RopePositions, ModelMixin, ConfigMixin):
     """LlamaGen's image-token transformer (c2i or t2i) at any size; see the module docstring."""
 
+    attends_without_mask = True  # forward_cached takes mask None (`mmspec.lm.CachedLM`)
+
     @register_to_config
     def __init__(
         self,
@@ -465,9 +467,10 @@ class LlamaGenGPT(AttentionBackendMixin, RopePositions, ModelMixin, ConfigMixin)
 
     @torch.no_grad()
     def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
-                       slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+                       slots: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Image tokens [B, S] at absolute positions [B, S] (image token i at cls_token_num + i), written to
-        cache `slots` [B, S], attending through `mask` [B, S, T] (True = may attend). Returns logits [B, S, V]
+        cache `slots` [B, S], attending through `mask` [B, S, T] (True = may attend; None: every key up to the
+        cache's visible end, `mmspec.lm.CachedLM`). Returns logits [B, S, V]
         (float32) and sets `last_hidden` [B, S, dim]. Positions may be non-contiguous (tree drafts)."""
         check(isinstance(tokens, torch.Tensor) and tokens.dim() == 2 and not tokens.is_floating_point(),
               f"tokens must be integer image tokens [B, S], got {list(getattr(tokens, 'shape', []))}.")
@@ -477,7 +480,10 @@ class LlamaGenGPT(AttentionBackendMixin, RopePositions, ModelMixin, ConfigMixin)
             check(isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] in (1, b)
                   and value.shape[1] == s and not value.is_floating_point(),
                   f"{name} must be an integer tensor [B, S] = [{b}, {s}], got {list(getattr(value, 'shape', []))}.")
-        check(isinstance(mask, torch.Tensor) and mask.dim() in (3, 4) and mask.shape[-2:] == (s, cache.num_keys),
+        if mask is None and getattr(cache, "cond_key_mask", None) is not None:  # padded captions need a mask
+            mask = cache.attention_mask(slots.expand(b, s))
+        check(mask is None or isinstance(mask, torch.Tensor) and mask.dim() in (3, 4)
+              and mask.shape[-2:] == (s, cache.num_keys),
               f"mask must be bool [B, S, T] = [{b}, {s}, {cache.num_keys}], got {list(getattr(mask, 'shape', []))}.")
         self._check_positions(positions)
         x = self.tok_embeddings(tokens)  # [B, S, dim]
@@ -502,7 +508,7 @@ class LlamaGenGPT(AttentionBackendMixin, RopePositions, ModelMixin, ConfigMixin)
             )
 
     def _run_cached(self, x: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
-                    mask: torch.Tensor) -> torch.Tensor:
+                    mask: torch.Tensor | None) -> torch.Tensor:
         """x [B, S, dim] at positions [B|1, S] -> logits [B, S, V]; K/V written at slots [B, S]."""
         cond_key_mask = getattr(cache, "cond_key_mask", None)
         if cond_key_mask is not None:
