@@ -287,7 +287,8 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
             log_prob, token = self.log_probs(logits, slots[:, d + 1]).max(-1)  # [B, 1] each; child index root + 1 + d
             drafts.append(token)
             log_probs.append(log_prob)
-        scores = torch.nn.functional.pad(torch.cat(log_probs, 1).cumsum(-1), (1, 0))  # [B, D+1] cumulative, the root's 0 first
+        scores = torch.cat(log_probs, 1).cumsum(-1)  # [B, D] cumulative draft log-probs
+        scores = torch.nn.functional.pad(scores, (1, 0))  # [B, D+1] the root's 0 first
         return chain_as_tree(torch.cat(drafts, 1), state.last_token, scores=scores)
 
     def observe(self, state: DecodeState, draft: DraftTree, result: VerifyResult, active: torch.Tensor,

@@ -157,8 +157,9 @@ def run_text_model(text_model, embeds: torch.Tensor, positions: torch.Tensor, ca
                    window: int | None = None, seq_positions: torch.Tensor | None = None) -> torch.Tensor:
     """The transformers text model `text_model` (its own forward) over input embeddings [B, S, H] at positions
     ([B, S], or the model's own layout such as M-RoPE's [3, B, S]), keys/values written at slots [B, S], mask
-    [B, S, T] bool (None: every key of the cache's visible range, `mmspec.lm.CachedLM`). `window`: the model's sliding attention window, applied by sequence index (`seq_positions`
-    [B, S], default the slots; `sliding_window_masks`). Returns the final-norm hidden state [B, S, H] (what the LM
+    [B, S, T] bool (None: every key of the cache's visible range, `mmspec.lm.CachedLM`). `window`: the model's
+    sliding attention window, applied by sequence index (`seq_positions` [B, S], default the slots;
+    `sliding_window_masks`). Returns the final-norm hidden state [B, S, H] (what the LM
     head reads)."""
     b, s, _ = embeds.shape
     if positions.dim() == 2:

@@ -3,9 +3,9 @@
 import pytest
 import torch
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from mmspec.draft_layers import rope_cos_sin
+from mmspec.draft_layers import rope_cos_sin, rope_rotation, rotate_together
 
 SCALINGS = [None, {"rope_type": "linear", "factor": 2.0},
             {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -37,3 +37,20 @@ def test_rope_table_follows_the_frequencies() -> None:
         rope_cos_sin(rotary, x, positions)
         rotary.inv_freq = rotary.inv_freq * 0.5
         assert all(torch.equal(a, b) for a, b in zip(rope_cos_sin(rotary, x, positions), rotary(x, positions)))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_q_and_k_rotated_together_give_transformers_rotation(grad) -> None:
+    """`rotate_together` with `rope_rotation`'s signed sin (table lookup without autograd, computed with it) equals
+    transformers' `apply_rotary_pos_emb` bit for bit, grouped-query shapes included."""
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    rotary = LlamaRotaryEmbedding(config)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 5, 16, generator=g), torch.randn(2, 2, 5, 16, generator=g)
+    positions = torch.randint(0, 300, (2, 5), generator=g)  # some past the table
+    with torch.no_grad():
+        want = apply_rotary_pos_emb(q, k, *rotary(q, positions))
+    with torch.set_grad_enabled(grad):
+        cos, signed_sin = rope_rotation(rotary, q, positions)
+        got = rotate_together(q, k, cos.unsqueeze(1), signed_sin.unsqueeze(1))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -154,6 +154,34 @@ def test_t2i_padding_mask_survives_row_selection():
     assert cache.cond_key_mask is None
 
 
+@pytest.mark.parametrize("kw", [{}, {"model_type": "t2i", "cls_token_num": 3}])
+def test_one_token_steps_without_a_mask_give_the_masked_logits(kw):
+    """`GuidedRunner.forward` passes mask None for one query per row when every row sits at the same slot: the
+    logits are the masked step's, bit for bit (t2i caption padding is still masked: the model builds that mask);
+    rows at different slots still get the mask."""
+    from mmspec.lm import GuidedRunner
+
+    model = tiny(**kw)
+    seq, cond, _ = _setup(model, batch=2)
+    cache = model.new_cache(2, model.cls_token_num + 8)
+    cond_mask = torch.tensor([[False, True, True], [True, True, True]]) if kw else None
+    model.prefill_condition(model.embed_condition(cond), cache, **({"cond_mask": cond_mask} if kw else {}))
+    runner = GuidedRunner(model)
+    runner.cache = cache
+    seen = []
+    forward = model.forward_cached
+    model.forward_cached = lambda *args: seen.append(args[4]) or forward(*args)
+    c = model.cls_token_num
+    for lengths, unmasked in (([c, c], True), ([c + 1, c + 1], True), ([c + 2, c + 1], False)):
+        cache.lengths = torch.tensor(lengths)
+        slots = runner.slots(1)  # [B, 1]
+        got = runner.forward(seq[:, :1], slots, slots)
+        assert (seen[-1] is None) == unmasked
+        with cache.keys_up_to(max(lengths) + 1):
+            want = forward(seq[:, :1], slots, cache, slots, cache.attention_mask(slots))
+        assert torch.equal(got, want)
+
+
 def test_last_hidden_feeds_the_head_and_backends_agree():
     model = tiny()
     seq, cond, full = _setup(model)

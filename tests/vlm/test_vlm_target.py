@@ -118,3 +118,28 @@ def test_targets_it_cannot_run_exactly_are_refused_in_one_line(tmp_path):
     (tmp_path / "internvl" / "processor_config.json").write_text("{}")
     with pytest.raises(InputError, match="'internvl' model \\(InternVLForConditionalGeneration\\)"):
         SpeculativeVLM.from_pretrained(tmp_path / "internvl")
+
+
+def test_one_token_steps_without_a_mask_give_the_masked_logits():
+    """`GuidedRunner.forward` passes mask None for one query per row when every row sits at the same slot (the
+    target then hands transformers a zeros view instead of building the mask): the logits are the masked step's,
+    bit for bit; rows at different slots still get the mask."""
+    from mmspec.lm import GuidedRunner
+
+    model = tiny_llava()
+    rows = [prompt([7, 8], [9], 16), prompt([12], [13], 16)]
+    lm = LlavaCachedLM(model)
+    runner = GuidedRunner(lm, prefill_fn=prefill_vlm)
+    runner.prefill(batch(rows, torch.rand(2, 3, 32, 32)), 8)
+    seen = []
+    forward = lm.forward_cached
+    lm.forward_cached = lambda *args: seen.append(args[4]) or forward(*args)
+    for lengths, unmasked in (([21, 21], True), ([21, 20], False)):
+        runner.cache.lengths = torch.tensor(lengths)
+        slots = runner.slots(1)  # [B, 1]
+        tokens = torch.tensor([[30], [31]])
+        got = runner.forward(tokens, slots, slots)
+        assert (seen[-1] is None) == unmasked
+        with runner.cache.keys_up_to(max(lengths) + 1):
+            want = forward(tokens, slots, runner.cache, slots, runner.cache.attention_mask(slots))
+        assert torch.equal(got, want)
