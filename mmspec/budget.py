@@ -61,6 +61,7 @@ CALL_BACKOFF = 4  # calls run as vanilla after a call whose drafting lost to pla
 CALL_DECAY = 0.9  # weight of earlier drafted calls in that comparison, per call
 STEP_SAMPLES = 9  # a size's step seconds: the median of its last this many measured steps
 PLAIN_PROBE_EVERY = 8  # until STEP_SAMPLES plain steps are measured, every this many choices is a plain step
+GATE_PLAIN_SAMPLES = 3  # plain steps measured before the call gate trusts their time over the timed table's
 
 
 class MeasuredSteps:
@@ -121,6 +122,18 @@ class MeasuredSteps:
     def plain_table_seconds(self, batch: int) -> float:
         raise NotImplementedError
 
+    def _gate_plain_seconds(self, batch: int) -> float:
+        """The plain step the call gate weighs drafted calls against: the measured one once GATE_PLAIN_SAMPLES plain
+        steps (or vanilla calls) have run, before that the smaller of it and the table's: a drafting call at batch
+        32 has one or two plain probes, and one the machine paused, or a table timed under load (tables read
+        6.5-8.6 ms for plain steps measured at 5.1-6.3 ms in calls), makes a losing call read as a win (a run had
+        ViSpec drafting every batch-32 call at 0.73x of vanilla, runs/bench-vlm-s23f). When in doubt, vanilla."""
+        measured = self.seen.get(self.plain_size)
+        table = self.plain_table_seconds(batch)
+        if measured is None:
+            return table
+        return measured if len(self._samples[self.plain_size]) >= GATE_PLAIN_SAMPLES else min(measured, table)
+
     # ------------------------------------------------------------------------------------------ whole calls
     def drafts_this_call(self) -> bool:
         """Asked by the loop before the drafter's `begin`: False runs the whole call as vanilla (no drafter prefill,
@@ -148,7 +161,7 @@ class MeasuredSteps:
             return
         self.call_seconds = CALL_DECAY * self.call_seconds + seconds
         self.call_steps = CALL_DECAY * self.call_steps + plain_steps
-        if self.call_seconds > self.call_steps * self.plain_seconds(batch):
+        if self.call_seconds > self.call_steps * self._gate_plain_seconds(batch):
             self.skip_calls, self.backoff = self.backoff, 2 * self.backoff
             self.calls["lost"] += 1
         else:

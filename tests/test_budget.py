@@ -193,7 +193,7 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
     """A call whose drafting (the drafter's begin included) took longer than the plain steps it replaced makes the
     next `backoff` calls run as vanilla (no drafter begin, no budget), then one drafts again; the backoff doubles
     after each loss and resets after a win; vanilla calls measure the plain step."""
-    from mmspec.budget import CALL_BACKOFF
+    from mmspec.budget import CALL_BACKOFF, GATE_PLAIN_SAMPLES
 
     budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)  # a plain step: 1 s by the table
     assert budget.drafts_this_call()
@@ -210,6 +210,17 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
     for seconds in (7.0, 7.0, 7.0, 12.0):  # one slow call after faster ones: drafted calls are judged pooled
         pooled.end_call(1, seconds=seconds, plain_steps=10, drafted=True)
     assert pooled.drafts_this_call() and pooled.calls["lost"] == 0
+    # fewer than GATE_PLAIN_SAMPLES plain steps measured: the smaller of them and the table decides (one paused
+    # probe reading 3 s must not make a drafted call of 1.5 s per plain step a win)
+    doubtful = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
+    doubtful._note_seconds(0, 3.0)
+    doubtful.end_call(1, seconds=15.0, plain_steps=10, drafted=True)
+    assert doubtful.calls["lost"] == 1 and not doubtful.drafts_this_call()
+    trusted = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
+    for _ in range(GATE_PLAIN_SAMPLES):  # enough measured plain steps: their time decides
+        trusted._note_seconds(0, 3.0)
+    trusted.end_call(1, seconds=15.0, plain_steps=10, drafted=True)
+    assert trusted.calls["lost"] == 0 and trusted.drafts_this_call()
     untimed = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=False)  # no measured times: never gated
     untimed.end_call(1, seconds=99.0, plain_steps=1, drafted=True)
     assert untimed.drafts_this_call()
