@@ -48,6 +48,7 @@ from statistics import NormalDist
 
 import torch
 
+from mmspec.compile import compilations
 from mmspec.errors import check
 from mmspec.verify import VerifyResult
 
@@ -78,6 +79,7 @@ class MeasuredSteps:
         self.timing, self.settle_after, self.settle_margin = timing, settle_after, settle_margin
         self.seen: dict = {}  # size -> its steps' measured seconds (the median of the last STEP_SAMPLES)
         self._samples: dict = {}  # size -> deque of its last STEP_SAMPLES measured seconds
+        self._compiled_at = 0  # `compilations()` at the last choice
         self.skip_calls, self.backoff = 0, CALL_BACKOFF  # calls left to run as vanilla; the next loss's backoff
         self.call_seconds = self.call_steps = 0.0  # drafted calls' seconds and the plain steps they replaced, decayed
         self.calls = {"drafted": 0, "without_drafter": 0, "lost": 0}
@@ -87,10 +89,14 @@ class MeasuredSteps:
         self._tail: tuple[int, int] | None = None  # (tokens left in the longest row, active rows), if noted
 
     def _time_last_step(self) -> None:
-        now = time.perf_counter()  # the previous step ran from its choice to this one (the loop syncs between)
-        if self._chosen_at is not None and self.timing:
+        """Time the previous step (from its choice to this one: the loop syncs between). A step during which
+        torch.compile compiled a forward (a shape its graphs had not seen) is not counted: seconds of compilation
+        are not the step's cost (with `compile=` and budget "auto", LlamaGen's Jacobi windows once read so and ran
+        plain steps at 0.94-1.07x where the fixed window gave 1.78x, runs/bench-llamagen-s23-compile)."""
+        now, compiled = time.perf_counter(), compilations()
+        if self._chosen_at is not None and self.timing and compiled == self._compiled_at:
             self._note_seconds(self._last, now - self._chosen_at)
-        self._chosen_at = now
+        self._chosen_at, self._compiled_at = now, compiled
 
     def _note_seconds(self, size, took: float) -> None:
         """A step of `size` took `took` seconds. Its estimate is the median of the last STEP_SAMPLES: a step that

@@ -23,6 +23,7 @@ The compiled forward computes the same function; on a CPU it is checked token fo
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,13 @@ from mmspec.errors import check
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 # graphs one compiled forward may keep (one per static shape): batch sizes x methods x the last, partial batch
 RECOMPILE_LIMIT = 64
+
+
+def compilations() -> int:
+    """Frames torch.compile has compiled in this process so far (0 while dynamo is not even imported). A step or a
+    call during which this changed paid a compilation: the draft budgets do not count its time."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    return 0 if utils is None else int(utils.counters["frames"].get("total", 0))
 
 
 def check_compile_mode(mode: str, where: str = "") -> None:

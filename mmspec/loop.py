@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mmspec.compile import compilations
 from mmspec.errors import check, check_positive_int
 from mmspec.phases import phase, synchronize
 from mmspec.sampling import Generators
@@ -206,7 +207,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     # a budget may run a whole call as vanilla (its drafting, the drafter's begin included, lost on earlier calls)
     drafting = budget is None or not hasattr(budget, "drafts_this_call") or budget.drafts_this_call()
     plain_for_good = not drafting  # no drafts for the rest of the call: neither the budget nor the drafter is asked
-    begin_start = time.perf_counter()
+    begin_start, compiled_before = time.perf_counter(), compilations()
     if drafting:
         drafter.begin(inputs, state)
     begin_seconds = time.perf_counter() - begin_start
@@ -255,8 +256,9 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
 
     synchronize(device)
     if budget is not None and hasattr(budget, "end_call"):
-        budget.end_call(batch_size, begin_seconds + time.perf_counter() - decode_start,
-                        int(state.num_generated.max()) - 1, drafting)
+        if compilations() == compiled_before:  # a call that compiled a forward timed the compiler, not itself
+            budget.end_call(batch_size, begin_seconds + time.perf_counter() - decode_start,
+                            int(state.num_generated.max()) - 1, drafting)
         stats.add_extra("calls_without_drafter", int(not drafting))
     stats.wall_time = time.perf_counter() - start
     stats.num_draft_forwards = getattr(drafter, "forwards", 0) - draft_forwards_before

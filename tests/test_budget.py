@@ -247,6 +247,27 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
     assert torch.equal(out.tokens, vanilla.tokens) and budget.step == 0
     assert out.stats.extra["budget_0"] == n - 1 and out.stats.extra["calls_without_drafter"] == 1
     assert budget.ended == (2, n - 1, False)
+    compiled = iter(range(100))  # every read differs: torch.compile compiled during the call
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("mmspec.loop.compilations", lambda: next(compiled))
+        budget = Gated()
+        generate(LMTarget(model, greedy, n), NoBegin(v, 4, "random"), "greedy", prompt, batch_size=2,
+                 max_new_tokens=n, budget=budget)
+    assert not hasattr(budget, "ended")  # a call that compiled timed the compiler: not judged
+
+
+def test_steps_that_compiled_are_not_timed(monkeypatch):
+    """A step during which torch.compile compiled a forward took the compiler's seconds, not its own: not counted."""
+    compiled = [0]
+    monkeypatch.setattr("mmspec.budget.compilations", lambda: compiled[0])
+    clock = iter([0.0, 5.0, 6.0])
+    monkeypatch.setattr("mmspec.budget.time.perf_counter", lambda: next(clock))
+    budget = AutoBudget(range(9), verify_seconds=lambda b, n: float(n), warmup=2, timing=True)
+    assert budget.choose(1) == 2
+    compiled[0] = 1  # the first step compiles its shapes
+    assert budget.choose(1) == 2 and budget.seen == {}
+    budget.choose(1)
+    assert budget.seen == {2: 1.0}
 
 
 def test_per_size_values_dwell_and_refresh():
