@@ -115,11 +115,23 @@ def profile_key(model: torch.nn.Module, device: torch.device | str, extra: str =
     dtype = str(param.dtype) if param is not None else "none"
     config = getattr(model, "config", None) or {}
     config = config.to_dict() if hasattr(config, "to_dict") else dict(config)  # transformers' or diffusers' config
-    config = json.dumps(config, sort_keys=True, default=str)
+    config = json.dumps(_without_metadata(config), sort_keys=True, default=str)
     size = sum(p.numel() for p in model.parameters())
     text = "|".join([type(model).__name__, str(size), config, str(torch.device(device)), dtype,
                      str(torch.get_num_threads()), torch.__version__, COSTS_REVISION, extra])
     return f"{type(model).__name__.lower()}-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+
+
+def _without_metadata(config):
+    """A config without its libraries' bookkeeping keys (`_name_or_path`: where it was loaded from;
+    `_use_default_values`: a list in set order, which differs from process to process; library versions), at any
+    depth: they are not what a measurement depends on, and they made every process time its tables again."""
+    if isinstance(config, dict):
+        return {k: _without_metadata(v) for k, v in config.items()
+                if not str(k).startswith("_") and k not in ("transformers_version", "name_or_path")}
+    if isinstance(config, (list, tuple)):
+        return [_without_metadata(v) for v in config]
+    return config
 
 
 def cached_json(key: str, measure: Callable[[], dict], refresh: bool = False) -> dict:

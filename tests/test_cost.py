@@ -64,6 +64,28 @@ def test_a_new_costs_revision_times_the_tables_again(monkeypatch):
     assert profile_key(model, "cpu") != before
 
 
+def test_the_key_ignores_where_a_model_was_loaded_from_and_config_bookkeeping(tmp_path):
+    """The same model loaded from two paths, in two processes, gets one key: diffusers' `_use_default_values` is a
+    list in set order (string hashing differs per process) and `_name_or_path` is the path it was loaded from;
+    neither is what a timing depends on (they made every process time its tables again)."""
+    import os
+    import subprocess
+    import sys
+
+    from mmspec.llama_drafter import LlamaFeatureDrafter
+
+    drafter = LlamaFeatureDrafter(hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=50,
+                                  max_position_embeddings=64)
+    drafter.save_pretrained(tmp_path / "a")
+    drafter.save_pretrained(tmp_path / "b")
+    code = ("import sys; from mmspec.cost import profile_key; from mmspec.llama_drafter import LlamaFeatureDrafter; "
+            "print(profile_key(LlamaFeatureDrafter.from_pretrained(sys.argv[1]), 'cpu'))")
+    keys = {subprocess.run([sys.executable, "-c", code, str(tmp_path / folder)], capture_output=True, text=True,
+                           check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+            for folder, seed in (("a", "1"), ("b", "2"), ("a", "3"))}
+    assert len(keys) == 1 and next(iter(keys)).startswith("llamafeaturedrafter-")
+
+
 def test_the_lm_runner_scores_new_tokens_without_committing_them():
     model = toy_model(seed=0, max_positions=64)
     run = lm_forward_runner(model, lambda b: torch.zeros(b, 3, dtype=torch.long), max_width=8)
