@@ -45,20 +45,21 @@ ROPE_TABLE_POSITIONS = 8192  # positions a RoPE table holds (a larger max_positi
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")  # RoPE types whose frequencies follow the sequence length
 
 
-def rope_cos_sin(rotary, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`rotary(x, positions)` (cos, sin [B, S, D] at positions [B, S]). On a CPU without autograd they are looked
-    up in a table of positions [0, min(max_position_embeddings, ROPE_TABLE_POSITIONS)) that `rotary` itself
-    computed once per device, dtype and frequencies: the same numbers (each entry is its position times a
-    frequency, then cos / sin), one operation instead of seven (a drafter's step on a CPU is bound by operation
-    count). Positions past the table, RoPE types whose frequencies follow the sequence length, accelerators (an
-    out-of-range lookup there is a device assert, not an error) and training compute them directly."""
-    return _rope_lookup(rotary, x, positions, signed=False)
-
-
 def rope_rotation(rotary, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, signed sin) [B, S, D] for `rotate_together`: the signed sin is `rotary`'s sin with its first half
-    negated, looked up like `rope_cos_sin` (no extra operation), else computed from it."""
-    return _rope_lookup(rotary, x, positions, signed=True)
+    """(cos, signed sin) [B, S, D] at positions [B, S] for `rotate_together`: `rotary(x, positions)` with the sin's
+    first half negated. On a CPU without autograd they are looked up in a table of positions [0,
+    min(max_position_embeddings, ROPE_TABLE_POSITIONS)) that `rotary` itself computed once per device, dtype and
+    frequencies: the same numbers (each entry is its position times a frequency, then cos / sin), one operation
+    instead of seven (a drafter's step on a CPU is bound by operation count). Positions past the table, RoPE types
+    whose frequencies follow the sequence length, accelerators (an out-of-range lookup there is a device assert,
+    not an error) and training compute them directly."""
+    if (x.device.type == "cpu" and not torch.is_grad_enabled() and getattr(rotary, "inv_freq", None) is not None
+            and getattr(rotary, "rope_type", "default") not in LENGTH_DEPENDENT_ROPE):
+        try:
+            return torch.nn.functional.embedding(positions, _rope_table(rotary, x)).chunk(2, dim=-1)  # [B, S, D] x 2
+        except IndexError:  # a position past the table
+            pass
+    return _signed(*rotary(x, positions))
 
 
 def rotate_together(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
@@ -72,32 +73,19 @@ def rotate_together(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return both[:, :heads], both[:, heads:]
 
 
-def _rope_lookup(rotary, x: torch.Tensor, positions: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if (x.device.type != "cpu" or torch.is_grad_enabled() or getattr(rotary, "inv_freq", None) is None
-            or getattr(rotary, "rope_type", "default") in LENGTH_DEPENDENT_ROPE):
-        return _signed(*rotary(x, positions)) if signed else rotary(x, positions)
-    table = _rope_tables(rotary, x)[signed]  # [L, 2D] cos | sin, or cos | signed sin
-    try:
-        both = torch.nn.functional.embedding(positions, table)  # [B, S, 2D]
-    except IndexError:  # a position past the table
-        return _signed(*rotary(x, positions)) if signed else rotary(x, positions)
-    return both.chunk(2, dim=-1)
-
-
 def _signed(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin [.., D]) -> (cos, the sin with its first half negated)."""
     half = sin.shape[-1] // 2
     return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def _rope_tables(rotary, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """([L, 2D] cos | sin, [L, 2D] cos | signed sin) for positions [0, L), made by `rotary` once per device, dtype
-    and frequencies."""
+def _rope_table(rotary, x: torch.Tensor) -> torch.Tensor:
+    """[L, 2D] cos | signed sin for positions [0, L), made by `rotary` once per device, dtype and frequencies."""
     key = (x.device, x.dtype, rotary.inv_freq.data_ptr(), float(getattr(rotary, "attention_scaling", 1.0)))
-    cached = getattr(rotary, "_mmspec_rope_tables", None)
+    cached = getattr(rotary, "_mmspec_rope_table", None)
     if cached is None or cached[0] != key:
         length = min(int(getattr(rotary, "original_max_seq_len", 0) or ROPE_TABLE_POSITIONS), ROPE_TABLE_POSITIONS)
         positions = torch.arange(length, device=x.device).unsqueeze(0)  # [1, L]
         cos, sin = rotary(x, positions)  # [1, L, D] each
-        tables = (torch.cat([cos[0], sin[0]], dim=-1), torch.cat(_signed(cos[0], sin[0]), dim=-1))
-        rotary._mmspec_rope_tables = cached = (key, tables)
+        rotary._mmspec_rope_table = cached = (key, torch.cat(_signed(cos[0], sin[0]), dim=-1))
     return cached[1]

@@ -153,12 +153,10 @@ class GuidedRunner:
         else:
             limit = int(full_slots.max()) + 1 if eager_cpu else cache.capacity
         with cache.keys_up_to(limit):
-            if unmasked:  # every row's one query at the same slot sees every key up to it (a drafter's chain step)
-                mask = None
-            elif mask is None:
-                mask = cache.attention_mask(full_slots, None if tree_mask is None else self.rows(tree_mask))
-            else:
+            if mask is not None:
                 mask = self.rows(mask)[..., :limit]
+            elif not unmasked:  # (unmasked: every row's one query at the same slot sees every key up to it)
+                mask = cache.attention_mask(full_slots, None if tree_mask is None else self.rows(tree_mask))
             logits = self.model.forward_cached(self.rows(tokens), positions, cache, full_slots, mask, **model_inputs)
         self.forwards += 1
         return self.combine(logits)

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from mmspec.draft_layers import rope_cos_sin, rope_rotation, rotate_together
+from mmspec.draft_layers import rope_rotation, rotate_together
 
 SCALINGS = [None, {"rope_type": "linear", "factor": 2.0},
             {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -13,18 +13,25 @@ SCALINGS = [None, {"rope_type": "linear", "factor": 2.0},
             {"rope_type": "dynamic", "factor": 2.0}]
 
 
+def rotary_signed(rotary, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rotary(x, positions)` with the sin's first half negated (what `rope_rotation` gives)."""
+    cos, sin = rotary(x, positions)
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
 @pytest.mark.parametrize("scaling", SCALINGS, ids=["default", "linear", "llama3", "dynamic"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_table_gives_the_rotary_embeddings_numbers(scaling, dtype) -> None:
     """Looked up in the table (or, past it and for length-dependent types, computed): bit-identical to
-    `rotary(x, positions)`, for positions inside the table, at its last entry and past it."""
+    `rotary(x, positions)` (its sin signed), for positions inside the table, at its last entry and past it."""
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=300, rope_scaling=scaling)
     rotary = LlamaRotaryEmbedding(config)
     x = torch.randn(2, 3, 64).to(dtype)
     for positions in ([[0, 5, 299], [17, 18, 19]], [[298, 299, 300], [1000, 3, 4]]):
         positions = torch.tensor(positions)
         with torch.no_grad():
-            looked_up, direct = rope_cos_sin(rotary, x, positions), rotary(x, positions)
+            looked_up, direct = rope_rotation(rotary, x, positions), rotary_signed(rotary, x, positions)
         assert all(torch.equal(a, b) for a, b in zip(looked_up, direct))
         assert looked_up[0].dtype == dtype and looked_up[0].shape == (2, 3, 16)
 
@@ -34,9 +41,10 @@ def test_rope_table_follows_the_frequencies() -> None:
     rotary = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=64))
     x, positions = torch.randn(1, 2, 64), torch.tensor([[3, 40]])
     with torch.no_grad():
-        rope_cos_sin(rotary, x, positions)
+        rope_rotation(rotary, x, positions)
         rotary.inv_freq = rotary.inv_freq * 0.5
-        assert all(torch.equal(a, b) for a, b in zip(rope_cos_sin(rotary, x, positions), rotary(x, positions)))
+        assert all(torch.equal(a, b) for a, b in zip(rope_rotation(rotary, x, positions),
+                                                     rotary_signed(rotary, x, positions)))
 
 
 @pytest.mark.parametrize("grad", [False, True])
