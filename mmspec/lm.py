@@ -27,7 +27,7 @@ import torch
 
 from mmspec.cache import StaticKVCache
 from mmspec.errors import check, check_positive_int
-from mmspec.loop import DecodeState
+from mmspec.loop import DecodeState, plain_draft
 from mmspec.sampling import SamplingParams, cfg_combine, probs_from_params, sample, split_cfg_batch
 from mmspec.tree import DraftTree, expand_eagle2, pool_size
 from mmspec.tree_budget import PLAIN_ROOM, PendingRoom, ShapedTreeDrafter, TreeShape
@@ -125,7 +125,9 @@ class GuidedRunner:
         return self.combine(logits)  # [B, 1, V]
 
     def slots(self, num_new: int) -> torch.Tensor:
-        """[B, S] slots for S new entries per row."""
+        """[B, S] slots for S new entries per row (one entry: a view of the lengths, never written in place)."""
+        if num_new == 1:
+            return self.lengths.unsqueeze(-1)
         return self.lengths.unsqueeze(-1) + torch.arange(num_new, device=self.cache.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
@@ -236,11 +238,15 @@ class LMTarget:
                                     tree_mask=None if draft.is_chain else draft.attention_mask())
             offsets = draft.depths  # [B, N] a node predicts the token after it
         else:
-            tokens = torch.cat([state.last_token.unsqueeze(-1), draft.tokens.clamp_min(0)], dim=1)  # [B, K+1]
+            tokens = state.last_token.unsqueeze(-1)  # [B, 1]
+            if draft.tokens.shape[1]:
+                tokens = torch.cat([tokens, draft.tokens.clamp_min(0)], dim=1)  # [B, K+1]
             slots = runner.slots(tokens.shape[1])
             logits = runner.forward(tokens, slots, slots)
-            offsets = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)  # [B, K+1]
+            offsets = None  # [B, K+1] 0..K, made only where a layout needs it
         if self.layout is not None:  # entry j predicts generated-token index num_generated + its offset
+            if offsets is None:
+                offsets = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
             logits = self.layout.constrain(logits, state.num_generated.unsqueeze(-1) + offsets)
         return probs_from_params(logits, self.params)
 
@@ -268,7 +274,10 @@ class NoDrafter:
         pass
 
     def propose(self, state: DecodeState) -> ChainDraft:
-        return ChainDraft(torch.empty(state.batch_size, 0, dtype=torch.long, device=state.done.device))
+        draft = getattr(self, "_plain", None)  # the same empty draft every step (made once per batch shape)
+        if draft is None or draft.tokens.shape[0] != state.batch_size or draft.tokens.device != state.done.device:
+            draft = self._plain = plain_draft(state.batch_size, state.done.device)
+        return draft
 
     def observe(self, state, draft, result, active, target_probs) -> None:
         pass

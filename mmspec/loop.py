@@ -70,14 +70,15 @@ class DecodeState:
         """[B, max_new_tokens] generated tokens, -1 padded."""
         return self.output[:, : self.max_new_tokens]
 
-    def append(self, result: VerifyResult, active: torch.Tensor) -> torch.Tensor:
-        """Append each active row's emitted tokens, stopping at max_new_tokens and after EOS.
+    def append(self, result: VerifyResult, active: torch.Tensor, all_active: bool = False) -> torch.Tensor:
+        """Append each active row's emitted tokens, stopping at max_new_tokens and after EOS (`all_active`: the
+        caller knows every row is active).
 
         Returns [B] the number of tokens actually appended per row.
         """
         tokens = result.output_tokens  # [B, K+1]
         if tokens.shape[1] == 1:
-            return self.append_one(tokens[:, 0], active)
+            return self.append_one(tokens[:, 0], active, all_active)
         columns = torch.arange(tokens.shape[1], device=tokens.device)
         valid = (columns < (result.num_emitted * active).unsqueeze(-1))  # [B, K+1]
         finished = torch.zeros_like(self.done)
@@ -97,9 +98,18 @@ class DecodeState:
         self.done = self.done | finished | (self.num_generated >= self.max_new_tokens)
         return added
 
-    def append_one(self, token: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    def append_one(self, token: torch.Tensor, active: torch.Tensor, all_active: bool = False) -> torch.Tensor:
         """`append` for steps without drafts: each active row adds its token [B] (an active row has room for
-        one). Returns [B] the number appended (active rows: 1)."""
+        one). Returns [B] the number appended (active rows: 1). `all_active`: the caller knows every row is active
+        (the loop at batch 1), which saves the inactive rows' seven operations."""
+        if all_active:
+            self.output.scatter_(1, self.num_generated.unsqueeze(-1), token.unsqueeze(-1))
+            self.num_generated = self.num_generated + 1
+            self.last_token = token
+            self.done = self.num_generated >= self.max_new_tokens
+            if self.stop_ids is not None:
+                self.done = self.done | torch.isin(token, self.stop_ids)
+            return active.long()
         added = active.long()  # [B]
         dst = torch.where(active, self.num_generated, self.max_new_tokens)  # inactive rows: the scratch column
         self.output.scatter_(1, dst.unsqueeze(-1), token.unsqueeze(-1))
@@ -155,10 +165,21 @@ class GenerationOutput:
 StepCallback = Callable[[DecodeState, Draft, VerifyResult], Any]
 
 
+def plain_draft(batch_size: int, device: torch.device | str) -> ChainDraft:
+    """The empty draft of a plain step (vanilla's every step), with its zero draft counts made once."""
+    return ChainDraft(torch.empty(batch_size, 0, dtype=torch.long, device=device),
+                      num_draft=torch.zeros(batch_size, dtype=torch.long, device=device))
+
+
+def is_plain(draft: Draft) -> bool:
+    """Whether `draft` drafts nothing (a chain of length 0): the target runs one plain step."""
+    return isinstance(draft, ChainDraft) and draft.tokens.shape[1] == 0
+
+
 def cap_draft(draft: Draft, room: torch.Tensor) -> Draft:
     """Limit each row's draft to `room` [B] tokens (a row can emit at most room + 1 more tokens): chains get a
     shorter num_draft, trees lose the nodes deeper than room. Padding stays in place, so shapes are static."""
-    if isinstance(draft, ChainDraft) and draft.tokens.shape[1] == 0:  # nothing drafted (vanilla's steps)
+    if is_plain(draft):  # nothing drafted (vanilla's steps)
         return draft
     room = room.clamp_min(0)
     if isinstance(draft, ChainDraft):
@@ -200,7 +221,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     with phase("prefill"):
         first_p = target.prefill(inputs)  # [B, 1, V]
     stats.num_target_forwards += 1
-    no_draft = ChainDraft(torch.empty(batch_size, 0, dtype=torch.long, device=device))
+    no_draft = plain_draft(batch_size, device)
     first = accept(rule, no_draft, first_p, generator, validate=validate != "never")
     active = ~state.done
     state.append(first, active)
@@ -230,7 +251,9 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
             else:
                 if size is not None:
                     drafter.set_draft_size(size)
-                draft = cap_draft(drafter.propose(state), state.max_new_tokens - state.num_generated - 1)
+                draft = drafter.propose(state)
+                if not is_plain(draft):
+                    draft = cap_draft(draft, state.max_new_tokens - state.num_generated - 1)
         with phase("verify"):
             target_probs = target.verify(state, draft)
         stats.num_target_forwards += 1
@@ -249,7 +272,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
                 budget.observe(result, active, draft)
             stats.add_extra(f"budget_{size}", 1)  # steps at each draft size (the bench's histogram)
         stats.record(result, active)
-        state.append(result, active)
+        state.append(result, active, all_active=state.batch_size == 1)  # one row: active, or the loop had ended
         state.iteration += 1
         if callback is not None and callback(state, draft, result) is False:
             break
