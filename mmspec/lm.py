@@ -152,8 +152,13 @@ class GuidedRunner:
             last = full_slots.view(-1).tolist()  # one query per row: its slot, read without a device operation
             limit = max(last) + 1
             unmasked = min(last) + 1 == limit and getattr(self.model, "attends_without_mask", False)
+        elif eager_cpu:  # the slots read once: their bound, and whether every row writes the same slots
+            rows = full_slots.tolist()
+            limit = max(map(max, rows)) + 1
+            if len(rows) > 1 and all(row == rows[0] for row in rows):  # (batch 1 with CFG): one index_copy_
+                full_slots = full_slots[:1].expand_as(full_slots)  # per layer instead of a scatter (cache.write)
         else:
-            limit = int(full_slots.max()) + 1 if eager_cpu else cache.capacity
+            limit = cache.capacity
         with cache.keys_up_to(limit):
             if mask is not None:
                 mask = self.rows(mask)[..., :limit]

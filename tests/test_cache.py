@@ -43,6 +43,25 @@ def test_write_places_entries_at_each_rows_slots():
     assert cache.k[0][:, 0, :, 0].tolist() == [[0, 7, 8, 0, 0, 0], [0, 0, 0, 9, 10, 0]]
 
 
+@pytest.mark.parametrize("rows", ["one row", "expanded"])
+def test_shared_slots_write_what_the_scatter_writes(rows):
+    """Slots every row shares (one row of slots, or one row expanded: stride 0) go through `index_copy_`; the
+    cache holds what the per-row scatter writes, entry for entry."""
+    torch.manual_seed(0)
+    fast, slow = (StaticKVCache(2, 3, 2, 10, 4) for _ in range(2))
+    for cache in (fast, slow):
+        cache.lengths = torch.tensor([4, 4, 4])
+    k_new, v_new = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
+    shared = fast.slots(5)[:1]  # [1, 5]
+    slots = shared if rows == "one row" else shared.expand(3, 5)
+    assert rows == "one row" or slots.stride(0) == 0
+    got = fast.write(1, slots, k_new, v_new)
+    want = slow.write(1, shared.expand(3, 5).clone(), k_new, v_new)  # a [B, S] tensor with its own rows: scatter
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(fast.k[1], slow.k[1]) and torch.equal(fast.v[1], slow.v[1])
+    assert torch.equal(fast.k[1][:, :, 4:9], k_new) and fast.k[0].abs().sum() == 0
+
+
 def test_commit_chain_keeps_exactly_the_accepted_entries():
     cache = filled_cache([2, 4])
     before = [t.clone() for t in cache.k]

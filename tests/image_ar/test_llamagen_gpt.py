@@ -182,6 +182,41 @@ def test_one_token_steps_without_a_mask_give_the_masked_logits(kw):
         assert torch.equal(got, want)
 
 
+def test_window_steps_with_shared_slots_give_the_scattered_logits():
+    """`GuidedRunner.forward` reads a window's slots once; when every row writes the same slots (batch 1 with CFG)
+    it hands the model one row expanded, which the cache writes with `index_copy_`: logits and cache entries are
+    the per-row scatter's, bit for bit; rows at different slots keep their own."""
+    from mmspec.lm import GuidedRunner
+
+    model = tiny()
+    seq, cond, _ = _setup(model, batch=2)
+    c = model.cls_token_num
+    seen, forward = [], model.forward_cached
+
+    def recording(*args):
+        seen.append(args[3])  # the slots the model gets
+        return forward(*args)
+
+    for lengths in ([c, c], [c + 1, c]):
+        caches = []
+        for _ in range(2):
+            cache = model.new_cache(2, c + 8)
+            model.prefill_condition(model.embed_condition(cond), cache)
+            cache.commit_chain(torch.tensor(lengths) - c)  # rows at `lengths` (the entries past c: stale zeros)
+            caches.append(cache)
+        runner = GuidedRunner(model)
+        runner.cache = caches[0]
+        model.forward_cached = recording
+        slots = runner.slots(4)  # [B, 4]
+        got = runner.forward(seq[:, :4], slots, slots)
+        model.forward_cached = forward
+        assert (seen[-1].stride(0) == 0) == (lengths[0] == lengths[1])
+        with caches[1].keys_up_to(max(lengths) + 4):
+            want = forward(seq[:, :4], slots, caches[1], slots.clone(), caches[1].attention_mask(slots))
+        assert torch.equal(got, want)
+        assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))
+
+
 def test_last_hidden_feeds_the_head_and_backends_agree():
     model = tiny()
     seq, cond, full = _setup(model)

@@ -59,9 +59,13 @@ def test_shipped_drafter_is_lossless_and_drafts(kind, budget, examples, vanilla,
     out = vlm.generate([ex.image for ex in examples], [ex.prompt for ex in examples], max_new_tokens=64,
                        batch_size=4, budget=budget)  # two ragged batches of 4 (rows end at different steps)
     assert out.token_ids == vanilla.token_ids
-    if budget == "auto":
-        steps = sum(v for k, v in out.stats.extra.items() if k.startswith("budget_"))
-        assert steps == out.stats.num_target_forwards - 2  # every step but the two prefills chose a shape
+    if budget == "auto":  # what auto drafts follows this machine's measured step times (a loaded machine may run
+        # mostly plain steps); its warm-up step always drafts, so the first call drafts at least once
+        chosen = {k: v for k, v in out.stats.extra.items() if k.startswith("budget_")}
+        assert sum(chosen.values()) == out.stats.num_target_forwards - 2  # every step but the two prefills chose
+        assert sum(v for k, v in chosen.items() if k != "budget_0") >= 1, chosen
+        assert out.stats.num_draft_forwards > 0
+        return
     assert out.stats.mean_acceptance_length >= 1.5, out.stats.mean_acceptance_length
     assert out.stats.num_target_forwards < vanilla.stats.num_target_forwards
 
