@@ -129,11 +129,9 @@ def carry_tail(fresh: torch.Tensor, next_probs: torch.Tensor, num_accepted: torc
     return tokens, probs, (num_drafted - num_accepted).clamp_min(0)
 
 
-def initial_tokens(init: str, rand: torch.Tensor, known: torch.Tensor, first_col: torch.Tensor) -> torch.Tensor:
-    """[B, K] tokens for new positions: `rand` [B, K] for "random" and in the first image column, else the
-    known token [B] of the horizon scheme (the left token, or the mode of the left distribution)."""
-    if init == "random":
-        return rand
+def horizon_tokens(rand: torch.Tensor, known: torch.Tensor, first_col: torch.Tensor) -> torch.Tensor:
+    """[B, K] tokens for new positions under a horizon scheme: the known token [B] (the left token, or the mode of
+    the left distribution), `rand` [B, K] in the first image column ("random" init takes `rand` everywhere)."""
     return torch.where(first_col, rand, known.unsqueeze(-1).expand_as(rand))
 
 
@@ -311,4 +309,4 @@ class JacobiDrafter:
             known = last_tail_token(self.tail_tokens, self.tail_len, state.last_token)  # [B]
         else:  # sample_horizon
             known = self.last_mode
-        return initial_tokens(self.init, rand, known, first_column(state.num_generated, k, self.row_width))
+        return horizon_tokens(rand, known, first_column(state.num_generated, k, self.row_width))

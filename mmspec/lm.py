@@ -153,10 +153,10 @@ class GuidedRunner:
             limit = max(last) + 1
             unmasked = min(last) + 1 == limit and getattr(self.model, "attends_without_mask", False)
         elif eager_cpu:  # the slots read once: their bound, and whether every row writes the same slots
-            rows = full_slots.tolist()
-            limit = max(map(max, rows)) + 1
-            if len(rows) > 1 and all(row == rows[0] for row in rows):  # (batch 1 with CFG): one index_copy_
-                full_slots = full_slots[:1].expand_as(full_slots)  # per layer instead of a scatter (cache.write)
+            slot_rows = full_slots.tolist()
+            limit = max(map(max, slot_rows)) + 1
+            if len(slot_rows) > 1 and all(row == slot_rows[0] for row in slot_rows):  # (batch 1 with CFG): one
+                full_slots = full_slots[:1].expand_as(full_slots)  # index_copy_ per layer, not a scatter (cache.write)
         else:
             limit = cache.capacity
         with cache.keys_up_to(limit):
@@ -268,6 +268,7 @@ class NoDrafter:
 
     forwards = 0
     draft_sizes = (0,)
+    _plain: ChainDraft | None = None  # the empty draft `propose` returns, made once per batch shape and device
 
     def begin(self, inputs, state: DecodeState) -> None:
         pass
@@ -279,7 +280,7 @@ class NoDrafter:
         pass
 
     def propose(self, state: DecodeState) -> ChainDraft:
-        draft = getattr(self, "_plain", None)  # the same empty draft every step (made once per batch shape)
+        draft = self._plain
         if draft is None or draft.tokens.shape[0] != state.batch_size or draft.tokens.device != state.done.device:
             draft = self._plain = plain_draft(state.batch_size, state.done.device)
         return draft

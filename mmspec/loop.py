@@ -179,8 +179,6 @@ def is_plain(draft: Draft) -> bool:
 def cap_draft(draft: Draft, room: torch.Tensor) -> Draft:
     """Limit each row's draft to `room` [B] tokens (a row can emit at most room + 1 more tokens): chains get a
     shorter num_draft, trees lose the nodes deeper than room. Padding stays in place, so shapes are static."""
-    if is_plain(draft):  # nothing drafted (vanilla's steps)
-        return draft
     room = room.clamp_min(0)
     if isinstance(draft, ChainDraft):
         k = draft.tokens.shape[1]
@@ -252,7 +250,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
                 if size is not None:
                     drafter.set_draft_size(size)
                 draft = drafter.propose(state)
-                if not is_plain(draft):
+                if not is_plain(draft):  # (a plain draft has nothing to cap: not even `room` is computed)
                     draft = cap_draft(draft, state.max_new_tokens - state.num_generated - 1)
         with phase("verify"):
             target_probs = target.verify(state, draft)

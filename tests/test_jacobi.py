@@ -20,7 +20,7 @@ from mmspec.jacobi import (
     carry_tail,
     draft_counts,
     first_column,
-    initial_tokens,
+    horizon_tokens,
     jacobi_draft,
     jacobi_update,
     last_tail_token,
@@ -135,7 +135,7 @@ def test_the_drafter_tensor_work_compiles_fullgraph():
 
     def propose_work(tail_tokens, tail_probs, tail_len, rand, g, last):
         known = last_tail_token(tail_tokens, tail_len, last)
-        init = initial_tokens("repeat_horizon", rand, known, first_column(g, k, 4))
+        init = horizon_tokens(rand, known, first_column(g, k, 4))
         return jacobi_draft(tail_tokens, tail_probs, tail_len, init, draft_counts(g, k, 2, 12))
 
     args = (tail_tokens, tail_probs, tail_len, rand, g, last)
