@@ -65,6 +65,21 @@ PLAIN_PROBE_EVERY = 8  # until STEP_SAMPLES plain steps are measured, every this
 GATE_PLAIN_SAMPLES = 3  # plain steps measured before the call gate trusts their time over the timed table's
 
 
+def call_drafts(budget) -> bool:
+    """The loop's side of the call gate, before a call drafts anything: False runs the whole call as vanilla (a
+    budget's `drafts_this_call`); no budget, or one without a gate, always drafts."""
+    return budget is None or not hasattr(budget, "drafts_this_call") or budget.drafts_this_call()
+
+
+def report_call(budget, batch: int, seconds: float, plain_steps: int, drafted: bool, compiled_before: int) -> None:
+    """The loop's side of the call gate, after a call: `seconds` it took from the drafter's start (or, without the
+    drafter, the first step) and `plain_steps` the steps vanilla takes for it, handed to the budget's `end_call`;
+    not when torch.compile compiled a forward during the call (`compiled_before`: `compilations()` at its start),
+    whose time is the compiler's."""
+    if budget is not None and hasattr(budget, "end_call") and compilations() == compiled_before:
+        budget.end_call(batch, seconds, plain_steps, drafted)
+
+
 class MeasuredSteps:
     """What the chain and tree budgets share: each size's measured step seconds (`seen`, the median of its last
     steps, each from one choice to the next: drafting, verify, acceptance and bookkeeping, as the loop ran them),

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
+from mmspec.budget import call_drafts, report_call
 from mmspec.compile import compilations
 from mmspec.errors import check, check_positive_int
 from mmspec.phases import phase, synchronize
@@ -224,7 +225,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     active = ~state.done
     state.append(first, active)
     # a budget may run a whole call as vanilla (its drafting, the drafter's begin included, lost on earlier calls)
-    drafting = budget is None or not hasattr(budget, "drafts_this_call") or budget.drafts_this_call()
+    drafting = call_drafts(budget)
     plain_for_good = not drafting  # no drafts for the rest of the call: neither the budget nor the drafter is asked
     begin_start, compiled_before = time.perf_counter(), compilations()
     if drafting:
@@ -276,10 +277,9 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
             break
 
     synchronize(device)
-    if budget is not None and hasattr(budget, "end_call"):
-        if compilations() == compiled_before:  # a call that compiled a forward timed the compiler, not itself
-            budget.end_call(batch_size, begin_seconds + time.perf_counter() - decode_start,
-                            int(state.num_generated.max()) - 1, drafting)
+    if hasattr(budget, "end_call"):
+        report_call(budget, batch_size, begin_seconds + time.perf_counter() - decode_start,
+                    int(state.num_generated.max()) - 1, drafting, compiled_before)
         stats.add_extra("calls_without_drafter", int(not drafting))
     stats.wall_time = time.perf_counter() - start
     stats.num_draft_forwards = getattr(drafter, "forwards", 0) - draft_forwards_before

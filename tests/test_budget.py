@@ -250,6 +250,7 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
     compiled = iter(range(100))  # every read differs: torch.compile compiled during the call
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("mmspec.loop.compilations", lambda: next(compiled))
+        patch.setattr("mmspec.budget.compilations", lambda: next(compiled))
         budget = Gated()
         generate(LMTarget(model, greedy, n), NoBegin(v, 4, "random"), "greedy", prompt, batch_size=2,
                  max_new_tokens=n, budget=budget)

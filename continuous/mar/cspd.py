@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import math
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,7 +48,8 @@ from continuous.mar.pipeline import (
     sample_at,
     scatter_tokens,
 )
-from mmspec.budget import PROFILE_WIDTHS, AutoBudget, check_budget_mode
+from mmspec.budget import PROFILE_WIDTHS, AutoBudget, call_drafts, check_budget_mode, report_call
+from mmspec.compile import compilations
 from mmspec.cost import ForwardTimes, cached_profile, measure_forward_times, profile_key
 from mmspec.diffusers_folder import MMSpecPipelineMixin
 from mmspec.errors import check, check_positive_int
@@ -130,7 +132,8 @@ def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRu
     commit windows of `gamma` tokens until every row has its L tokens. Returns tokens [B, L, C] and the stats
     (target / draft forwards, acceptance per window position; extra: residual_samples, residual_fallbacks).
     budget: picks each step's window (`cspd_budget`: k drafts of a chain = a window of k + 1, 0 = a plain target
-    step); None = `gamma` every step."""
+    step), and through its call gate may run the whole call as plain steps (`mmspec.budget.call_drafts`; extra
+    `calls_without_drafter`); None = `gamma` every step."""
     seq, channels, device = target.seq_len, target.token_channels, target.device
     b = run.labels.shape[0]
     tokens = torch.zeros(b, seq, channels, device=device, dtype=target.dtype)
@@ -147,18 +150,29 @@ def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRu
             stats.num_target_forwards += 1
             if on_progress is not None and not on_progress(int(done.min()), tokens):
                 return tokens, stats
-    if budget is not None and hasattr(budget, "begin"):
+    # the call gate: after calls whose drafting lost to plain steps, whole calls run as vanilla MAR (`call_drafts`);
+    # a budget that settles on plain steps is not asked again in this call (as in `mmspec.loop.generate`)
+    drafting = call_drafts(budget)
+    plain_for_good = not drafting
+    if drafting and budget is not None and hasattr(budget, "begin"):
         budget.begin()
+    decode_start, compiled_before, prefilled = time.perf_counter(), compilations(), int(done.max())
     while bool((done < seq).any()):  # the one host sync per window
         active = done < seq
-        size = gamma if budget is None else budget.choose(b) + 1  # the window (1 = a plain step under a budget)
+        if b > 1 and budget is not None and not plain_for_good and hasattr(budget, "note_rows_left"):
+            budget.note_rows_left((seq - done) * active)  # the batch tail
+        # the window (1 = a plain step under a budget)
+        size = gamma if budget is None else 1 if plain_for_good else budget.choose(b) + 1
         if budget is not None and size == 1:
+            if not plain_for_good and hasattr(budget, "settled"):
+                plain_for_good = budget.settled()
             with phase("verify"):
                 tokens, known = plain_step(target, run, tokens, known, done, active)
             done = done + active.long()
             stats.num_target_forwards += 1
             result = plain_view(b, device)
-            budget.observe(result, active)
+            if not plain_for_good:
+                budget.observe(result, active)
             stats.record(result, active)
             stats.add_extra("budget_0", 1)
             if on_progress is not None and not on_progress(int(done.min()), tokens):
@@ -191,6 +205,10 @@ def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRu
         stats.add_extra("residual_fallbacks", int(result.fallback.sum()))
         if on_progress is not None and not on_progress(int(done.min()), tokens):
             break
+    if hasattr(budget, "end_call"):
+        report_call(budget, b, time.perf_counter() - decode_start, int(done.max()) - prefilled, drafting,
+                    compiled_before)
+        stats.add_extra("calls_without_drafter", int(not drafting))
     return tokens, stats
 
 

@@ -181,6 +181,47 @@ def test_window_budget_plain_steps_are_vanilla_mar_and_windows_vary(pipe, monkey
         pipe(generator=generators(3), gamma=4, budget="fast", **kw)
 
 
+def test_window_budget_call_gate_and_settling(pipe, monkeypatch):
+    """CSpD's loop asks a budget's call gate as `mmspec.loop.generate` does: a gated call runs as vanilla MAR without
+    asking the budget (no draft forwards) and reports its plain steps; a budget that settles on plain steps is not
+    asked again in that call; the budget is told of a call's end, not when torch.compile compiled during it."""
+    kw = dict(class_labels=[0, 3], num_sampling_steps=4, output_type="latent")
+    seq = pipe.target.seq_len
+    decoded = seq - math.ceil(0.05 * seq)  # tokens after the target's pre-filling
+    vanilla = pipe.as_mar_pipeline("target")(generator=generators(2), **kw).tokens
+
+    class Gated(CyclingBudget):
+        def drafts_this_call(self):
+            return False
+
+        def end_call(self, batch, seconds, plain_steps, drafted):
+            self.ended = (batch, plain_steps, drafted)
+
+    gated = Gated([3])
+    monkeypatch.setattr("continuous.mar.cspd.cspd_budget", lambda *args: gated)
+    out = pipe(generator=generators(2), gamma=4, **kw)
+    assert torch.equal(out.tokens, vanilla) and out.stats.num_draft_forwards == 0 and gated.step == 0
+    assert out.stats.extra["calls_without_drafter"] == 1 and out.stats.extra["budget_0"] == decoded
+    assert gated.ended == (2, decoded, False)
+
+    class Settling(CyclingBudget):
+        def settled(self):
+            return self.step >= 2
+
+    settling = Settling([0])
+    monkeypatch.setattr("continuous.mar.cspd.cspd_budget", lambda *args: settling)
+    out = pipe(generator=generators(2), gamma=4, **kw)
+    assert torch.equal(out.tokens, vanilla) and settling.step == 2 and out.stats.extra["budget_0"] == decoded
+
+    compiled = iter(range(1000))  # every read differs: torch.compile compiled during the call
+    monkeypatch.setattr("mmspec.budget.compilations", lambda: next(compiled))
+    monkeypatch.setattr("continuous.mar.cspd.compilations", lambda: next(compiled))
+    gated = Gated([3])
+    monkeypatch.setattr("continuous.mar.cspd.cspd_budget", lambda *args: gated)
+    pipe(generator=generators(2), gamma=4, **kw)
+    assert not hasattr(gated, "ended")  # a call that compiled timed the compiler: not judged
+
+
 def test_alignment_changes_the_drafts_noise_only(pipe):
     kw = dict(class_labels=[0, 1], gamma=2, num_sampling_steps=5, output_type="latent", prefill_ratio=0.0,
               budget="fixed")
