@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -276,6 +277,13 @@ def test_method_parameters_are_parsed_and_checked(fake):
         parse_method_list("b:y=1", family)
     with pytest.raises(InputError, match="listed twice"):
         parse_method_list("a,a", family)
+    # a family option that sets a method parameter for every method (MAR's num_sampling_steps) shows in the params
+    # of the methods that have it, unless a configuration sets it itself
+    optioned = dataclasses.replace(family, option_params=lambda s: {"x": int(s.options["x"])})
+    settings = BenchSettings(options={"x": "7"})
+    configs = parse_method_list("a,b,b:x=3", optioned, settings)
+    assert [dict(c.params) for c in configs] == [{}, {}, {"x": 7}, {"x": 3}]
+    assert [dict(c.given) for c in configs] == [{}, {}, {}, {"x": 3}]  # what the runs receive is unchanged
 
 
 def test_unknown_family_and_method_are_clear_errors(fake, tmp_path, capsys):

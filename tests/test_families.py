@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mmspec.bench import BenchSettings, parse_method_list
 from mmspec.bench import get_family as bench_family
-from mmspec.bench import parse_method_list
 from mmspec.cli import main
 from mmspec.cli.registry import all_commands, command_help
 from mmspec.errors import InputError
@@ -145,3 +145,13 @@ def test_a_method_declared_once_shows_up_in_generate_the_bench_and_the_demo(caps
     finally:
         FAMILY.methods.pop("vanilla-again")
     assert "vanilla-again" not in bench_family("llamagen").methods
+
+
+def test_the_mar_bench_records_the_diffusion_steps_it_runs():
+    """`--family-option num_sampling_steps=N` runs every MAR method at N steps: their records say N (a method that
+    sets its own keeps it), not the parameter's default of 100."""
+    configs = parse_method_list("vanilla,cspd,cspd:num_sampling_steps=20", bench_family("mar"),
+                                BenchSettings(options={"num_sampling_steps": "50"}))
+    assert [c.params["num_sampling_steps"] for c in configs] == [50, 50, 20]
+    assert [c.params["num_sampling_steps"] for c in parse_method_list("cspd", bench_family("mar"), BenchSettings())] \
+        == [100, 100]

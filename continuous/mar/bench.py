@@ -8,7 +8,8 @@ Inputs, generators, options and quality (judge class accuracy, world-FID) as the
 (`mmspec.bench.image_family`; top_k / top_p do not apply). "target fwd" counts target MAR forwards (pre-filling and
 verification passes), "draft fwd" the draft's; the mean acceptance length and per-position acceptance are CSpD's
 windows. Sampling is at temperature > 0 (CSpD compares Gaussians); `--temperature` sets the diffusion temperature.
-`--family-option num_sampling_steps=N` sets the diffusion steps of every method (default 100, the official value):
+`--family-option num_sampling_steps=N` sets the diffusion steps of every method that does not set its own (default
+100, the official value; the records' params say N):
 the diffusion head's sequential steps are a cost CSpD does not reduce, so this moves the balance it depends on.
 """
 
@@ -63,5 +64,6 @@ def mar_family() -> Family:
     return Family(name="mar", model_id=lambda s: str(_options(s)["model"] or "embedded mar (world)"),
                   build=build, inputs=class_inputs, methods=methods_of(FAMILY, _runner), quality=quality,
                   primary_quality="class_accuracy",
+                  option_params=lambda s: {"num_sampling_steps": _options(s)["num_sampling_steps"]},
                   to_turn=lambda o: {"label": o["label"], "tokens_shape": list(o["tokens"].shape)},
                   description=FAMILY.description)

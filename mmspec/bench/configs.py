@@ -47,13 +47,16 @@ def parse_value(text: str) -> Any:
     return text
 
 
-def parse_config(text: str, family: Family) -> MethodConfig:
-    """Parse one `NAME[:KEY=VALUE...]` against the family's methods and their default params."""
+def parse_config(text: str, family: Family, settings: Any = None) -> MethodConfig:
+    """Parse one `NAME[:KEY=VALUE...]` against the family's methods and their default params (with `settings`, the
+    params its family options set, `Family.option_params`, replace the defaults they name)."""
     name, *assignments = [part.strip() for part in text.strip().split(":")]
     if name not in family.methods:
         raise InputError(f"unknown method {name!r} for bench family {family.name!r}; known methods: "
                          f"{', '.join(family.methods)}.")
     defaults = dict(family.methods[name].params)
+    if settings is not None and family.option_params is not None:
+        defaults.update({k: v for k, v in family.option_params(settings).items() if k in defaults})
     given = {}
     for item in assignments:
         key, sep, value = item.partition("=")
@@ -78,10 +81,10 @@ def parse_method_list(methods: str | Sequence[str] | None, family: Family,
     else:
         items = list(methods)
     check(len(items) > 0, "--methods is empty; name at least one method (vanilla is added automatically).")
-    configs = [parse_config(item, family) for item in items]
+    configs = [parse_config(item, family, settings) for item in items]
     labels = [c.label for c in configs]
     duplicates = sorted({label for label in labels if labels.count(label) > 1})
     check(not duplicates, f"method configuration(s) listed twice: {', '.join(duplicates)}.")
     if REFERENCE_METHOD not in labels:
-        configs.insert(0, parse_config(REFERENCE_METHOD, family))
+        configs.insert(0, parse_config(REFERENCE_METHOD, family, settings))
     return sorted(configs, key=lambda c: not c.is_reference)  # stable: the others keep their order

@@ -109,6 +109,7 @@ class Family:
     inputs (e.g. how closely the outputs follow the target's distribution given their prompts,
     `mmspec.metrics.calibration`); like `quality` it runs untimed. `default_methods(settings)`, optional, names
     the methods a run compares when it names none (e.g. only those the chosen model has a drafter for).
+    `option_params(settings)`, optional: the method parameters the family's options set for every method.
     """
 
     name: str
@@ -123,6 +124,9 @@ class Family:
     model_quality: ModelQualityFn | None = None
     # the methods a run without --methods compares (default: all): those the chosen model can run
     default_methods: Callable[[BenchSettings], list[str]] | None = None
+    # method parameters that a --family-option sets for every method (MAR's num_sampling_steps): what the records
+    # show for a method that has the parameter and does not set it itself
+    option_params: Callable[[BenchSettings], Mapping[str, Any]] | None = None
 
     def resolved_model_id(self, settings: BenchSettings) -> str:
         return self.model_id(settings) if callable(self.model_id) else self.model_id

@@ -286,14 +286,14 @@ def run_round(result: BenchResult, family: Family, models: Any, steps: Sequence[
     return runs
 
 
-def _resolve(family: Family | str, methods: str | Sequence[str] | Sequence[MethodConfig] | None
-             ) -> tuple[Family, list[MethodConfig]]:
+def _resolve(family: Family | str, methods: str | Sequence[str] | Sequence[MethodConfig] | None,
+             settings: BenchSettings | None = None) -> tuple[Family, list[MethodConfig]]:
     family = get_family(family) if isinstance(family, str) else family
     if methods is not None and not isinstance(methods, str) and all(isinstance(m, MethodConfig) for m in methods):
         configs = list(methods)
         check(any(c.is_reference for c in configs), f"configurations must include {REFERENCE_METHOD!r}.")
         return family, sorted(configs, key=lambda c: not c.is_reference)
-    return family, parse_method_list(methods, family)
+    return family, parse_method_list(methods, family, settings)
 
 
 def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[MethodConfig] | None = None, *,
@@ -318,7 +318,7 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
     settings = settings or BenchSettings()
     batch_sizes = list(batch_sizes)
     check_run_args(batch_sizes, repeats, warmup, settings)
-    family, configs = _resolve(family, methods)
+    family, configs = _resolve(family, methods, settings)
     device = torch.device(settings.device)
     models = family.build(settings)
     samples = list(family.inputs(settings))
