@@ -45,6 +45,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from statistics import NormalDist
+from typing import Any
 
 import torch
 
@@ -71,13 +72,29 @@ def call_drafts(budget) -> bool:
     return budget is None or not hasattr(budget, "drafts_this_call") or budget.drafts_this_call()
 
 
-def report_call(budget, batch: int, seconds: float, plain_steps: int, drafted: bool, compiled_before: int) -> None:
-    """The loop's side of the call gate, after a call: `seconds` it took from the drafter's start (or, without the
-    drafter, the first step) and `plain_steps` the steps vanilla takes for it, handed to the budget's `end_call`;
-    not when torch.compile compiled a forward during the call (`compiled_before`: `compilations()` at its start),
-    whose time is the compiler's."""
-    if budget is not None and hasattr(budget, "end_call") and compilations() == compiled_before:
+def choose_size(budget, batch: int, plain_for_good: bool,
+                tokens_left: Callable[[], torch.Tensor]) -> tuple[Any, bool]:
+    """The loop's side of a budget before each step: (the size it chose: None without a budget, 0 a plain step;
+    whether the call runs plain steps from now on). A call that is plain for good does not ask the budget; at batch
+    > 1 the budget first hears each row's tokens left (`note_rows_left`; `tokens_left()` [B] is made only then);
+    after a plain choice a budget that has `settled()` is not asked again in this call."""
+    if budget is None or plain_for_good:
+        return (None if budget is None else 0), plain_for_good
+    if batch > 1 and hasattr(budget, "note_rows_left"):
+        budget.note_rows_left(tokens_left())  # the batch tail
+    size = budget.choose(batch)
+    return size, size == 0 and hasattr(budget, "settled") and budget.settled()
+
+
+def report_call(budget, stats, batch: int, seconds: float, plain_steps: int, drafted: bool,
+                compiled_before: int) -> None:
+    """The loop's side of the call gate after a call, for a budget that has one (`end_call`): `seconds` the call took
+    from the drafter's start (or, without the drafter, the first step) and `plain_steps` the steps vanilla takes
+    for it go to `end_call`, unless torch.compile compiled a forward during the call (`compiled_before`:
+    `compilations()` at its start), whose time is the compiler's; `stats` counts a call without the drafter."""
+    if compilations() == compiled_before:
         budget.end_call(batch, seconds, plain_steps, drafted)
+    stats.add_extra("calls_without_drafter", int(not drafted))
 
 
 class MeasuredSteps:

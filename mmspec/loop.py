@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mmspec.budget import call_drafts, report_call
+from mmspec.budget import call_drafts, choose_size, report_call
 from mmspec.compile import compilations
 from mmspec.errors import check, check_positive_int
 from mmspec.phases import phase, synchronize
@@ -238,11 +238,8 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         active = ~state.done
         if not bool(active.any()):  # the one host sync per iteration
             break
-        if state.batch_size > 1 and budget is not None and not plain_for_good and hasattr(budget, "note_rows_left"):
-            budget.note_rows_left((state.max_new_tokens - state.num_generated) * active)  # the batch tail
-        size = None if budget is None else 0 if plain_for_good else budget.choose(state.batch_size)
-        if size == 0 and not plain_for_good and hasattr(budget, "settled"):
-            plain_for_good = budget.settled()
+        size, plain_for_good = choose_size(budget, state.batch_size, plain_for_good,
+                                           lambda active=active: (state.max_new_tokens - state.num_generated) * active)
         # never draft past the end: a row with r tokens left may accept at most r - 1 drafts
         with phase("draft"):
             if size == 0:  # a plain step: the drafter is not asked
@@ -278,9 +275,8 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
 
     synchronize(device)
     if hasattr(budget, "end_call"):
-        report_call(budget, batch_size, begin_seconds + time.perf_counter() - decode_start,
+        report_call(budget, stats, batch_size, begin_seconds + time.perf_counter() - decode_start,
                     int(state.num_generated.max()) - 1, drafting, compiled_before)
-        stats.add_extra("calls_without_drafter", int(not drafting))
     stats.wall_time = time.perf_counter() - start
     stats.num_draft_forwards = getattr(drafter, "forwards", 0) - draft_forwards_before
     return GenerationOutput(tokens=state.tokens, num_generated=state.num_generated, stats=stats)

@@ -48,7 +48,7 @@ from continuous.mar.pipeline import (
     sample_at,
     scatter_tokens,
 )
-from mmspec.budget import PROFILE_WIDTHS, AutoBudget, call_drafts, check_budget_mode, report_call
+from mmspec.budget import PROFILE_WIDTHS, AutoBudget, call_drafts, check_budget_mode, choose_size, report_call
 from mmspec.compile import compilations
 from mmspec.cost import ForwardTimes, cached_profile, measure_forward_times, profile_key
 from mmspec.diffusers_folder import MMSpecPipelineMixin
@@ -159,13 +159,10 @@ def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRu
     decode_start, compiled_before, prefilled = time.perf_counter(), compilations(), int(done.max())
     while bool((done < seq).any()):  # the one host sync per window
         active = done < seq
-        if b > 1 and budget is not None and not plain_for_good and hasattr(budget, "note_rows_left"):
-            budget.note_rows_left((seq - done) * active)  # the batch tail
-        # the window (1 = a plain step under a budget)
-        size = gamma if budget is None else 1 if plain_for_good else budget.choose(b) + 1
+        drafts, plain_for_good = choose_size(budget, b, plain_for_good,
+                                             lambda done=done, active=active: (seq - done) * active)
+        size = gamma if drafts is None else drafts + 1  # the window (1 = a plain step under a budget)
         if budget is not None and size == 1:
-            if not plain_for_good and hasattr(budget, "settled"):
-                plain_for_good = budget.settled()
             with phase("verify"):
                 tokens, known = plain_step(target, run, tokens, known, done, active)
             done = done + active.long()
@@ -206,9 +203,8 @@ def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRu
         if on_progress is not None and not on_progress(int(done.min()), tokens):
             break
     if hasattr(budget, "end_call"):
-        report_call(budget, b, time.perf_counter() - decode_start, int(done.max()) - prefilled, drafting,
+        report_call(budget, stats, b, time.perf_counter() - decode_start, int(done.max()) - prefilled, drafting,
                     compiled_before)
-        stats.add_extra("calls_without_drafter", int(not drafting))
     return tokens, stats
 
 
