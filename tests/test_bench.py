@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -131,6 +132,32 @@ def test_cli_prints_the_table(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| vanilla |" in printed and "| self-draft |" in printed and "speed-up" in printed
     assert not list(out.glob("*.png"))
+
+
+def test_gate_log_shows_each_call_gate_verdict(tmp_path, caplog):
+    """`--gate-log` turns the call gate's DEBUG lines on (stderr): a drafted call not judged, a call without the
+    drafter with vanilla's step, a drafted call judged against it."""
+    from mmspec.budget import AutoBudget
+
+    gate = logging.getLogger("mmspec.budget")
+    argv = ["bench", "--methods", "self-draft", "--num-samples", "2", "--max-new-tokens", "4", "--repeats", "1",
+            "--warmup", "0", "--no-plots", "--quiet", "--device", "cpu", *SMALL_TOY, "--out", str(tmp_path / "g"),
+            "--gate-log"]
+    try:
+        assert main(argv) == 0
+        assert gate.level == logging.DEBUG and any(getattr(h, "gate_verdicts", False) for h in gate.handlers)
+        budget = AutoBudget(range(3), verify_seconds=lambda b, n: 1.0, timing=True)
+        with caplog.at_level(logging.DEBUG, logger="mmspec.budget"):
+            budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)
+            budget.end_call(1, seconds=5.0, plain_steps=10, drafted=False)
+            budget.end_call(1, seconds=4.0, plain_steps=10, drafted=True)
+        lines = [r.getMessage() for r in caplog.records if r.name == "mmspec.budget"]
+        assert "not judged" in lines[0] and "a call without the drafter, 500.00 ms a plain step" in lines[1]
+        assert "plain steps of 500.00 ms (1.25x; pooled 1.25x): won" in lines[2]
+    finally:
+        gate.setLevel(logging.NOTSET)
+        for handler in [h for h in gate.handlers if getattr(h, "gate_verdicts", False)]:
+            gate.removeHandler(handler)
 
 
 @pytest.fixture

@@ -192,35 +192,45 @@ def test_a_settled_budget_gets_plain_steps_without_asking_it_or_the_drafter():
 def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
     """A call whose drafting (the drafter's begin included) took longer than the plain steps it replaced makes the
     next `backoff` calls run as vanilla (no drafter begin, no budget), then one drafts again; the backoff doubles
-    after each loss and resets after a win; vanilla calls measure the plain step."""
-    from mmspec.budget import CALL_BACKOFF, GATE_PLAIN_SAMPLES
+    after each loss and resets after a win. The first drafted call is not judged (one-time costs); the call after
+    it runs without the drafter and measures vanilla's step, which the gate judges drafted calls against (not the
+    table's), and a reference call runs again after REFERENCE_EVERY drafted calls that won by little."""
+    from mmspec.budget import CALL_BACKOFF, REFERENCE_EVERY, UNJUDGED_CALLS
 
+    assert UNJUDGED_CALLS == 1
     budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)  # a plain step: 1 s by the table
     assert budget.drafts_this_call()
-    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # won: 9 s against 10 plain steps
+    budget.end_call(1, seconds=99.0, plain_steps=10, drafted=True)  # the first drafted call: not judged
+    assert budget.calls["lost"] == 0 and budget.calls["unjudged"] == 1
+    assert not budget.drafts_this_call() and budget.calls["reference"] == 1  # a reference call
+    budget.end_call(1, seconds=5.0, plain_steps=10, drafted=False)  # vanilla's step: 0.5 s, not the table's 1 s
+    assert budget.gate_plain_seconds(1) == 0.5 and budget.plain_seconds(1) == 0.5
+    assert budget.drafts_this_call()
+    budget.end_call(1, seconds=4.5, plain_steps=10, drafted=True)  # won: 4.5 s against 10 vanilla steps of 0.5 s
     assert budget.drafts_this_call() and budget.calls["lost"] == 0
-    budget.end_call(1, seconds=11.0, plain_steps=10, drafted=True)  # pooled: 0.9 * 9 + 11 > 0.9 * 10 + 10: lost
+    budget.end_call(1, seconds=5.5, plain_steps=10, drafted=True)  # pooled: 0.9 * 4.5 + 5.5 > 0.9 * 5 + 5: lost
     gates = [budget.drafts_this_call() for _ in range(CALL_BACKOFF + 1)]
-    assert gates == [False] * CALL_BACKOFF + [True]
-    budget.end_call(1, seconds=20.0, plain_steps=10, drafted=True)  # lost again: twice as many vanilla calls
+    assert gates == [False] * CALL_BACKOFF + [True] and budget.calls["lost"] == 1
+    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=True)  # lost again: twice as many vanilla calls
     assert [budget.drafts_this_call() for _ in range(2 * CALL_BACKOFF + 1)] == [False] * 2 * CALL_BACKOFF + [True]
-    budget.end_call(1, seconds=5.0, plain_steps=10, drafted=False)  # a vanilla call: a plain step took 0.5 s
-    assert budget.plain_seconds(1) == 0.5 and budget.calls["lost"] == 2  # measured replaces the table
+    # (against the table's 1 s a plain step, the calls of 5.5 and 10 s would have read as wins)
     pooled = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
+    pooled.end_call(1, seconds=9.0, plain_steps=10, drafted=True)
+    pooled.end_call(1, seconds=10.0, plain_steps=10, drafted=False)
     for seconds in (7.0, 7.0, 7.0, 12.0):  # one slow call after faster ones: drafted calls are judged pooled
+        assert pooled.drafts_this_call()
         pooled.end_call(1, seconds=seconds, plain_steps=10, drafted=True)
-    assert pooled.drafts_this_call() and pooled.calls["lost"] == 0
-    # fewer than GATE_PLAIN_SAMPLES plain steps measured: the smaller of them and the table decides (one paused
-    # probe reading 3 s must not make a drafted call of 1.5 s per plain step a win)
-    doubtful = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
-    doubtful._note_seconds(0, 3.0)
-    doubtful.end_call(1, seconds=15.0, plain_steps=10, drafted=True)
-    assert doubtful.calls["lost"] == 1 and not doubtful.drafts_this_call()
-    trusted = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
-    for _ in range(GATE_PLAIN_SAMPLES):  # enough measured plain steps: their time decides
-        trusted._note_seconds(0, 3.0)
-    trusted.end_call(1, seconds=15.0, plain_steps=10, drafted=True)
-    assert trusted.calls["lost"] == 0 and trusted.drafts_this_call()
+    assert pooled.calls["lost"] == 0
+    gates = []  # a clear win (10 plain steps of 1 s in 5 s) needs no new reference
+    for _ in range(2 * REFERENCE_EVERY):
+        gates.append(pooled.drafts_this_call())
+        pooled.end_call(1, seconds=5.0, plain_steps=10, drafted=gates[-1])
+    assert all(gates) and pooled.calls["reference"] == 0
+    gates = []  # a close one (1.1x < REFERENCE_MARGIN) measures vanilla again after REFERENCE_EVERY drafted calls
+    for _ in range(REFERENCE_EVERY):
+        gates.append(pooled.drafts_this_call())
+        pooled.end_call(1, seconds=9.0, plain_steps=10, drafted=gates[-1])
+    assert gates.count(False) == 1 and pooled.calls["reference"] == 1
     untimed = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=False)  # no measured times: never gated
     untimed.end_call(1, seconds=99.0, plain_steps=1, drafted=True)
     assert untimed.drafts_this_call()

@@ -255,11 +255,11 @@ def specvlm_layout(drafter: VLMSpecVLMDrafter, input_ids: torch.Tensor, embeds: 
     token_index = torch.zeros(b, width, dtype=torch.long, device=input_ids.device)
     count = torch.zeros(b, dtype=torch.long, device=input_ids.device)
     for r, p in enumerate(rows):
-        positions[r, : len(p)] = torch.tensor(p)
+        positions[r, : len(p)] = torch.tensor(p, device=positions.device)
         s, k = int(start[r]), int(counts[r])
-        cols = torch.arange(s - 1, s - 1 + k)
+        cols = torch.arange(s - 1, s - 1 + k, device=positions.device)
         is_token[r, cols] = True
-        token_index[r, cols] = torch.arange(k)
+        token_index[r, cols] = torch.arange(k, device=positions.device)
         count[r] = sum(1 for pos in p if pos < int(lengths[r]))
     valid = torch.arange(width, device=input_ids.device) < count.unsqueeze(-1)
     pair_embeds = embeds.gather(1, positions.clamp_min(0).unsqueeze(-1).expand(-1, -1, h))

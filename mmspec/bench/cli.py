@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import shlex
 import sys
 from collections.abc import Sequence
@@ -70,10 +71,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also count the tensor operations and host syncs per target forward in each loop phase "
                              "(the same on every device: the launch overhead a GPU step pays); counting slows every "
                              "op, so take timings from another run")
+    parser.add_argument("--gate-log", action="store_true",
+                        help="print the budgets' call gate verdicts on stderr: each call's time against vanilla's "
+                             "plain steps, won / lost, calls without the drafter (the mmspec.budget logger at DEBUG)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--quiet", action="store_true",
                         help="no progress bar and no result tables on stdout (the line saying what was written stays)")
+
+
+def show_gate_verdicts() -> None:
+    """The call gate's DEBUG lines (`mmspec.budget.MeasuredSteps.end_call`) on stderr, one a call."""
+    gate = logging.getLogger("mmspec.budget")
+    gate.setLevel(logging.DEBUG)
+    if not any(getattr(h, "gate_verdicts", False) for h in gate.handlers):  # once per process
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        handler.gate_verdicts = True
+        gate.addHandler(handler)
 
 
 def parse_int_list(name: str, text: str) -> list[int]:
@@ -134,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         check_positive_int("--threads", args.threads)
     out = prepare_output_dir(args.out)
+    if args.gate_log:
+        show_gate_verdicts()
     for module in args.imports:
         try:
             importlib.import_module(module)
