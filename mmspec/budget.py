@@ -186,8 +186,9 @@ class MeasuredSteps:
         loss and resets after a win. A reference call, also without the drafter, measures vanilla's own step for
         the gate (`gate_plain_seconds`): the call after the first drafted one, and again after REFERENCE_EVERY
         drafted calls while they won by less than REFERENCE_MARGIN (the load drifts, and only a close verdict can
-        turn on it: SJD at batch 1 here wins by 1.6-1.8x, where one reference call in 32 cost 2-3% of it). Only with
-        measured times (`timing`)."""
+        turn on it: SJD at batch 1 here wins by 1.6-1.8x, and one vanilla call after every 32 drafted calls at 1.7x
+        would give up about 2% of that, by arithmetic: 33 calls in 32 / 1.7 + 1 call times). Only with measured
+        times (`timing`)."""
         if self.timing and self.skip_calls > 0:
             self.skip_calls -= 1
             self.calls["without_drafter"] += 1
