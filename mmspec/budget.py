@@ -229,6 +229,7 @@ class MeasuredSteps:
             self.calls["unjudged"] += 1
             log.debug("batch %d: a drafted call, %.1f ms for %d plain steps: not judged (one-time costs)",
                       batch, 1e3 * seconds, plain_steps)
+            self._log_estimates(batch)
             return
         self.call_seconds = CALL_DECAY * self.call_seconds + seconds
         self.call_steps = CALL_DECAY * self.call_steps + plain_steps
@@ -243,6 +244,17 @@ class MeasuredSteps:
                   batch, 1e3 * seconds, plain_steps, 1e3 * plain, plain_steps * plain / seconds,
                   self.call_steps * plain / self.call_seconds,
                   f"lost, the next {self.skip_calls} calls without the drafter" if lost else "won")
+        self._log_estimates(batch)
+
+    def _log_estimates(self, batch: int) -> None:
+        """DEBUG: the estimates behind the call's choices (`describe`), after a drafted call's verdict."""
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("batch %d: sizes: %s", batch, self.describe(batch))
+
+    def describe(self, batch: int) -> str:
+        """The sizes' estimates, one line: how often each was chosen, its seconds (measured, or the table's
+        scaled), its expected tokens per row."""
+        raise NotImplementedError
 
     def _note_plain_margin(self, plain: float, best_drafting: float) -> None:
         """One choice by estimate: expected throughput of a plain step and of the best drafting size."""
@@ -288,17 +300,23 @@ class AutoBudget(MeasuredSteps):
     are scaled by how the run ones compare with their table times. per_size: value each size only by the tokens its
     own steps emitted (decayed by `decay` per step of that size), the position model only for sizes not run yet: for
     drafters whose acceptance depends on the size (a Jacobi window's tail converges only in a long window). dwell:
-    keep a choice for this many steps (a Jacobi window needs a few steps to converge after a change).
-    uncounted_after_change: per-size mode does not count the first this many steps after a change (a grown window's
-    new tail is still converging: counting those steps undervalues the larger window, which is then not chosen again
-    to be measured right). refresh_every: the warm-up's size again at steps refresh_every, 2 x, 4 x, .. (counted
+    keep a choice for this many steps (a Jacobi window needs a few steps to converge after a change; with
+    `count_once_refilled`, this many counted steps). uncounted_after_change: per-size mode does not count the first
+    this many steps after a change (a grown window's new tail is still converging: counting those steps undervalues
+    the larger window, which is then not chosen again to be measured right). count_once_refilled: per-size mode
+    counts a step only once the rows have emitted, since the change (or the call's start), as many tokens as the
+    size: the tokens it emits then entered the window after the change and were refined at this size, as every
+    later step's are (a window grown from 3 to 15 on an H200 emitted 1.2-1.7 tokens a step in the 5 steps counted
+    after 3 uncounted ones, and 3.0 once converged, so SJD kept the window of 3 at 1.25-1.32x where 15 gave 2.48x:
+    runs/gpu-s27b). refresh_every: the warm-up's size again at steps refresh_every, 2 x, 4 x, .. (counted
     over the budget's life), so a size left early is measured again. settle_after / settle_margin: see `settled`."""
 
     def __init__(self, sizes: Iterable[int], verify_seconds: VerifySeconds, draft_seconds: DraftSeconds | None = None,
                  prior_rate: float = 0.8, prior_strength: float = 4.0, warmup: int = 3,
                  explore_cost: float = 3.0, *, timing: bool = False, per_size: bool = False, dwell: int = 1,
                  decay: float = 0.95, refresh_every: int = 0, settle_after: int = 8,
-                 settle_margin: float = 0.8, uncounted_after_change: int = 1) -> None:
+                 settle_margin: float = 0.8, uncounted_after_change: int = 1,
+                 count_once_refilled: bool = False) -> None:
         self.sizes = sorted({0, *(int(k) for k in sizes)})
         check(self.sizes[0] >= 0, f"draft sizes must be >= 0, got {self.sizes}.")
         check(0.0 < prior_rate < 1.0 and prior_strength > 0, "prior_rate must be in (0, 1), prior_strength > 0.")
@@ -314,7 +332,8 @@ class AutoBudget(MeasuredSteps):
         self.chosen: dict[int, int] = {}
         self.warmup, self.explore_cost = warmup, explore_cost
         self.per_size, self.dwell, self.decay = per_size, dwell, decay
-        self.uncounted_after_change = uncounted_after_change
+        self.uncounted_after_change, self.count_once_refilled = uncounted_after_change, count_once_refilled
+        self._counted_run, self._emitted_since_change = 0, 0.0  # per-size mode, since the last change of size
         self.refresh_every, self._refresh_at = refresh_every, refresh_every
         self._init_steps(timing, settle_after, settle_margin)
         self._last, self._run = 0, 0  # the current size, steps drafted at it since it was chosen
@@ -372,6 +391,12 @@ class AutoBudget(MeasuredSteps):
     def plain_table_seconds(self, batch: int) -> float:
         return self.table_seconds(batch, 0)
 
+    def describe(self, batch: int) -> str:
+        rates = self.rates()
+        return ", ".join(f"{k}: {self.chosen.get(k, 0)}x {1e3 * self.seconds(batch, k):.2f} ms "
+                         f"(table {1e3 * self.table_seconds(batch, k):.2f}) {self.expected_tokens(k, rates):.2f} tok"
+                         for k in self.sizes if self.chosen.get(k) or k == 0 or k == self.sizes[-1])
+
     def table_seconds(self, batch: int, k: int) -> float:
         return self.draft_seconds(batch, k) + self.verify_seconds(batch, k + 1)
 
@@ -411,7 +436,7 @@ class AutoBudget(MeasuredSteps):
         if steps < self.warmup or self._forced > 0:
             self._forced = max(self._forced - 1, 0)
             best = self.explore_size(batch)
-        elif 0 < self._run < self.dwell:
+        elif self._holding():
             best = self._last
         elif not self.per_size and self._plain_probe():  # a Jacobi window would lose its converged tail
             best = 0
@@ -419,22 +444,36 @@ class AutoBudget(MeasuredSteps):
             speed = self.speeds(batch, self.rates())
             best = max(self.sizes, key=lambda k: (speed[k], -k))
             self._note_plain_margin(speed[0], max((v for k, v in speed.items() if k > 0), default=0.0))
-        self._run = self._run + 1 if best == self._last and self._run else 1
+        changed = best != self._last or not self._run
+        self._run = 1 if changed else self._run + 1
+        if changed:
+            self._counted_run, self._emitted_since_change = 0, 0.0
         self.chosen[best] = self.chosen.get(best, 0) + 1
         self._last = best
         return best
 
+    def _holding(self) -> bool:
+        """Whether the size chosen last is kept without a new estimate (`dwell`)."""
+        if not self._run:
+            return False
+        return self._counted_run < self.dwell if self.count_once_refilled else self._run < self.dwell
+
     def observe(self, result: VerifyResult, active: torch.Tensor, draft=None) -> None:
         """Record a chain step's verdicts: position j (1-based) was reached by rows that drafted >= j and accepted
         j - 1, and accepted by those that accepted >= j (per-size mode: not the first `uncounted_after_change` steps
-        after a change)."""
-        if self.per_size and self._run <= self.uncounted_after_change and self._last:
-            return
+        after a change, nor, with `count_once_refilled`, those before the rows emitted as many tokens as the size)."""
         rows, last = float(active.sum()), self._last
+        emitted = (result.num_emitted * active).double()  # [B]
+        total = float(emitted.sum())
+        if self.per_size and last:
+            refilled = self._emitted_since_change >= last
+            self._emitted_since_change += total / max(rows, 1.0)  # tokens per active row
+            if self._run <= self.uncounted_after_change or (self.count_once_refilled and not refilled):
+                return
+            self._counted_run += 1
         keep = self.decay if self.per_size else 1.0
         self.rows_at[last] = self.rows_at.get(last, 0.0) * keep + rows
-        emitted = (result.num_emitted * active).double()  # [B]
-        self.emitted_at[last] = self.emitted_at.get(last, 0.0) * keep + float(emitted.sum())
+        self.emitted_at[last] = self.emitted_at.get(last, 0.0) * keep + total
         self.emitted_sq_at[last] = self.emitted_sq_at.get(last, 0.0) * keep + float((emitted * emitted).sum())
         k = min(result.accepted_flags.shape[1], self.reached.shape[0])
         if k == 0:

@@ -222,10 +222,10 @@ class JacobiDrafter:
     @property
     def budget_options(self) -> dict:
         """How `mmspec.budget.AutoBudget` steers a window: a window's acceptance depends on its size (its tail
-        converges over the steps it stays in the window), so each size is valued by what its own steps emitted,
-        kept for 8 steps (the first 3 after a change not counted: a grown window's tail is still converging),
+        converges over the steps it stays in the window), so each size is valued by what its own steps emitted
+        once the window has been refilled since the change (`count_once_refilled`), kept for 5 such steps,
         re-measured at the full size now and then."""
-        return {"per_size": True, "dwell": 8, "warmup": 8, "refresh_every": 64, "uncounted_after_change": 3}
+        return {"per_size": True, "dwell": 5, "count_once_refilled": True, "warmup": 8, "refresh_every": 64}
 
     def set_draft_size(self, k: int) -> None:
         check(0 < k <= self.k, f"draft size must be in [1, {self.k}], got {k}.")

@@ -134,30 +134,38 @@ def test_cli_prints_the_table(tmp_path, capsys):
     assert not list(out.glob("*.png"))
 
 
-def test_gate_log_shows_each_call_gate_verdict(tmp_path, caplog):
-    """`--gate-log` turns the call gate's DEBUG lines on (stderr): a drafted call not judged, a call without the
-    drafter with vanilla's step, a drafted call judged against it."""
+def test_gate_log_shows_each_call_gate_verdict(tmp_path, caplog, capsys):
+    """`--gate-log` turns the call gate's DEBUG lines on (stderr): each configuration's batch as it starts, a drafted
+    call not judged, a call without the drafter with vanilla's step, a drafted call judged against it, and after
+    each drafted call the sizes' estimates."""
     from mmspec.budget import AutoBudget
 
-    gate = logging.getLogger("mmspec.budget")
+    loggers = [logging.getLogger(name) for name in ("mmspec.budget", "mmspec.bench.runner")]
     argv = ["bench", "--methods", "self-draft", "--num-samples", "2", "--max-new-tokens", "4", "--repeats", "1",
             "--warmup", "0", "--no-plots", "--quiet", "--device", "cpu", *SMALL_TOY, "--out", str(tmp_path / "g"),
             "--gate-log"]
     try:
         assert main(argv) == 0
-        assert gate.level == logging.DEBUG and any(getattr(h, "gate_verdicts", False) for h in gate.handlers)
+        assert "mmspec.bench.runner: self-draft at batch size 1" in capsys.readouterr().err
+        for logger in loggers:
+            assert logger.level == logging.DEBUG and any(getattr(h, "gate_verdicts", False) for h in logger.handlers)
         budget = AutoBudget(range(3), verify_seconds=lambda b, n: 1.0, timing=True)
+        budget.choose(1)
         with caplog.at_level(logging.DEBUG, logger="mmspec.budget"):
             budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)
             budget.end_call(1, seconds=5.0, plain_steps=10, drafted=False)
             budget.end_call(1, seconds=4.0, plain_steps=10, drafted=True)
         lines = [r.getMessage() for r in caplog.records if r.name == "mmspec.budget"]
-        assert "not judged" in lines[0] and "a call without the drafter, 500.00 ms a plain step" in lines[1]
-        assert "plain steps of 500.00 ms (1.25x; pooled 1.25x): won" in lines[2]
+        assert "not judged" in lines[0] and "a call without the drafter, 500.00 ms a plain step" in lines[2]
+        assert "plain steps of 500.00 ms (1.25x; pooled 1.25x): won" in lines[3]
+        # the sizes' line: the plain step measured by the vanilla call, the size chosen once at its table time
+        assert lines[1].startswith("batch 1: sizes: 0: 0x 1000.00 ms (table 1000.00)")
+        assert lines[4].startswith("batch 1: sizes: 0: 0x 500.00 ms (table 1000.00) 1.00 tok, 2: 1x")
     finally:
-        gate.setLevel(logging.NOTSET)
-        for handler in [h for h in gate.handlers if getattr(h, "gate_verdicts", False)]:
-            gate.removeHandler(handler)
+        for logger in loggers:
+            logger.setLevel(logging.NOTSET)
+            for handler in [h for h in logger.handlers if getattr(h, "gate_verdicts", False)]:
+                logger.removeHandler(handler)
 
 
 @pytest.fixture

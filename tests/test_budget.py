@@ -105,6 +105,8 @@ def test_the_tree_budget_prices_the_batch_tail_too():
     budget.accepted_sq[1] = 40.0  # every row accepts 2: no spread
     budget.note_rows_left(torch.tensor([64] * 8))
     assert budget.choose(8) == full
+    # the --gate-log line: each shape's choices, seconds (the table's here), expected tokens per row
+    assert budget.describe(8) == "0: 1x 1000.00 ms (table 1000.00) 1.00 tok, tree2x4n8: 2x 2800.00 ms (table 2800.00) 3.00 tok"
 
 
 def test_measured_step_times_replace_the_table(monkeypatch):
@@ -303,7 +305,7 @@ def test_per_size_values_dwell_and_refresh():
 
 def test_per_size_values_leave_out_the_steps_after_a_change():
     """`uncounted_after_change`: a grown window's tail is still converging, so the first steps at a new size do not
-    count towards its value (Jacobi leaves out 3); the steps after them do."""
+    count towards its value; the steps after them do."""
     budget = AutoBudget([0, 3], verify_seconds=lambda b, n: 1.0, warmup=6, per_size=True, dwell=1,
                         uncounted_after_change=3, decay=1.0)
     every = torch.ones(1, dtype=torch.bool)
@@ -313,6 +315,29 @@ def test_per_size_values_leave_out_the_steps_after_a_change():
         budget.observe(result([tokens - 1], [3]), every)
     assert budget.rows_at[3] == 3 and budget.expected_tokens(3) == 4.0  # steps 4-6 only
     assert AutoBudget([0, 3], verify_seconds=lambda b, n: 1.0).uncounted_after_change == 1  # the default
+
+
+def test_per_size_values_count_a_window_once_it_is_refilled():
+    """`count_once_refilled` (Jacobi's): a step counts once the rows have emitted, since the change, as many tokens
+    as the size; `dwell` then counts counted steps, so a grown window is held until it has shown its converged
+    value, and a change of size starts the count again."""
+    budget = AutoBudget([0, 3, 7], verify_seconds=lambda b, n: 1.0, warmup=0, per_size=True, dwell=2,
+                        count_once_refilled=True, decay=1.0, prior_strength=1e-9)
+    budget.rows_at, budget.emitted_at = {3: 1.0, 7: 1.0}, {3: 1.0, 7: 9.0}  # 7 looks best: it is chosen
+    rows = torch.tensor([True, True, False])  # the third row is done
+    for accepted in ([0, 2, 0], [1, 3, 0], [2, 2, 0], [4, 4, 0], [6, 6, 0]):  # 2, 3, 3, 5, 7 tokens a row
+        assert budget.choose(2) == 7  # held: until two steps are counted
+        budget.observe(result(accepted, [7, 7, 7]), rows)
+    # steps 1-3 left out (0, 2, 5 tokens a row emitted before them: < 7), steps 4 and 5 counted (8 and 13 before)
+    assert budget.rows_at[7] == 1.0 + 2 + 2 and budget.emitted_at[7] == 9.0 + 10 + 14
+    assert budget._holding() is False
+    budget.emitted_at[3] = 99.0  # 3 now looks best: a change, and its count starts again
+    assert budget.choose(2) == 3
+    budget.observe(result([2, 2, 0], [3, 3, 3]), rows)  # before it: 0 tokens emitted at 3, not counted
+    assert budget.rows_at[3] == 1.0 and budget._holding()
+    budget.choose(2)
+    budget.observe(result([2, 2, 0], [3, 3, 3]), rows)  # 3 tokens a row before it: counted
+    assert budget.rows_at[3] == 3.0
 
 
 def sampled_tv(make_drafter, budget, rows=40_000):

@@ -81,14 +81,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def show_gate_verdicts() -> None:
-    """The call gate's DEBUG lines (`mmspec.budget.MeasuredSteps.end_call`) on stderr, one a call."""
-    gate = logging.getLogger("mmspec.budget")
-    gate.setLevel(logging.DEBUG)
-    if not any(getattr(h, "gate_verdicts", False) for h in gate.handlers):  # once per process
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-        handler.gate_verdicts = True
-        gate.addHandler(handler)
+    """The call gate's DEBUG lines (`mmspec.budget.MeasuredSteps.end_call`: each call's verdict and the sizes'
+    estimates behind it) on stderr, each configuration's batch named as it starts (`mmspec.bench.runner`)."""
+    for name in ("mmspec.budget", "mmspec.bench.runner"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.DEBUG)
+        if not any(getattr(h, "gate_verdicts", False) for h in logger.handlers):  # once per process
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+            handler.gate_verdicts = True
+            logger.addHandler(handler)
 
 
 def parse_int_list(name: str, text: str) -> list[int]:

@@ -18,6 +18,7 @@ what pass-by-pass ones do). A configuration that raises is reported as failed at
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import sys
@@ -38,6 +39,7 @@ from mmspec.errors import InputError, check, check_device, check_nonnegative, ch
 from mmspec.phases import PhaseTimes, record_phases, synchronize
 from mmspec.stats import SpecStats
 
+log = logging.getLogger(__name__)  # DEBUG: each configuration's batch as it starts (`mmspec bench --gate-log`)
 INTERLEAVE_MODES = ("batch", "pass")  # what a pass interleaves: each batch across configurations, or whole passes
 
 
@@ -279,6 +281,7 @@ def run_round(result: BenchResult, family: Family, models: Any, steps: Sequence[
         if runs[j] is not None:
             if i:
                 _set_random_state(device, streams[j])
+            log.debug("%s at batch size %d", steps[j].config.label, steps[j].batch_size)
             got = _run_or_fail(result, family, models, steps[j], [batches[i]], meter, reseed=i == 0)
             runs[j] = None if got is None else runs[j] + got
             streams[j] = _random_state(device)
