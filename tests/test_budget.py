@@ -106,7 +106,8 @@ def test_the_tree_budget_prices_the_batch_tail_too():
     budget.note_rows_left(torch.tensor([64] * 8))
     assert budget.choose(8) == full
     # the --gate-log line: each shape's choices, seconds (the table's here), expected tokens per row
-    assert budget.describe(8) == "0: 1x 1000.00 ms (table 1000.00) 1.00 tok, tree2x4n8: 2x 2800.00 ms (table 2800.00) 3.00 tok"
+    assert budget.describe(8) == ("0: 1x 1000.00 ms (table 1000.00) 1.00 tok, "
+                                  "tree2x4n8: 2x 2800.00 ms (table 2800.00) 3.00 tok")
 
 
 def test_measured_step_times_replace_the_table(monkeypatch):
