@@ -126,6 +126,7 @@ class MeasuredSteps:
         self._plain_run = 0  # choices in a row (this call) where a plain step beat every size by the margin
         self._since_probe = 0  # choices since the last plain step kept for its timing (`_plain_probe`)
         self._tail: tuple[int, int] | None = None  # (tokens left in the longest row, active rows), if noted
+        self._estimated = (0, 0)  # this call's choices by estimate, and how many of them drafted
 
     def _time_last_step(self) -> None:
         """Time the previous step (from its choice to this one: the loop syncs between). A step during which
@@ -178,6 +179,15 @@ class MeasuredSteps:
         Before any call without the drafter: `plain_seconds`."""
         return statistics.median(self._reference) if self._reference else self.plain_seconds(batch)
 
+    def plain_choice_seconds(self, seconds: float) -> float:
+        """What choosing a plain step costs, from a plain step's estimate `seconds` (in-call plain steps, else the
+        table's): at most vanilla's own step (the median of calls without the drafter), once one ran. Plain choices
+        settle a call (`settled`), after which the loop asks neither the budget nor the drafter and the steps cost
+        vanilla's; a plain step inside a drafted call also carries the budget's and the drafter's per-step work
+        (LANTERN's tree budget at batch 8 on an H200: 12.7 ms in-call against 9.0 ms in calls without the drafter,
+        where a chain of 6 at 20.6 ms for 1.95 tokens read as a win and lost the call; runs/gpu-s27c)."""
+        return min(seconds, statistics.median(self._reference)) if self._reference else seconds
+
     # ------------------------------------------------------------------------------------------ whole calls
     def drafts_this_call(self) -> bool:
         """Asked by the loop before the drafter's `begin`: False runs the whole call as vanilla (no drafter prefill,
@@ -215,7 +225,11 @@ class MeasuredSteps:
         badly). The first UNJUDGED_CALLS drafted calls are not judged: they pay what later calls do not (the
         device's first run of the drafter's kernels and shapes, the budget's exploration of sizes): SpecVLM's first
         drafted call on an H200 ran at 0.41x of vanilla's step and the next at 1.71x, and pooled with the first it
-        lost too, so 12 calls ran as vanilla where the fixed budget gave 1.13x (runs/gpu-s26b)."""
+        lost too, so 12 calls ran as vanilla where the fixed budget gave 1.13x (runs/gpu-s26b). A judged call in
+        which the budget chose sizes by estimate and none of them drafted lost whatever its time (it paid the
+        drafter's begin and the budget's steps for nothing a vanilla call would not have given; on this CPU such calls
+        of EAGLE and LANTERN at batch 8, all plain steps, read as 0.95-1.35x wins against a reference call that ran
+        slow, runs/bench-llamagen-s27b)."""
         if not self.timing or plain_steps <= 0:
             return
         if not drafted:
@@ -234,7 +248,8 @@ class MeasuredSteps:
         self.call_seconds = CALL_DECAY * self.call_seconds + seconds
         self.call_steps = CALL_DECAY * self.call_steps + plain_steps
         plain = self.gate_plain_seconds(batch)
-        lost = self.call_seconds > self.call_steps * plain
+        chose_plain = self._estimated[0] > 0 and self._estimated[1] == 0
+        lost = chose_plain or self.call_seconds > self.call_steps * plain
         if lost:
             self.skip_calls, self.backoff = self.backoff, 2 * self.backoff
             self.calls["lost"] += 1
@@ -243,7 +258,8 @@ class MeasuredSteps:
         log.debug("batch %d: a drafted call, %.1f ms for %d plain steps of %.2f ms (%.2fx; pooled %.2fx): %s",
                   batch, 1e3 * seconds, plain_steps, 1e3 * plain, plain_steps * plain / seconds,
                   self.call_steps * plain / self.call_seconds,
-                  f"lost, the next {self.skip_calls} calls without the drafter" if lost else "won")
+                  (f"lost{' (no size chosen by estimate drafted)' if chose_plain else ''}, the next "
+                   f"{self.skip_calls} calls without the drafter") if lost else "won")
         self._log_estimates(batch)
 
     def _log_estimates(self, batch: int) -> None:
@@ -257,12 +273,15 @@ class MeasuredSteps:
         raise NotImplementedError
 
     def _note_plain_margin(self, plain: float, best_drafting: float) -> None:
-        """One choice by estimate: expected throughput of a plain step and of the best drafting size."""
+        """One choice by estimate: expected throughput of a plain step and of the best drafting size (chosen when
+        faster: ties go to the plain step)."""
         self._plain_run = self._plain_run + 1 if best_drafting < self.settle_margin * plain else 0
+        self._estimated = (self._estimated[0] + 1, self._estimated[1] + int(best_drafting > plain))
 
     def _new_call(self) -> None:
         self._chosen_at, self._plain_run = None, 0  # the time between calls is not a step
         self._tail = None
+        self._estimated = (0, 0)  # this call's choices by estimate, and how many of them drafted
 
     def note_rows_left(self, tokens_left: torch.Tensor) -> None:
         """tokens_left [B]: the tokens each row may still emit (0 for finished rows), before the next choice; read
@@ -402,12 +421,14 @@ class AutoBudget(MeasuredSteps):
 
     def seconds(self, batch: int, k: int) -> float:
         """A step's seconds with k drafts: as measured where that size ran (timing), else the table's, scaled by
-        how the sizes that ran compare with it."""
+        how the sizes that ran compare with it; a plain step at most vanilla's (`plain_choice_seconds`)."""
         if k in self.seen:
-            return self.seen[k]
-        scale = sum(self.seen[s] / max(self.table_seconds(batch, s), 1e-12) for s in self.seen) / len(self.seen) \
-            if self.seen else 1.0
-        return self.table_seconds(batch, k) * scale
+            seconds = self.seen[k]
+        else:
+            scale = sum(self.seen[s] / max(self.table_seconds(batch, s), 1e-12) for s in self.seen) / len(self.seen) \
+                if self.seen else 1.0
+            seconds = self.table_seconds(batch, k) * scale
+        return self.plain_choice_seconds(seconds) if k == 0 else seconds
 
     def explore_size(self, batch: int) -> int:
         """The warm-up steps' size: the largest costing at most `explore_cost` plain steps; the cheapest drafting

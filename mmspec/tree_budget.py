@@ -246,11 +246,14 @@ class TreeBudget(MeasuredSteps):
 
     def step_seconds(self) -> torch.Tensor:
         """seconds(s) [S]: the steps of this shape as they ran (an average that follows the machine's load), else
-        the timed cost scaled by how the shapes that ran compare with their timed costs."""
+        the timed cost scaled by how the shapes that ran compare with their timed costs; the plain step at most
+        vanilla's (`plain_choice_seconds`)."""
         check(self.costs is not None, "TreeBudget has no costs; call begin(...) or pass costs=.")
         ran = [s for s in self.shapes if s in self.seen]
         scale = sum(self.seen[s] / self.costs[s] for s in ran) / len(ran) if ran else 1.0
-        return torch.tensor([self.seen.get(s, self.costs[s] * scale) for s in self.shapes], dtype=torch.float64)
+        seconds = [self.seen.get(s, self.costs[s] * scale) for s in self.shapes]
+        seconds[0] = self.plain_choice_seconds(seconds[0])  # the menu starts with PLAIN
+        return torch.tensor(seconds, dtype=torch.float64)
 
     def plain_table_seconds(self, batch: int) -> float:
         return self.costs[PLAIN]

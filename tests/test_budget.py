@@ -6,7 +6,7 @@ import pytest
 import torch
 from test_jacobi import exact_sequence_distribution
 
-from mmspec.budget import AutoBudget
+from mmspec.budget import CALL_BACKOFF, AutoBudget
 from mmspec.jacobi import JacobiDrafter
 from mmspec.lm import DraftModelDrafter, LMTarget, NoDrafter, TreeModelDrafter
 from mmspec.loop import DecodeState, generate
@@ -108,6 +108,48 @@ def test_the_tree_budget_prices_the_batch_tail_too():
     # the --gate-log line: each shape's choices, seconds (the table's here), expected tokens per row
     assert budget.describe(8) == ("0: 1x 1000.00 ms (table 1000.00) 1.00 tok, "
                                   "tree2x4n8: 2x 2800.00 ms (table 2800.00) 3.00 tok")
+
+
+def test_a_call_whose_estimates_drafted_nothing_lost():
+    """A judged drafted call in which every choice by estimate was a plain step lost, however fast it read: it paid
+    the drafter's begin and the budget's steps for vanilla's tokens. Choices made before any estimate (warm-up) do
+    not count as drafting by estimate; a call that never chose by estimate is judged by its time."""
+    budget = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0 if n == 1 else 3.0, warmup=1, timing=True)
+    budget.begin()
+    assert budget.choose(1) == 2  # warm-up
+    budget.observe(result([0], [2]), torch.ones(1, dtype=torch.bool))  # nothing accepted: plain is better now
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # not judged
+    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # the reference: 1 s a step
+    budget.begin()
+    assert budget.choose(1) == 0 and budget.choose(1) == 0
+    budget.end_call(1, seconds=5.0, plain_steps=10, drafted=True)  # 2x faster by its time, but drafted nothing
+    assert budget.calls["lost"] == 1 and budget.skip_calls == CALL_BACKOFF
+    never = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, warmup=5, timing=True)
+    for drafted, seconds in ((True, 9.0), (False, 10.0), (True, 5.0)):
+        never.begin()
+        never.choose(1)  # warm-up only
+        never.end_call(1, seconds=seconds, plain_steps=10, drafted=drafted)
+    assert never.calls["lost"] == 0
+
+
+def test_a_plain_choice_costs_at_most_vanillas_step():
+    """In-call plain steps carry the budget's and the drafter's per-step work; once a call without the drafter has
+    run, a plain choice is priced at most at its step, since settled calls run at vanilla's cost."""
+    budget = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, warmup=0, timing=True, prior_strength=1e-9)
+    budget._note_seconds(0, 1.4)  # in-call plain steps
+    budget._note_seconds(2, 2.0)  # a size emitting 2.5 tokens a step: 1.25 tokens a second
+    budget.rows_at[2], budget.emitted_at[2] = 1.0, 2.5
+    budget.observe(result([2], [2]), torch.ones(1, dtype=torch.bool))
+    assert budget.seconds(1, 0) == 1.4 and budget.choose(1) == 2  # 1.25 / s against 1 / 1.4 s
+    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # vanilla: 1.0 s a step
+    assert budget.seconds(1, 0) == 1.0 and budget.seen[0] == pytest.approx(1.2)  # the in-call estimate is kept
+    full = TreeShape(2, 2, 4)
+    tree = TreeBudget(full, [PLAIN, full], warmup=0, refresh_every=0, costs={PLAIN: 1.0, full: 2.0}, timing=True)
+    tree._note_seconds(PLAIN, 1.5)
+    tree._note_seconds(full, 2.0)
+    assert tree.step_seconds().tolist() == [1.5, 2.0]
+    tree.end_call(1, seconds=11.0, plain_steps=10, drafted=False)
+    assert tree.step_seconds().tolist() == [1.1, 2.0]
 
 
 def test_measured_step_times_replace_the_table(monkeypatch):
