@@ -67,6 +67,7 @@ CALL_DECAY = 0.9  # weight of earlier drafted calls in that comparison, per call
 UNJUDGED_CALLS = 1  # a budget's first drafted calls are not judged: they pay one-time costs (see `end_call`)
 REFERENCE_EVERY = 32  # a call without the drafter measures vanilla's step again after this many drafted calls,
 REFERENCE_MARGIN = 1.25  # while the drafted calls won by less than this (a clear win survives a drift of the load)
+REFERENCE_SKIP_MARGIN = 1.5  # no reference call while drafted calls beat a lower bound of vanilla's step by this
 STEP_SAMPLES = 9  # a size's step seconds: the median of its last this many measured steps
 PLAIN_PROBE_EVERY = 8  # until STEP_SAMPLES plain steps are measured, every this many choices is a plain step
 
@@ -122,6 +123,8 @@ class MeasuredSteps:
         self.calls = {"drafted": 0, "without_drafter": 0, "lost": 0, "reference": 0, "unjudged": 0}
         self._reference: deque = deque(maxlen=STEP_SAMPLES)  # a plain step's seconds in calls without the drafter
         self._drafted_since_reference = 0
+        self._drafted_total = (0.0, 0)  # all drafted calls' seconds and the plain steps they replaced
+        self._batch = 1  # the batch size of the last call (a budget serves one)
         self._chosen_at: float | None = None
         self._plain_run = 0  # choices in a row (this call) where a plain step beat every size by the margin
         self._since_probe = 0  # choices since the last plain step kept for its timing (`_plain_probe`)
@@ -176,8 +179,9 @@ class MeasuredSteps:
         per-step work: on an H200 LlamaGen's tree budget at batch 1 read 11.4-12.6 ms for its in-call plain steps where
         vanilla calls took 6.4-7.4 ms a step, so its drafted calls, at 0.7x of vanilla, read as wins; the world
         LLaVA's chain budgets at batch 8 judged against 3.7-3.9 ms where vanilla calls took 3.8-6.3 (runs/gpu-s26b).
-        Before any call without the drafter: `plain_seconds`."""
-        return statistics.median(self._reference) if self._reference else self.plain_seconds(batch)
+        Before any call without the drafter: `plain_lower_bound` (drafted calls are judged then only while they
+        clearly win, `_clear_win`)."""
+        return statistics.median(self._reference) if self._reference else self.plain_lower_bound()
 
     def plain_choice_seconds(self, seconds: float) -> float:
         """What choosing a plain step costs, from a plain step's estimate `seconds` (in-call plain steps, else the
@@ -194,21 +198,37 @@ class MeasuredSteps:
         no budget). After a call whose drafting, the drafter's begin included, took longer than the plain steps it
         replaced (`end_call`), the next `backoff` calls run so, then one drafts again; the backoff doubles after each
         loss and resets after a win. A reference call, also without the drafter, measures vanilla's own step for
-        the gate (`gate_plain_seconds`): the call after the first drafted one, and again after REFERENCE_EVERY
-        drafted calls while they won by less than REFERENCE_MARGIN (the load drifts, and only a close verdict can
-        turn on it: SJD at batch 1 here wins by 1.6-1.8x, and one vanilla call after every 32 drafted calls at 1.7x
-        would give up about 2% of that, by arithmetic: 33 calls in 32 / 1.7 + 1 call times). Only with measured
-        times (`timing`)."""
+        the gate (`gate_plain_seconds`): the call after the first drafted one unless the drafted calls clearly win
+        (`_clear_win`), and again after REFERENCE_EVERY drafted calls while they won by less than REFERENCE_MARGIN
+        (the load drifts, and only a close verdict can turn on it: SJD at batch 1 here wins by 1.6-1.8x, and one
+        vanilla call after every 32 drafted calls at 1.7x would give up about 2% of that, by arithmetic: 33 calls in
+        32 / 1.7 + 1 call times). Only with measured times (`timing`)."""
         if self.timing and self.skip_calls > 0:
             self.skip_calls -= 1
             self.calls["without_drafter"] += 1
             return False
-        if self.timing and self.calls["drafted"] and (not self._reference or self._reference_stale()):
+        if self.timing and self.calls["drafted"] and (self._reference_stale() if self._reference
+                                                      else not self._clear_win()):
             self.calls["without_drafter"] += 1
             self.calls["reference"] += 1
             return False
         self.calls["drafted"] += 1
         return True
+
+    def _clear_win(self) -> bool:
+        """Before any call without the drafter: whether the drafted calls so far, the unjudged ones included, took
+        less than the plain steps they replaced at `plain_lower_bound` over REFERENCE_SKIP_MARGIN. Then no reference
+        call is needed yet: a call without the drafter would only confirm the win, and in a short job it is a call at
+        vanilla's speed (MAR's CSpD at batch 32, 1.9x of vanilla's step, ran one of its three bench calls so: 87% of
+        its fixed window, runs/bench-mar-s26b)."""
+        seconds, steps, plain = *self._drafted_total, self.plain_lower_bound()
+        return seconds > 0 and math.isfinite(plain) and steps * plain > REFERENCE_SKIP_MARGIN * seconds
+
+    def plain_lower_bound(self) -> float:
+        """At most vanilla's step, before a call without the drafter has measured it: the lower of the timed table's
+        plain step (a target step alone, without the loop's per-step work) and the plain steps timed inside drafted
+        calls (which carry the budget's and the drafter's per-step work)."""
+        return min(self.plain_table_seconds(self._batch), self.seen.get(self.plain_size, math.inf))
 
     def _reference_stale(self) -> bool:
         """Whether vanilla's step is measured again before the next drafted call (see `drafts_this_call`)."""
@@ -232,6 +252,7 @@ class MeasuredSteps:
         slow, runs/bench-llamagen-s27b)."""
         if not self.timing or plain_steps <= 0:
             return
+        self._batch = batch
         if not drafted:
             self._note_seconds(self.plain_size, seconds / plain_steps)
             self._reference.append(seconds / plain_steps)
@@ -239,6 +260,7 @@ class MeasuredSteps:
             log.debug("batch %d: a call without the drafter, %.2f ms a plain step", batch, 1e3 * seconds / plain_steps)
             return
         self._drafted_since_reference += 1
+        self._drafted_total = (self._drafted_total[0] + seconds, self._drafted_total[1] + plain_steps)
         if self.calls["unjudged"] < UNJUDGED_CALLS:
             self.calls["unjudged"] += 1
             log.debug("batch %d: a drafted call, %.1f ms for %d plain steps: not judged (one-time costs)",

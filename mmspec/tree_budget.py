@@ -41,6 +41,7 @@ a stopping time of the draft-side process (reference budgets.md), so the output 
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass
 
@@ -256,7 +257,7 @@ class TreeBudget(MeasuredSteps):
         return torch.tensor(seconds, dtype=torch.float64)
 
     def plain_table_seconds(self, batch: int) -> float:
-        return self.costs[PLAIN]
+        return self.costs[PLAIN] if self.costs is not None else math.inf  # (timed at the first drafted call)
 
     def describe(self, batch: int) -> str:
         """The plain step, the shapes chosen and the three fastest by estimate (see `MeasuredSteps.describe`)."""

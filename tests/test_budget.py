@@ -110,6 +110,24 @@ def test_the_tree_budget_prices_the_batch_tail_too():
                                   "tree2x4n8: 2x 2800.00 ms (table 2800.00) 3.00 tok")
 
 
+def test_no_reference_call_while_drafted_calls_clearly_win():
+    """Before any call without the drafter, drafted calls (the unjudged one included) that beat a lower bound of
+    vanilla's step (the lower of the table's plain step and in-call plain steps) by REFERENCE_SKIP_MARGIN need no
+    reference call; once they stop winning by that much, the next call is one."""
+    from mmspec.budget import REFERENCE_SKIP_MARGIN
+
+    assert REFERENCE_SKIP_MARGIN == 1.5
+    budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)  # the table's plain step: 1 s
+    assert budget.drafts_this_call()
+    budget.end_call(1, seconds=5.0, plain_steps=10, drafted=True)  # unjudged, 2x against the bound
+    assert budget.plain_lower_bound() == 1.0 and budget.drafts_this_call()  # no reference call
+    budget._note_seconds(0, 0.8)  # in-call plain steps cheaper than the table: the bound follows
+    assert budget.plain_lower_bound() == 0.8 and budget.gate_plain_seconds(1) == 0.8
+    budget.end_call(1, seconds=7.0, plain_steps=10, drafted=True)  # judged against 0.8 s a step: won
+    assert budget.calls["lost"] == 0 and budget.calls["reference"] == 0
+    assert not budget.drafts_this_call() and budget.calls["reference"] == 1  # 20 x 0.8 s in 12 s: 1.33x < 1.5x
+
+
 def test_a_call_whose_estimates_drafted_nothing_lost():
     """A judged drafted call in which every choice by estimate was a plain step lost, however fast it read: it paid
     the drafter's begin and the budget's steps for vanilla's tokens. Choices made before any estimate (warm-up) do
