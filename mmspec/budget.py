@@ -225,10 +225,17 @@ class MeasuredSteps:
         return seconds > 0 and math.isfinite(plain) and steps * plain > REFERENCE_SKIP_MARGIN * seconds
 
     def plain_lower_bound(self) -> float:
-        """At most vanilla's step, before a call without the drafter has measured it: the lower of the timed table's
-        plain step (a target step alone, without the loop's per-step work) and the plain steps timed inside drafted
-        calls (which carry the budget's and the drafter's per-step work)."""
-        return min(self.plain_table_seconds(self._batch), self.seen.get(self.plain_size, math.inf))
+        """At most vanilla's step, before a call without the drafter has measured it: the lowest of the timed
+        table's plain step (a target step alone, without the loop's per-step work, but timed once, maybe under
+        another load), the budget's own plain estimate (`plain_estimate_seconds`: the plain steps timed inside
+        drafted calls, which carry the budget's and the drafter's per-step work, else the table's scaled by how the
+        sizes that ran compare with theirs, which follows the load: LlamaGen's GSD on this CPU read a table plain
+        step of 11.6 ms where vanilla's calls took 10.6, its window steps 0.83x their table's;
+        runs/bench-llamagen-s27d)."""
+        return min(self.plain_table_seconds(self._batch), self.plain_estimate_seconds(self._batch))
+
+    def plain_estimate_seconds(self, batch: int) -> float:
+        raise NotImplementedError
 
     def _reference_stale(self) -> bool:
         """Whether vanilla's step is measured again before the next drafted call (see `drafts_this_call`)."""
@@ -431,6 +438,9 @@ class AutoBudget(MeasuredSteps):
 
     def plain_table_seconds(self, batch: int) -> float:
         return self.table_seconds(batch, 0)
+
+    def plain_estimate_seconds(self, batch: int) -> float:
+        return self.seconds(batch, 0)
 
     def describe(self, batch: int) -> str:
         rates = self.rates()

@@ -259,6 +259,9 @@ class TreeBudget(MeasuredSteps):
     def plain_table_seconds(self, batch: int) -> float:
         return self.costs[PLAIN] if self.costs is not None else math.inf  # (timed at the first drafted call)
 
+    def plain_estimate_seconds(self, batch: int) -> float:
+        return float(self.step_seconds()[0]) if self.costs is not None else math.inf
+
     def describe(self, batch: int) -> str:
         """The plain step, the shapes chosen and the three fastest by estimate (see `MeasuredSteps.describe`)."""
         seconds, expected = self.step_seconds(), self.expected_tokens()  # [S], [S]

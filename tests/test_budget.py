@@ -126,6 +126,9 @@ def test_no_reference_call_while_drafted_calls_clearly_win():
     budget.end_call(1, seconds=7.0, plain_steps=10, drafted=True)  # judged against 0.8 s a step: won
     assert budget.calls["lost"] == 0 and budget.calls["reference"] == 0
     assert not budget.drafts_this_call() and budget.calls["reference"] == 1  # 20 x 0.8 s in 12 s: 1.33x < 1.5x
+    faster = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True)
+    faster._note_seconds(2, 0.5)  # drafted steps run at half their table time: the table is from a busier machine
+    assert faster.plain_lower_bound() == 0.5  # the table's plain step scaled the same way
 
 
 def test_a_call_whose_estimates_drafted_nothing_lost():
