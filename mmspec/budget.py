@@ -181,7 +181,12 @@ class MeasuredSteps:
         LLaVA's chain budgets at batch 8 judged against 3.7-3.9 ms where vanilla calls took 3.8-6.3 (runs/gpu-s26b).
         Before any call without the drafter: `plain_lower_bound` (drafted calls are judged then only while they
         clearly win, `_clear_win`)."""
-        return statistics.median(self._reference) if self._reference else self.plain_lower_bound()
+        vanilla = self.vanilla_step_seconds()
+        return self.plain_lower_bound() if vanilla is None else vanilla
+
+    def vanilla_step_seconds(self) -> float | None:
+        """Vanilla's own step as measured: the median of the last calls without the drafter; None before one ran."""
+        return statistics.median(self._reference) if self._reference else None
 
     def plain_choice_seconds(self, seconds: float) -> float:
         """What choosing a plain step costs, from a plain step's estimate `seconds` (in-call plain steps, else the
@@ -190,7 +195,8 @@ class MeasuredSteps:
         vanilla's; a plain step inside a drafted call also carries the budget's and the drafter's per-step work
         (LANTERN's tree budget at batch 8 on an H200: 12.7 ms in-call against 9.0 ms in calls without the drafter,
         where a chain of 6 at 20.6 ms for 1.95 tokens read as a win and lost the call; runs/gpu-s27c)."""
-        return min(seconds, statistics.median(self._reference)) if self._reference else seconds
+        vanilla = self.vanilla_step_seconds()
+        return seconds if vanilla is None else min(seconds, vanilla)
 
     # ------------------------------------------------------------------------------------------ whole calls
     def drafts_this_call(self) -> bool:
@@ -207,13 +213,17 @@ class MeasuredSteps:
             self.skip_calls -= 1
             self.calls["without_drafter"] += 1
             return False
-        if self.timing and self.calls["drafted"] and (self._reference_stale() if self._reference
-                                                      else not self._clear_win()):
+        if self.timing and self.calls["drafted"] and self._reference_due():
             self.calls["without_drafter"] += 1
             self.calls["reference"] += 1
             return False
         self.calls["drafted"] += 1
         return True
+
+    def _reference_due(self) -> bool:
+        """Whether the next call is a reference call: before any, unless drafting clearly wins (`_clear_win`); after
+        one, when it is stale (`_reference_stale`)."""
+        return self._reference_stale() if self._reference else not self._clear_win()
 
     def _clear_win(self) -> bool:
         """Before any call without the drafter: whether the drafted calls so far, the unjudged ones included, took
@@ -241,7 +251,7 @@ class MeasuredSteps:
         """Whether vanilla's step is measured again before the next drafted call (see `drafts_this_call`)."""
         if self._drafted_since_reference < REFERENCE_EVERY or self.call_seconds <= 0:
             return False
-        return self.call_steps * statistics.median(self._reference) < REFERENCE_MARGIN * self.call_seconds
+        return self.call_steps * self.vanilla_step_seconds() < REFERENCE_MARGIN * self.call_seconds
 
     def end_call(self, batch: int, seconds: float, plain_steps: int, drafted: bool) -> None:
         """How a call went: `seconds` from the drafter's begin (or, without the drafter, the first step) to the end,

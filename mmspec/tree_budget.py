@@ -266,10 +266,9 @@ class TreeBudget(MeasuredSteps):
         """The plain step, the shapes chosen and the three fastest by estimate (see `MeasuredSteps.describe`)."""
         seconds, expected = self.step_seconds(), self.expected_tokens()  # [S], [S]
         fastest = (expected / seconds.clamp_min(1e-12)).argsort(descending=True)[:3].tolist()
-        shown = [i for i, s in enumerate(self.shapes) if i == 0 or str(s) in self.chosen or i in fastest]
+        shown = [(i, s) for i, s in enumerate(self.shapes) if i == 0 or str(s) in self.chosen or i in fastest]
         return ", ".join(f"{s}: {self.chosen.get(str(s), 0)}x {1e3 * float(seconds[i]):.2f} ms (table "
-                         f"{1e3 * self.costs[s]:.2f}) {float(expected[i]):.2f} tok"
-                         for i, s in ((i, self.shapes[i]) for i in shown))
+                         f"{1e3 * self.costs[s]:.2f}) {float(expected[i]):.2f} tok" for i, s in shown)
 
     def throughput(self) -> torch.Tensor:
         return self.expected_tokens() / self.step_seconds().clamp_min(1e-12)
