@@ -18,13 +18,25 @@ adapter in `mmspec.lm` calls, for chains, windows and trees alike) by a compiled
 The compiled forward computes the same function; on a CPU it is checked token for token against the eager one
 (greedy and seeded sampling) by the tests. Value checks that synchronise with the host (e.g. LlamaGen's
 `check_positions`) should be off in compiled loops, as the pipelines already turn them off.
+
+Where compiling pays is measured, not assumed: `mmspec profile --family F --compile MODE` times each model's
+forwards eager and compiled at the same batch sizes and widths (`measure_compile`) and caches the verdict per model,
+device, dtype, threads and mode (`mmspec.cost`). `compile="auto"` (`mmspec generate`'s default, `compile_pipeline`,
+`LlamaGenPipeline.compile_forwards`) compiles a model only where such a verdict says its compiled forwards took at
+most AUTO_COMPILE_RATIO of the eager ones (the geometric mean over the measured cells), in the best such mode, and
+leaves it eager otherwise, or where nothing was measured (so "auto" never pays a compilation to find out).
+
+    mmspec profile --family llamagen --batch-sizes 1,8,32 --widths 1,16 --threads 2 --compile default
+    mmspec generate --family llamagen --threads 2 ...            # compile=auto: what that profile found
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,6 +44,9 @@ import torch
 from mmspec.errors import check
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+AUTO = "auto"  # compile where a measured verdict says it pays (`auto_compile_mode`)
+COMPILE_CHOICES = (AUTO, *COMPILE_MODES)
+AUTO_COMPILE_RATIO = 0.95  # compile="auto" compiles where compiled forwards took at most this share of eager ones
 # graphs one compiled forward may keep (one per static shape): batch sizes x methods x the last, partial batch
 RECOMPILE_LIMIT = 64
 
@@ -43,10 +58,11 @@ def compilations() -> int:
     return 0 if utils is None else int(utils.counters["frames"].get("total", 0))
 
 
-def check_compile_mode(mode: str, where: str = "") -> None:
-    """InputError unless `mode` is a `torch.compile` mode this module knows; `where` names the option it came from."""
-    check(mode in COMPILE_MODES,
-          f"unknown compile mode {mode!r}{where}; choose from {', '.join(COMPILE_MODES)}.")
+def check_compile_mode(mode: str, where: str = "", auto: bool = False) -> None:
+    """InputError unless `mode` is a `torch.compile` mode this module knows (or "auto" where `auto`); `where` names
+    the option it came from."""
+    known = COMPILE_CHOICES if auto else COMPILE_MODES
+    check(mode in known, f"unknown compile mode {mode!r}{where}; choose from {', '.join(known)}.")
 
 
 def uses_cuda_graphs(mode: str, device: torch.device) -> bool:
@@ -124,9 +140,88 @@ def uncompile_cached_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 def compile_pipeline(pipe: Any, mode: str | None) -> Any:
     """Compile a pipeline's cached models (`pipe.compile_forwards(mode)`), or say clearly that it cannot be.
-    `mode=None` leaves the pipeline as it is. Used by `mmspec generate --compile` and the bench's `compile` option."""
+    `mode=None` leaves the pipeline as it is; "auto" compiles where a measured verdict says it pays (a pipeline
+    without compiled forwards stays as it is). Used by `mmspec generate --compile` and the bench's `compile`
+    option."""
     if mode is None:
         return pipe
-    check(callable(getattr(pipe, "compile_forwards", None)),
-          f"the {type(pipe).__name__} has no compiled forwards (compile_forwards); drop the compile option.")
+    check_compile_mode(mode, " (compile)", auto=True)
+    if not callable(getattr(pipe, "compile_forwards", None)):
+        check(mode == AUTO, f"the {type(pipe).__name__} has no compiled forwards (compile_forwards); drop the "
+                            "compile option.")
+        return pipe
     return pipe.compile_forwards(mode)
+
+
+def compile_as_measured(model: torch.nn.Module, mode: str | None) -> torch.nn.Module:
+    """`compile_cached_lm(model, mode)` for a mode, "auto" -> the mode its measured verdicts say pays
+    (`auto_compile_mode`; eager where none does, with a line on stderr when one is compiled), None -> eager."""
+    if mode == AUTO:
+        device = next(model.parameters()).device
+        mode, ratio = auto_compile_mode(model, device)
+        if mode is not None:
+            print(f"mmspec: compile=auto: compiling {type(model).__name__}'s step forwards ({mode}: `mmspec profile "
+                  f"--compile` measured them at {ratio:.2f}x of eager on this device); the first batch pays the "
+                  f"compilation", file=sys.stderr, flush=True)
+    if mode is None:
+        return uncompile_cached_lm(model)
+    return compile_cached_lm(model, mode)
+
+
+# ------------------------------------------------------------------------------------------ measured verdicts
+def verdict_key(model: torch.nn.Module, device: torch.device | str, mode: str) -> str:
+    """The cache key of a model's compile verdict in `mode` (per device, dtype, threads and torch: `profile_key`)."""
+    from mmspec.cost import profile_key
+
+    return profile_key(model, device, f"compile-verdict|{mode}")
+
+
+def auto_compile_mode(model: torch.nn.Module, device: torch.device | str) -> tuple[str | None, float]:
+    """(the mode whose cached verdict has the lowest compiled / eager ratio, that ratio) when that ratio is at most
+    AUTO_COMPILE_RATIO, else (None, the lowest ratio or inf). Reads verdicts only: nothing is measured."""
+    from mmspec.cost import read_cached_json
+
+    ratios = {}
+    for mode in COMPILE_MODES:
+        verdict = read_cached_json(verdict_key(model, device, mode))
+        if verdict is not None and isinstance(verdict.get("ratio"), (int, float)):
+            ratios[mode] = float(verdict["ratio"])
+    if not ratios:
+        return None, math.inf
+    best = min(ratios, key=ratios.get)
+    return (best if ratios[best] <= AUTO_COMPILE_RATIO else None), ratios[best]
+
+
+def measure_compile(model: torch.nn.Module, make_run: Callable[[], Callable[[int, int], None]],
+                    batch_sizes: Sequence[int], widths: Sequence[int], mode: str, repeats: int = 5,
+                    device: torch.device | str = "cpu", progress: Callable[[str], None] | None = None) -> dict:
+    """A compile verdict: `model`'s forwards timed eager, then compiled in `mode` (`make_run()` makes a fresh
+    `run_forward(batch, width)` for each, `mmspec.cost.measure_forward_times`), at the same cells. Returns
+    {"mode", "batch_sizes", "widths", "eager", "compiled" (seconds [B][W]), "compile_seconds" (the first compiled
+    call of each cell, summed: what a run pays once per shape), "ratio" (the geometric mean of compiled / eager over
+    the cells)}. The model is left eager."""
+    from mmspec.cost import measure_forward_times
+
+    check_compile_mode(mode)
+    say = progress or (lambda text: None)
+    say("eager")
+    eager = measure_forward_times(make_run(), batch_sizes, widths, repeats, device=device)
+    compile_cached_lm(model, mode)
+    try:
+        run = make_run()
+        compile_seconds = 0.0
+        for batch in eager.batch_sizes:
+            for width in eager.widths:
+                say(f"compiling batch {batch}, width {width}")
+                start = time.perf_counter()
+                run(batch, width)
+                compile_seconds += time.perf_counter() - start
+        say("compiled")
+        compiled = measure_forward_times(run, batch_sizes, widths, repeats, device=device)
+    finally:
+        uncompile_cached_lm(model)
+    logs = [math.log(c / e) for c_row, e_row in zip(compiled.seconds, eager.seconds)
+            for c, e in zip(c_row, e_row) if c > 0 and e > 0]
+    return {"mode": mode, "batch_sizes": eager.batch_sizes, "widths": eager.widths, "eager": eager.seconds,
+            "compiled": compiled.seconds, "compile_seconds": compile_seconds,
+            "ratio": math.exp(sum(logs) / len(logs)) if logs else math.inf}

@@ -138,20 +138,28 @@ def _without_metadata(config):
 def cached_json(key: str, measure: Callable[[], dict], refresh: bool = False) -> dict:
     """The JSON object cached under `key`, or `measure()` it and cache it (atomically) when it is missing, damaged
     or `refresh`."""
-    path = cache_dir() / "profiles" / f"{key}.json"
-    if path.is_file() and not refresh:
-        try:
-            value = json.loads(path.read_text())
-            if isinstance(value, dict):
-                return value
-        except json.JSONDecodeError:
-            pass  # a damaged file is measured again
+    value = None if refresh else read_cached_json(key)
+    if value is not None:
+        return value
     value = measure()
+    path = cache_dir() / "profiles" / f"{key}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(value))
     tmp.replace(path)
     return value
+
+
+def read_cached_json(key: str) -> dict | None:
+    """The JSON object cached under `key`, or None when there is none (or it is damaged): nothing is measured."""
+    path = cache_dir() / "profiles" / f"{key}.json"
+    if not path.is_file():
+        return None
+    try:
+        value = json.loads(path.read_text())
+    except (json.JSONDecodeError, OSError):
+        return None  # a damaged file reads as missing (and is measured again by `cached_json`)
+    return value if isinstance(value, dict) else None
 
 
 def cached_profile(key: str, measure: Callable[[], ForwardTimes], refresh: bool = False) -> ForwardTimes:

@@ -125,17 +125,17 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
 
     def compile_forwards(self, mode: str | None = "default") -> LlamaGenPipeline:
         """`torch.compile` the step forwards of the transformer and of the drafters present
-        (`mmspec.compile.compile_cached_lm`; "reduce-overhead" adds CUDA graphs on a GPU); `mode=None` undoes it.
-        The first image of each batch size and method pays the compilation (seconds to a minute)."""
-        from mmspec.compile import compile_cached_lm, uncompile_cached_lm
+        (`mmspec.compile.compile_cached_lm`; "reduce-overhead" adds CUDA graphs on a GPU); `mode=None` undoes it;
+        "auto" compiles each model where `mmspec profile --compile` measured that it pays on this device, dtype and
+        thread count (`mmspec.compile.auto_compile_mode`), and leaves it eager otherwise. The first image of each
+        batch size and method pays the compilation (seconds to a minute)."""
+        from mmspec.compile import check_compile_mode, compile_as_measured
 
+        if mode is not None:
+            check_compile_mode(mode, " (compile_forwards)", auto=True)
         for model in (self.transformer, self.draft_transformer, self.eagle_drafter):
-            if model is None:
-                continue
-            if mode is None:
-                uncompile_cached_lm(model)
-            else:
-                compile_cached_lm(model, mode)
+            if model is not None:
+                compile_as_measured(model, mode)
         return self
 
     def default_guidance_scale(self) -> float:

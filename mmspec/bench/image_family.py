@@ -33,7 +33,7 @@ def image_options(settings: BenchSettings, family: str, defaults: Mapping[str, A
                          f"known: {', '.join((*OPTIONS, *extra))}.")
     o = dict(settings.options)
     if "compile" in o:  # before the pipeline loads
-        check_compile_mode(o["compile"], " (--family-option compile=...)")
+        check_compile_mode(o["compile"], " (--family-option compile=...)", auto=True)
     guidance = o.get("guidance_scale", defaults["guidance_scale"])  # None: the pipeline's own default
     return {"model": o.get("model"), "guidance_scale": None if guidance is None else float(guidance),
             "top_k": int(o.get("top_k", defaults["top_k"])), "top_p": float(o.get("top_p", defaults["top_p"])),

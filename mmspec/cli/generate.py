@@ -43,7 +43,7 @@ from mmspec.cli.jobs import (
     row_seed,
     work_items,
 )
-from mmspec.compile import COMPILE_MODES, compile_pipeline
+from mmspec.compile import AUTO, COMPILE_CHOICES, COMPILE_MODES, compile_pipeline
 from mmspec.errors import InputError, check
 from mmspec.families import FamilyRecord, available_families, get_family
 from mmspec.stats import SpecStats
@@ -116,9 +116,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "process may use: affinity and cgroup quota, not the machine's core count)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help="weights and activations: float32 (default, as saved), bfloat16 or float16")
-    parser.add_argument("--compile", default=None, choices=COMPILE_MODES, metavar="MODE",
+    parser.add_argument("--compile", default=AUTO, choices=COMPILE_CHOICES, metavar="MODE",
                         help="torch.compile the pipeline's step forwards where it has them: " + ", ".join(COMPILE_MODES)
-                             + "; the first batch pays the compilation")
+                             + " (the first batch pays the compilation), or auto (the default): where `mmspec profile "
+                               "--compile MODE` measured that it pays on this device and thread count, else eager")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 

@@ -6,7 +6,9 @@ each, and cache the tables (`mmspec.cost`) that draft budgets read.
 Prints, per model, the milliseconds of one forward and the same in one-token forwards of its batch size (what a
 verify of W tokens costs in plain steps). A table is measured once per (model, device, dtype, threads, torch) and
 read back from the cache afterwards (`--refresh` measures again). Families offer their models through the `profile`
-hook of their record (`mmspec.families`).
+hook of their record (`mmspec.families`). `--compile MODE` also times every model compiled in MODE against eager at
+the same cells and caches the verdict that `compile="auto"` reads (`mmspec.compile`): a model is compiled where its
+compiled forwards took at most 0.95x of eager's (the geometric mean over the cells).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mmspec.compile import COMPILE_MODES
 from mmspec.errors import check
 from mmspec.families import available_families, get_family
 
@@ -27,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--refresh", action="store_true", help="measure again even if a cached table exists")
+    parser.add_argument("--compile", default=None, choices=COMPILE_MODES, metavar="MODE",
+                        help="also time each model's forwards compiled in MODE (" + ", ".join(COMPILE_MODES) + ") "
+                             "against eager at the same cells, and cache the verdict `compile=auto` reads")
 
 
 def parse_sizes(text: str, name: str) -> list[int]:
@@ -70,4 +76,41 @@ def run(args: argparse.Namespace) -> int:
                                          progress=lambda text: print(f"{name}: {text}", file=sys.stderr))
 
         print(format_table(name, cached_profile(key, measure, refresh=args.refresh)) + "\n")
+        if args.compile is not None:
+            print(format_verdict(name, measured_verdict(family, pipe, name, model, args, batch_sizes, widths, device))
+                  + "\n")
     return 0
+
+
+def measured_verdict(family, pipe, name: str, model, args: argparse.Namespace, batch_sizes: list[int],
+                     widths: list[int], device) -> dict:
+    """The model's compile verdict in `args.compile` at these cells (`mmspec.compile.measure_compile`), cached under
+    its `verdict_key` (the latest measurement is the one `compile=auto` reads)."""
+    from mmspec.compile import measure_compile, verdict_key
+    from mmspec.cost import cached_json, read_cached_json
+
+    key = verdict_key(model, device, args.compile)
+    cached = read_cached_json(key)
+    fresh = (args.refresh or cached is None or cached.get("batch_sizes") != batch_sizes
+             or cached.get("widths") != widths)
+    return cached_json(key, lambda: measure_compile(
+        model, lambda: family.profile(pipe)[name][1], batch_sizes, widths, args.compile, args.repeats, device,
+        progress=lambda text: print(f"{name} ({args.compile}): {text}", file=sys.stderr, flush=True)),
+        refresh=fresh)
+
+
+def format_verdict(name: str, verdict: dict) -> str:
+    """A compile verdict as a table: ms per forward compiled (x the eager forward of the same cell)."""
+    from mmspec.compile import AUTO_COMPILE_RATIO
+
+    widths = verdict["widths"]
+    pays = verdict["ratio"] <= AUTO_COMPILE_RATIO
+    verdict_text = "compiles" if pays else "stays eager"
+    lines = [f"{name}: ms per forward compiled ({verdict['mode']}) (x eager); compilation "
+             f"{verdict['compile_seconds']:.1f} s; geometric mean {verdict['ratio']:.2f}x: compile=auto "
+             f"{verdict_text} (compiles at <= {AUTO_COMPILE_RATIO}x)",
+             "| batch | " + " | ".join(f"W={w}" for w in widths) + " |", "|---" * (len(widths) + 1) + "|"]
+    for batch, compiled, eager in zip(verdict["batch_sizes"], verdict["compiled"], verdict["eager"]):
+        lines.append(f"| {batch} | " + " | ".join(f"{c * 1e3:.2f} ({c / e:.2f}x)" for c, e in zip(compiled, eager))
+                     + " |")
+    return "\n".join(lines)

@@ -130,3 +130,75 @@ def test_bench_compile_option_is_checked_before_any_work(tmp_path, capsys):
     assert "unknown compile mode 'fast'" in capsys.readouterr().err
     assert main([*common, "--family", "var", "--family-option", "compile=default", "--out", str(tmp_path / "b")]) == 2
     assert "the CoDePipeline has no compiled forwards" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------ compile="auto"
+def write_verdict(model, mode: str, ratio: float) -> None:
+    from mmspec.cost import cached_json
+
+    cached_json(mmspec.compile.verdict_key(model, "cpu", mode), lambda: {"mode": mode, "ratio": ratio}, refresh=True)
+
+
+def test_auto_compiles_only_where_a_measured_verdict_says_it_pays(capsys):
+    pipe = dummy_pipeline()
+    assert mmspec.compile.auto_compile_mode(pipe.transformer, "cpu") == (None, float("inf"))  # nothing measured
+    pipe.compile_forwards("auto")
+    assert all(getattr(m, "compile_mode", None) is None for m in (pipe.transformer, pipe.eagle_drafter))
+    assert capsys.readouterr().err == ""  # eager without a word where nothing was measured
+    write_verdict(pipe.transformer, "default", 1.3)  # compiled forwards were slower: eager
+    write_verdict(pipe.transformer, "max-autotune", 0.97)  # faster, but not by the margin
+    assert mmspec.compile.auto_compile_mode(pipe.transformer, "cpu") == (None, 0.97)
+    assert getattr(compile_pipeline(pipe, "auto").transformer, "compile_mode", None) is None
+    write_verdict(pipe.transformer, "reduce-overhead", 0.6)  # the best mode that pays
+    assert mmspec.compile.auto_compile_mode(pipe.transformer, "cpu") == ("reduce-overhead", 0.6)
+    compile_pipeline(pipe, "auto")
+    assert pipe.transformer.compile_mode == "reduce-overhead"
+    assert getattr(pipe.eagle_drafter, "compile_mode", None) is None
+    assert "compiling LlamaGenGPT's step forwards (reduce-overhead" in capsys.readouterr().err
+    compile_pipeline(pipe, None)  # None leaves it as it is; compile_forwards(None) undoes it
+    assert pipe.transformer.compile_mode == "reduce-overhead"
+    assert pipe.compile_forwards(None).transformer.compile_mode is None
+    assert compile_pipeline(object(), "auto") is not None  # auto on a pipeline without compiled forwards: as it is
+
+
+def test_measure_compile_times_both_and_leaves_the_model_eager():
+    pipe = dummy_pipeline()
+    model = pipe.transformer
+    calls = []
+
+    def make_run():
+        compiled = getattr(model, "compile_mode", None)
+
+        def run(batch: int, width: int) -> None:
+            calls.append((compiled, batch, width))
+            torch.ones(200 * width if compiled else 100 * width).sum()  # compiled: "slower"
+
+        return run
+
+    verdict = mmspec.compile.measure_compile(model, make_run, [1, 2], [1, 4], "default", repeats=3)
+    assert verdict["mode"] == "default" and verdict["batch_sizes"] == [1, 2] and verdict["widths"] == [1, 4]
+    assert len(verdict["eager"]) == 2 and len(verdict["compiled"][0]) == 2 and verdict["compile_seconds"] >= 0
+    assert verdict["ratio"] > 0 and {c for c, _, _ in calls} == {None, "default"}  # both timed
+    assert getattr(model, "compile_mode", None) is None  # left eager
+
+
+def test_profile_cli_caches_the_verdict_that_auto_reads(tmp_path, capsys, monkeypatch):
+    from mmspec.cli import profile as profile_cli
+
+    def fake_measure(model, make_run, batch_sizes, widths, mode, repeats, device, progress=None):
+        return {"mode": mode, "batch_sizes": batch_sizes, "widths": widths, "eager": [[1e-3] * len(widths)] *
+                len(batch_sizes), "compiled": [[5e-4] * len(widths)] * len(batch_sizes), "compile_seconds": 2.0,
+                "ratio": 0.5}
+
+    monkeypatch.setattr(mmspec.compile, "measure_compile", fake_measure)
+    folder = tmp_path / "pipe"
+    dummy_pipeline().save_pretrained(folder)
+    assert main(["profile", "--family", "llamagen", "--model", str(folder), "--batch-sizes", "1", "--widths", "1,2",
+                 "--repeats", "1", "--compile", "default"]) == 0
+    out = capsys.readouterr().out
+    assert "transformer: ms per forward compiled (default) (x eager); compilation 2.0 s" in out
+    assert "geometric mean 0.50x: compile=auto compiles" in out and "| 1 | 0.50 (0.50x) | 0.50 (0.50x) |" in out
+    assert profile_cli.format_verdict("m", {**fake_measure(None, None, [1], [1], "default", 1, "cpu"),
+                                            "ratio": 1.2}).count("stays eager") == 1
+    pipe = LlamaGenPipeline.from_pretrained(folder)
+    assert mmspec.compile.auto_compile_mode(pipe.transformer, "cpu") == ("default", 0.5)
