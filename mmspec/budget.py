@@ -120,7 +120,8 @@ class MeasuredSteps:
         self._compiled_at = 0  # `compilations()` at the last choice
         self.skip_calls, self.backoff = 0, CALL_BACKOFF  # calls left to run as vanilla; the next loss's backoff
         self.call_seconds = self.call_steps = 0.0  # drafted calls' seconds and the plain steps they replaced, decayed
-        self.calls = {"drafted": 0, "without_drafter": 0, "lost": 0, "reference": 0, "unjudged": 0}
+        self.calls = {"drafted": 0, "without_drafter": 0, "lost": 0, "reference": 0, "unjudged": 0,
+                      "predicted_plain": 0}
         self._reference: deque = deque(maxlen=STEP_SAMPLES)  # a plain step's seconds in calls without the drafter
         self._drafted_since_reference = 0
         self._drafted_total = (0.0, 0)  # all drafted calls' seconds and the plain steps they replaced
@@ -130,6 +131,10 @@ class MeasuredSteps:
         self._since_probe = 0  # choices since the last plain step kept for its timing (`_plain_probe`)
         self._tail: tuple[int, int] | None = None  # (tokens left in the longest row, active rows), if noted
         self._estimated = (0, 0)  # this call's choices by estimate, and how many of them drafted
+        self._call_tokens = 0  # the plain steps of the last call (its longest row's tokens after the first)
+        self._explore_next = False  # the next drafted call re-explores (`_exploring`): it follows a backoff
+        self._explore_call = False  # this call re-explores
+        self._call_choices = 0  # choices made in this call
 
     def _time_last_step(self) -> None:
         """Time the previous step (from its choice to this one: the loop syncs between). A step during which
@@ -208,7 +213,9 @@ class MeasuredSteps:
         (`_clear_win`), and again after REFERENCE_EVERY drafted calls while they won by less than REFERENCE_MARGIN
         (the load drifts, and only a close verdict can turn on it: SJD at batch 1 here wins by 1.6-1.8x, and one
         vanilla call after every 32 drafted calls at 1.7x would give up about 2% of that, by arithmetic: 33 calls in
-        32 / 1.7 + 1 call times). Only with measured times (`timing`)."""
+        32 / 1.7 + 1 call times). Once vanilla's step is measured, a call whose estimates say no drafting size beats
+        a plain step (`_estimates_plain`) runs without the drafter too, as after a loss (backoff included); the
+        drafted call after a backoff re-explores (`_exploring`). Only with measured times (`timing`)."""
         if self.timing and self.skip_calls > 0:
             self.skip_calls -= 1
             self.calls["without_drafter"] += 1
@@ -217,8 +224,50 @@ class MeasuredSteps:
             self.calls["without_drafter"] += 1
             self.calls["reference"] += 1
             return False
+        if self.timing and not self._explore_next and self._reference and self._estimates_plain():
+            self.calls["without_drafter"] += 1
+            self.calls["predicted_plain"] += 1
+            self._back_off()
+            self.skip_calls -= 1  # this call is the first of them
+            log.debug("batch %d: by the estimates a call like the last runs plain steps: it and the next %d calls "
+                      "without the drafter", self._batch, self.skip_calls)
+            return False
+        self._explore_call, self._explore_next = self._explore_next, False
         self.calls["drafted"] += 1
         return True
+
+    def _back_off(self) -> None:
+        """The next `backoff` calls run without the drafter (the backoff doubles), and the drafted call after them
+        re-explores (`_exploring`)."""
+        self.skip_calls, self.backoff = self.backoff, 2 * self.backoff
+        self._explore_next = True
+
+    def _estimates_plain(self) -> bool:
+        """Whether, at the current estimates, a plain step beats every drafting size over a call like the last one
+        (its longest row's tokens, every row of the batch active: the batch tail). Such a call would pay the
+        drafter's begin for plain steps: on this CPU the world LLaVA's drafted calls at batch 32 whose choices were
+        all plain steps took 0.67-0.79x of vanilla's time, the drafter's prompt pass alone 16% of it
+        (runs/bench-vlm-s28a). `drafts_this_call` then runs it, and the backoff's calls, without the drafter; the
+        call after them re-explores, so the estimates are measured again rather than trusted for ever."""
+        if self._call_tokens <= 0:
+            return False
+        saved, self._tail = self._tail, (self._call_tokens, self._batch)
+        try:
+            plain, best_drafting = self._plain_and_best_speeds()
+        finally:
+            self._tail = saved
+        return best_drafting <= plain
+
+    def _plain_and_best_speeds(self) -> tuple[float, float]:
+        """(a plain step's expected speed, the best drafting size's) at the current estimates (`speeds`)."""
+        raise NotImplementedError
+
+    def _exploring(self) -> bool:
+        """Whether this choice drafts the exploration size because the call re-explores after a backoff: its
+        choices warmup .. 2 x warmup - 1 (past the call's first tokens, which an image's first steps make the
+        hardest to draft: an H200's EAGLE tree read 1.79 tokens a step in a warm-up at an image's start where its
+        steps average 3.60, and its calls then stayed plain; runs/gpu-s27d)."""
+        return self._explore_call and self.warmup <= self._call_choices < 2 * self.warmup
 
     def _reference_due(self) -> bool:
         """Whether the next call is a reference call: before any, unless drafting clearly wins (`_clear_win`); after
@@ -269,7 +318,7 @@ class MeasuredSteps:
         slow, runs/bench-llamagen-s27b)."""
         if not self.timing or plain_steps <= 0:
             return
-        self._batch = batch
+        self._batch, self._call_tokens = batch, plain_steps
         if not drafted:
             self._note_seconds(self.plain_size, seconds / plain_steps)
             self._reference.append(seconds / plain_steps)
@@ -290,7 +339,7 @@ class MeasuredSteps:
         chose_plain = self._estimated[0] > 0 and self._estimated[1] == 0
         lost = chose_plain or self.call_seconds > self.call_steps * plain
         if lost:
-            self.skip_calls, self.backoff = self.backoff, 2 * self.backoff
+            self._back_off()
             self.calls["lost"] += 1
         else:
             self.backoff = CALL_BACKOFF
@@ -321,6 +370,7 @@ class MeasuredSteps:
         self._chosen_at, self._plain_run = None, 0  # the time between calls is not a step
         self._tail = None
         self._estimated = (0, 0)  # this call's choices by estimate, and how many of them drafted
+        self._call_choices = 0
 
     def note_rows_left(self, tokens_left: torch.Tensor) -> None:
         """tokens_left [B]: the tokens each row may still emit (0 for finished rows), before the next choice; read
@@ -345,7 +395,8 @@ class MeasuredSteps:
         """Plain steps for the rest of this call: for `settle_after` choices in a row a plain step was expected to
         beat every drafting size by `settle_margin` (then the loop stops asking the budget and the drafter, so the
         call runs at vanilla's cost; the next call asks again)."""
-        return self._plain_run >= self.settle_after
+        return self._plain_run >= self.settle_after and not (
+            self._explore_call and self._call_choices < 2 * self.warmup)  # a re-exploration still to come
 
 
 class AutoBudget(MeasuredSteps):
@@ -446,6 +497,10 @@ class AutoBudget(MeasuredSteps):
         var = torch.tensor([self.emitted_variance(k, rates) for k in self.sizes], dtype=torch.float64)
         return dict(zip(self.sizes, self.tail_speeds(seconds, mean, var).tolist()))
 
+    def _plain_and_best_speeds(self) -> tuple[float, float]:
+        speed = self.speeds(self._batch, self.rates())
+        return speed[0], max((v for k, v in speed.items() if k > 0), default=0.0)
+
     def plain_table_seconds(self, batch: int) -> float:
         return self.table_seconds(batch, 0)
 
@@ -496,7 +551,7 @@ class AutoBudget(MeasuredSteps):
         if self.refresh_every and steps >= self._refresh_at:  # at steps r, 2r, 4r, ..
             self._refresh_at *= 2
             self._forced = self.dwell
-        if steps < self.warmup or self._forced > 0:
+        if steps < self.warmup or self._forced > 0 or self._exploring():
             self._forced = max(self._forced - 1, 0)
             best = self.explore_size(batch)
         elif self._holding():
@@ -513,6 +568,7 @@ class AutoBudget(MeasuredSteps):
             self._counted_run, self._emitted_since_change = 0, 0.0
         self.chosen[best] = self.chosen.get(best, 0) + 1
         self._last = best
+        self._call_choices += 1
         return best
 
     def _holding(self) -> bool:

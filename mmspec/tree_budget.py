@@ -291,6 +291,12 @@ class TreeBudget(MeasuredSteps):
             return self.throughput()
         return self.tail_speeds(self.step_seconds(), self.expected_tokens(), self.emitted_variance())
 
+    def _plain_and_best_speeds(self) -> tuple[float, float]:
+        if self.costs is None:  # not timed yet: no estimate
+            return 0.0, 1.0
+        speed = self.speeds()  # [S]
+        return float(speed[0]), float(speed[1:].max()) if len(self.shapes) > 1 else 0.0
+
     def explore_shape(self) -> TreeShape:
         """The shape of warm-up and refresh steps: of the shapes costing at most `explore_cost` plain steps, the one
         that contains the most trees, then the deepest (the full shape where drafting is cheap, e.g. a GPU at batch
@@ -313,7 +319,7 @@ class TreeBudget(MeasuredSteps):
             self.refreshes += 1
         if refresh and self._last.top_k == 1:  # chains are chosen: learn the positions past them
             shape = self.shapes[max(self.chains.values(), key=lambda i: self.shapes[i].depth)]
-        elif self.steps < self.warmup or refresh:
+        elif self.steps < self.warmup or refresh or self._exploring():
             shape = self.explore_shape()
         elif self._plain_probe():
             shape = PLAIN
@@ -322,6 +328,7 @@ class TreeBudget(MeasuredSteps):
             shape = self.shapes[int(speed.argmax())]
             self._note_plain_margin(float(speed[0]), float(speed[1:].max()) if len(self.shapes) > 1 else 0.0)
         self.steps += 1
+        self._call_choices += 1
         self._last = shape
         self.chosen[str(shape)] = self.chosen.get(str(shape), 0) + 1
         return 0 if shape == PLAIN else shape

@@ -153,6 +153,66 @@ def test_a_call_whose_estimates_drafted_nothing_lost():
     assert never.calls["lost"] == 0
 
 
+def choose_untimed(budget, batch: int = 1):
+    """budget.choose(batch) without timing the previous step (a test's steps take microseconds)."""
+    budget._chosen_at = None
+    return budget.choose(batch)
+
+
+def test_a_call_predicted_plain_runs_without_the_drafter_and_the_retry_re_explores():
+    """When, at the estimates a call starts with, a plain step beats every drafting size over a call like the last
+    one (the batch tail included), the call runs without the drafter (it would pay the drafter's begin for plain
+    steps) and so do the backoff's next calls; the drafted call after them re-explores: its choices warmup ..
+    2 x warmup - 1 draft the exploration size, and it does not settle on plain steps before them."""
+    budget = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0 if n == 1 else 3.0, warmup=2, timing=True,
+                        settle_after=2)
+    assert budget.drafts_this_call()
+    budget.begin()
+    assert [choose_untimed(budget) for _ in range(2)] == [2, 2]  # warm-up
+    budget.observe(result([0], [2]), torch.ones(1, dtype=torch.bool))  # nothing accepted: plain is better now
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # unjudged
+    assert budget._estimates_plain()
+    assert not budget.drafts_this_call() and budget.calls["reference"] == 1  # the reference comes first
+    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)
+    gates = [budget.drafts_this_call() for _ in range(CALL_BACKOFF + 1)]
+    assert gates == [False] * CALL_BACKOFF + [True] and budget.calls["predicted_plain"] == 1
+    assert budget.calls["lost"] == 0 and budget.backoff == 2 * CALL_BACKOFF
+    budget.begin()  # the retry: plain by estimate for `warmup` choices, then `warmup` exploring ones
+    chosen = []
+    for _ in range(6):
+        chosen.append(choose_untimed(budget))
+        if chosen[-1] == 0 and budget.settled():
+            break
+    assert chosen == [0, 0, 2, 2, 0] and budget.settled()  # (not settled before the exploring choices)
+    budget.end_call(1, seconds=12.0, plain_steps=10, drafted=True)  # its choices by estimate were plain: lost
+    assert budget.calls["lost"] == 1 and budget.skip_calls == 2 * CALL_BACKOFF
+    assert not AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True)._estimates_plain()  # no call yet
+    wins = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, warmup=0, timing=True)  # drafting is free here
+    wins.end_call(1, seconds=9.0, plain_steps=10, drafted=True)
+    wins.end_call(1, seconds=10.0, plain_steps=10, drafted=False)
+    assert not wins._estimates_plain() and wins.drafts_this_call()
+
+
+def test_the_tree_budget_predicts_plain_calls_and_re_explores_too():
+    full = TreeShape(2, 2, 4)
+    tree = TreeBudget(full, [PLAIN, full], warmup=2, refresh_every=0, costs={PLAIN: 1.0, full: 3.0}, timing=True,
+                      settle_after=1)
+    assert tree.drafts_this_call()
+    tree.begin(None, None, None, None)
+    assert [choose_untimed(tree) for _ in range(3)] == [full, full, 0]  # warm-up, then nothing seen accepted: plain
+    tree.end_call(1, seconds=9.0, plain_steps=10, drafted=True)
+    tree.end_call(1, seconds=10.0, plain_steps=10, drafted=False)
+    assert tree._estimates_plain() and not tree.drafts_this_call() and tree.calls["predicted_plain"] == 1
+    while tree.skip_calls:
+        assert not tree.drafts_this_call()
+    assert tree.drafts_this_call()
+    tree.begin(None, None, None, None)
+    first = choose_untimed(tree)
+    assert first == 0 and not tree.settled()  # settle_after 1, but the re-exploration is still to come
+    chosen = [first] + [choose_untimed(tree) for _ in range(4)]
+    assert chosen == [0, 0, full, full, 0] and tree.settled()
+
+
 def test_a_plain_choice_costs_at_most_vanillas_step():
     """In-call plain steps carry the budget's and the drafter's per-step work; once a call without the drafter has
     run, a plain choice is priced at most at its step, since settled calls run at vanilla's cost."""
