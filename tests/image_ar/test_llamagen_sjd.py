@@ -185,11 +185,17 @@ def test_the_auto_budget_keeps_greedy_tokens_and_learns_across_calls(pipe, metho
     if clear_win:  # the same budget decided the second call: it drafted again
         assert budget.calls["drafted"] == 2 and budget.calls["without_drafter"] == 0
         assert sum(budget.chosen.values()) > steps
-    else:  # a reference call without the drafter (vanilla's step for the gate), then the third drafts again
+    else:  # a reference call without the drafter (vanilla's step for the gate), then the third drafts again,
+        # unless its starting estimates say no size beats a plain step (then it runs without the drafter too)
         assert budget.calls["drafted"] == budget.calls["without_drafter"] == budget.calls["reference"] == 1
         assert sum(budget.chosen.values()) == steps
+        predicted_plain = budget._estimates_plain()
         assert torch.equal(pipe(**greedy, method=method).tokens, vanilla)
-        assert budget.calls["drafted"] == 2 and sum(budget.chosen.values()) > steps
+        if predicted_plain:
+            assert budget.calls["predicted_plain"] == 1 and budget.calls["drafted"] == 1
+            assert sum(budget.chosen.values()) == steps and budget.skip_calls == budget.backoff // 2 - 1
+        else:
+            assert budget.calls["drafted"] == 2 and sum(budget.chosen.values()) > steps
 
     def auto_sampled(budget="auto"):
         gens = [torch.Generator().manual_seed(3 + i) for i in range(len(LABELS))]
