@@ -15,7 +15,8 @@ one reached. Because a drafter's acceptance can depend on the size itself (a Jac
 in a long window), E[tokens | k] blends that position model with the mean tokens actually emitted per row at size
 k; drafters that say so (`budget_options`: Jacobi) are valued by that mean alone once a size has run, and keep a
 choice for a few steps. seconds(k) starts from the measured tables and becomes each size's own measured step time
-once it has run (the drafter's bookkeeping and the machine's load included). The first `warmup` steps draft the
+once it has run (the drafter's bookkeeping and the machine's load included), until it has not run for STALE_AFTER
+choices (then its table's again, scaled like the sizes measured since: `fresh_seen`). The first `warmup` steps draft the
 largest size that costs at most `explore_cost` plain steps (the method's configured size where drafting is cheap),
 so the rates are learnt without paying for a size this device cannot afford; after that the choice is the best
 estimate (no random exploration), with the warm-up size again at refresh steps.
@@ -69,6 +70,7 @@ REFERENCE_EVERY = 32  # a call without the drafter measures vanilla's step again
 REFERENCE_MARGIN = 1.25  # while the drafted calls won by less than this (a clear win survives a drift of the load)
 REFERENCE_SKIP_MARGIN = 1.5  # no reference call while drafted calls beat a lower bound of vanilla's step by this
 STEP_SAMPLES = 9  # a size's step seconds: the median of its last this many measured steps
+STALE_AFTER = 64  # choices after a size's last measured step, its measured seconds give way to its scaled table's
 PLAIN_PROBE_EVERY = 8  # until STEP_SAMPLES plain steps are measured, every this many choices is a plain step
 
 
@@ -135,6 +137,8 @@ class MeasuredSteps:
         self._explore_next = False  # the next drafted call re-explores (`_exploring`): it follows a backoff
         self._explore_call = False  # this call re-explores
         self._call_choices = 0  # choices made in this call
+        self._choices = 0  # choices made over the budget's life
+        self._sampled_at: dict = {}  # size -> `_choices` when its seconds were last measured
 
     def _time_last_step(self) -> None:
         """Time the previous step (from its choice to this one: the loop syncs between). A step during which
@@ -154,6 +158,20 @@ class MeasuredSteps:
         samples = self._samples.setdefault(size, deque(maxlen=STEP_SAMPLES))
         samples.append(took)
         self.seen[size] = statistics.median(samples)
+        self._sampled_at[size] = self._choices
+
+    def fresh_seen(self) -> dict:
+        """`seen` without the sizes not measured in the last STALE_AFTER choices: a size left after steps timed
+        during a passing load reads that load until it runs again, and so it would not run again (GSD's window of
+        15 read 27.3 ms from a slow spell and lost to the window of 7 for the rest of a run, 1.63x where SJD's
+        window of 15 ran at 1.73x, runs/bench-llamagen-s28c). A stale size takes its table time scaled like the
+        fresh ones', so it is chosen, and measured, again where that says it should."""
+        return {k: v for k, v in self.seen.items() if self._choices - self._sampled_at.get(k, 0) <= STALE_AFTER}
+
+    def _count_choice(self) -> None:
+        """A choice was made (this call's and the budget's life count)."""
+        self._call_choices += 1
+        self._choices += 1
 
     def _plain_probe(self) -> bool:
         """Whether this choice is a plain step kept for its timing: every PLAIN_PROBE_EVERY-th choice until
@@ -519,11 +537,11 @@ class AutoBudget(MeasuredSteps):
     def seconds(self, batch: int, k: int) -> float:
         """A step's seconds with k drafts: as measured where that size ran (timing), else the table's, scaled by
         how the sizes that ran compare with it; a plain step at most vanilla's (`plain_choice_seconds`)."""
-        if k in self.seen:
-            seconds = self.seen[k]
+        seen = self.fresh_seen()
+        if k in seen:
+            seconds = seen[k]
         else:
-            scale = sum(self.seen[s] / max(self.table_seconds(batch, s), 1e-12) for s in self.seen) / len(self.seen) \
-                if self.seen else 1.0
+            scale = sum(seen[s] / max(self.table_seconds(batch, s), 1e-12) for s in seen) / len(seen) if seen else 1.0
             seconds = self.table_seconds(batch, k) * scale
         return self.plain_choice_seconds(seconds) if k == 0 else seconds
 
@@ -568,7 +586,7 @@ class AutoBudget(MeasuredSteps):
             self._counted_run, self._emitted_since_change = 0, 0.0
         self.chosen[best] = self.chosen.get(best, 0) + 1
         self._last = best
-        self._call_choices += 1
+        self._count_choice()
         return best
 
     def _holding(self) -> bool:

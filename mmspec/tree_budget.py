@@ -12,7 +12,8 @@ with draft() the drafter's `propose` and step() the target's verify plus the acc
 device, at this batch size, on the call's own prefix (`TreeBudget.begin`, once per model pair, device, dtype,
 threads, batch size and prefix length; cached by `mmspec.cost.cached_json`). Once a shape has run, its steps' own
 measured seconds (the median of its last steps, from one choice to the next) replace the table, and shapes not run
-yet are scaled by how the run ones compare with the table: a table timed under another load does not decide for ever.
+yet (or not for STALE_AFTER choices: `MeasuredSteps.fresh_seen`) are scaled by how the run ones compare with the
+table: neither a table timed under another load nor steps timed in a passing slow spell decide for ever.
 
 E[tokens | s] comes from what earlier steps of the call accepted, counted again for every smaller shape the step's
 tree contains (`counterfactual_accepts`): EAGLE-2 keeps the nodes of highest cumulative draft log-prob and builds
@@ -250,9 +251,10 @@ class TreeBudget(MeasuredSteps):
         the timed cost scaled by how the shapes that ran compare with their timed costs; the plain step at most
         vanilla's (`plain_choice_seconds`)."""
         check(self.costs is not None, "TreeBudget has no costs; call begin(...) or pass costs=.")
-        ran = [s for s in self.shapes if s in self.seen]
-        scale = sum(self.seen[s] / self.costs[s] for s in ran) / len(ran) if ran else 1.0
-        seconds = [self.seen.get(s, self.costs[s] * scale) for s in self.shapes]
+        seen = self.fresh_seen()  # (a shape not run for a while takes its scaled table time again)
+        ran = [s for s in self.shapes if s in seen]
+        scale = sum(seen[s] / self.costs[s] for s in ran) / len(ran) if ran else 1.0
+        seconds = [seen.get(s, self.costs[s] * scale) for s in self.shapes]
         seconds[0] = self.plain_choice_seconds(seconds[0])  # the menu starts with PLAIN
         return torch.tensor(seconds, dtype=torch.float64)
 
@@ -328,7 +330,7 @@ class TreeBudget(MeasuredSteps):
             shape = self.shapes[int(speed.argmax())]
             self._note_plain_margin(float(speed[0]), float(speed[1:].max()) if len(self.shapes) > 1 else 0.0)
         self.steps += 1
-        self._call_choices += 1
+        self._count_choice()
         self._last = shape
         self.chosen[str(shape)] = self.chosen.get(str(shape), 0) + 1
         return 0 if shape == PLAIN else shape

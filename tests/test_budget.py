@@ -249,6 +249,35 @@ def test_measured_step_times_replace_the_table(monkeypatch):
 
 
 
+def test_a_size_not_run_for_a_while_takes_its_scaled_table_time_again():
+    """A size's measured seconds hold for STALE_AFTER choices after its last measured step; then it is priced like a
+    size never run (its table time, scaled like the sizes measured since), so steps timed in a passing slow spell do
+    not keep it unchosen, and hence unmeasured, for the rest of a run. Chain and tree budgets alike."""
+    from mmspec.budget import STALE_AFTER
+
+    budget = AutoBudget([0, 2, 4], verify_seconds=lambda b, n: float(n), warmup=0, timing=True, per_size=True)
+    budget.rows_at.update({2: 1.0, 4: 1.0})
+    budget.emitted_at.update({2: 3.6, 4: 7.0})  # 1.2 and 1.4 tokens a table second (a plain step: 1)
+    budget._note_seconds(4, 50.0)  # the window of 4 timed in a slow spell: 10x its table
+    budget._note_seconds(2, 3.0)
+    assert budget.seconds(1, 4) == 50.0 and budget.choose(1) == 2
+    for _ in range(STALE_AFTER):
+        budget._note_seconds(2, 3.0)  # the window of 2 keeps running (and being timed)
+        budget._chosen_at = None
+        assert budget.choose(1) == 2
+    budget._note_seconds(2, 3.0)
+    assert budget.seconds(1, 4) == pytest.approx(5.0 * 3.0 / 3.0)  # stale: the table's 5 s, scaled like size 2's
+    assert budget.choose(1) == 4  # 7 tokens in 5 s beat 3.6 in 3 s: chosen, and measured, again
+    full = TreeShape(2, 2, 4)
+    tree = TreeBudget(full, [PLAIN, full], warmup=0, refresh_every=0, costs={PLAIN: 1.0, full: 2.0}, timing=True)
+    tree._note_seconds(full, 20.0)
+    tree._note_seconds(PLAIN, 1.0)
+    assert tree.step_seconds().tolist() == [1.0, 20.0]
+    tree._choices += STALE_AFTER + 1  # the plain step runs on, the tree does not
+    tree._note_seconds(PLAIN, 1.5)  # its median: 1.25 s, 1.25x its table
+    assert tree.step_seconds().tolist() == [1.25, 2.5]  # the stale tree: its table's 2 s x 1.25
+
+
 def test_plain_steps_are_timed_even_when_drafting_wins(monkeypatch):
     """A budget that drafts from its first step still measures plain steps (every 8th choice until 9 have run),
     so drafting is weighed against a plain step's measured time, not only its table time; then it drafts on."""
