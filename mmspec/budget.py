@@ -137,7 +137,7 @@ class MeasuredSteps:
         self._explore_next = False  # the next drafted call re-explores (`_exploring`): it follows a backoff
         self._explore_call = False  # this call re-explores
         self._call_choices = 0  # choices made in this call
-        self._choices = 0  # choices made over the budget's life
+        self._choices = 0  # choices made over the budget's life (the warm-up's, refreshes' and staleness's clock)
         self._sampled_at: dict = {}  # size -> `_choices` when its seconds were last measured
 
     def _time_last_step(self) -> None:
@@ -285,7 +285,11 @@ class MeasuredSteps:
         choices warmup .. 2 x warmup - 1 (past the call's first tokens, which an image's first steps make the
         hardest to draft: an H200's EAGLE tree read 1.79 tokens a step in a warm-up at an image's start where its
         steps average 3.60, and its calls then stayed plain; runs/gpu-s27d)."""
-        return self._explore_call and self.warmup <= self._call_choices < 2 * self.warmup
+        return self._exploration_ahead() and self._call_choices >= self.warmup
+
+    def _exploration_ahead(self) -> bool:
+        """Whether this call re-explores and its exploring choices are not all made yet (it does not settle)."""
+        return self._explore_call and self._call_choices < 2 * self.warmup
 
     def _reference_due(self) -> bool:
         """Whether the next call is a reference call: before any, unless drafting clearly wins (`_clear_win`); after
@@ -413,8 +417,7 @@ class MeasuredSteps:
         """Plain steps for the rest of this call: for `settle_after` choices in a row a plain step was expected to
         beat every drafting size by `settle_margin` (then the loop stops asking the budget and the drafter, so the
         call runs at vanilla's cost; the next call asks again)."""
-        return self._plain_run >= self.settle_after and not (
-            self._explore_call and self._call_choices < 2 * self.warmup)  # a re-exploration still to come
+        return self._plain_run >= self.settle_after and not self._exploration_ahead()
 
 
 class AutoBudget(MeasuredSteps):
@@ -516,8 +519,7 @@ class AutoBudget(MeasuredSteps):
         return dict(zip(self.sizes, self.tail_speeds(seconds, mean, var).tolist()))
 
     def _plain_and_best_speeds(self) -> tuple[float, float]:
-        speed = self.speeds(self._batch, self.rates())
-        return speed[0], max((v for k, v in speed.items() if k > 0), default=0.0)
+        return plain_and_best(self.speeds(self._batch, self.rates()))
 
     def plain_table_seconds(self, batch: int) -> float:
         return self.table_seconds(batch, 0)
@@ -565,7 +567,7 @@ class AutoBudget(MeasuredSteps):
     def choose(self, batch: int) -> int:
         """The draft size for the next step (0 = a plain step)."""
         self._time_last_step()
-        steps = sum(self.chosen.values())
+        steps = self._choices
         if self.refresh_every and steps >= self._refresh_at:  # at steps r, 2r, 4r, ..
             self._refresh_at *= 2
             self._forced = self.dwell
@@ -579,7 +581,7 @@ class AutoBudget(MeasuredSteps):
         else:
             speed = self.speeds(batch, self.rates())
             best = max(self.sizes, key=lambda k: (speed[k], -k))
-            self._note_plain_margin(speed[0], max((v for k, v in speed.items() if k > 0), default=0.0))
+            self._note_plain_margin(*plain_and_best(speed))
         changed = best != self._last or not self._run
         self._run = 1 if changed else self._run + 1
         if changed:
@@ -620,6 +622,11 @@ class AutoBudget(MeasuredSteps):
         reached = (acc >= positions) & (drafted > positions) & active.unsqueeze(-1)  # [B, k]
         self.reached[:k] += reached.sum(0).double().cpu()
         self.accepted[:k] += (reached & (acc > positions)).sum(0).double().cpu()
+
+
+def plain_and_best(speed: dict[int, float]) -> tuple[float, float]:
+    """(a plain step's speed, the best drafting size's) from each size's speed (`AutoBudget.speeds`)."""
+    return speed[0], max((v for k, v in speed.items() if k > 0), default=0.0)
 
 
 def position_rates(accepted: torch.Tensor, reached: torch.Tensor, pooled: float, strength: float) -> torch.Tensor:

@@ -225,7 +225,7 @@ class TreeBudget(MeasuredSteps):
         self.chain_reached = torch.zeros(depth, dtype=torch.float64)  # [D] decayed rows whose chain reached j
         self.chain_accepted = torch.zeros(depth, dtype=torch.float64)  # [D] .. and accepted position j
         self.chosen: dict[str, int] = {}
-        self.steps = self.refreshes = 0
+        self.refreshes = 0
         self._refresh_at = refresh_every
         self._last = full
         self._init_steps(timing, settle_after, settle_margin)
@@ -296,8 +296,7 @@ class TreeBudget(MeasuredSteps):
     def _plain_and_best_speeds(self) -> tuple[float, float]:
         if self.costs is None:  # not timed yet: no estimate
             return 0.0, 1.0
-        speed = self.speeds()  # [S]
-        return float(speed[0]), float(speed[1:].max()) if len(self.shapes) > 1 else 0.0
+        return plain_and_best_shape(self.speeds())
 
     def explore_shape(self) -> TreeShape:
         """The shape of warm-up and refresh steps: of the shapes costing at most `explore_cost` plain steps, the one
@@ -315,21 +314,20 @@ class TreeBudget(MeasuredSteps):
     def choose(self, batch: int) -> TreeShape | int:
         """The next step's shape (0 = a plain step)."""
         self._time_last_step()
-        refresh = self.refresh_every and self.steps == self._refresh_at
+        refresh = self.refresh_every and self._choices == self._refresh_at
         if refresh:  # at steps 16, 32, 64, 128, ..
             self._refresh_at += self.refresh_every * 2 ** self.refreshes
             self.refreshes += 1
         if refresh and self._last.top_k == 1:  # chains are chosen: learn the positions past them
             shape = self.shapes[max(self.chains.values(), key=lambda i: self.shapes[i].depth)]
-        elif self.steps < self.warmup or refresh or self._exploring():
+        elif self._choices < self.warmup or refresh or self._exploring():
             shape = self.explore_shape()
         elif self._plain_probe():
             shape = PLAIN
         else:
             speed = self.speeds()  # [S]
             shape = self.shapes[int(speed.argmax())]
-            self._note_plain_margin(float(speed[0]), float(speed[1:].max()) if len(self.shapes) > 1 else 0.0)
-        self.steps += 1
+            self._note_plain_margin(*plain_and_best_shape(speed))
         self._count_choice()
         self._last = shape
         self.chosen[str(shape)] = self.chosen.get(str(shape), 0) + 1
@@ -376,6 +374,11 @@ class TreeBudget(MeasuredSteps):
         times = cached_json(key, lambda: measure_shapes(target, drafter, state, rule, self.shapes))
         self.costs = {s: times["draft"].get(f"{s.top_k},{s.depth}", 0.0) + times["step"][step_key(s)]
                       for s in self.shapes}
+
+
+def plain_and_best_shape(speed: torch.Tensor) -> tuple[float, float]:
+    """(the plain step's speed, the best drafting shape's) from speed [S] over a menu that starts with PLAIN."""
+    return float(speed[0]), float(speed[1:].max()) if speed.shape[0] > 1 else 0.0
 
 
 def step_key(shape: TreeShape) -> str:

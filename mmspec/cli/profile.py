@@ -91,12 +91,13 @@ def measured_verdict(family, pipe, name: str, model, args: argparse.Namespace, b
 
     key = verdict_key(model, device, args.compile)
     cached = read_cached_json(key)
-    fresh = (args.refresh or cached is None or cached.get("batch_sizes") != batch_sizes
-             or cached.get("widths") != widths)
+    if not args.refresh and cached is not None and cached.get("batch_sizes") == batch_sizes \
+            and cached.get("widths") == widths:
+        return cached
     return cached_json(key, lambda: measure_compile(
         model, lambda: family.profile(pipe)[name][1], batch_sizes, widths, args.compile, args.repeats, device,
         progress=lambda text: print(f"{name} ({args.compile}): {text}", file=sys.stderr, flush=True)),
-        refresh=fresh)
+        refresh=True)
 
 
 def format_verdict(name: str, verdict: dict) -> str:
