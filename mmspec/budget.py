@@ -53,6 +53,7 @@ import torch
 
 from mmspec.compile import compilations
 from mmspec.errors import check
+from mmspec.phases import synchronize
 from mmspec.verify import VerifyResult
 
 log = logging.getLogger(__name__)  # DEBUG: the call gate's verdict on every call (`end_call`)
@@ -80,6 +81,25 @@ def call_drafts(budget) -> bool:
     return budget is None or not hasattr(budget, "drafts_this_call") or budget.drafts_this_call()
 
 
+def begin_call(budget, drafter, inputs: Any, state: Any, device: torch.device) -> float:
+    """The loop's side of the drafter's begin (its prompt pass) in a drafted call: runs it and returns its seconds,
+    synced for a budget with a call gate (`end_call` hears them; the first step would sync there anyway). The
+    budget's first drafted call (`wants_warm_begin`) runs it twice and times the second: the first run of the
+    drafter's kernels and shapes carries one-time costs (SpecVLM's first drafted call on an H200 ran 0.41x of
+    vanilla's step, the next 1.71x; runs/gpu-s26b), and the time goes into every later call's prediction
+    (`MeasuredSteps._estimates_plain`). A begin starts the drafter's state afresh, so the second run replaces the
+    first."""
+    gated = hasattr(budget, "end_call")
+    if gated and getattr(budget, "wants_warm_begin", lambda: False)():
+        drafter.begin(inputs, state)
+        synchronize(device)
+    start = time.perf_counter()
+    drafter.begin(inputs, state)
+    if gated:
+        synchronize(device)
+    return time.perf_counter() - start
+
+
 def choose_size(budget, batch: int, plain_for_good: bool,
                 tokens_left: Callable[[], torch.Tensor]) -> tuple[Any, bool]:
     """The loop's side of a budget before each step: (the size it chose: None without a budget, 0 a plain step;
@@ -95,13 +115,14 @@ def choose_size(budget, batch: int, plain_for_good: bool,
 
 
 def report_call(budget, stats, batch: int, seconds: float, plain_steps: int, drafted: bool,
-                compiled_before: int) -> None:
+                compiled_before: int, begin_seconds: float = 0.0) -> None:
     """The loop's side of the call gate after a call, for a budget that has one (`end_call`): `seconds` the call took
-    from the drafter's start (or, without the drafter, the first step) and `plain_steps` the steps vanilla takes
-    for it go to `end_call`, unless torch.compile compiled a forward during the call (`compiled_before`:
-    `compilations()` at its start), whose time is the compiler's; `stats` counts a call without the drafter."""
+    from the drafter's start (or, without the drafter, the first step), `plain_steps` the steps vanilla takes for it
+    and `begin_seconds` the drafter's begin (its prompt pass) go to `end_call`, unless torch.compile compiled a
+    forward during the call (`compiled_before`: `compilations()` at its start), whose time is the compiler's; `stats`
+    counts a call without the drafter."""
     if compilations() == compiled_before:
-        budget.end_call(batch, seconds, plain_steps, drafted)
+        budget.end_call(batch, seconds, plain_steps, drafted, begin_seconds=begin_seconds)
     stats.add_extra("calls_without_drafter", int(not drafted))
 
 
@@ -125,6 +146,7 @@ class MeasuredSteps:
         self.calls = {"drafted": 0, "without_drafter": 0, "lost": 0, "reference": 0, "unjudged": 0,
                       "predicted_plain": 0}
         self._reference: deque = deque(maxlen=STEP_SAMPLES)  # a plain step's seconds in calls without the drafter
+        self._begins: deque = deque(maxlen=STEP_SAMPLES)  # the drafter's begin seconds in drafted calls
         self._drafted_since_reference = 0
         self._drafted_total = (0.0, 0)  # all drafted calls' seconds and the plain steps they replaced
         self._batch = 1  # the batch size of the last call (a budget serves one)
@@ -261,12 +283,15 @@ class MeasuredSteps:
         self._explore_next = True
 
     def _estimates_plain(self) -> bool:
-        """Whether, at the current estimates, a plain step beats every drafting size over a call like the last one
-        (its longest row's tokens, every row of the batch active: the batch tail). Such a call would pay the
-        drafter's begin for plain steps: on this CPU the world LLaVA's drafted calls at batch 32 whose choices were
-        all plain steps took 0.67-0.79x of vanilla's time, the drafter's prompt pass alone 16% of it
-        (runs/bench-vlm-s28a). `drafts_this_call` then runs it, and the backoff's calls, without the drafter; the
-        call after them re-explores, so the estimates are measured again rather than trusted for ever."""
+        """Whether, at the current estimates, plain steps beat every drafting size over a call like the last one
+        (its longest row's tokens, every row of the batch active: the batch tail), the drafter's begin included
+        (`begin_seconds`): a call drafting at the best size takes begin + tokens / its speed, a vanilla call tokens
+        / a plain step's speed. Such a call would pay the drafter's begin for too little: on this CPU the world
+        LLaVA's drafted calls at batch 32 whose choices were all plain steps took 0.67-0.79x of vanilla's time, the
+        drafter's prompt pass alone 16% of it, and where the estimates favoured chains of 2-4 by 6-9% a step, the
+        begin still made the call lose (runs/bench-vlm-s28a). `drafts_this_call` then runs it, and the backoff's
+        calls, without the drafter; the call after them re-explores, so the estimates are measured again rather
+        than trusted for ever."""
         if self._call_tokens <= 0:
             return False
         saved, self._tail = self._tail, (self._call_tokens, self._batch)
@@ -274,7 +299,21 @@ class MeasuredSteps:
             plain, best_drafting = self._plain_and_best_speeds()
         finally:
             self._tail = saved
-        return best_drafting <= plain
+        if best_drafting <= plain:
+            return True
+        if plain <= 0:
+            return False
+        return self._call_tokens / plain <= self.begin_seconds() + self._call_tokens / best_drafting
+
+    def begin_seconds(self) -> float:
+        """The drafter's begin (its prompt pass) as measured: the median over the last drafted calls; 0 before one
+        ran. The first drafted call's is its second, warm run (`begin_call`)."""
+        return statistics.median(self._begins) if self._begins else 0.0
+
+    def wants_warm_begin(self) -> bool:
+        """Whether the loop runs the drafter's begin twice and times the second (`begin_call`): in the first drafted
+        call, with measured times."""
+        return self.timing and not self._begins and self.calls["unjudged"] < UNJUDGED_CALLS
 
     def _plain_and_best_speeds(self) -> tuple[float, float]:
         """(a plain step's expected speed, the best drafting size's) at the current estimates (`speeds`)."""
@@ -324,9 +363,10 @@ class MeasuredSteps:
             return False
         return self.call_steps * self.vanilla_step_seconds() < REFERENCE_MARGIN * self.call_seconds
 
-    def end_call(self, batch: int, seconds: float, plain_steps: int, drafted: bool) -> None:
+    def end_call(self, batch: int, seconds: float, plain_steps: int, drafted: bool, begin_seconds: float = 0.0) -> None:
         """How a call went: `seconds` from the drafter's begin (or, without the drafter, the first step) to the end,
-        `plain_steps` the steps vanilla takes for it (the longest row's tokens after the first). A call without the
+        `plain_steps` the steps vanilla takes for it (the longest row's tokens after the first), `begin_seconds` the
+        drafter's begin (`begin_seconds()`). A call without the
         drafter measures vanilla's step. Drafted calls are pooled (each earlier one weighs CALL_DECAY times as much)
         and judged against vanilla's step (`gate_plain_seconds`): when they took longer than the plain steps they
         replaced, drafting lost (one call's content decides too little: a batch with one unusual answer drafts
@@ -348,6 +388,7 @@ class MeasuredSteps:
             log.debug("batch %d: a call without the drafter, %.2f ms a plain step", batch, 1e3 * seconds / plain_steps)
             return
         self._drafted_since_reference += 1
+        self._begins.append(begin_seconds)
         self._drafted_total = (self._drafted_total[0] + seconds, self._drafted_total[1] + plain_steps)
         if self.calls["unjudged"] < UNJUDGED_CALLS:
             self.calls["unjudged"] += 1
@@ -365,8 +406,9 @@ class MeasuredSteps:
             self.calls["lost"] += 1
         else:
             self.backoff = CALL_BACKOFF
-        log.debug("batch %d: a drafted call, %.1f ms for %d plain steps of %.2f ms (%.2fx; pooled %.2fx): %s",
-                  batch, 1e3 * seconds, plain_steps, 1e3 * plain, plain_steps * plain / seconds,
+        log.debug("batch %d: a drafted call, %.1f ms (begin %.1f) for %d plain steps of %.2f ms (%.2fx; pooled "
+                  "%.2fx): %s", batch, 1e3 * seconds, 1e3 * begin_seconds, plain_steps, 1e3 * plain,
+                  plain_steps * plain / seconds,
                   self.call_steps * plain / self.call_seconds,
                   (f"lost{' (no size chosen by estimate drafted)' if chose_plain else ''}, the next "
                    f"{self.skip_calls} calls without the drafter") if lost else "won")

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mmspec.budget import call_drafts, choose_size, report_call
+from mmspec.budget import begin_call, call_drafts, choose_size, report_call
 from mmspec.compile import compilations
 from mmspec.errors import check, check_positive_int
 from mmspec.phases import phase, synchronize
@@ -205,8 +205,9 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     plain step, after which `drafter.skip(...)` replaces `observe`); None = the drafter's own size every step. A
     budget whose `settled()` says so after a plain step gets plain steps for the rest of the call, without asking it
     or the drafter again (vanilla's cost where no drafting pays); one whose `drafts_this_call()` says no runs the
-    whole call so, without the drafter's `begin`; `end_call(batch, seconds, plain_steps, drafted)` tells it how
-    the call went (seconds from the drafter's begin to the end; the steps vanilla would have taken).
+    whole call so, without the drafter's `begin`; `end_call(batch, seconds, plain_steps, drafted, begin_seconds)`
+    tells it how the call went (seconds from the drafter's begin to the end; the steps vanilla would have taken; the
+    begin's own seconds).
     """
     check(validate in ("first", "always", "never"), f"validate must be first/always/never, got {validate!r}.")
     rule = get_rule(rule)
@@ -227,10 +228,8 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     # a budget may run a whole call as vanilla (its drafting, the drafter's begin included, lost on earlier calls)
     drafting = call_drafts(budget)
     plain_for_good = not drafting  # no drafts for the rest of the call: neither the budget nor the drafter is asked
-    begin_start, compiled_before = time.perf_counter(), compilations()
-    if drafting:
-        drafter.begin(inputs, state)
-    begin_seconds = time.perf_counter() - begin_start
+    compiled_before = compilations()
+    begin_seconds = begin_call(budget, drafter, inputs, state, device) if drafting else 0.0
     if drafting and budget is not None and hasattr(budget, "begin"):  # times its choices on the live models
         budget.begin(target, drafter, state, rule)
     decode_start = time.perf_counter()
@@ -276,7 +275,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     synchronize(device)
     if hasattr(budget, "end_call"):
         report_call(budget, stats, batch_size, begin_seconds + time.perf_counter() - decode_start,
-                    int(state.num_generated.max()) - 1, drafting, compiled_before)
+                    int(state.num_generated.max()) - 1, drafting, compiled_before, begin_seconds)
     stats.wall_time = time.perf_counter() - start
     stats.num_draft_forwards = getattr(drafter, "forwards", 0) - draft_forwards_before
     return GenerationOutput(tokens=state.tokens, num_generated=state.num_generated, stats=stats)

@@ -193,6 +193,47 @@ def test_a_call_predicted_plain_runs_without_the_drafter_and_the_retry_re_explor
     assert not wins._estimates_plain() and wins.drafts_this_call()
 
 
+def test_the_call_prediction_counts_the_drafters_begin():
+    """A call drafting at the best size takes the drafter's begin plus its steps: where the steps win by less than
+    the begin costs, the call is predicted plain."""
+    def budget_after_a_call(begin: float) -> AutoBudget:
+        budget = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0 if n == 1 else 1.5, warmup=0, timing=True,
+                            prior_strength=1e-9)
+        budget._note_seconds(0, 1.0)
+        budget._note_seconds(2, 1.5)
+        budget.rows_at[2], budget.emitted_at[2] = 1.0, 2.0  # 2 tokens in 1.5 s: 10 tokens in 7.5 s, plain 10 s
+        assert budget.wants_warm_begin()
+        budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True, begin_seconds=begin)  # unjudged
+        assert not budget.wants_warm_begin() and budget.begin_seconds() == begin
+        budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # the reference call
+        return budget
+
+    cheap = budget_after_a_call(2.0)  # 2 + 7.5 < 10
+    assert not cheap._estimates_plain() and cheap.drafts_this_call()
+    dear = budget_after_a_call(3.0)  # 3 + 7.5 > 10
+    assert dear._estimates_plain() and not dear.drafts_this_call() and dear.calls["predicted_plain"] == 1
+
+
+def test_the_first_drafted_call_times_a_warm_begin():
+    """The loop runs the drafter's begin twice in the budget's first drafted call and times the second (the first
+    carries one-time costs); once in later calls, and once without a call gate."""
+    from mmspec.budget import begin_call
+
+    class Counting:
+        def __init__(self):
+            self.begins = 0
+
+        def begin(self, inputs, state):
+            self.begins += 1
+
+    budget, drafter = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True), Counting()
+    assert begin_call(budget, drafter, None, None, torch.device("cpu")) >= 0 and drafter.begins == 2
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True, begin_seconds=0.5)
+    begin_call(budget, drafter, None, None, torch.device("cpu"))
+    begin_call(None, drafter, None, None, torch.device("cpu"))
+    assert drafter.begins == 4
+
+
 def test_the_tree_budget_predicts_plain_calls_and_re_explores_too():
     full = TreeShape(2, 2, 4)
     tree = TreeBudget(full, [PLAIN, full], warmup=2, refresh_every=0, costs={PLAIN: 1.0, full: 3.0}, timing=True,
@@ -394,7 +435,7 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
         def drafts_this_call(self):
             return False
 
-        def end_call(self, batch, seconds, plain_steps, drafted):
+        def end_call(self, batch, seconds, plain_steps, drafted, begin_seconds=0.0):
             self.ended = (batch, plain_steps, drafted)
 
     class NoBegin(CountingSkips):
