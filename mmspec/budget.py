@@ -161,6 +161,11 @@ class MeasuredSteps:
         self._call_choices = 0  # choices made in this call
         self._choices = 0  # choices made over the budget's life (the warm-up's, refreshes' and staleness's clock)
         self._sampled_at: dict = {}  # size -> `_choices` when its seconds were last measured
+        # a call's per-row acceptance at batch > 1 (`note_row_accepts`): [2, 2, B] (odd / even drafting steps) x
+        # (the row's accepted drafts, the batch mean's over the same steps); the spread it gave, pooled over calls
+        self._row_sums: torch.Tensor | None = None
+        self._row_half = 0
+        self._spread_pooled = (0.0, 0.0)  # (sum of rows x each call's covariance, rows), each earlier call x CALL_DECAY
 
     def _time_last_step(self) -> None:
         """Time the previous step (from its choice to this one: the loop syncs between). A step during which
@@ -378,6 +383,7 @@ class MeasuredSteps:
         drafter's begin and the budget's steps for nothing a vanilla call would not have given; on this CPU such calls
         of EAGLE and LANTERN at batch 8, all plain steps, read as 0.95-1.35x wins against a reference call that ran
         slow, runs/bench-llamagen-s27b)."""
+        self._close_rows()
         if not self.timing or plain_steps <= 0:
             return
         self._batch, self._call_tokens = batch, plain_steps
@@ -417,7 +423,7 @@ class MeasuredSteps:
     def _log_estimates(self, batch: int) -> None:
         """DEBUG: the estimates behind the call's choices (`describe`), after a drafted call's verdict."""
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("batch %d: sizes: %s", batch, self.describe(batch))
+            log.debug("batch %d: sizes: %s; the rows' spread %.3f", batch, self.describe(batch), self.row_spread())
 
     def describe(self, batch: int) -> str:
         """The sizes' estimates, one line: how often each was chosen, its seconds (measured, or the table's
@@ -433,6 +439,7 @@ class MeasuredSteps:
     def _new_call(self) -> None:
         self._chosen_at, self._plain_run = None, 0  # the time between calls is not a step
         self._tail = None
+        self._row_sums, self._row_half = None, 0  # (a call that ended without `end_call` left its rows)
         self._estimated = (0, 0)  # this call's choices by estimate, and how many of them drafted
         self._call_choices = 0
 
@@ -449,11 +456,55 @@ class MeasuredSteps:
 
     def tail_speeds(self, seconds: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
         """Each option's speed [S] under the batch tail (`batch_tail()` set): the longest row's tokens left over the
-        expected time until every active row is done (`batch_steps`)."""
+        expected time until every active row is done (`batch_steps`, with the rows' measured `row_spread`)."""
         left, rows = self._tail
-        steps = torch.tensor([batch_steps(left, rows, float(m), float(v)) for m, v in zip(mean, var)],
+        spread = self.row_spread()
+        steps = torch.tensor([batch_steps(left, rows, float(m), float(v), spread) for m, v in zip(mean, var)],
                              dtype=torch.float64)
         return left / (seconds.double() * steps).clamp_min(1e-12)
+
+    def note_row_accepts(self, accepted: torch.Tensor, active: torch.Tensor) -> None:
+        """A drafting step at batch > 1: accepted [B] drafts per row, active [B]. Each row's accepted drafts and the
+        batch mean's over the same steps are summed apart for odd and even drafting steps (on the device; read at
+        the call's end, `_close_rows`)."""
+        if accepted.numel() < 2:
+            return
+        on = active.double()  # [B]
+        acc = accepted.double() * on  # [B]
+        mean = acc.sum() / on.sum().clamp_min(1.0)  # [] the active rows' mean
+        if self._row_sums is None or self._row_sums.shape[-1] != acc.shape[0]:
+            self._row_sums = torch.zeros(2, 2, acc.shape[0], dtype=torch.float64, device=acc.device)
+        self._row_sums[self._row_half] += torch.stack([acc, mean * on])  # [2, B]
+        self._row_half ^= 1
+
+    def _close_rows(self) -> None:
+        """At a call's end: how much the rows' acceptance differs (`row_spread`). A row's ratio is its accepted
+        drafts over the batch mean's on the same steps, once from its odd and once from its even drafting steps;
+        the covariance of the two over the rows measures the spread of the rows' own rates (each half's noise is
+        independent of the other's, so it drops out). Rows with under 2 expected accepts in a half are left out."""
+        sums, self._row_sums, self._row_half = self._row_sums, None, 0
+        if sums is None:
+            return
+        sums = sums.cpu()
+        keep = (sums[:, 1] >= 2.0).all(0)  # [B]
+        n = int(keep.sum())
+        if n < 4:
+            return
+        ratios = sums[:, 0, keep] / sums[:, 1, keep]  # [2, n]
+        centred = ratios - ratios.mean(1, keepdim=True)
+        cov = float((centred[0] * centred[1]).sum()) / (n - 1)
+        total, rows = self._spread_pooled
+        self._spread_pooled = (CALL_DECAY * total + n * cov, CALL_DECAY * rows + n)
+
+    def row_spread(self) -> float:
+        """The standard deviation of a row's acceptance rate relative to its batch's (0.2: a row one deviation slow
+        accepts 80% of the drafts an average row does), pooled over the calls seen (each earlier one x CALL_DECAY);
+        0 before one was measured. At batch > 1 a call lasts as long as its slowest row, and rows that follow the
+        drafter badly stay slow for the whole call: the steps' own spread averages out over a call, this does not
+        (the world LLaVA at batch 32: a chain of 3 took 14.7 steps where the pooled rates gave 13.5;
+        runs/bench-vlm-s28a)."""
+        total, rows = self._spread_pooled
+        return math.sqrt(max(total / rows, 0.0)) if rows > 0 else 0.0
 
     def settled(self) -> bool:
         """Plain steps for the rest of this call: for `settle_after` choices in a row a plain step was expected to
@@ -644,6 +695,8 @@ class AutoBudget(MeasuredSteps):
         j - 1, and accepted by those that accepted >= j (per-size mode: not the first `uncounted_after_change` steps
         after a change, nor, with `count_once_refilled`, those before the rows emitted as many tokens as the size)."""
         rows, last = float(active.sum()), self._last
+        if last:
+            self.note_row_accepts(result.num_accepted, active)
         emitted = (result.num_emitted * active).double()  # [B]
         total = float(emitted.sum())
         if self.per_size and last:
@@ -699,12 +752,19 @@ def expected_max_normal(n: int) -> float:
     return 0.0 if n <= 1 else NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
-def batch_steps(tokens_left: float, rows: int, mean: float, var: float) -> float:
+def batch_steps(tokens_left: float, rows: int, mean: float, var: float, spread: float = 0.0) -> float:
     """Expected steps until the last of `rows` rows has emitted `tokens_left` more tokens, when a row emits `mean`
-    tokens per step with variance `var`: r / mean + z_rows * sqrt(r * var / mean^3) (the normal approximation of a
-    renewal count's spread; z_rows = `expected_max_normal`). Plain steps (mean 1, var 0) take exactly r."""
+    tokens per step with variance `var` and the rows' own acceptance rates spread by `spread` (relative standard
+    deviation: a row's mean is 1 + (mean - 1) x its rate over the average's):
+
+        r / mean + z_rows * sqrt(r * var / mean^3 + (r * (mean - 1) * spread / mean^2)^2)
+
+    (the normal approximation of a renewal count's spread, plus the first-order spread of r / a row's mean; z_rows =
+    `expected_max_normal`). Plain steps (mean 1, var 0) take exactly r."""
     mean = max(mean, 1e-9)
-    return tokens_left / mean + expected_max_normal(rows) * math.sqrt(max(tokens_left * var, 0.0) / mean ** 3)
+    within = max(tokens_left * var, 0.0) / mean ** 3
+    between = (tokens_left * max(mean - 1.0, 0.0) * spread / mean ** 2) ** 2
+    return tokens_left / mean + expected_max_normal(rows) * math.sqrt(within + between)
 
 
 def check_budget_mode(mode: str | None, what: str = "budget") -> None:

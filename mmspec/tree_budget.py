@@ -337,6 +337,7 @@ class TreeBudget(MeasuredSteps):
         """Count what the step accepted under every shape its tree (or chain) contains."""
         if self._last == PLAIN or not isinstance(draft, DraftTree) or draft.scores is None:
             return
+        self.note_row_accepts(result.num_accepted, active)
         covered = self.shows[self._last]  # [S]
         counts = counterfactual_accepts(draft, result.accepted_nodes, self.shapes)  # [B, S]
         rows = active.unsqueeze(-1)

@@ -730,3 +730,36 @@ def test_more_plain_steps_in_a_row_than_the_pending_room_keep_greedy_tokens(draf
     out = run(make(), budget)
     assert torch.equal(out.tokens, run(NoDrafter(), None).tokens)
     assert out.stats.extra["budget_0"] >= PLAIN_ROOM + 20 and out.stats.num_accepted_tokens > 0
+
+
+def test_the_batch_tail_counts_rows_that_follow_the_drafter_worse():
+    """A call lasts as long as its slowest row: rows whose own acceptance rate is lower stay slow for the whole
+    call. `row_spread` measures that spread from a call's rows (split-half: steps' noise drops out) and
+    `batch_steps` adds it; plain steps are not affected."""
+    from mmspec.budget import batch_steps
+
+    assert batch_steps(48, 32, 1.0, 0.0, spread=0.5) == 48
+    assert batch_steps(48, 32, 3.0, 1.0, spread=0.3) > batch_steps(48, 32, 3.0, 1.0) > 16
+    assert batch_steps(48, 1, 3.0, 1.0, spread=0.3) == 16  # one row: no tail
+
+    def spread_after(rates, steps: int = 64, seed: int = 0) -> float:
+        gen = torch.Generator().manual_seed(seed)
+        budget = AutoBudget([0, 4], verify_seconds=lambda b, n: 1.0, timing=True)
+        budget._last = 4
+        active = torch.ones(len(rates), dtype=torch.bool)
+        for _ in range(steps):
+            accepted = torch.binomial(torch.full((len(rates),), 4.0), torch.tensor(rates), generator=gen).long()
+            budget.observe(result(accepted.tolist(), [4] * len(rates)), active)
+        budget.end_call(len(rates), seconds=1.0, plain_steps=10, drafted=True)
+        return budget.row_spread()
+
+    same = spread_after([0.6] * 32)  # every row alike: the steps' own noise only
+    assert same < 0.06
+    # half the rows at 0.4, half at 0.8: relative to the mean 0.6, a spread of 0.2 / 0.6 = 0.33
+    assert spread_after([0.4, 0.8] * 16) == pytest.approx(1 / 3, abs=0.06)
+    budget = AutoBudget([0, 4], verify_seconds=lambda b, n: 1.0, timing=True)
+    budget._last = 4
+    budget.observe(result([1, 3, 1, 3], [4] * 4), torch.ones(4, dtype=torch.bool))
+    budget._new_call()  # a call that never reached `end_call` leaves nothing to the next
+    budget.end_call(4, seconds=1.0, plain_steps=10, drafted=True)
+    assert budget.row_spread() == 0.0
