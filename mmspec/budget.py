@@ -70,6 +70,7 @@ UNJUDGED_CALLS = 1  # a budget's first drafted calls are not judged: they pay on
 REFERENCE_EVERY = 32  # a call without the drafter measures vanilla's step again after this many drafted calls,
 REFERENCE_MARGIN = 1.25  # while the drafted calls won by less than this (a clear win survives a drift of the load)
 REFERENCE_SKIP_MARGIN = 1.5  # no reference call while drafted calls beat a lower bound of vanilla's step by this
+CONFIRM_BELOW = 3  # a loss judged against fewer calls without the drafter than this is confirmed by one more first
 STEP_SAMPLES = 9  # a size's step seconds: the median of its last this many measured steps
 STALE_AFTER = 64  # choices after a size's last measured step, its measured seconds give way to its scaled table's
 PLAIN_PROBE_EVERY = 8  # until STEP_SAMPLES plain steps are measured, every this many choices is a plain step
@@ -148,6 +149,7 @@ class MeasuredSteps:
         self._reference: deque = deque(maxlen=STEP_SAMPLES)  # a plain step's seconds in calls without the drafter
         self._begins: deque = deque(maxlen=STEP_SAMPLES)  # the drafter's begin seconds in drafted calls
         self._drafted_since_reference = 0
+        self._confirming = False  # the next call measures vanilla's step again before a loss is acted on
         self._drafted_total = (0.0, 0)  # all drafted calls' seconds and the plain steps they replaced
         self._batch = 1  # the batch size of the last call (a budget serves one)
         self._chosen_at: float | None = None
@@ -265,7 +267,7 @@ class MeasuredSteps:
             self.skip_calls -= 1
             self.calls["without_drafter"] += 1
             return False
-        if self.timing and self.calls["drafted"] and self._reference_due():
+        if self.timing and (self._confirming or (self.calls["drafted"] and self._reference_due())):
             self.calls["without_drafter"] += 1
             self.calls["reference"] += 1
             return False
@@ -371,18 +373,21 @@ class MeasuredSteps:
     def end_call(self, batch: int, seconds: float, plain_steps: int, drafted: bool, begin_seconds: float = 0.0) -> None:
         """How a call went: `seconds` from the drafter's begin (or, without the drafter, the first step) to the end,
         `plain_steps` the steps vanilla takes for it (the longest row's tokens after the first), `begin_seconds` the
-        drafter's begin (`begin_seconds()`). A call without the
-        drafter measures vanilla's step. Drafted calls are pooled (each earlier one weighs CALL_DECAY times as much)
-        and judged against vanilla's step (`gate_plain_seconds`): when they took longer than the plain steps they
-        replaced, drafting lost (one call's content decides too little: a batch with one unusual answer drafts
-        badly). The first UNJUDGED_CALLS drafted calls are not judged: they pay what later calls do not (the
-        device's first run of the drafter's kernels and shapes, the budget's exploration of sizes): SpecVLM's first
-        drafted call on an H200 ran at 0.41x of vanilla's step and the next at 1.71x, and pooled with the first it
-        lost too, so 12 calls ran as vanilla where the fixed budget gave 1.13x (runs/gpu-s26b). A judged call in
-        which the budget chose sizes by estimate and none of them drafted lost whatever its time (it paid the
-        drafter's begin and the budget's steps for nothing a vanilla call would not have given; on this CPU such calls
-        of EAGLE and LANTERN at batch 8, all plain steps, read as 0.95-1.35x wins against a reference call that ran
-        slow, runs/bench-llamagen-s27b)."""
+        drafter's begin (`begin_seconds()`). A call without the drafter measures vanilla's step. Drafted calls are
+        pooled (each earlier one weighs CALL_DECAY times as much) and judged against vanilla's step
+        (`gate_plain_seconds`): when they took longer than the plain steps they replaced, drafting lost (one call's
+        content decides too little: a batch with one unusual answer drafts badly). A loss judged against fewer than
+        CONFIRM_BELOW calls without the drafter is confirmed first: the next call runs without the drafter (as the
+        backoff's first would) and the pooled calls are judged again against the median with it (`_confirm`): one
+        reference call of LlamaGen's GSD at batch 1 read vanilla's step at 5.65 ms where the others read 9-12, and a
+        drafted call at 1.6x of the usual step lost against it (runs/bench-llamagen-s29f). The first UNJUDGED_CALLS
+        drafted calls are not judged: they pay what later calls do not (the device's first run of the drafter's kernels
+        and shapes, the budget's exploration of sizes): SpecVLM's first drafted call on an H200 ran at 0.41x of
+        vanilla's step and the next at 1.71x, and pooled with the first it lost too, so 12 calls ran as vanilla where
+        the fixed budget gave 1.13x (runs/gpu-s26b). A judged call in which the budget chose sizes by estimate and none
+        of them drafted lost whatever its time (it paid the drafter's begin and the budget's steps for nothing a vanilla
+        call would not have given; on this CPU such calls of EAGLE and LANTERN at batch 8, all plain steps, read as
+        0.95-1.35x wins against a reference call that ran slow, runs/bench-llamagen-s27b)."""
         self._close_rows()
         if not self.timing or plain_steps <= 0:
             return
@@ -392,6 +397,8 @@ class MeasuredSteps:
             self._reference.append(seconds / plain_steps)
             self._drafted_since_reference = 0
             log.debug("batch %d: a call without the drafter, %.2f ms a plain step", batch, 1e3 * seconds / plain_steps)
+            if self._confirming:
+                self._confirm(batch)
             return
         self._drafted_since_reference += 1
         self._begins.append(begin_seconds)
@@ -407,18 +414,38 @@ class MeasuredSteps:
         plain = self.gate_plain_seconds(batch)
         chose_plain = self._estimated[0] > 0 and self._estimated[1] == 0
         lost = chose_plain or self.call_seconds > self.call_steps * plain
-        if lost:
+        confirm = lost and not chose_plain and len(self._reference) < CONFIRM_BELOW
+        if confirm:
+            self._confirming = True
+        elif lost:
             self._back_off()
             self.calls["lost"] += 1
         else:
             self.backoff = CALL_BACKOFF
+        verdict = "won"
+        if confirm:
+            verdict = "lost, to be confirmed by a call without the drafter"
+        elif lost:
+            verdict = (f"lost{' (no size chosen by estimate drafted)' if chose_plain else ''}, the next "
+                       f"{self.skip_calls} calls without the drafter")
         log.debug("batch %d: a drafted call, %.1f ms (begin %.1f) for %d plain steps of %.2f ms (%.2fx; pooled "
                   "%.2fx): %s", batch, 1e3 * seconds, 1e3 * begin_seconds, plain_steps, 1e3 * plain,
-                  plain_steps * plain / seconds,
-                  self.call_steps * plain / self.call_seconds,
-                  (f"lost{' (no size chosen by estimate drafted)' if chose_plain else ''}, the next "
-                   f"{self.skip_calls} calls without the drafter") if lost else "won")
+                  plain_steps * plain / seconds, self.call_steps * plain / self.call_seconds, verdict)
         self._log_estimates(batch)
+
+    def _confirm(self, batch: int) -> None:
+        """After the call without the drafter that a close loss asked for: the pooled drafted calls judged again
+        against vanilla's step with it; a loss backs off (that call was the backoff's first), a win keeps drafting."""
+        self._confirming = False
+        plain = self.gate_plain_seconds(batch)
+        lost = self.call_seconds > self.call_steps * plain
+        if lost:
+            self._back_off()
+            self.skip_calls -= 1
+            self.calls["lost"] += 1
+        log.debug("batch %d: the loss judged again against %.2f ms a plain step (pooled %.2fx): %s", batch,
+                  1e3 * plain, self.call_steps * plain / max(self.call_seconds, 1e-12),
+                  f"lost, the next {self.skip_calls} calls without the drafter" if lost else "won")
 
     def _log_estimates(self, batch: int) -> None:
         """DEBUG: the estimates behind the call's choices (`describe`), after a drafted call's verdict."""

@@ -234,6 +234,25 @@ def test_the_first_drafted_call_times_a_warm_begin():
     assert drafter.begins == 4
 
 
+def test_a_loss_against_one_slow_reading_of_vanilla_is_confirmed_first():
+    """A reference call that ran unusually fast makes a drafted call read as a loss; while fewer than CONFIRM_BELOW
+    calls without the drafter measured vanilla's step, the next call measures it again and the pooled calls are
+    judged against the median: here the loss turns into a win and drafting goes on."""
+    from mmspec.budget import CONFIRM_BELOW
+
+    assert CONFIRM_BELOW == 3
+    budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
+    assert budget.drafts_this_call()
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # not judged
+    assert not budget.drafts_this_call()
+    budget.end_call(1, seconds=3.0, plain_steps=10, drafted=False)  # a reference at 0.3 s a step: a fast spell
+    assert budget.drafts_this_call()
+    budget.end_call(1, seconds=6.0, plain_steps=10, drafted=True)  # 6 s against 10 x 0.3: lost, to be confirmed
+    assert not budget.drafts_this_call() and budget.calls["reference"] == 2 and budget.calls["lost"] == 0
+    budget.end_call(1, seconds=13.0, plain_steps=10, drafted=False)  # 1.3 s: the median 0.8 s, 6 s < 8 s: won
+    assert budget.calls["lost"] == 0 and budget.skip_calls == 0 and budget.drafts_this_call()
+
+
 def test_the_tree_budget_predicts_plain_calls_and_re_explores_too():
     full = TreeShape(2, 2, 4)
     tree = TreeBudget(full, [PLAIN, full], warmup=2, refresh_every=0, costs={PLAIN: 1.0, full: 3.0}, timing=True,
@@ -405,10 +424,17 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
     budget.end_call(1, seconds=4.5, plain_steps=10, drafted=True)  # won: 4.5 s against 10 vanilla steps of 0.5 s
     assert budget.drafts_this_call() and budget.calls["lost"] == 0
     budget.end_call(1, seconds=5.5, plain_steps=10, drafted=True)  # pooled: 0.9 * 4.5 + 5.5 > 0.9 * 5 + 5: lost
-    gates = [budget.drafts_this_call() for _ in range(CALL_BACKOFF + 1)]
-    assert gates == [False] * CALL_BACKOFF + [True] and budget.calls["lost"] == 1
+    assert budget.calls["lost"] == 0 and not budget.drafts_this_call()  # one reference so far: confirmed first
+    budget.end_call(1, seconds=5.0, plain_steps=10, drafted=False)  # vanilla's step again 0.5 s: the loss stands
+    gates = [budget.drafts_this_call() for _ in range(CALL_BACKOFF)]  # (the confirming call was the first)
+    assert gates == [False] * (CALL_BACKOFF - 1) + [True] and budget.calls["lost"] == 1
     budget.end_call(1, seconds=10.0, plain_steps=10, drafted=True)  # lost again: twice as many vanilla calls
-    assert [budget.drafts_this_call() for _ in range(2 * CALL_BACKOFF + 1)] == [False] * 2 * CALL_BACKOFF + [True]
+    assert not budget.drafts_this_call()
+    budget.end_call(1, seconds=5.0, plain_steps=10, drafted=False)  # (two references so far: confirmed too)
+    assert [budget.drafts_this_call() for _ in range(2 * CALL_BACKOFF)] == [False] * (2 * CALL_BACKOFF - 1) + [True]
+    assert budget.calls["lost"] == 2
+    budget.end_call(1, seconds=5.5, plain_steps=10, drafted=True)  # three references: a loss backs off at once
+    assert budget.calls["lost"] == 3 and budget.skip_calls == 4 * CALL_BACKOFF
     # (against the table's 1 s a plain step, the calls of 5.5 and 10 s would have read as wins)
     pooled = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
     pooled.end_call(1, seconds=9.0, plain_steps=10, drafted=True)

@@ -82,7 +82,7 @@ def test_the_key_ignores_where_a_model_was_loaded_from_and_config_bookkeeping(tm
             "print(profile_key(LlamaFeatureDrafter.from_pretrained(sys.argv[1]), 'cpu'))")
     keys = {subprocess.run([sys.executable, "-c", code, str(tmp_path / folder)], capture_output=True, text=True,
                            check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
-            for folder, seed in (("a", "1"), ("b", "2"), ("a", "3"))}
+            for folder, seed in (("a", "1"), ("b", "2"))}
     assert len(keys) == 1 and next(iter(keys)).startswith("llamafeaturedrafter-")
 
 
