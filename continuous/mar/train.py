@@ -98,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override one field of the target's architecture (repeatable; integer fields of "
                              f"{sorted(WORLD_MAR['target'])}), e.g. --target-arch embed_dim=192")
     parser.add_argument("--eval-images-per-class", type=int, default=16)
+    parser.add_argument("--eval-sampling-steps", type=int, default=100,
+                        help="diffusion steps per token of the eval stage's images (100: the models' own default; "
+                             "fewer for a quick check)")
     parser.add_argument("--device", default="cpu",
                         help="device of the MAR training and the eval stage (cpu or cuda; the VAE trains on CPU)")
     add_runtime_arguments(parser)
@@ -248,12 +251,14 @@ def train_mar(kind: str, data: dict[str, torch.Tensor], steps: int, batch_size: 
     return ema.cpu(), info
 
 
-def evaluate(pipe, which: str, per_class: int, seed: int) -> dict:
-    """Judge accuracy and world-FID of vanilla MAR (the target or the draft alone) at the pipeline defaults."""
+def evaluate(pipe, which: str, per_class: int, seed: int, num_sampling_steps: int = 100) -> dict:
+    """Judge accuracy and world-FID of vanilla MAR (the target or the draft alone) at the pipeline defaults, with
+    `num_sampling_steps` diffusion steps per token."""
     call = pipe.as_mar_pipeline(which)
     call.set_progress_bar_config(disable=True)
     return judge_generation(
-        lambda labels, gens: call(class_labels=labels, generator=gens, output_type="pt").images.cpu(), per_class, seed)
+        lambda labels, gens: call(class_labels=labels, generator=gens, output_type="pt",
+                                  num_sampling_steps=num_sampling_steps).images.cpu(), per_class, seed)
 
 
 # ----------------------------------------------------------------------------------------------------- run
@@ -280,7 +285,8 @@ def _card(command: str, info: dict) -> str:
                      f"world-FID vs the originals {r['world_fid_recon']:.3f}.")
     for key in ("target", "draft"):
         if key in ev:
-            lines.append(judge_card_line(f"{key} MAR alone", ev[key], "num_iter = 64 tokens, 100 diffusion steps, cfg "
+            lines.append(judge_card_line(f"{key} MAR alone", ev[key], f"num_iter = 64 tokens, "
+                                         f"{info.get('eval_sampling_steps', 100)} diffusion steps, cfg "
                                          f"{WORLD_MAR_COMMON['default_guidance_scale']} "
                                          f"{WORLD_MAR_COMMON['default_cfg_schedule']}, temperature 1.0, leading "
                                          "timestep spacing"))
@@ -288,6 +294,7 @@ def _card(command: str, info: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    check(args.eval_sampling_steps >= 1, f"--eval-sampling-steps must be >= 1, got {args.eval_sampling_steps}.")
     stages, folder, work = open_training(args, STAGES)
     device = check_device(args.device)
     arch = parse_arch(args.target_arch)
@@ -329,12 +336,14 @@ def run(args: argparse.Namespace) -> int:
         pipe = CSpDPipeline(target=models["target"], draft=models["draft"], vae=vae)
         pipe.save_pretrained(out)
         pipe.to(device)
-        info["eval"] = {key: evaluate(pipe, key, args.eval_images_per_class, args.seed) for key in ("target", "draft")}
+        info["eval_sampling_steps"] = args.eval_sampling_steps
+        info["eval"] = {key: evaluate(pipe, key, args.eval_images_per_class, args.seed, args.eval_sampling_steps)
+                        for key in ("target", "draft")}
         folder.record()
         command = explicit_command("mmspec train mar", args, [
             "out", "seed", "vae_steps", "vae_batch_size", "vae_lr", "kl_weight", "object_weight", "num_train_images",
             "target_steps", "draft_steps", "mar_batch_size", "mar_lr", "ema", "mask_rates", "eval_images_per_class",
-            "threads", "device"])
+            "eval_sampling_steps", "threads", "device"])
         command += "".join(f" --target-arch {pair}" for pair in args.target_arch)
         card_text = with_metadata(
             _card(command, info),
