@@ -23,9 +23,11 @@ estimate (no random exploration), with the warm-up size again at refresh steps.
 
 At batch > 1 a call lasts as long as its slowest row, and drafting makes rows diverge (plain steps keep them
 together): with the tokens left known (`note_rows_left`, which the loop calls before each choice), sizes are
-compared by the expected time until every active row is done, `seconds(k) * batch_steps(r, n, mean_k, var_k)`
-(r tokens left in the longest row, n active rows, the mean and variance of the tokens a row emits per step at k),
-instead of by a row's tokens per second. At batch 1 the two orderings are the same.
+compared by the expected time until every active row is done, `seconds(k) * batch_steps(r, n, mean_k, var_k, s)`
+(r tokens left in the longest row, n active rows, the mean and variance of the tokens a row emits per step at k, s
+how much the rows' own acceptance rates differ, `row_spread`), instead of by a row's tokens per second. At batch 1
+the two orderings are the same. Whole calls go through a call gate (`drafts_this_call`, `end_call`): calls whose
+drafting lost, or that the estimates say would lose (the drafter's begin included), run without the drafter.
 
 Why it stays lossless: k is chosen from past verdicts and measured costs only, before any token of this step is
 drafted; a drafted token is never dropped because of its own value, and the verifier's randomness is fresh. The

@@ -194,7 +194,7 @@ def test_window_budget_call_gate_and_settling(pipe, monkeypatch):
         def drafts_this_call(self):
             return False
 
-        def end_call(self, batch, seconds, plain_steps, drafted):
+        def end_call(self, batch, seconds, plain_steps, drafted, begin_seconds=0.0):
             self.ended = (batch, plain_steps, drafted)
 
     gated = Gated([3])
