@@ -276,8 +276,7 @@ class MeasuredSteps:
         if self.timing and not self._explore_next and self._reference and self._estimates_plain():
             self.calls["without_drafter"] += 1
             self.calls["predicted_plain"] += 1
-            self._back_off()
-            self.skip_calls -= 1  # this call is the first of them
+            self._back_off(running_one=True)
             log.debug("batch %d: by the estimates a call like the last runs plain steps: it and the next %d calls "
                       "without the drafter", self._batch, self.skip_calls)
             return False
@@ -285,10 +284,10 @@ class MeasuredSteps:
         self.calls["drafted"] += 1
         return True
 
-    def _back_off(self) -> None:
+    def _back_off(self, running_one: bool = False) -> None:
         """The next `backoff` calls run without the drafter (the backoff doubles), and the drafted call after them
-        re-explores (`_exploring`)."""
-        self.skip_calls, self.backoff = self.backoff, 2 * self.backoff
+        re-explores (`_exploring`). running_one: the call running now, without the drafter, is the first of them."""
+        self.skip_calls, self.backoff = self.backoff - int(running_one), 2 * self.backoff
         self._explore_next = True
 
     def _estimates_plain(self) -> bool:
@@ -321,8 +320,8 @@ class MeasuredSteps:
 
     def wants_warm_begin(self) -> bool:
         """Whether the loop runs the drafter's begin twice and times the second (`begin_call`): in the first drafted
-        call, with measured times."""
-        return self.timing and not self._begins and self.calls["unjudged"] < UNJUDGED_CALLS
+        call (no begin measured yet), with measured times."""
+        return self.timing and not self._begins
 
     def _plain_and_best_speeds(self) -> tuple[float, float]:
         """(a plain step's expected speed, the best drafting size's) at the current estimates (`speeds`)."""
@@ -442,8 +441,7 @@ class MeasuredSteps:
         plain = self.gate_plain_seconds(batch)
         lost = self.call_seconds > self.call_steps * plain
         if lost:
-            self._back_off()
-            self.skip_calls -= 1
+            self._back_off(running_one=True)
             self.calls["lost"] += 1
         log.debug("batch %d: the loss judged again against %.2f ms a plain step (pooled %.2fx): %s", batch,
                   1e3 * plain, self.call_steps * plain / max(self.call_seconds, 1e-12),
