@@ -8,8 +8,10 @@ says what is wrong and what to do. The pure tensor functions that run in the hot
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a check needs it: `mmspec --help` and the CLI's errors stay fast
+    import torch
 
 
 class MMSpecError(Exception):
@@ -45,6 +47,8 @@ def check_nonnegative(name: str, value: float) -> None:
 
 def check_float_dtype(dtype: object) -> None:
     """dtype must be a floating torch.dtype (e.g. what a model is converted to)."""
+    import torch
+
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise InputError(f"dtype must be a floating torch.dtype such as torch.float32, got {dtype!r}.")
 
@@ -58,6 +62,8 @@ def check_positive_int(name: str, value: int, minimum: int = 1) -> None:
 
 def check_device(device: torch.device | str) -> torch.device:
     """`device` as a torch.device if it is cpu, or cuda where torch sees a CUDA device (InputError otherwise)."""
+    import torch
+
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError):
@@ -73,6 +79,8 @@ def check_shape(name: str, tensor: torch.Tensor, expected: Sequence[int | None],
 
     `what` describes the expected layout for the message, e.g. "[B, K] (batch, draft length)".
     """
+    import torch
+
     check(isinstance(tensor, torch.Tensor), f"{name} must be a torch.Tensor, got {type(tensor).__name__}.")
     shape = tuple(tensor.shape)
     ok = len(shape) == len(expected) and all(e is None or e == s for s, e in zip(shape, expected))
@@ -87,6 +95,8 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
 
     This synchronises with the device once; call it at API boundaries, not in the hot path.
     """
+    import torch
+
     bad = torch.isnan(tensor) | (tensor == float("inf"))
     if bool(bad.any()):
         n = int(bad.sum())
@@ -98,6 +108,8 @@ def check_finite(name: str, tensor: torch.Tensor) -> None:
 
 def check_distribution(name: str, probs: torch.Tensor, atol: float = 1e-3) -> None:
     """Check a probability tensor is finite, non-negative and sums to 1 over its last axis."""
+    import torch
+
     check_finite(name, probs)
     if bool((probs < 0).any()):
         raise InputError(f"{name} has negative entries; pass probabilities (softmax output), not logits.")

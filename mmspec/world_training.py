@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from mmspec.bench.files import atomic_write_text
 from mmspec.data import generate_batch
 from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, machine_summary
-from mmspec.errors import check
+from mmspec.errors import check, check_positive_int
 
 IMAGE_SIZE = 32  # world images are 32x32
 
@@ -107,6 +107,13 @@ def add_staged_arguments(parser: argparse.ArgumentParser, name: str, stages: tup
     parser.add_argument("--seed", type=int, default=0)
 
 
+def add_recon_eval_argument(parser: argparse.ArgumentParser, tokenizer: str) -> None:
+    """--recon-eval-images: how many test images the trainer's reconstruction check of its image tokenizer (MSE,
+    judge accuracy, world-FID) encodes and decodes (default 1000; fewer for a quick check)."""
+    parser.add_argument("--recon-eval-images", type=int, default=1000,
+                        help=f"test images of the {tokenizer}'s reconstruction check (MSE, judge accuracy, world-FID)")
+
+
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     """--threads and --quiet."""
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
@@ -114,8 +121,11 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def open_training(args: argparse.Namespace, allowed: tuple[str, ...]) -> tuple[list[str], TrainingFolder, Path]:
-    """A staged trainer's start: its checked --stages, torch's thread count, the --out folder and the --work-dir."""
+    """A staged trainer's start: its checked --stages (and --recon-eval-images where it has one), torch's thread
+    count, the --out folder and the --work-dir."""
     stages = parse_stages(args.stages, allowed)
+    if hasattr(args, "recon_eval_images"):
+        check_positive_int("--recon-eval-images", args.recon_eval_images)
     torch.set_num_threads(args.threads)
     work = Path(args.work_dir)
     work.mkdir(parents=True, exist_ok=True)

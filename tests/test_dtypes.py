@@ -11,7 +11,9 @@ import torch
 from mmspec.families import get_family
 
 DTYPES = [torch.bfloat16, torch.float16]
-IMAGE_RUNS = {"llamagen": {"method": "sjd"}, "var": {}, "mar": {"gamma": 4, "num_sampling_steps": 5}}
+# MAR runs one row: its float16 / bfloat16 linears on this CPU take ~15 s a row (one test thread)
+IMAGE_RUNS = {"llamagen": {"method": "sjd", "class_labels": [1, 3]}, "var": {"class_labels": [1, 3]},
+              "mar": {"gamma": 4, "num_sampling_steps": 5, "class_labels": [3]}}
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -22,10 +24,10 @@ def test_image_families_run_in_low_precision(family, dtype):
     assert getattr(pipe, model).dtype == dtype
     if family == "var":
         assert pipe.refiner.head.weight.dtype == torch.float32  # _keep_in_fp32_modules
-    out = pipe(class_labels=[1, 3], generator=torch.Generator().manual_seed(0), output_type="pt",
-               **IMAGE_RUNS[family])
+    out = pipe(generator=torch.Generator().manual_seed(0), output_type="pt", **IMAGE_RUNS[family])
     images = out.images.float()
-    assert images.shape[0] == 2 and torch.isfinite(images).all() and 0 <= images.min() and images.max() <= 1
+    assert images.shape[0] == len(IMAGE_RUNS[family]["class_labels"])
+    assert torch.isfinite(images).all() and 0 <= images.min() and images.max() <= 1
     assert images.std() > 0.01  # not a blank image
 
 

@@ -1,8 +1,14 @@
 """MAR for mmspec: the model with its diffusion head, the KL VAE helpers, vanilla `MARPipeline`, `CSpDPipeline`
 (continuous speculative decoding), the world training command, converters, the CLI and bench adapters."""
 
-from continuous.mar.cspd import CSpDPipeline
-from continuous.mar.model import MARModel
-from continuous.mar.pipeline import MARPipeline, MARPipelineOutput
+from mmspec.lazy import lazy_exports
 
-__all__ = ["CSpDPipeline", "MARModel", "MARPipeline", "MARPipelineOutput"]
+EXPORTS = {  # name: its module (imported on first use)
+    "CSpDPipeline": "continuous.mar.cspd",
+    "MARModel": "continuous.mar.model",
+    "MARPipeline": "continuous.mar.pipeline",
+    "MARPipelineOutput": "continuous.mar.pipeline",
+}
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
+
+__all__ = sorted(EXPORTS)

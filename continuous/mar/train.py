@@ -42,9 +42,10 @@ from continuous.mar.model import MARModel, cosine_mask_rate
 from continuous.mar.vae import world_vae
 from mmspec.data import NUM_CLASSES
 from mmspec.data.artifacts import explicit_command
-from mmspec.errors import check, check_device
+from mmspec.errors import check, check_device, check_positive_int
 from mmspec.model_card import with_metadata
 from mmspec.world_training import (
+    add_recon_eval_argument,
     add_runtime_arguments,
     add_staged_arguments,
     cached_tensors,
@@ -80,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kl-weight", type=float, default=1e-5, help="weight of the per-element KL term")
     parser.add_argument("--object-weight", type=float, default=10.0,
                         help="extra weight of high-contrast (object) pixels in the VAE's L2 loss")
+    parser.add_argument("--vae-scale-images", type=int, default=2000,
+                        help="world images whose latents' spread sets the VAE's scaling factor")
+    add_recon_eval_argument(parser, "VAE")
     parser.add_argument("--num-train-images", type=int, default=30_000, help="world images encoded for the MARs")
     parser.add_argument("--target-steps", type=int, default=3500)
     parser.add_argument("--draft-steps", type=int, default=3000)
@@ -121,7 +125,7 @@ def parse_arch(pairs: list[str], kind: str = "target") -> dict[str, int]:
 
 # ----------------------------------------------------------------------------------------------------- VAE
 def train_vae(steps: int, batch_size: int, lr: float, kl_weight: float, seed: int, quiet: bool,
-              object_weight: float = 10.0):
+              object_weight: float = 10.0, scale_images: int = 2000):
     torch.manual_seed(seed)
     vae = world_vae().train()
     opt = torch.optim.Adam(vae.parameters(), lr=lr)
@@ -141,11 +145,12 @@ def train_vae(steps: int, batch_size: int, lr: float, kl_weight: float, seed: in
             bar.set_postfix(l1=f"{l1.item():.4f}", kl=f"{kl.item():.2f}")
     vae.eval()
     with torch.no_grad():  # scaling factor: unit-variance latents (the role of the official 0.2325)
-        images, _ = world_images(2000, seed + 7, "train")
+        images, _ = world_images(scale_images, seed + 7, "train")
         std = float(vae.encode(images).latent_dist.sample(gen).std())
     vae.register_to_config(scaling_factor=1.0 / std)
     return vae, {"steps": steps, "batch_size": batch_size, "lr": lr, "kl_weight": kl_weight,
-                 "object_weight": object_weight, "latent_std": std, "seconds": time.perf_counter() - start}
+                 "object_weight": object_weight, "latent_std": std, "scale_images": scale_images,
+                 "seconds": time.perf_counter() - start}
 
 
 @torch.no_grad()
@@ -294,7 +299,8 @@ def _card(command: str, info: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    check(args.eval_sampling_steps >= 1, f"--eval-sampling-steps must be >= 1, got {args.eval_sampling_steps}.")
+    for option in ("eval_sampling_steps", "vae_scale_images"):
+        check_positive_int(f"--{option.replace('_', '-')}", getattr(args, option))
     stages, folder, work = open_training(args, STAGES)
     device = check_device(args.device)
     arch = parse_arch(args.target_arch)
@@ -305,9 +311,9 @@ def run(args: argparse.Namespace) -> int:
 
     if "vae" in stages and not folder.done("vae"):
         vae, info["vae"] = train_vae(args.vae_steps, args.vae_batch_size, args.vae_lr, args.kl_weight, args.seed,
-                                     args.quiet, args.object_weight)
+                                     args.quiet, args.object_weight, args.vae_scale_images)
         folder.save(vae, "vae")
-        info["recon"] = evaluate_vae(vae, 1000, args.seed)
+        info["recon"] = evaluate_vae(vae, args.recon_eval_images, args.seed)
         folder.record()
     check((out / "vae" / "config.json").is_file(), f"no VAE in {out}/vae: run the 'vae' stage first.")
     vae = AutoencoderKL.from_pretrained(out / "vae").eval().requires_grad_(False).to(device)
@@ -341,7 +347,8 @@ def run(args: argparse.Namespace) -> int:
                         for key in ("target", "draft")}
         folder.record()
         command = explicit_command("mmspec train mar", args, [
-            "out", "seed", "vae_steps", "vae_batch_size", "vae_lr", "kl_weight", "object_weight", "num_train_images",
+            "out", "seed", "vae_steps", "vae_batch_size", "vae_lr", "kl_weight", "object_weight", "vae_scale_images",
+            "recon_eval_images", "num_train_images",
             "target_steps", "draft_steps", "mar_batch_size", "mar_lr", "ema", "mask_rates", "eval_images_per_class",
             "eval_sampling_steps", "threads", "device"])
         command += "".join(f" --target-arch {pair}" for pair in args.target_arch)

@@ -9,35 +9,30 @@
 See docs/llamagen.md.
 """
 
-from image_ar.llamagen.convert_gpt import infer_llamagen_config, load_llamagen_gpt
-from image_ar.llamagen.convert_vq import convert_llamagen_vq, infer_llamagen_vq_config, load_llamagen_vq
-from image_ar.llamagen.gpt import PRESETS as GPT_PRESETS
-from image_ar.llamagen.gpt import LlamaGenGPT, LlamaGenGPTOutput, LlamaGenKVCache, ffn_hidden_dim
-from image_ar.llamagen.pipeline import LlamaGenPipeline, LlamaGenPipelineOutput
-from image_ar.llamagen.rope import apply_rope, rope_table_2d
-from image_ar.llamagen.vq import PRESETS as VQ_PRESETS
-from image_ar.llamagen.vq import LlamaGenVQ, LlamaGenVQOutput, VQLosses
-from image_ar.llamagen.vq_train import VQLossWeights, vq_loss
+from mmspec.lazy import lazy_exports
 
-__all__ = [
-    "GPT_PRESETS",
-    "VQ_PRESETS",
-    "LlamaGenPipeline",
-    "LlamaGenPipelineOutput",
-    "LlamaGenVQ",
-    "LlamaGenVQOutput",
-    "VQLossWeights",
-    "VQLosses",
-    "convert_llamagen_vq",
-    "infer_llamagen_vq_config",
-    "load_llamagen_vq",
-    "vq_loss",
-    "LlamaGenGPT",
-    "LlamaGenGPTOutput",
-    "LlamaGenKVCache",
-    "apply_rope",
-    "ffn_hidden_dim",
-    "infer_llamagen_config",
-    "load_llamagen_gpt",
-    "rope_table_2d",
-]
+EXPORTS = {  # name: its module (imported on first use)
+    "infer_llamagen_config": "image_ar.llamagen.convert_gpt",
+    "load_llamagen_gpt": "image_ar.llamagen.convert_gpt",
+    "convert_llamagen_vq": "image_ar.llamagen.convert_vq",
+    "infer_llamagen_vq_config": "image_ar.llamagen.convert_vq",
+    "load_llamagen_vq": "image_ar.llamagen.convert_vq",
+    "GPT_PRESETS": ("image_ar.llamagen.gpt", "PRESETS"),
+    "LlamaGenGPT": "image_ar.llamagen.gpt",
+    "LlamaGenGPTOutput": "image_ar.llamagen.gpt",
+    "LlamaGenKVCache": "image_ar.llamagen.gpt",
+    "ffn_hidden_dim": "image_ar.llamagen.gpt",
+    "LlamaGenPipeline": "image_ar.llamagen.pipeline",
+    "LlamaGenPipelineOutput": "image_ar.llamagen.pipeline",
+    "apply_rope": "image_ar.llamagen.rope",
+    "rope_table_2d": "image_ar.llamagen.rope",
+    "VQ_PRESETS": ("image_ar.llamagen.vq", "PRESETS"),
+    "LlamaGenVQ": "image_ar.llamagen.vq",
+    "LlamaGenVQOutput": "image_ar.llamagen.vq",
+    "VQLosses": "image_ar.llamagen.vq",
+    "VQLossWeights": "image_ar.llamagen.vq_train",
+    "vq_loss": "image_ar.llamagen.vq_train",
+}
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
+
+__all__ = sorted(EXPORTS)

@@ -29,6 +29,7 @@ from mmspec.data.artifacts import explicit_command
 from mmspec.errors import check
 from mmspec.model_card import with_metadata
 from mmspec.world_training import (
+    add_recon_eval_argument,
     add_runtime_arguments,
     add_staged_arguments,
     cached_tensors,
@@ -64,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpt-lr", type=float, default=1e-3)
     parser.add_argument("--eval-images-per-class", type=int, default=32)
     parser.add_argument("--no-compile", action="store_true", help="do not torch.compile the GPT training step")
+    add_recon_eval_argument(parser, "VQ tokenizer")
     add_runtime_arguments(parser)
 
 
@@ -197,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
         vq, info["vq"] = train_vq(args.vq_steps, args.vq_batch_size, args.vq_lr, args.seed, args.quiet,
                                   args.object_weight)
         folder.save(vq, "vqvae")
-        info["recon"] = evaluate_vq(vq, 1000, args.seed)
+        info["recon"] = evaluate_vq(vq, args.recon_eval_images, args.seed)
         folder.record()
     check((out / "vqvae" / "config.json").is_file(), f"no VQ tokenizer in {out}/vqvae: run the 'vq' stage first.")
     vq = LlamaGenVQ.from_pretrained(out / "vqvae").eval()
@@ -228,8 +230,9 @@ def run(args: argparse.Namespace) -> int:
             info["eval"]["draft"] = evaluate_pipeline(pipe, args.eval_images_per_class, args.seed, use_draft=True)
         folder.record()
         command = explicit_command("mmspec train llamagen", args, [
-            "out", "seed", "vq_steps", "vq_batch_size", "vq_lr", "object_weight", "num_train_images", "target_steps",
-            "draft_steps", "gpt_batch_size", "gpt_lr", "eval_images_per_class", "threads"])
+            "out", "seed", "vq_steps", "vq_batch_size", "vq_lr", "object_weight", "recon_eval_images",
+            "num_train_images", "target_steps", "draft_steps", "gpt_batch_size", "gpt_lr", "eval_images_per_class",
+            "threads"])
         card_text = with_metadata(
             _card(command, info),
             pipeline_tag="unconditional-image-generation", tags=["llamagen", "class-conditional", "world"])

@@ -271,7 +271,8 @@ def measure_acceptance(pipe: LlamaGenPipeline, n: int, seed: int) -> dict:
     """Mean acceptance length (emitted tokens per row and verify call, bonus included), target forwards, wall
     time and (world pipelines) the world judge's score (`eval_conditions`) of vanilla / eagle / lantern on n images
     (one generator per image), one batch each, at temperature 0 and at the pipeline's default sampling (guidance
-    4.0, temperature 1.0, no top-k / top-p)."""
+    4.0, temperature 1.0, no top-k / top-p). The trees are the configured ones (`budget="fixed"`): what the drafter
+    accepts, not what this device's budget would choose."""
     check_positive_int("eval images", n)
     pipe.set_progress_bar_config(disable=True)
     conditions, score = eval_conditions(pipe, n, seed)
@@ -282,7 +283,7 @@ def measure_acceptance(pipe: LlamaGenPipeline, n: int, seed: int) -> dict:
     out = {}
     for name, (method, temperature) in runs.items():
         gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(n)]
-        result = pipe(**conditions, temperature=temperature, method=method, generator=gens,
+        result = pipe(**conditions, temperature=temperature, method=method, generator=gens, budget="fixed",
                       output_type="pt" if judge else "latent")
         stats = result.stats
         out[name] = {"mean_acceptance_length": stats.mean_acceptance_length,

@@ -9,7 +9,14 @@
 See docs/transformers_image.md.
 """
 
-from image_ar.transformers_ar.pipeline import Emu3Pipeline, JanusPipeline, TransformersImagePipeline
-from image_ar.transformers_ar.support import check_image_generator
+from mmspec.lazy import lazy_exports
 
-__all__ = ["Emu3Pipeline", "JanusPipeline", "TransformersImagePipeline", "check_image_generator"]
+EXPORTS = {  # name: its module (imported on first use)
+    "Emu3Pipeline": "image_ar.transformers_ar.pipeline",
+    "JanusPipeline": "image_ar.transformers_ar.pipeline",
+    "TransformersImagePipeline": "image_ar.transformers_ar.pipeline",
+    "check_image_generator": "image_ar.transformers_ar.support",
+}
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
+
+__all__ = sorted(EXPORTS)

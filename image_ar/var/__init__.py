@@ -1,11 +1,17 @@
 """VAR (next-scale prediction) for mmspec: the transformer, the residual multi-scale quantiser, the VQVAE, the
-vanilla `VARPipeline` and CoDe's `CoDePipeline` so far; converters, world defaults, training commands, the CLI and
-the benchmarks follow (issue 6)."""
+vanilla `VARPipeline` and CoDe's collaborative `CoDePipeline` (the family record, converters and training commands
+are in this package's other modules; see docs/var.md)."""
 
-from image_ar.var.code import CoDePipeline
-from image_ar.var.pipeline import VARPipeline, VARPipelineOutput
-from image_ar.var.quantizer import MultiScaleQuantizer
-from image_ar.var.transformer import VARTransformer
-from image_ar.var.vqvae import VARVQVAE
+from mmspec.lazy import lazy_exports
 
-__all__ = ["CoDePipeline", "MultiScaleQuantizer", "VARPipeline", "VARPipelineOutput", "VARTransformer", "VARVQVAE"]
+EXPORTS = {  # name: its module (imported on first use)
+    "CoDePipeline": "image_ar.var.code",
+    "VARPipeline": "image_ar.var.pipeline",
+    "VARPipelineOutput": "image_ar.var.pipeline",
+    "MultiScaleQuantizer": "image_ar.var.quantizer",
+    "VARTransformer": "image_ar.var.transformer",
+    "VARVQVAE": "image_ar.var.vqvae",
+}
+__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
+
+__all__ = sorted(EXPORTS)

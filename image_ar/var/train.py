@@ -33,6 +33,7 @@ from mmspec.data.artifacts import explicit_command
 from mmspec.errors import check
 from mmspec.model_card import with_metadata
 from mmspec.world_training import (
+    add_recon_eval_argument,
     add_runtime_arguments,
     add_staged_arguments,
     cached_tensors,
@@ -77,6 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--var-lr", type=float, default=1e-3)
     parser.add_argument("--eval-images-per-class", type=int, default=32)
     parser.add_argument("--no-compile", action="store_true", help="do not torch.compile the VAR training step")
+    add_recon_eval_argument(parser, "VQVAE")
     add_runtime_arguments(parser)
 
 
@@ -229,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         vqvae, info["vqvae"] = train_vqvae(args.vqvae_steps, args.vqvae_batch_size, args.vqvae_lr, args.seed,
                                            args.quiet, args.object_weight, args.restart_every)
         folder.save(vqvae, "vqvae")
-        info["recon"] = evaluate_vqvae(vqvae, 1000, args.seed)
+        info["recon"] = evaluate_vqvae(vqvae, args.recon_eval_images, args.seed)
         folder.record()
     check((out / "vqvae" / "config.json").is_file(), f"no VQVAE in {out}/vqvae: run the 'vqvae' stage first.")
     vqvae = VARVQVAE.from_pretrained(out / "vqvae").eval().requires_grad_(False)
@@ -254,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
         folder.record()
         command = explicit_command("mmspec train var", args, [
             "out", "seed", "vqvae_steps", "vqvae_batch_size", "vqvae_lr", "restart_every", "object_weight",
-            "num_train_images",
+            "recon_eval_images", "num_train_images",
             "large_steps", "small_steps", "var_batch_size", "var_lr", "eval_images_per_class", "threads"])
         card_text = with_metadata(
             _card(command, info),

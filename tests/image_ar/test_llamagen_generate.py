@@ -77,12 +77,13 @@ def test_train_llamagen_smoke(tmp_path):
     """The training command end to end with a handful of steps (the real run is in assets/llamagen/README.md)."""
     out = tmp_path / "llamagen"
     assert main(["train", "llamagen", "--out", str(out), "--work-dir", str(tmp_path / "work"), "--vq-steps", "2",
-                 "--target-steps", "2", "--draft-steps", "2", "--num-train-images", "256", "--eval-images-per-class",
-                 "1", "--threads", "1", "--no-compile", "--quiet"]) == 0
+                 "--target-steps", "2", "--draft-steps", "2", "--num-train-images", "256", "--recon-eval-images", "64",
+                 "--eval-images-per-class", "1", "--threads", "1", "--no-compile", "--quiet"]) == 0
     for part in ("model_index.json", "README.md", "vqvae", "transformer", "draft_transformer"):
         assert (out / part).exists()
     info = json.loads((out / "training.json").read_text())
     assert set(info["eval"]) == {"target", "draft"} and info["eval"]["target"]["n"] == 16
+    assert info["recon"]["n"] == 64 and "--recon-eval-images 64" in (out / "README.md").read_text()
     pipe = LlamaGenPipeline.from_pretrained(out)
     assert pipe.transformer.config.block_size == 64
 

@@ -19,7 +19,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("train-var")
     out = root / "var"
     assert main(["train", "var", "--out", str(out), "--work-dir", str(root / "work"), "--vqvae-steps", "2",
-                 "--large-steps", "2", "--small-steps", "2", "--num-train-images", "128",
+                 "--large-steps", "2", "--small-steps", "2", "--num-train-images", "128", "--recon-eval-images", "64",
                  "--eval-images-per-class", "1", "--threads", "1", "--no-compile", "--quiet"]) == 0
     return root, out
 
@@ -30,6 +30,7 @@ def test_train_var_writes_a_code_pipeline_with_a_card(trained):
         assert (out / part).exists()
     info = json.loads((out / "training.json").read_text())
     assert set(info["eval"]) == {"large", "small", "code"} and info["eval"]["code"]["n"] == 16
+    assert info["recon"]["n"] == 64
     card = (out / "README.md").read_text()
     assert "mmspec train var --out" in card and "judge class accuracy" in card
     pipe = CoDePipeline.from_pretrained(out)
