@@ -180,7 +180,7 @@ def test_sampling_reports_exactness_as_not_applicable(one_thread):
     result = run_bench("toy", "tree,vanilla", batch_sizes=[2], repeats=1, warmup=0,
                        settings=BenchSettings(num_samples=2, max_new_tokens=6, temperature=1.0,
                                               options={"dim": "16", "num_layers": "2", "num_heads": "2"}))
-    assert [c.label for c in result.configs] == ["vanilla", "tree"]  # the reference always runs first
+    assert [c.label for c in result.configs] == ["vanilla", "tree"]  # the reference is always listed first
     assert {r.config.label: r.quality["exactness"] for r in result.runs} == \
         {"vanilla": "n/a (sampling)", "tree": "n/a (sampling)"}
     assert all(r.stats.num_target_forwards > 0 for r in result.runs)
@@ -252,14 +252,17 @@ def test_runs_are_interleaved_warmup_first_per_batch_size(fake, interleave):
     result = run_bench("fake", "b,vanilla,a", batch_sizes=[2, 1], repeats=2, warmup=1,
                        settings=BenchSettings(num_samples=3, max_new_tokens=2), interleave=interleave)
     order = ["vanilla", "b", "a"]  # vanilla moves to the front; the others keep their order
-    expected = []
+    expected, rounds = [], 0
     for batches in ([(0, 1), (2,)], [(0,), (1,), (2,)]):  # batch size 2, then 1
         for _ in range(1 + 2):  # one warm-up pass, then two recorded passes
+            # the configurations take turns going first: rotated by one every pass, and every batch in a pass
             if interleave == "batch":  # batch i of every configuration before batch i + 1
-                expected += [(m, b) for b in batches for m in order]
+                expected += [(order[(j + rounds + i) % 3], b) for i, b in enumerate(batches) for j in range(3)]
             else:
-                expected += [(m, b) for m in order for b in batches]
+                expected += [(order[(j + rounds) % 3], b) for j in range(3) for b in batches]
+            rounds += 1
     assert fake.calls == expected
+    assert {fake.calls[k][0] for k in range(0, 18, 6)} == set(order)  # batch size 2: each pass starts with another
     assert fake.builds == 1
     assert [(r.batch_size, r.repeat, r.config.label) for r in result.runs] == \
         [(b, r, m) for b in (2, 1) for r in (0, 1) for m in order]

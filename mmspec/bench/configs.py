@@ -6,8 +6,9 @@ A configuration is `NAME[:KEY=VALUE[:KEY=VALUE...]]`; values are read as bool, i
 override the method's defaults (an unknown key is an error). `given` holds what the configuration sets (what the
 method's run receives, so the constructors' own defaults apply to the rest); `params` the defaults with those on
 top (what reports show). The reference configuration (plain `vanilla`) is
-always included and always runs first (it is added when the list does not name it, moved to the front when the
-list names it elsewhere), so every method's quality and speed-up can be taken against it within the same pass.
+always included and listed first (it is added when the list does not name it, moved to the front when the list
+names it elsewhere), so every method's quality and speed-up can be taken against it within the same pass (the run
+order inside a pass rotates: `mmspec.bench.runner.run_round`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """The interleaved benchmark run: every configuration on the same models and inputs, in one process.
 
 For each batch size (in the given order): `warmup` unrecorded passes, then `repeats` recorded passes; pass r
-runs every configuration once over all the samples in batches of that size, in the fixed configuration order
-(vanilla, the reference, first), before pass r+1 starts. Inside a pass (`interleave="batch"`, the default) batch i
-of every configuration runs before batch i+1 of any: on a shared machine whose load drifts within seconds, each
-method's time then comes from the same stretches of load as vanilla's, instead of from its own few seconds
-(`interleave="pass"`: each configuration runs all its batches in turn, the order before 2026-11-25). Either way,
-interleaving spreads slow drifts (thermal throttling, other processes) over all methods instead of charging them to
-whichever ran last, and each method's speed-up is taken against vanilla within the same pass.
+runs every configuration once over all the samples in batches of that size before pass r+1 starts. Inside a pass
+(`interleave="batch"`, the default) batch i of every configuration runs before batch i+1 of any: on a shared machine
+whose load drifts within seconds, each method's time then comes from the same stretches of load as vanilla's,
+instead of from its own few seconds (`interleave="pass"`: each configuration runs all its batches in turn). The
+configurations take turns going first (the order rotates by one every pass and every batch: `run_round`), so a
+position's own cost or luck is not always one configuration's. Either way, interleaving spreads slow drifts (thermal
+throttling, other processes) over all methods instead of charging them to whichever ran last, and each method's
+speed-up is taken against vanilla within the same pass.
 
 Only `Method.run` is timed (with a device synchronisation on both sides); quality, records and stats
 reading happen outside the timed region. The global torch seed is reset before every configuration's pass, and
@@ -266,17 +267,23 @@ def _set_random_state(device: torch.device, state: tuple) -> None:
 
 
 def run_round(result: BenchResult, family: Family, models: Any, steps: Sequence[Step],
-              batches: list[list[Sample]], meter: PeakMemory, on_run: Callable[[], None] = lambda: None
-              ) -> list[list[_BatchRun] | None]:
+              batches: list[list[Sample]], meter: PeakMemory, on_run: Callable[[], None] = lambda: None,
+              rotate: int = 0) -> list[list[_BatchRun] | None]:
     """One pass of every configuration of `steps` (same batch size and repeat): per `result.interleave`, batch i
-    of each before batch i+1 of any ("batch"), or each configuration's whole pass in turn ("pass"). Each
-    configuration's global random stream starts from the seed and carries on from its own previous batch. Returns
-    each step's batch runs (None where it failed); `on_run` is called after every configuration's batch."""
+    of each before batch i+1 of any ("batch"), or each configuration's whole pass in turn ("pass"). The
+    configurations take turns starting: the order is rotated by `rotate` (the round's index), and in "batch" passes
+    by one more at every batch, so no configuration always runs first (right after another's work, or on caches the
+    previous one left). Each configuration's global random stream starts from the seed and carries on from its own
+    previous batch. Returns each step's batch runs (None where it failed); `on_run` is called after every
+    configuration's batch."""
     device = torch.device(result.settings.device)
     runs: list[list[_BatchRun] | None] = [[] for _ in steps]
     streams: list[tuple | None] = [None] * len(steps)  # each configuration's global random state after its batch
-    order = ([(i, j) for j in range(len(steps)) for i in range(len(batches))] if result.interleave == "pass"
-             else [(i, j) for i in range(len(batches)) for j in range(len(steps))])  # (batch, configuration)
+    n = len(steps)
+    if result.interleave == "pass":
+        order = [(i, (j + rotate) % n) for j in range(n) for i in range(len(batches))]  # (batch, configuration)
+    else:
+        order = [(i, (j + rotate + i) % n) for i in range(len(batches)) for j in range(n)]
     for i, j in order:
         if runs[j] is not None:
             if i:
@@ -343,7 +350,8 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
                 bar.set_postfix_str(f"bs={first.batch_size} {'warmup' if first.warmup else 'repeat'} "
                                     f"{first.repeat}", refresh=False)
                 batches = split_batches(samples, first.batch_size)
-                passes = run_round(result, family, models, steps_of_round, batches, meter, lambda: bar.update(1))
+                passes = run_round(result, family, models, steps_of_round, batches, meter, lambda: bar.update(1),
+                                   rotate=i)
                 for step, batch_runs in zip(steps_of_round, passes):  # the reference first
                     if batch_runs is not None and not step.warmup:
                         key = (step.batch_size, step.repeat)
