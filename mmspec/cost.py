@@ -72,11 +72,14 @@ def measure_forward_times(run_forward: RunForward, batch_sizes: Sequence[int], w
     """Time `run_forward(batch, width)` (median of `repeats` after `warmup` calls) at every pair, interleaving the
     widths of a batch size so that a change of the machine's load touches them all alike. A wider forward never
     costs less than a narrower one, so a median below a narrower width's (noise on a busy machine) is raised to
-    it."""
+    it. `MMSPEC_PROFILE_REPEATS` replaces `repeats` (`quick_repeats`)."""
     batch_sizes, widths = sorted(set(batch_sizes)), sorted(set(widths))
     for value in (*batch_sizes, *widths):
         check_positive_int("batch size / width", value)
     check_positive_int("repeats", repeats)
+    quick = quick_repeats()
+    if quick is not None:
+        repeats, warmup = quick, min(warmup, 1)
     device = torch.device(device)
     table = []
     for batch in batch_sizes:
@@ -98,9 +101,31 @@ def measure_forward_times(run_forward: RunForward, batch_sizes: Sequence[int], w
     return ForwardTimes(list(batch_sizes), list(widths), table)
 
 
+QUICK_ENV = "MMSPEC_PROFILE_REPEATS"
+
+
+def quick_repeats() -> int | None:
+    """`MMSPEC_PROFILE_REPEATS=N`: every measurement times N repeats after at most one warm-up call, whatever its
+    own setting: quick, noisier profiles for smoke runs and CI (the test suite sets 2). They are cached apart from
+    full ones (`profile_path`). None when unset."""
+    text = os.environ.get(QUICK_ENV, "").strip()
+    if not text:
+        return None
+    check(text.isdigit() and int(text) >= 1, f"{QUICK_ENV} must be a positive integer (timed repeats of every "
+                                             f"profile), got {text!r}; unset it for full profiles.")
+    return int(text)
+
+
 # ------------------------------------------------------------------------------------------------- caching
 def cache_dir() -> Path:
     return Path(os.environ.get("MMSPEC_CACHE", Path.home() / ".cache" / "mmspec"))
+
+
+def profile_path(key: str) -> Path:
+    """The file of the JSON cached under `key`: `profiles/<key>.json` under `cache_dir()`, or `<key>.quickN.json`
+    for quick profiles (`quick_repeats`)."""
+    quick = quick_repeats()
+    return cache_dir() / "profiles" / (f"{key}.json" if quick is None else f"{key}.quick{quick}.json")
 
 
 # changed whenever mmspec's forwards get cheaper or dearer, so tables timed by an earlier version are timed again
@@ -142,7 +167,7 @@ def cached_json(key: str, measure: Callable[[], dict], refresh: bool = False) ->
     if value is not None:
         return value
     value = measure()
-    path = cache_dir() / "profiles" / f"{key}.json"
+    path = profile_path(key)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(value))
@@ -152,7 +177,7 @@ def cached_json(key: str, measure: Callable[[], dict], refresh: bool = False) ->
 
 def read_cached_json(key: str) -> dict | None:
     """The JSON object cached under `key`, or None when there is none (or it is damaged): nothing is measured."""
-    path = cache_dir() / "profiles" / f"{key}.json"
+    path = profile_path(key)
     if not path.is_file():
         return None
     try:

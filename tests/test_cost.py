@@ -8,8 +8,28 @@ import torch
 
 from mmspec.cli import main
 from mmspec.cost import ForwardTimes, cached_profile, lm_forward_runner, measure_forward_times, profile_key
+from mmspec.errors import InputError
 from mmspec.families import FamilyRecord, register_family, unregister_family
 from mmspec.testing.toy import toy_model
+
+
+@pytest.fixture(autouse=True)
+def full_profiles(monkeypatch):
+    """These tests measure and cache as users do: without the suite's quick profiles (tests/conftest.py)."""
+    monkeypatch.delenv("MMSPEC_PROFILE_REPEATS", raising=False)
+
+
+def test_quick_profiles_replace_the_repeats_and_are_cached_apart(tmp_path, monkeypatch):
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    calls = []
+    monkeypatch.setenv("MMSPEC_PROFILE_REPEATS", "2")
+    measure_forward_times(lambda b, w: calls.append((b, w)), [1], [1, 4], repeats=7, warmup=3)
+    assert len(calls) == 2 * (2 + 1)  # two widths, each: one warm-up call and two timed repeats
+    cached_profile("k", lambda: ForwardTimes([1], [1], [[0.1]]))
+    assert (tmp_path / "profiles" / "k.quick2.json").is_file() and not (tmp_path / "profiles" / "k.json").exists()
+    monkeypatch.setenv("MMSPEC_PROFILE_REPEATS", "many")
+    with pytest.raises(InputError, match="MMSPEC_PROFILE_REPEATS must be a positive integer"):
+        measure_forward_times(lambda b, w: None, [1], [1])
 
 
 def test_tables_interpolate_between_and_extrapolate_beyond_the_measured_points():
