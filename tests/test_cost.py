@@ -85,9 +85,10 @@ def test_a_new_costs_revision_times_the_tables_again(monkeypatch):
 
 
 def test_the_key_ignores_where_a_model_was_loaded_from_and_config_bookkeeping(tmp_path):
-    """The same model loaded from two paths, in two processes, gets one key: diffusers' `_use_default_values` is a
-    list in set order (string hashing differs per process) and `_name_or_path` is the path it was loaded from;
-    neither is what a timing depends on (they made every process time its tables again)."""
+    """The same model loaded from two paths, in two processes (this one and another with its own string hashing),
+    gets one key: diffusers' `_use_default_values` is a list in set order (string hashing differs per process) and
+    `_name_or_path` is the path it was loaded from; neither is what a timing depends on (they made every process
+    time its tables again)."""
     import os
     import subprocess
     import sys
@@ -98,12 +99,15 @@ def test_the_key_ignores_where_a_model_was_loaded_from_and_config_bookkeeping(tm
                                   max_position_embeddings=64)
     drafter.save_pretrained(tmp_path / "a")
     drafter.save_pretrained(tmp_path / "b")
-    code = ("import sys; from mmspec.cost import profile_key; from mmspec.llama_drafter import LlamaFeatureDrafter; "
+    code = ("import sys, torch; from mmspec.cost import profile_key; from mmspec.llama_drafter import "
+            "LlamaFeatureDrafter; torch.set_num_threads(int(sys.argv[2]));  # threads are in the key: this process's\n"
             "print(profile_key(LlamaFeatureDrafter.from_pretrained(sys.argv[1]), 'cpu'))")
-    keys = {subprocess.run([sys.executable, "-c", code, str(tmp_path / folder)], capture_output=True, text=True,
-                           check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
-            for folder, seed in (("a", "1"), ("b", "2"))}
-    assert len(keys) == 1 and next(iter(keys)).startswith("llamafeaturedrafter-")
+    seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"  # another string hashing than this process's
+    other = subprocess.run([sys.executable, "-c", code, str(tmp_path / "b"), str(torch.get_num_threads())],
+                           capture_output=True, text=True, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
+    here = profile_key(LlamaFeatureDrafter.from_pretrained(tmp_path / "a"), "cpu")
+    assert here == other and here.startswith("llamafeaturedrafter-")
 
 
 def test_the_lm_runner_scores_new_tokens_without_committing_them():

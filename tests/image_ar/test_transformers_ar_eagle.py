@@ -17,7 +17,7 @@ from mmspec.cli import main
 from mmspec.errors import InputError
 
 PROMPTS = ["a red circle", "two small blue squares on a green background", "a cross"]  # ragged once tokenized
-TINY = {"janus": (tiny_janus_pipeline, JanusPipeline, "100"), "emu3": (tiny_emu3_pipeline, Emu3Pipeline, "600")}
+TINY = {"janus": (tiny_janus_pipeline, JanusPipeline, "100"), "emu3": (tiny_emu3_pipeline, Emu3Pipeline, "400")}
 
 
 @pytest.fixture(scope="module", params=["janus", "emu3"])
