@@ -31,9 +31,9 @@ def test_unknown_command_is_an_argparse_error():
 
 
 def test_top_level_help_imports_no_torch_and_packages_import_their_pipelines_on_first_use():
-    """`mmspec --help` reads the commands without importing them (no torch: 0.3 s, not 4.5 s), and a family
-    package's exports are imported when first used (`mmspec.lazy`), so a family record does not bring in every
-    pipeline of its package."""
+    """`mmspec --help` reads the commands without importing them (no torch: 0.2-0.3 s here, was 3.2-3.5 s), and a
+    family package's exports are imported when first used (`mmspec.lazy`), so a family record does not bring in
+    every pipeline of its package."""
     script = (
         "import sys\n"
         "from mmspec.cli import main\n"
