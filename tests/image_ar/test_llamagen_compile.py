@@ -87,8 +87,8 @@ def test_the_cuda_graph_path_reuses_caches_and_copies_outputs(monkeypatch):
     for method in ("vanilla", "eagle"):
         for pipe in (eager, compiled):
             gens = [torch.Generator().manual_seed(i) for i in range(2)]
-            tokens.append(pipe(class_labels=[1, 2], top_k=16, generator=gens, method=method,
-                               output_type="latent").tokens)
+            tokens.append(pipe(class_labels=[1, 2], top_k=16, generator=gens, method=method, budget="fixed",
+                               output_type="latent").tokens)  # sampled: auto's timed choices differ between the two
         assert torch.equal(tokens[-2], tokens[-1]), method
     pool = compiled.transformer.new_cache
     first = pool(4, 30)
