@@ -54,8 +54,9 @@ def test_top_level_help_imports_no_torch_and_packages_import_their_pipelines_on_
 def test_lazy_exports_import_on_first_use_rename_and_refuse_unknown_names(monkeypatch):
     package = types.ModuleType("lazy_probe")
     monkeypatch.setitem(sys.modules, "lazy_probe", package)
-    package.__getattr__, package.__dir__ = lazy_exports("lazy_probe", {"dedent": "textwrap",
-                                                                       "join_paths": ("posixpath", "join")})
+    package.__getattr__, package.__dir__, names = lazy_exports("lazy_probe", {"join_paths": ("posixpath", "join"),
+                                                                              "dedent": "textwrap"})
+    assert names == ["dedent", "join_paths"]  # its __all__
     assert package.join_paths is posixpath.join and package.dedent is textwrap.dedent
     assert "join_paths" in vars(package) and {"dedent", "join_paths"} <= set(package.__dir__())
     with pytest.raises(AttributeError, match="no attribute 'wrap'"):

@@ -3,12 +3,9 @@
 
 from mmspec.lazy import lazy_exports
 
-EXPORTS = {  # name: its module (imported on first use)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {  # name: its module (imported on first use)
     "CSpDPipeline": "continuous.mar.cspd",
     "MARModel": "continuous.mar.model",
     "MARPipeline": "continuous.mar.pipeline",
     "MARPipelineOutput": "continuous.mar.pipeline",
-}
-__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
-
-__all__ = sorted(EXPORTS)
+})

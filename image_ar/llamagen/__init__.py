@@ -11,7 +11,7 @@ See docs/llamagen.md.
 
 from mmspec.lazy import lazy_exports
 
-EXPORTS = {  # name: its module (imported on first use)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {  # name: its module (imported on first use)
     "infer_llamagen_config": "image_ar.llamagen.convert_gpt",
     "load_llamagen_gpt": "image_ar.llamagen.convert_gpt",
     "convert_llamagen_vq": "image_ar.llamagen.convert_vq",
@@ -32,7 +32,4 @@ EXPORTS = {  # name: its module (imported on first use)
     "VQLosses": "image_ar.llamagen.vq",
     "VQLossWeights": "image_ar.llamagen.vq_train",
     "vq_loss": "image_ar.llamagen.vq_train",
-}
-__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
-
-__all__ = sorted(EXPORTS)
+})

@@ -11,12 +11,9 @@ See docs/transformers_image.md.
 
 from mmspec.lazy import lazy_exports
 
-EXPORTS = {  # name: its module (imported on first use)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {  # name: its module (imported on first use)
     "Emu3Pipeline": "image_ar.transformers_ar.pipeline",
     "JanusPipeline": "image_ar.transformers_ar.pipeline",
     "TransformersImagePipeline": "image_ar.transformers_ar.pipeline",
     "check_image_generator": "image_ar.transformers_ar.support",
-}
-__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
-
-__all__ = sorted(EXPORTS)
+})

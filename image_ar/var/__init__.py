@@ -4,14 +4,11 @@ are in this package's other modules; see docs/var.md)."""
 
 from mmspec.lazy import lazy_exports
 
-EXPORTS = {  # name: its module (imported on first use)
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {  # name: its module (imported on first use)
     "CoDePipeline": "image_ar.var.code",
     "VARPipeline": "image_ar.var.pipeline",
     "VARPipelineOutput": "image_ar.var.pipeline",
     "MultiScaleQuantizer": "image_ar.var.quantizer",
     "VARTransformer": "image_ar.var.transformer",
     "VARVQVAE": "image_ar.var.vqvae",
-}
-__getattr__, __dir__ = lazy_exports(__name__, EXPORTS)
-
-__all__ = sorted(EXPORTS)
+})
