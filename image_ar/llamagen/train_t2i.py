@@ -68,8 +68,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-captions", type=int, default=512, help="held-out captions judged at the end")
     parser.add_argument("--tune-captions", type=int, default=256,
                         help="other held-out captions (seed + 1) on which the default guidance scale is chosen")
+    parser.add_argument("--guidance-grid", type=guidance_grid, default=",".join(f"{g:g}" for g in GUIDANCE_GRID),
+                        metavar="G1,G2,..", help="the guidance scales that choice tries (default: %(default)s)")
     parser.add_argument("--no-compile", action="store_true", help="do not torch.compile the GPT's loss")
     add_runtime_arguments(parser)
+
+
+def guidance_grid(text: str) -> str:
+    """--guidance-grid: comma-separated guidance scales, each >= 1, written back as "1,2.5" (argparse turns the error
+    into a usage line)."""
+    try:
+        grid = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+    if not grid or min(grid) < 1.0:
+        raise argparse.ArgumentTypeError(f"expected guidance scales >= 1, got {text!r}")
+    return ",".join(f"{g:g}" for g in grid)
 
 
 def world_t5_tokenizer(max_length: int = CAPTION_TOKENS):
@@ -253,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
                                 draft_transformer=draft, tokenizer=tokenizer, eagle_drafter=eagle,
                                 text_encoder=T5EncoderModel.from_pretrained(out / "text_encoder"))
         pipe.set_progress_bar_config(disable=True)
-        tuning = choose_guidance(pipe, args.tune_captions, args.seed + 1)
+        tuning = choose_guidance(pipe, args.tune_captions, args.seed + 1,
+                                 tuple(float(g) for g in args.guidance_grid.split(",")))
         pipe.transformer.register_to_config(default_guidance_scale=tuning["chosen"])
         pipe.save_pretrained(out)
         info["eval"] = {"guidance": tuning, "target": judge_captions(pipe, args.eval_captions, args.seed)}
@@ -265,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         folder.record()
         command = explicit_command("mmspec train llamagen-t2i", args, [
             "out", "seed", "vq", "num_train_images", "target_steps", "draft_steps", "batch_size", "lr",
-            "eval_captions", "tune_captions", "threads"])
+            "eval_captions", "tune_captions", "guidance_grid", "threads"])
         (out / "README.md").write_text(with_metadata(_card(command, info), pipeline_tag="text-to-image",
                                                      tags=["llamagen", "text-to-image", "world"]))
         print(json.dumps(info.get("eval", {}), indent=2))

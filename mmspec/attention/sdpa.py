@@ -40,13 +40,21 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torc
         return q.new_zeros(q.shape)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale, **extra)
-    if q.device.type == "cpu" and not torch.is_grad_enabled() and zeroes_fully_masked_rows(q.dtype):
+    if eager_cpu_inference(q) and zeroes_fully_masked_rows(q.dtype):
         additive = additive_mask(mask, q.dtype)  # [B, 1|H, S, T] what SDPA makes of the bool mask, once per forward
         return F.scaled_dot_product_attention(q, k, v, attn_mask=additive, scale=scale, **extra)  # [B, H, S, D]
     has_key = rows_with_keys(mask)  # [B, 1|H, S, 1]
     safe_mask = mask | ~has_key  # [B, 1|H, S, T]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=safe_mask, scale=scale, **extra)  # [B, H, S, D]
     return out.masked_fill(~has_key, 0.0)
+
+
+def eager_cpu_inference(q: torch.Tensor) -> bool:
+    """Whether the unguarded path may run: on a CPU, without autograd, and not inside torch.compile (whose traced
+    graph makes the guard's operations in one fused kernel; the unguarded path's mask cache, compared by storage,
+    and the once-per-dtype check, which makes a generator, would break the graph: every layer ran eagerly between
+    compiled pieces and EAGLE's drafter forward fell back to eager whole)."""
+    return q.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 
 
 _LAST_ADDITIVE: tuple = (None, 0, None)  # (a bool mask, its version, its additive form): one forward's layers share it

@@ -4,6 +4,8 @@ on ragged caption batches with CFG, negative prompts, save / load with the text 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from llamagen_dummies import get_dummy_components, get_dummy_t2i_components
@@ -140,7 +142,6 @@ def test_bad_text_inputs_are_one_line_errors(pipe):
 def test_convert_writes_a_pipeline_that_takes_prompts(pipe, tmp_path):
     """`mmspec convert llamagen --t5 FOLDER`: official t2i GPT / VQ files plus a local T5 folder -> a folder whose
     pipeline turns strings into the same images; a c2i GPT with --t5, or a folder without a T5, is refused."""
-    import json
 
     from mmspec.cli import main
 
@@ -165,7 +166,6 @@ def test_convert_writes_a_pipeline_that_takes_prompts(pipe, tmp_path):
 def test_saved_tokenizer_entry_loads_on_every_transformers(pipe, tmp_path):
     """transformers 5 names its fast tokenizer class TokenizersBackend, which 4.x lacks: the folder names the
     class both read."""
-    import json
 
     pipe.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "model_index.json").read_text())["tokenizer"] == ["transformers",
@@ -201,9 +201,12 @@ def test_train_t2i_makes_a_pipeline_folder_with_a_card(tmp_path):
     out = tmp_path / "out"
     assert main(["train", "llamagen-t2i", "--out", str(out), "--work-dir", str(tmp_path / "work"),
                  "--num-train-images", "64", "--target-steps", "2", "--draft-steps", "2", "--batch-size", "8",
-                 "--eval-captions", "4", "--tune-captions", "2", "--no-compile", "--threads", "1", "--quiet"]) == 0
+                 "--eval-captions", "4", "--tune-captions", "2", "--guidance-grid", "1,4", "--no-compile",
+                 "--threads", "1", "--quiet"]) == 0
     card = (out / "README.md").read_text()
     assert "pipeline_tag: text-to-image" in card and "every attribute agrees" in card
+    sweep = json.loads((out / "training.json").read_text())["eval"]["guidance"]["sweep"]
+    assert [e["guidance_scale"] for e in sweep] == [1, 4] and "--guidance-grid 1,4" in card  # the scales tried
     # its EAGLE drafter, trained on world images and their captions through the pipeline's text encoder
     assert main(["train", "llamagen-drafter", "--pipeline", str(out), "--work-dir", str(tmp_path / "drafter-work"),
                  "--num-train-sequences", "64", "--steps", "2", "--batch-size", "8", "--eval-images", "2",
@@ -222,7 +225,6 @@ def test_bench_family_on_held_out_captions(pipe, tmp_path):
     """`mmspec bench --family llamagen-t2i`: every method on held-out world captions, the judge's attribute
     agreement and caption-matched world-FID as quality, lossless methods exact at temperature 0, and the token
     calibration (scored on the captions) at temperature 1."""
-    import json
 
     from mmspec.cli import main
 
