@@ -216,3 +216,33 @@ def lm_forward_runner(model, make_inputs: Callable[[int], object], guidance_scal
         runner.forward(torch.zeros_like(slots), slots, slots)
 
     return run
+
+
+def feature_forward_runner(model, feature_dim: int, prefix: int, guidance_scale: float | None = None,
+                           max_width: int = 64) -> RunForward:
+    """`run_forward` of an EAGLE-style drafter (a CachedLM whose `forward_cached` also takes `features=` [R, W,
+    feature_dim], the target's) the way its tree drafter runs it: per batch size, a cache of `prefix` committed
+    entries (an image or answer part drafted; CFG as 2B rows when `guidance_scale` is set) and room for `max_width`
+    more, then each timed call scores `width` new (token, feature) pairs after it, uncommitted. The features are
+    zeros: a forward's cost does not depend on their values."""
+    from mmspec.lm import GuidedRunner
+
+    runners: dict[int, GuidedRunner] = {}
+
+    @torch.no_grad()
+    def run(batch: int, width: int) -> None:
+        check(width <= max_width, f"width {width} exceeds the profile's room ({max_width}).")
+        if batch not in runners:
+            runner = GuidedRunner(model, guidance_scale)
+            rows = batch * (2 if runner.uses_cfg else 1)
+            runner.cache = model.new_cache(rows, prefix + max_width + 1)
+            runner.cache.lengths += prefix
+            runners[batch] = runner
+        runner = runners[batch]
+        slots = runner.slots(width)  # [B, W]
+        features = torch.zeros(runner.cache.batch_size, width, feature_dim, dtype=runner.cache.k[0].dtype,
+                               device=slots.device)  # [R, W, dim]
+        runner.forward(torch.zeros_like(slots), slots, slots, features=features)
+
+    return run
+

@@ -235,9 +235,11 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
 
     def run_pending(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run the pending pairs (not committed). Returns the root's CFG-combined logits [B, V], the drafter's
-        output feature at the root's pair [R, dim] (h_n: the predicted f_{n+1}) and the root's slot [B]."""
+        output feature at the root's pair [R, dim] (h_n: the predicted f_{n+1}) and the root's slot [B]. A compiled
+        drafter (static shapes) always runs all `width` columns: one shape, where the pending count (the accepted
+        depth, or the plain steps since a draft) would make each of its values a compilation."""
         runner, pending = self.runner, self.pending
-        columns = self.pending_columns
+        columns = self.width if hasattr(self.model, "eager_forward_cached") else self.pending_columns
         slots = runner.slots(columns)  # [B, C]; columns past a row's count are scratch
         positions = slots + self._offset(1)  # [B, C]
         logits = runner.forward(pending.tokens[:, :columns], positions, slots,

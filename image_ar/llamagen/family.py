@@ -62,17 +62,25 @@ def bench():
 
 def profile(pipe) -> dict:
     """The target and the draft model as the loop runs them: the class condition prefilled, CFG at the pipeline's
-    default scale (one 2B batch), then W new tokens scored per forward."""
+    default scale (one 2B batch), then W new tokens scored per forward; the EAGLE drafter as its trees run it: W new
+    (token, feature) pairs after half an image's pairs (`mmspec.cost.feature_forward_runner`)."""
     from image_ar.llamagen.pipeline import condition_prefill
-    from mmspec.cost import lm_forward_runner
+    from mmspec.cost import feature_forward_runner, lm_forward_runner
 
     def labels(batch: int) -> torch.Tensor:
         return torch.arange(batch, device=pipe.transformer.device) % pipe.transformer.config.num_classes
 
+    scale = DEFAULTS["guidance_scale"]
     models = {"transformer": pipe.transformer, "draft_transformer": pipe.draft_transformer}
-    return {name: (model, lm_forward_runner(model, labels, DEFAULTS["guidance_scale"], condition_prefill(True),
-                                            max_width=model.config.block_size))
-            for name, model in models.items() if model is not None}
+    runners = {name: (model, lm_forward_runner(model, labels, scale, condition_prefill(True),
+                                               max_width=model.config.block_size))
+               for name, model in models.items() if model is not None}
+    eagle = getattr(pipe, "eagle_drafter", None)
+    if eagle is not None:  # attached as the tree drafter attaches it (the target's embeddings and head)
+        eagle.attach(pipe.transformer)
+        runners["eagle_drafter"] = (eagle, feature_forward_runner(eagle, eagle.dim, eagle.block_size // 2,
+                                                                  scale, max_width=eagle.block_size))
+    return runners
 
 
 # DEFAULTS with the model's own guidance scale (`LlamaGenPipeline.default_guidance_scale`) once loaded

@@ -81,11 +81,20 @@ def rotation_table(rope: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.stack([cos, cos], -1).flatten(-2), torch.stack([-sin, sin], -1).flatten(-2)], -2)
 
 
-@functools.cache
 def pair_swap_index(dim: int, device: torch.device) -> torch.Tensor:
     """[D] channel order with each pair (2j, 2j + 1) swapped: a gather by it is the pair swap of `rotate` (one
-    `index_select`; a `flip` of the pairs' last axis cost 2-3x as much on a CPU)."""
-    return torch.arange(dim, device=device).view(-1, 2).flip(-1).flatten()
+    `index_select`; a `flip` of the pairs' last axis cost 2-3x as much on a CPU). Made once per (dim, device)
+    eagerly; inside torch.compile in the graph (a constant there; dynamo warns about traced cached functions)."""
+    if torch.compiler.is_compiling():
+        return swap_order(dim, device)
+    return cached_swap_order(dim, device)
+
+
+def swap_order(dim: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(dim, device=device).view(-1, 2).flip(-1).flatten()  # [D]
+
+
+cached_swap_order = functools.cache(swap_order)
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:

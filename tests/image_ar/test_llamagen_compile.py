@@ -184,6 +184,21 @@ def test_measure_compile_times_both_and_leaves_the_model_eager():
     assert getattr(model, "compile_mode", None) is None  # left eager
 
 
+def test_the_profile_times_the_eagle_drafter_as_its_trees_run_it():
+    """The family's profile hook has a runner for the EAGLE drafter too (so `mmspec profile --compile` measures it
+    and compile="auto" can compile it): W (token, feature) pairs after half an image's, CFG pairs, uncommitted."""
+    from image_ar.llamagen.family import profile
+
+    pipe = dummy_pipeline()
+    runners = profile(pipe)
+    assert set(runners) == {"transformer", "draft_transformer", "eagle_drafter"}
+    model, run = runners["eagle_drafter"]
+    assert model is pipe.eagle_drafter
+    for batch, width in ((1, 1), (3, 5), (3, 5)):
+        run(batch, width)
+        assert model.last_hidden.shape == (2 * batch, width, model.dim)  # the CFG pair's rows
+
+
 def test_profile_cli_caches_the_verdict_that_auto_reads(tmp_path, capsys, monkeypatch):
     from mmspec.cli import profile as profile_cli
 
