@@ -105,6 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-sampling-steps", type=int, default=100,
                         help="diffusion steps per token of the eval stage's images (100: the models' own default; "
                              "fewer for a quick check)")
+    parser.add_argument("--eval-num-iter", type=int, default=None,
+                        help="MAR steps of the eval stage's images (default the token count: one token a step; "
+                             "fewer for a quick check)")
     parser.add_argument("--device", default="cpu",
                         help="device of the MAR training and the eval stage (cpu or cuda; the VAE trains on CPU)")
     add_runtime_arguments(parser)
@@ -256,13 +259,14 @@ def train_mar(kind: str, data: dict[str, torch.Tensor], steps: int, batch_size: 
     return ema.cpu(), info
 
 
-def evaluate(pipe, which: str, per_class: int, seed: int, num_sampling_steps: int = 100) -> dict:
+def evaluate(pipe, which: str, per_class: int, seed: int, num_sampling_steps: int = 100,
+             num_iter: int | None = None) -> dict:
     """Judge accuracy and world-FID of vanilla MAR (the target or the draft alone) at the pipeline defaults, with
-    `num_sampling_steps` diffusion steps per token."""
+    `num_sampling_steps` diffusion steps per token and `num_iter` MAR steps (None: one token a step)."""
     call = pipe.as_mar_pipeline(which)
     call.set_progress_bar_config(disable=True)
     return judge_generation(
-        lambda labels, gens: call(class_labels=labels, generator=gens, output_type="pt",
+        lambda labels, gens: call(class_labels=labels, generator=gens, output_type="pt", num_iter=num_iter,
                                   num_sampling_steps=num_sampling_steps).images.cpu(), per_class, seed)
 
 
@@ -290,7 +294,8 @@ def _card(command: str, info: dict) -> str:
                      f"world-FID vs the originals {r['world_fid_recon']:.3f}.")
     for key in ("target", "draft"):
         if key in ev:
-            lines.append(judge_card_line(f"{key} MAR alone", ev[key], f"num_iter = 64 tokens, "
+            num_iter = info.get("eval_num_iter") or "64 tokens"
+            lines.append(judge_card_line(f"{key} MAR alone", ev[key], f"num_iter = {num_iter}, "
                                          f"{info.get('eval_sampling_steps', 100)} diffusion steps, cfg "
                                          f"{WORLD_MAR_COMMON['default_guidance_scale']} "
                                          f"{WORLD_MAR_COMMON['default_cfg_schedule']}, temperature 1.0, leading "
@@ -299,8 +304,9 @@ def _card(command: str, info: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    for option in ("eval_sampling_steps", "vae_scale_images"):
-        check_positive_int(f"--{option.replace('_', '-')}", getattr(args, option))
+    for option in ("eval_sampling_steps", "vae_scale_images", "eval_num_iter"):
+        if getattr(args, option) is not None:
+            check_positive_int(f"--{option.replace('_', '-')}", getattr(args, option))
     stages, folder, work = open_training(args, STAGES)
     device = check_device(args.device)
     arch = parse_arch(args.target_arch)
@@ -342,8 +348,9 @@ def run(args: argparse.Namespace) -> int:
         pipe = CSpDPipeline(target=models["target"], draft=models["draft"], vae=vae)
         pipe.save_pretrained(out)
         pipe.to(device)
-        info["eval_sampling_steps"] = args.eval_sampling_steps
-        info["eval"] = {key: evaluate(pipe, key, args.eval_images_per_class, args.seed, args.eval_sampling_steps)
+        info["eval_sampling_steps"], info["eval_num_iter"] = args.eval_sampling_steps, args.eval_num_iter
+        info["eval"] = {key: evaluate(pipe, key, args.eval_images_per_class, args.seed, args.eval_sampling_steps,
+                                      args.eval_num_iter)
                         for key in ("target", "draft")}
         folder.record()
         command = explicit_command("mmspec train mar", args, [
@@ -352,6 +359,8 @@ def run(args: argparse.Namespace) -> int:
             "target_steps", "draft_steps", "mar_batch_size", "mar_lr", "ema", "mask_rates", "eval_images_per_class",
             "eval_sampling_steps", "threads", "device"])
         command += "".join(f" --target-arch {pair}" for pair in args.target_arch)
+        if args.eval_num_iter is not None:
+            command += f" --eval-num-iter {args.eval_num_iter}"
         card_text = with_metadata(
             _card(command, info),
             pipeline_tag="unconditional-image-generation", tags=["mar", "class-conditional", "world"])

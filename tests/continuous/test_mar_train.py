@@ -18,7 +18,7 @@ def test_train_mar_writes_a_cspd_pipeline_with_a_card(tmp_path):
     assert main(["train", "mar", "--out", str(out), "--work-dir", str(tmp_path / "work"), "--vae-steps", "2",
                  "--target-steps", "2", "--draft-steps", "2", "--num-train-images", "64", "--mar-batch-size", "4",
                  "--vae-scale-images", "64", "--recon-eval-images", "64", "--eval-images-per-class", "1",
-                 "--eval-sampling-steps", "5", "--threads", "1", "--quiet"]) == 0
+                 "--eval-sampling-steps", "5", "--eval-num-iter", "8", "--threads", "1", "--quiet"]) == 0
     for part in ("model_index.json", "README.md", "training.json", "vae", "target", "draft"):
         assert (out / part).exists()
     info = json.loads((out / "training.json").read_text())
@@ -26,7 +26,7 @@ def test_train_mar_writes_a_cspd_pipeline_with_a_card(tmp_path):
     assert info["recon"]["n"] == 64 and info["vae"]["scale_images"] == 64
     card = (out / "README.md").read_text()
     assert "mmspec train mar --out" in card and "--eval-sampling-steps 5" in card and "5 diffusion steps" in card
-    assert "--recon-eval-images 64" in card
+    assert "--recon-eval-images 64" in card and "--eval-num-iter 8" in card and "num_iter = 8," in card
     pipe = CSpDPipeline.from_pretrained(out)
     assert pipe.target.num_parameters() > 3 * pipe.draft.num_parameters()
     assert pipe.target.config.timestep_spacing == "leading" and pipe.target.seq_len == 64

@@ -20,6 +20,7 @@ def trained(tmp_path_factory):
     out = root / "var"
     assert main(["train", "var", "--out", str(out), "--work-dir", str(root / "work"), "--vqvae-steps", "2",
                  "--large-steps", "2", "--small-steps", "2", "--num-train-images", "128", "--recon-eval-images", "64",
+                 "--vqvae-batch-size", "16", "--var-batch-size", "8",
                  "--eval-images-per-class", "1", "--threads", "1", "--no-compile", "--quiet"]) == 0
     return root, out
 
@@ -43,7 +44,7 @@ def test_train_var_code_fine_tunes_into_a_new_folder(trained, tmp_path):
     out = tmp_path / "code"
     assert main(["train", "var-code", "--pipeline", str(source), "--out", str(out), "--work-dir", str(root / "work"),
                  "--num-train-images", "128", "--large-steps", "2", "--distill-steps", "2", "--refine-steps", "2",
-                 "--eval-images-per-class", "1", "--threads", "1", "--no-compile", "--quiet"]) == 0
+                 "--batch-size", "8", "--eval-images-per-class", "1", "--threads", "1", "--no-compile", "--quiet"]) == 0
     before, after = CoDePipeline.from_pretrained(source), CoDePipeline.from_pretrained(out)
     changed = lambda a, b: any(not torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     assert changed(before.drafter, after.drafter) and changed(before.refiner, after.refiner)
