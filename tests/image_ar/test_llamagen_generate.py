@@ -78,7 +78,8 @@ def test_train_llamagen_smoke(tmp_path):
     out = tmp_path / "llamagen"
     assert main(["train", "llamagen", "--out", str(out), "--work-dir", str(tmp_path / "work"), "--vq-steps", "2",
                  "--target-steps", "2", "--draft-steps", "2", "--num-train-images", "256", "--recon-eval-images", "64",
-                 "--eval-images-per-class", "1", "--threads", "1", "--no-compile", "--quiet"]) == 0
+                 "--vq-batch-size", "16", "--gpt-batch-size", "8", "--eval-images-per-class", "1", "--threads", "1",
+                 "--no-compile", "--quiet"]) == 0
     for part in ("model_index.json", "README.md", "vqvae", "transformer", "draft_transformer"):
         assert (out / part).exists()
     info = json.loads((out / "training.json").read_text())
