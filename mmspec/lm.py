@@ -227,9 +227,16 @@ class LMTarget:
         self.params = params
         self.layout = layout
         self.extra_capacity = max_new_tokens + max_draft_nodes + 1
+        self.plain_capacity = max_new_tokens + 2  # what a target without drafts keeps (max_draft_nodes = 1)
+        # set by the loop before each prefill: False when the call drafts nothing (its budget's gate ran it without
+        # the drafter), so the cache keeps no room for draft nodes: the world LLaVA's calls without the drafter at
+        # batch 32 took 2.7-3.8% longer than vanilla's with a tree's room and 0.5-0.9% less without it (one process,
+        # alternating calls, 12 each; docs/benchmarks.md, issue 31 sixth session)
+        self.draft_room = True
 
     def prefill(self, inputs: Any) -> torch.Tensor:
-        logits = self.runner.prefill(inputs, self.extra_capacity)  # [B, 1, V]
+        room = self.extra_capacity if self.draft_room else self.plain_capacity
+        logits = self.runner.prefill(inputs, room)  # [B, 1, V]
         if self.layout is not None:
             logits = self.layout.constrain(logits, torch.zeros(logits.shape[:2], dtype=torch.long,
                                                                device=logits.device))

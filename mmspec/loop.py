@@ -218,6 +218,11 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     start = time.perf_counter()
 
     state = DecodeState.new(batch_size, max_new_tokens, device, eos_token_id)
+    # a budget may run a whole call as vanilla (its drafting, the drafter's begin included, lost on earlier calls);
+    # a target that keeps room for draft nodes in its cache then keeps none (`draft_room`)
+    drafting = call_drafts(budget)
+    if hasattr(target, "draft_room"):
+        target.draft_room = drafting
     with phase("prefill"):
         first_p = target.prefill(inputs)  # [B, 1, V]
     stats.num_target_forwards += 1
@@ -225,8 +230,6 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     first = accept(rule, no_draft, first_p, generator, validate=validate != "never")
     active = ~state.done
     state.append(first, active)
-    # a budget may run a whole call as vanilla (its drafting, the drafter's begin included, lost on earlier calls)
-    drafting = call_drafts(budget)
     plain_for_good = not drafting  # no drafts for the rest of the call: neither the budget nor the drafter is asked
     compiled_before = compilations()
     begin_seconds = begin_call(budget, drafter, inputs, state, device) if drafting else 0.0

@@ -475,10 +475,16 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
     prompt = torch.randint(0, v, (2, 5), generator=torch.Generator().manual_seed(1))
     greedy = SamplingParams(temperature=0)
     budget = Gated()
-    out = generate(LMTarget(model, greedy, n), NoBegin(v, 4, "random"), "greedy", prompt, batch_size=2,
-                   max_new_tokens=n, budget=budget)
-    vanilla = generate(LMTarget(model, greedy, n), NoDrafter(), "greedy", prompt, batch_size=2, max_new_tokens=n)
+    gated = LMTarget(model, greedy, n, max_draft_nodes=30)
+    out = generate(gated, NoBegin(v, 4, "random"), "greedy", prompt, batch_size=2, max_new_tokens=n, budget=budget)
+    plain = LMTarget(model, greedy, n, max_draft_nodes=1)  # as a vanilla call sizes it
+    vanilla = generate(plain, NoDrafter(), "greedy", prompt, batch_size=2, max_new_tokens=n)
     assert torch.equal(out.tokens, vanilla.tokens) and budget.step == 0
+    assert gated.runner.cache.capacity == plain.runner.cache.capacity == 5 + n + 2  # no room for draft nodes
+    drafted = LMTarget(model, greedy, n, max_draft_nodes=30)
+    generate(drafted, CountingSkips(v, 4, "random"), "greedy", prompt, batch_size=2, max_new_tokens=n,
+             budget=SettlingBudget())
+    assert drafted.runner.cache.capacity == 5 + n + 30 + 1  # a drafted call keeps it
     assert out.stats.extra["budget_0"] == n - 1 and out.stats.extra["calls_without_drafter"] == 1
     assert budget.ended == (2, n - 1, False)
     compiled = iter(range(100))  # every read differs: torch.compile compiled during the call
