@@ -129,6 +129,12 @@ def compile_cached_lm(model: torch.nn.Module, mode: str = "default") -> torch.nn
     return model
 
 
+def has_compiled_forward(model: Any) -> bool:
+    """Whether `model.forward_cached` is compiled (`compile_cached_lm`): its shapes are then static, so callers keep
+    them fixed rather than trimmed to each step's need."""
+    return hasattr(model, "eager_forward_cached")
+
+
 def uncompile_cached_lm(model: torch.nn.Module) -> torch.nn.Module:
     """Undo `compile_cached_lm` (no-op on a model that is not compiled)."""
     if getattr(model, "compile_mode", None) is not None:

@@ -245,4 +245,3 @@ def feature_forward_runner(model, feature_dim: int, prefix: int, guidance_scale:
         runner.forward(torch.zeros_like(slots), slots, slots, features=features)
 
     return run
-

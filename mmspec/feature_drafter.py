@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from mmspec.compile import has_compiled_forward
 from mmspec.errors import InputError, check, check_positive_int
 from mmspec.lm import CandidatePool, GuidedRunner, PendingTokens, TokenLayout
 from mmspec.loop import DecodeState
@@ -239,7 +240,7 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
         drafter (static shapes) always runs all `width` columns: one shape, where the pending count (the accepted
         depth, or the plain steps since a draft) would make each of its values a compilation."""
         runner, pending = self.runner, self.pending
-        columns = self.width if hasattr(self.model, "eager_forward_cached") else self.pending_columns
+        columns = self.width if has_compiled_forward(self.model) else self.pending_columns
         slots = runner.slots(columns)  # [B, C]; columns past a row's count are scratch
         positions = slots + self._offset(1)  # [B, C]
         logits = runner.forward(pending.tokens[:, :columns], positions, slots,

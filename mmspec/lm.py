@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from mmspec.cache import StaticKVCache
+from mmspec.compile import has_compiled_forward
 from mmspec.errors import check, check_positive_int
 from mmspec.loop import DecodeState, plain_draft
 from mmspec.sampling import SamplingParams, cfg_combine, probs_from_params, sample, split_cfg_batch
@@ -146,7 +147,7 @@ class GuidedRunner:
         cache = self.cache
         # on a CPU, attend over the slots up to this step's last one, not the whole capacity (one cheap host read;
         # on an accelerator the read would be a sync per forward, and a compiled forward wants static shapes)
-        eager_cpu = cache.device.type == "cpu" and not hasattr(self.model, "eager_forward_cached")
+        eager_cpu = cache.device.type == "cpu" and not has_compiled_forward(self.model)
         unmasked = False
         if eager_cpu and full_slots.shape[1] == 1 and mask is None and tree_mask is None:
             last = full_slots.view(-1).tolist()  # one query per row: its slot, read without a device operation
