@@ -24,7 +24,10 @@ forwards eager and compiled at the same batch sizes and widths (`measure_compile
 device, dtype, threads and mode (`mmspec.cost`). `compile="auto"` (`mmspec generate`'s default, `compile_pipeline`,
 `LlamaGenPipeline.compile_forwards`) compiles a model only where such a verdict says its compiled forwards took at
 most AUTO_COMPILE_RATIO of the eager ones (the geometric mean over the measured cells), in the best such mode, and
-leaves it eager otherwise, or where nothing was measured (so "auto" never pays a compilation to find out).
+leaves it eager otherwise, or where nothing was measured (so "auto" never pays a compilation to find out). Given the
+job's size (`JobSize`: the batch size of each call and a model's forwards per call, as `mmspec generate` knows it),
+"auto" also weighs the compilation against what it saves: a model stays eager where the verdict's one-token forwards
+would save the job less time than compiling its shapes costs (`compile_pays_for_job`), e.g. for a few images.
 
     mmspec profile --family llamagen --batch-sizes 1,8,32 --widths 1,16 --threads 2 --compile default
     mmspec generate --family llamagen --threads 2 ...            # compile=auto: what that profile found
@@ -37,6 +40,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -49,6 +53,9 @@ COMPILE_CHOICES = (AUTO, *COMPILE_MODES)
 AUTO_COMPILE_RATIO = 0.95  # compile="auto" compiles where compiled forwards took at most this share of eager ones
 # graphs one compiled forward may keep (one per static shape): batch sizes x methods x the last, partial batch
 RECOMPILE_LIMIT = 64
+# static shapes one call size of a job compiles per model, as "auto" estimates its compilation (`compile_pays_for_job`):
+# the prefill, the one-token step and a couple of draft widths
+SHAPES_PER_CALL_SIZE = 4
 
 
 def compilations() -> int:
@@ -144,11 +151,22 @@ def uncompile_cached_lm(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def compile_pipeline(pipe: Any, mode: str | None) -> Any:
+@dataclass(frozen=True)
+class JobSize:
+    """What a job will run, for compile="auto" to weigh the compilation against: the batch size of each of its calls
+    (images per call), and how many forwards each model runs per call (a LlamaGen image's tokens: a plain decode's
+    count, an upper bound for speculative ones)."""
+
+    call_batch_sizes: tuple[int, ...]
+    forwards_per_call: int
+
+
+def compile_pipeline(pipe: Any, mode: str | None, call_batch_sizes: Sequence[int] | None = None) -> Any:
     """Compile a pipeline's cached models (`pipe.compile_forwards(mode)`), or say clearly that it cannot be.
     `mode=None` leaves the pipeline as it is; "auto" compiles where a measured verdict says it pays (a pipeline
-    without compiled forwards stays as it is). Used by `mmspec generate --compile` and the bench's `compile`
-    option."""
+    without compiled forwards stays as it is), and with `call_batch_sizes` (the batch size of each call the job will
+    run) only where the compilation pays for itself in that job (`JobSize`). Used by `mmspec generate --compile` and
+    the bench's `compile` option."""
     if mode is None:
         return pipe
     check_compile_mode(mode, " (compile)", auto=True)
@@ -156,22 +174,56 @@ def compile_pipeline(pipe: Any, mode: str | None) -> Any:
         check(mode == AUTO, f"the {type(pipe).__name__} has no compiled forwards (compile_forwards); drop the "
                             "compile option.")
         return pipe
-    return pipe.compile_forwards(mode)
+    if call_batch_sizes is None:
+        return pipe.compile_forwards(mode)
+    return pipe.compile_forwards(mode, call_batch_sizes=call_batch_sizes)
 
 
-def compile_as_measured(model: torch.nn.Module, mode: str | None) -> torch.nn.Module:
+def compile_as_measured(model: torch.nn.Module, mode: str | None, job: JobSize | None = None,
+                        name: str | None = None) -> torch.nn.Module:
     """`compile_cached_lm(model, mode)` for a mode, "auto" -> the mode its measured verdicts say pays
-    (`auto_compile_mode`; eager where none does, with a line on stderr when one is compiled), None -> eager."""
+    (`auto_compile_mode`; eager where none does, and for a `job` where the compilation would cost more than it
+    saves, with a line on stderr either way once a verdict says compiling pays; `name`: the model's name there,
+    default its class), None -> eager."""
     if mode == AUTO:
         device = next(model.parameters()).device
         mode, ratio = auto_compile_mode(model, device)
+        name = name or type(model).__name__
+        if mode is not None and job is not None:
+            pays, saving, cost = compile_pays_for_job(read_verdict(model, device, mode), job)
+            if not pays:
+                print(f"mmspec: compile=auto: leaving the {name} eager: its compiled forwards ({mode}, {ratio:.2f}x of "
+                      f"eager) would save this job ~{saving:.1f} s, compiling them costs ~{cost:.0f} s (a longer job "
+                      f"compiles; --compile {mode} forces it)", file=sys.stderr, flush=True)
+                mode = None
         if mode is not None:
-            print(f"mmspec: compile=auto: compiling {type(model).__name__}'s step forwards ({mode}: `mmspec profile "
-                  f"--compile` measured them at {ratio:.2f}x of eager on this device); the first batch pays the "
-                  f"compilation", file=sys.stderr, flush=True)
+            print(f"mmspec: compile=auto: compiling the {name}'s step forwards ({mode}: `mmspec profile --compile` "
+                  f"measured them at {ratio:.2f}x of eager on this device); the first batch pays the compilation",
+                  file=sys.stderr, flush=True)
     if mode is None:
         return uncompile_cached_lm(model)
     return compile_cached_lm(model, mode)
+
+
+def compile_pays_for_job(verdict: dict, job: JobSize) -> tuple[bool, float, float]:
+    """(whether compiling pays for `job`, the seconds it would save, the seconds compiling would cost), from a
+    measured verdict (`measure_compile`). Saved: per call, the forwards per call times what one compiled one-token
+    forward saves at the verdict's batch size nearest the call's (the narrowest width measured); cost: the verdict's
+    mean compilation per shape times SHAPES_PER_CALL_SIZE per distinct call size of the job. A verdict without those
+    fields says nothing of the cost: it pays."""
+    try:
+        batch_sizes, eager, compiled = verdict["batch_sizes"], verdict["eager"], verdict["compiled"]
+        widths, compile_seconds = verdict["widths"], float(verdict["compile_seconds"])
+        per_shape = compile_seconds / (len(batch_sizes) * len(widths))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return True, math.inf, 0.0
+    narrowest = widths.index(min(widths))
+    saving = 0.0
+    for batch in job.call_batch_sizes:
+        row = min(range(len(batch_sizes)), key=lambda i: (abs(math.log(batch_sizes[i] / batch)), batch_sizes[i]))
+        saving += job.forwards_per_call * (eager[row][narrowest] - compiled[row][narrowest])
+    cost = per_shape * SHAPES_PER_CALL_SIZE * len(set(job.call_batch_sizes))
+    return saving > cost, saving, cost
 
 
 # ------------------------------------------------------------------------------------------ measured verdicts
@@ -182,14 +234,19 @@ def verdict_key(model: torch.nn.Module, device: torch.device | str, mode: str) -
     return profile_key(model, device, f"compile-verdict|{mode}")
 
 
+def read_verdict(model: torch.nn.Module, device: torch.device | str, mode: str) -> dict | None:
+    """The model's cached compile verdict in `mode` (`measure_compile`'s dict), or None where none was measured."""
+    from mmspec.cost import read_cached_json
+
+    return read_cached_json(verdict_key(model, device, mode))
+
+
 def auto_compile_mode(model: torch.nn.Module, device: torch.device | str) -> tuple[str | None, float]:
     """(the mode whose cached verdict has the lowest compiled / eager ratio, that ratio) when that ratio is at most
     AUTO_COMPILE_RATIO, else (None, the lowest ratio or inf). Reads verdicts only: nothing is measured."""
-    from mmspec.cost import read_cached_json
-
     ratios = {}
     for mode in COMPILE_MODES:
-        verdict = read_cached_json(verdict_key(model, device, mode))
+        verdict = read_verdict(model, device, mode)
         if verdict is not None and isinstance(verdict.get("ratio"), (int, float)):
             ratios[mode] = float(verdict["ratio"])
     if not ratios:

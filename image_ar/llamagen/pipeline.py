@@ -20,7 +20,7 @@ the official sampling script does (`image_ar.llamagen.text`: cleaning, padding t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -123,19 +123,25 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         self.lantern_tables: dict[int, torch.Tensor] = {}  # LANTERN's neighbour tables of the VQ codebook, per k
         self.budgets: dict = {}  # budget="auto" on tree drafters: what each budget learnt, kept between calls
 
-    def compile_forwards(self, mode: str | None = "default") -> LlamaGenPipeline:
+    def compile_forwards(self, mode: str | None = "default",
+                         call_batch_sizes: Sequence[int] | None = None) -> LlamaGenPipeline:
         """`torch.compile` the step forwards of the transformer and of the drafters present
         (`mmspec.compile.compile_cached_lm`; "reduce-overhead" adds CUDA graphs on a GPU); `mode=None` undoes it;
         "auto" compiles each model where `mmspec profile --compile` measured that it pays on this device, dtype and
-        thread count (`mmspec.compile.auto_compile_mode`), and leaves it eager otherwise. The first image of each
-        batch size and method pays the compilation (seconds to a minute)."""
-        from mmspec.compile import check_compile_mode, compile_as_measured
+        thread count (`mmspec.compile.auto_compile_mode`), and leaves it eager otherwise; given the images per call of
+        the calls to come (`call_batch_sizes`), also where the compilation would cost more than those calls' image
+        tokens of forwards save (`mmspec.compile.compile_pays_for_job`). The first image of each batch size and
+        method pays the compilation (seconds to a minute)."""
+        from mmspec.compile import JobSize, check_compile_mode, compile_as_measured
 
         if mode is not None:
             check_compile_mode(mode, " (compile_forwards)", auto=True)
-        for model in (self.transformer, self.draft_transformer, self.eagle_drafter):
-            if model is not None:
-                compile_as_measured(model, mode)
+        job = None
+        if call_batch_sizes is not None:
+            job = JobSize(tuple(int(b) for b in call_batch_sizes), self.image_token_layout()[0])
+        for name in ("transformer", "draft_transformer", "eagle_drafter"):
+            if getattr(self, name) is not None:
+                compile_as_measured(getattr(self, name), mode, job, name)
         return self
 
     def default_guidance_scale(self) -> float:

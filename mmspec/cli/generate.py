@@ -116,10 +116,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "process may use: affinity and cgroup quota, not the machine's core count)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES,
                         help="weights and activations: float32 (default, as saved), bfloat16 or float16")
-    parser.add_argument("--compile", default=AUTO, choices=COMPILE_CHOICES, metavar="MODE",
+    parser.add_argument("--compile", default=AUTO, choices=(*COMPILE_CHOICES, "none"), metavar="MODE",
                         help="torch.compile the pipeline's step forwards where it has them: " + ", ".join(COMPILE_MODES)
-                             + " (the first batch pays the compilation), or auto (the default): where `mmspec profile "
-                               "--compile MODE` measured that it pays on this device and thread count, else eager")
+                             + " (the first batch pays the compilation), none (eager), or auto (the default): where "
+                               "`mmspec profile --compile MODE` measured that it pays on this device and thread count, "
+                               "and the job's calls save more than the compilation costs, else eager")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
@@ -360,7 +361,6 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
     device = args.device if state is None or args.device == "cpu" else str(state.device)
     pipe = family.load(args.model, device, torch_dtype(args.dtype))
     set_threads(parse_threads(args.threads), count_parameters(pipe))
-    pipe = compile_pipeline(pipe, args.compile)
     n_classes = family.num_classes(pipe) if family.condition == "class" else None
     if args.job is not None:
         rows, bad = job_rows(args, n_classes)
@@ -394,6 +394,9 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
         state.wait_for_everyone()  # every process has read the manifests before any writes its shard
         with state.split_between_processes(todo) as mine:
             todo = list(mine)
+    # compile="auto": only models whose compilation pays for itself in the calls this process will run
+    compile_mode = None if args.compile == "none" else args.compile
+    pipe = compile_pipeline(pipe, compile_mode, call_batch_sizes=[len(chunk) for chunk in todo])
     shard = out / (MANIFEST if state is None else f"manifest.rank{rank}.jsonl")
     manifest = ManifestWriter(shard)
     runner = Runner(family, pipe, options, out, manifest, args.max_batch, settings, set(done))

@@ -156,11 +156,53 @@ def test_auto_compiles_only_where_a_measured_verdict_says_it_pays(capsys):
     compile_pipeline(pipe, "auto")
     assert pipe.transformer.compile_mode == "reduce-overhead"
     assert getattr(pipe.eagle_drafter, "compile_mode", None) is None
-    assert "compiling LlamaGenGPT's step forwards (reduce-overhead" in capsys.readouterr().err
+    assert "compiling the transformer's step forwards (reduce-overhead" in capsys.readouterr().err
     compile_pipeline(pipe, None)  # None leaves it as it is; compile_forwards(None) undoes it
     assert pipe.transformer.compile_mode == "reduce-overhead"
     assert pipe.compile_forwards(None).transformer.compile_mode is None
     assert compile_pipeline(object(), "auto") is not None  # auto on a pipeline without compiled forwards: as it is
+
+
+def full_verdict(mode: str, eager_ms: float, compiled_ms: float, compile_seconds: float) -> dict:
+    """A verdict as `measure_compile` makes it, at batch sizes 1 and 8 (8x the time) and widths 1 and 16."""
+    return {"mode": mode, "batch_sizes": [1, 8], "widths": [1, 16], "compile_seconds": compile_seconds,
+            "eager": [[eager_ms * 1e-3 * b * w for w in (1, 2)] for b in (1, 8)],
+            "compiled": [[compiled_ms * 1e-3 * b * w for w in (1, 2)] for b in (1, 8)],
+            "ratio": compiled_ms / eager_ms}
+
+
+def test_compile_pays_for_a_job_that_saves_more_than_the_compilation_costs():
+    verdict = full_verdict("default", eager_ms=10, compiled_ms=6, compile_seconds=8.0)  # 2 s a shape
+    job = mmspec.compile.JobSize
+    pays, saving, cost = mmspec.compile.compile_pays_for_job(verdict, job((1,), 256))
+    assert not pays and saving == pytest.approx(256 * 4e-3) and cost == pytest.approx(2.0 * 4)
+    pays, saving, cost = mmspec.compile.compile_pays_for_job(verdict, job((1,) * 10, 256))
+    assert pays and saving == pytest.approx(10 * 256 * 4e-3) and cost == pytest.approx(8.0)
+    # calls of 6 images read the batch-8 row (nearest in ratio); a last call of 2 images compiles its own shapes
+    pays, saving, cost = mmspec.compile.compile_pays_for_job(verdict, job((6, 6, 2), 100))
+    assert saving == pytest.approx(100 * (2 * 32e-3 + 4e-3)) and cost == pytest.approx(2 * 8.0)
+    assert mmspec.compile.compile_pays_for_job({"ratio": 0.5}, job((1,), 1))[0]  # no times: the ratio decides
+    slower = full_verdict("default", eager_ms=10, compiled_ms=12, compile_seconds=0.0)
+    assert not mmspec.compile.compile_pays_for_job(slower, job((1,) * 100, 256))[0]
+
+
+def test_auto_leaves_a_short_job_eager_and_compiles_a_long_one(capsys):
+    from mmspec.cost import cached_json
+
+    pipe = dummy_pipeline()
+    tokens = pipe.image_token_layout()[0]
+    # the compiled one-token forward saves 10 ms at batch 1; compiling a shape costs 1 s (4 per call size)
+    verdict = full_verdict("default", eager_ms=20, compiled_ms=10, compile_seconds=4.0)
+    cached_json(mmspec.compile.verdict_key(pipe.transformer, "cpu", "default"), lambda: verdict, refresh=True)
+    short = [1] * (int(4.0 / (tokens * 10e-3)) // 2)  # half the calls the compilation needs
+    compile_pipeline(pipe, "auto", call_batch_sizes=short)
+    assert getattr(pipe.transformer, "compile_mode", None) is None
+    err = capsys.readouterr().err
+    assert "leaving the transformer eager" in err and "compiling them costs ~4 s" in err and "--compile default" in err
+    compile_pipeline(pipe, "auto", call_batch_sizes=short * 3)
+    assert pipe.transformer.compile_mode == "default"
+    assert "compiling the transformer's step forwards (default" in capsys.readouterr().err
+    pipe.compile_forwards(None)
 
 
 def test_measure_compile_times_both_and_leaves_the_model_eager():

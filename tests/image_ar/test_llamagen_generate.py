@@ -210,3 +210,29 @@ def test_generate_takes_a_draft_budget(model_dir, tmp_path, monkeypatch):
         assert (tmp_path / "auto" / "images" / name).read_bytes() == (tmp_path / "plain" / "images" / name).read_bytes()
     stats = json.loads((tmp_path / "auto" / "stats.json").read_text())
     assert any(key.startswith("budget_") for key in json.dumps(stats).split('"'))
+
+
+def test_generate_auto_compiles_only_where_the_job_earns_the_compilation_back(model_dir, tmp_path, capsys):
+    """A verdict says the transformer's compiled forwards take half the time, but compiling costs more than a
+    one-image job's forwards would save: `--compile auto` (the default) leaves it eager and says why."""
+    import torch
+
+    import mmspec.compile
+    from mmspec.cost import cached_json
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the verdict's key holds the thread count the run uses (--threads 1)
+    try:
+        transformer = LlamaGenPipeline.from_pretrained(model_dir).transformer
+        verdict = {"mode": "default", "batch_sizes": [1], "widths": [1], "eager": [[2e-3]], "compiled": [[1e-3]],
+                   "compile_seconds": 30.0, "ratio": 0.5}
+        cached_json(mmspec.compile.verdict_key(transformer, "cpu", "default"), lambda: verdict, refresh=True)
+    finally:
+        torch.set_num_threads(before)
+    assert run_generate(model_dir, tmp_path, "--classes", "0", "--num-images", "1", "--threads", "1") == 0
+    err = capsys.readouterr().err
+    assert "leaving the transformer eager" in err and "compiling them costs ~120 s" in err
+    assert len(os.listdir(tmp_path / "images")) == 1
+    assert run_generate(model_dir, tmp_path / "eager", "--classes", "0", "--num-images", "1", "--threads", "1",
+                        "--compile", "none") == 0
+    assert "compile=auto" not in capsys.readouterr().err  # none: eager, the verdicts not even read
