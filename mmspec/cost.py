@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -196,6 +197,22 @@ def cached_profile(key: str, measure: Callable[[], ForwardTimes], refresh: bool 
         return ForwardTimes(**cached_json(key, lambda: asdict(measure()), refresh=True))
 
 
+def runner_per_batch(start: Callable[[int], Any], step: Callable[[Any, int], None], max_width: int) -> RunForward:
+    """The skeleton of a profile's `run_forward`: per batch size, a runner made once by `start(batch)` (its cache
+    holding the prefix every timed call scores after), then each timed call `step(runner, width)`, which scores
+    `width` new entries per row without committing them (so every call sees the same cache)."""
+    runners: dict[int, Any] = {}
+
+    @torch.no_grad()
+    def run(batch: int, width: int) -> None:
+        check(width <= max_width, f"width {width} exceeds the profile's room ({max_width}).")
+        if batch not in runners:
+            runners[batch] = start(batch)
+        step(runners[batch], width)
+
+    return run
+
+
 def lm_forward_runner(model, make_inputs: Callable[[int], object], guidance_scale: float | None = None,
                       prefill_fn=None, max_width: int = 64) -> RunForward:
     """`run_forward` of a `mmspec.lm.CachedLM` the way the loop runs it: per batch size, one prefill of
@@ -203,19 +220,16 @@ def lm_forward_runner(model, make_inputs: Callable[[int], object], guidance_scal
     set), then each timed call scores `width` new tokens after that prefix without committing them."""
     from mmspec.lm import GuidedRunner, prefill_prompt
 
-    runners: dict[int, GuidedRunner] = {}
+    def start(batch: int) -> GuidedRunner:
+        runner = GuidedRunner(model, guidance_scale, prefill_fn or prefill_prompt)
+        runner.prefill(make_inputs(batch), max_width + 1)
+        return runner
 
-    @torch.no_grad()
-    def run(batch: int, width: int) -> None:
-        check(width <= max_width, f"width {width} exceeds the profile's room ({max_width}).")
-        if batch not in runners:
-            runners[batch] = GuidedRunner(model, guidance_scale, prefill_fn or prefill_prompt)
-            runners[batch].prefill(make_inputs(batch), max_width + 1)
-        runner = runners[batch]
+    def step(runner: GuidedRunner, width: int) -> None:
         slots = runner.slots(width)  # [B, W]
         runner.forward(torch.zeros_like(slots), slots, slots)
 
-    return run
+    return runner_per_batch(start, step, max_width)
 
 
 def feature_forward_runner(model, feature_dim: int, prefix: int, guidance_scale: float | None = None,
@@ -227,21 +241,17 @@ def feature_forward_runner(model, feature_dim: int, prefix: int, guidance_scale:
     zeros: a forward's cost does not depend on their values."""
     from mmspec.lm import GuidedRunner
 
-    runners: dict[int, GuidedRunner] = {}
+    def start(batch: int) -> GuidedRunner:
+        runner = GuidedRunner(model, guidance_scale)
+        rows = batch * (2 if runner.uses_cfg else 1)
+        runner.cache = model.new_cache(rows, prefix + max_width + 1)
+        runner.cache.lengths += prefix
+        return runner
 
-    @torch.no_grad()
-    def run(batch: int, width: int) -> None:
-        check(width <= max_width, f"width {width} exceeds the profile's room ({max_width}).")
-        if batch not in runners:
-            runner = GuidedRunner(model, guidance_scale)
-            rows = batch * (2 if runner.uses_cfg else 1)
-            runner.cache = model.new_cache(rows, prefix + max_width + 1)
-            runner.cache.lengths += prefix
-            runners[batch] = runner
-        runner = runners[batch]
+    def step(runner: GuidedRunner, width: int) -> None:
         slots = runner.slots(width)  # [B, W]
         features = torch.zeros(runner.cache.batch_size, width, feature_dim, dtype=runner.cache.k[0].dtype,
                                device=slots.device)  # [R, W, dim]
         runner.forward(torch.zeros_like(slots), slots, slots, features=features)
 
-    return run
+    return runner_per_batch(start, step, max_width)
