@@ -394,9 +394,10 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
         state.wait_for_everyone()  # every process has read the manifests before any writes its shard
         with state.split_between_processes(todo) as mine:
             todo = list(mine)
-    # compile="auto": only models whose compilation pays for itself in the calls this process will run
-    compile_mode = None if args.compile == "none" else args.compile
-    pipe = compile_pipeline(pipe, compile_mode, call_batch_sizes=[len(chunk) for chunk in todo])
+    # compile="auto": only models whose compilation pays for itself in the calls this process will run (none left
+    # after a finished run: nothing to compile)
+    if todo and args.compile != "none":
+        pipe = compile_pipeline(pipe, args.compile, call_batch_sizes=[len(chunk) for chunk in todo])
     shard = out / (MANIFEST if state is None else f"manifest.rank{rank}.jsonl")
     manifest = ManifestWriter(shard)
     runner = Runner(family, pipe, options, out, manifest, args.max_batch, settings, set(done))
