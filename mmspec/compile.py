@@ -219,9 +219,12 @@ def compile_pays_for_job(verdict: dict, job: JobSize) -> tuple[bool, float, floa
         return True, math.inf, 0.0
     narrowest = widths.index(min(widths))
     saving = 0.0
-    for batch in job.call_batch_sizes:
-        row = min(range(len(batch_sizes)), key=lambda i: (abs(math.log(batch_sizes[i] / batch)), batch_sizes[i]))
-        saving += job.forwards_per_call * (eager[row][narrowest] - compiled[row][narrowest])
+    try:
+        for batch in job.call_batch_sizes:
+            row = min(range(len(batch_sizes)), key=lambda i: (abs(math.log(batch_sizes[i] / batch)), batch_sizes[i]))
+            saving += job.forwards_per_call * (eager[row][narrowest] - compiled[row][narrowest])
+    except (IndexError, TypeError, ValueError):  # a damaged verdict: the ratio alone decides, as without a job
+        return True, math.inf, 0.0
     cost = per_shape * SHAPES_PER_CALL_SIZE * len(set(job.call_batch_sizes))
     return saving > cost, saving, cost
 
