@@ -174,8 +174,6 @@ def compile_pipeline(pipe: Any, mode: str | None, call_batch_sizes: Sequence[int
         check(mode == AUTO, f"the {type(pipe).__name__} has no compiled forwards (compile_forwards); drop the "
                             "compile option.")
         return pipe
-    if call_batch_sizes is None:
-        return pipe.compile_forwards(mode)
     return pipe.compile_forwards(mode, call_batch_sizes=call_batch_sizes)
 
 
