@@ -66,6 +66,7 @@ VerifySeconds = Callable[[int, int], float]
 
 
 CALL_BACKOFF = 4  # calls run as vanilla after a call whose drafting lost to plain steps (doubled after each loss)
+RETRY_SHARE = 0.02  # and at least so many that the last drafted call's time over vanilla's is this share of theirs
 CALL_DECAY = 0.9  # weight of earlier drafted calls in that comparison, per call
 UNJUDGED_CALLS = 1  # a budget's first drafted calls are not judged: they pay one-time costs (see `end_call`)
 REFERENCE_EVERY = 32  # a call without the drafter measures vanilla's step again after this many drafted calls,
@@ -152,6 +153,7 @@ class MeasuredSteps:
         self._drafted_since_reference = 0
         self._confirming = False  # the next call measures vanilla's step again before a loss is acted on
         self._drafted_total = (0.0, 0)  # all drafted calls' seconds and the plain steps they replaced
+        self._last_drafted = (0.0, 0)  # the last drafted call's seconds and the plain steps it replaced
         self._batch = 1  # the batch size of the last call (a budget serves one)
         self._chosen_at: float | None = None
         self._plain_run = 0  # choices in a row (this call) where a plain step beat every size by the margin
@@ -254,17 +256,17 @@ class MeasuredSteps:
 
     # ------------------------------------------------------------------------------------------ whole calls
     def drafts_this_call(self) -> bool:
-        """Asked by the loop before the drafter's `begin`: False runs the whole call as vanilla (no drafter prefill,
-        no budget). After a call whose drafting, the drafter's begin included, took longer than the plain steps it
-        replaced (`end_call`), the next `backoff` calls run so, then one drafts again; the backoff doubles after each
-        loss and resets after a win. A reference call, also without the drafter, measures vanilla's own step for
-        the gate (`gate_plain_seconds`): the call after the first drafted one unless the drafted calls clearly win
-        (`_clear_win`), and again after REFERENCE_EVERY drafted calls while they won by less than REFERENCE_MARGIN
-        (the load drifts, and only a close verdict can turn on it: SJD at batch 1 here wins by 1.6-1.8x, and one
-        vanilla call after every 32 drafted calls at 1.7x would give up about 2% of that, by arithmetic: 33 calls in
-        32 / 1.7 + 1 call times). Once vanilla's step is measured, a call whose estimates say no drafting size beats
-        a plain step (`_estimates_plain`) runs without the drafter too, as after a loss (backoff included); the
-        drafted call after a backoff re-explores (`_exploring`). Only with measured times (`timing`)."""
+        """Asked by the loop before the drafter's `begin`: False runs the whole call as vanilla (no drafter prefill, no
+        budget). After a call whose drafting, the drafter's begin included, took longer than the plain steps it replaced
+        (`end_call`), the next `backoff` calls run so (more after a call that lost by far: `retry_calls`), then one
+        drafts again; the backoff doubles after each loss and resets after a win. A reference call, also without the
+        drafter, measures vanilla's own step for the gate (`gate_plain_seconds`): the call after the first drafted one
+        unless the drafted calls clearly win (`_clear_win`), and again after REFERENCE_EVERY drafted calls while they
+        won by less than REFERENCE_MARGIN (the load drifts, and only a close verdict can turn on it: SJD at batch 1 here
+        wins by 1.6-1.8x, and one vanilla call after every 32 drafted calls at 1.7x would give up about 2% of that, by
+        arithmetic: 33 calls in 32 / 1.7 + 1 call times). Once vanilla's step is measured, a call whose estimates say no
+        drafting size beats a plain step (`_estimates_plain`) runs without the drafter too, as after a loss (backoff
+        included); the drafted call after a backoff re-explores (`_exploring`). Only with measured times (`timing`)."""
         self._predicted = None
         if self.timing and self.skip_calls > 0:
             self.skip_calls -= 1
@@ -287,9 +289,25 @@ class MeasuredSteps:
 
     def _back_off(self, running_one: bool = False) -> None:
         """The next `backoff` calls run without the drafter (the backoff doubles), and the drafted call after them
-        re-explores (`_exploring`). running_one: the call running now, without the drafter, is the first of them."""
-        self.skip_calls, self.backoff = self.backoff - int(running_one), 2 * self.backoff
+        re-explores (`_exploring`), or more calls where that retry would cost more than RETRY_SHARE of them
+        (`retry_calls`). running_one: the call running now, without the drafter, is the first of them."""
+        self.skip_calls = max(self.backoff, self.retry_calls()) - int(running_one)
+        self.backoff = 2 * self.backoff
         self._explore_next = True
+
+    def retry_calls(self) -> int:
+        """Calls without the drafter over which a retry like the last drafted call costs at most RETRY_SHARE of
+        their time: its seconds over vanilla's for the same steps (vanilla's step as calls without the drafter
+        measured it), divided by RETRY_SHARE of a vanilla call's. A retry drafts the exploration size for `warmup`
+        choices and pays the drafter's begin, which costs about what the last drafted call lost where drafting
+        loses by far (LlamaGen's EAGLE at batch 8 on this CPU: drafted calls at 0.76-0.81x of vanilla's, their
+        chains costing 2.8x a plain step for 1.28 tokens), and little where it lost by a little, so a close loss
+        keeps the doubling backoff and is retried soon. 0 before vanilla's step or a drafted call is measured."""
+        vanilla, (seconds, steps) = self.vanilla_step_seconds(), self._last_drafted
+        if vanilla is None or steps <= 0:
+            return 0
+        lost = seconds / (steps * vanilla) - 1.0  # the last drafted call's time over vanilla's, as a share of it
+        return math.ceil(lost / RETRY_SHARE - 1e-9) if lost > 0 else 0  # (no rounding up of an exact share)
 
     def _estimates_plain(self) -> bool:
         """Whether, at the current estimates, plain steps beat every drafting size over a call like the last one
@@ -405,6 +423,7 @@ class MeasuredSteps:
             return
         self._drafted_since_reference += 1
         self._begins.append(begin_seconds)
+        self._last_drafted = (seconds, plain_steps)
         self._drafted_total = (self._drafted_total[0] + seconds, self._drafted_total[1] + plain_steps)
         if self.calls["unjudged"] < UNJUDGED_CALLS:
             self.calls["unjudged"] += 1

@@ -186,8 +186,8 @@ def test_a_call_predicted_plain_runs_without_the_drafter_and_the_retry_re_explor
         if chosen[-1] == 0 and budget.settled():
             break
     assert chosen == [0, 0, 2, 2, 0] and budget.settled()  # (not settled before the exploring choices)
-    budget.end_call(1, seconds=12.0, plain_steps=10, drafted=True)  # its choices by estimate were plain: lost
-    assert budget.calls["lost"] == 1 and budget.skip_calls == 2 * CALL_BACKOFF
+    budget.end_call(1, seconds=11.0, plain_steps=10, drafted=True)  # its choices by estimate were plain: lost
+    assert budget.calls["lost"] == 1 and budget.skip_calls == 2 * CALL_BACKOFF  # (a retry at 10% over: 5 calls)
     assert not AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True)._estimates_plain()  # no call yet
     wins = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, warmup=0, timing=True)  # drafting is free here
     wins.end_call(1, seconds=9.0, plain_steps=10, drafted=True)
@@ -406,14 +406,52 @@ def test_a_settled_budget_gets_plain_steps_without_asking_it_or_the_drafter():
     assert not steep.settled()
 
 
-def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls():
+def test_a_retry_waits_until_it_costs_a_small_share():
+    """After a loss the backoff lasts at least until the last drafted call's time over vanilla's is RETRY_SHARE of
+    the calls run without the drafter: a call that lost by far (its retry will cost about as much) waits longer than
+    the doubling backoff, a close loss keeps it; so does a call predicted plain after a drafted call that lost."""
+    from mmspec.budget import CALL_BACKOFF, RETRY_SHARE
+
+    assert RETRY_SHARE == 0.02
+    budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
+    assert budget.retry_calls() == 0  # nothing measured yet
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # unjudged
+    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # vanilla: 1 s a step
+    budget.end_call(1, seconds=10.5, plain_steps=10, drafted=True)  # 5% over: loses, confirmed first
+    assert budget.retry_calls() == 3  # 0.05 / 0.02, rounded up
+    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # the confirming call: the loss stands
+    assert budget.calls["lost"] == 1 and budget.skip_calls == CALL_BACKOFF - 1  # the doubling backoff: 4 > 3
+    for _ in range(CALL_BACKOFF - 1):
+        assert not budget.drafts_this_call()
+    assert budget.drafts_this_call()
+    budget.end_call(1, seconds=12.5, plain_steps=10, drafted=True)  # 25% over: its retry waits 13 calls, not 8
+    assert not budget.drafts_this_call()
+    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # (two references so far: confirmed first)
+    assert budget.calls["lost"] == 2 and budget.skip_calls == 13 - 1 > 2 * CALL_BACKOFF  # (the confirming call)
+    assert budget.backoff == 4 * CALL_BACKOFF  # (the doubling goes on underneath)
+    predicted = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0 if n == 1 else 3.0, warmup=2, timing=True)
+    assert predicted.drafts_this_call()
+    predicted.begin()
+    for _ in range(2):
+        choose_untimed(predicted)  # warm-up
+    predicted.observe(result([0], [2]), torch.ones(1, dtype=torch.bool))  # nothing accepted
+    predicted.end_call(1, seconds=13.0, plain_steps=10, drafted=True)  # unjudged, 30% over vanilla's
+    assert not predicted.drafts_this_call()  # the reference
+    predicted.end_call(1, seconds=10.0, plain_steps=10, drafted=False)
+    gates = [predicted.drafts_this_call() for _ in range(16)]  # predicted plain: 15 calls, not 4
+    assert gates == [False] * 15 + [True] and predicted.calls["predicted_plain"] == 1
+
+
+def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls(monkeypatch):
     """A call whose drafting (the drafter's begin included) took longer than the plain steps it replaced makes the
     next `backoff` calls run as vanilla (no drafter begin, no budget), then one drafts again; the backoff doubles
     after each loss and resets after a win. The first drafted call is not judged (one-time costs); the call after
     it runs without the drafter and measures vanilla's step, which the gate judges drafted calls against (not the
-    table's), and a reference call runs again after REFERENCE_EVERY drafted calls that won by little."""
+    table's), and a reference call runs again after REFERENCE_EVERY drafted calls that won by little. (The backoff
+    alone: a retry may cost a whole call here; `test_a_retry_waits_until_it_costs_a_small_share` has the rest.)"""
     from mmspec.budget import CALL_BACKOFF, REFERENCE_EVERY, UNJUDGED_CALLS
 
+    monkeypatch.setattr("mmspec.budget.RETRY_SHARE", 1.0)
     assert UNJUDGED_CALLS == 1
     budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)  # a plain step: 1 s by the table
     assert budget.drafts_this_call()
