@@ -133,9 +133,10 @@ class GuidedRunner:
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                 tree_mask: torch.Tensor | None = None, mask: torch.Tensor | None = None,
-                **model_inputs: Any) -> torch.Tensor:
+                **model_inputs: Any) -> torch.Tensor | None:
         """Run tokens [B, S] at positions/slots [B, S] (not committed). The mask is causal over the new entries,
-        or `tree_mask` [B, S, S] over them, or a full `mask` [B, S, T]. Returns combined logits [B, S, V].
+        or `tree_mask` [B, S, S] over them, or a full `mask` [B, S, T]. Returns combined logits [B, S, V] (None
+        when `model_inputs` ask a drafter for none: `logits=False`, a prompt pass that only fills the cache).
 
         `model_inputs` go to `forward_cached` unchanged, so they must already have the model's R rows (2B with
         CFG), e.g. the target features of an EAGLE drafter, which differ between the two halves."""
@@ -167,7 +168,7 @@ class GuidedRunner:
                 mask = cache.attention_mask(full_slots, None if tree_mask is None else self.rows(tree_mask))
             logits = self.model.forward_cached(self.rows(tokens), positions, cache, full_slots, mask, **model_inputs)
         self.forwards += 1
-        return self.combine(logits)
+        return None if logits is None else self.combine(logits)  # (None: a model asked for no logits)
 
     def commit_chain(self, keep: torch.Tensor) -> None:
         self.cache.commit_chain(self.rows(keep))

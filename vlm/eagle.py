@@ -115,7 +115,7 @@ class VLMEagleTreeDrafter(FeatureTreeDrafter):
         if p > 1:  # the prompt's pairs (f_j, e_{j+1}), j < P_b - 1
             slots = cache.slots(p - 1)  # [B, P-1]
             self.runner.forward(None, slots + 1, slots, features=features[:, :-1], embeds=embeds[:, 1:],
-                                **self.prompt_inputs(inputs))
+                                logits=False, **self.prompt_inputs(inputs))  # fills the cache; no logits read
             self.runner.commit_chain(lengths - 1)
         last = (lengths - 1).view(b, 1, 1).expand(-1, -1, features.shape[-1])
         self.pending = PendingPairs(state.last_token, features.gather(1, last)[:, 0], self.width)

@@ -292,7 +292,8 @@ class VLMSpecVLMTreeDrafter(VLMEagleTreeDrafter):
         self.runner.cache = cache
         slots = cache.slots(width)
         drafter.forward_cached(None, layout["positions"], cache, slots, cache.attention_mask(slots),
-                               features=layout["features"], embeds=layout["embeds"])
+                               features=layout["features"], embeds=layout["embeds"],
+                               logits=False)  # the prompt's pairs fill the cache; their logits are not read
         self.runner.forwards += 1
         self.runner.commit_chain(layout["count"])
         self.position_offset = lengths - layout["count"]  # next element: position P_b at slot count_b

@@ -106,12 +106,13 @@ class VLMViSpecDrafter(VLMEagleDrafter):
         return self.img_fc(torch.cat([features, g], dim=-1))
 
     @torch.no_grad()
-    def forward_cached(self, tokens, positions, cache, slots, mask, *, features, embeds=None, direct=None):
+    def forward_cached(self, tokens, positions, cache, slots, mask, *, features, embeds=None, direct=None,
+                       logits=True):
         """As EagleVLM's; after `begin`, decoded (text) elements' features are fused with g first."""
         if self.global_feature is not None:
             features = self.with_global(features, self.global_feature)
         return super().forward_cached(tokens, positions, cache, slots, mask, features=features, embeds=embeds,
-                                      direct=direct)
+                                      direct=direct, logits=logits)
 
 
 def vispec_layout(drafter: VLMViSpecDrafter, input_ids: torch.Tensor, embeds: torch.Tensor, features: torch.Tensor,
@@ -193,7 +194,8 @@ class VLMViSpecTreeDrafter(VLMEagleTreeDrafter):
         self.runner.cache = cache
         slots = cache.slots(short)  # [B, L']
         drafter.forward_cached(None, layout["positions"], cache, slots, cache.attention_mask(slots),
-                               features=layout["features"], embeds=layout["embeds"], direct=layout["direct"])
+                               features=layout["features"], embeds=layout["embeds"], direct=layout["direct"],
+                               logits=False)  # the prompt's pairs fill the cache; their logits are not read
         self.runner.forwards += 1
         self.runner.commit_chain(lengths - 1 - dropped)  # each row: its P_b - 1 pairs minus the dropped ones
         self.position_offset = 1 + dropped  # [B]

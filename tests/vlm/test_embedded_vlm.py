@@ -56,6 +56,19 @@ def test_the_target_answers_short_questions(target):
 def test_shipped_drafter_is_lossless_and_drafts(kind, budget, examples, vanilla, tmp_path, monkeypatch):
     monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))  # budget="auto" times its shapes here
     vlm = SpeculativeVLM.from_pretrained(FOLDER, kind)
+    begins, heads_in_begin = [], []  # the loop drafter's begins; its head's calls inside one (their shapes)
+    loop_drafter, begin, head = type(vlm.drafter).loop_drafter, type(vlm.drafter).loop_drafter.begin, vlm.drafter.head
+
+    def begin_counted(self, *args, **kwargs):
+        begins.append(True)
+        try:
+            return begin(self, *args, **kwargs)
+        finally:
+            begins[-1] = False
+
+    monkeypatch.setattr(loop_drafter, "begin", begin_counted)
+    monkeypatch.setattr(vlm.drafter, "head", lambda h: (begins and begins[-1] and heads_in_begin.append(h.shape))
+                        or head(h))
     out = vlm.generate([ex.image for ex in examples], [ex.prompt for ex in examples], max_new_tokens=64,
                        batch_size=4, budget=budget)  # two ragged batches of 4 (rows end at different steps)
     assert out.token_ids == vanilla.token_ids
@@ -68,6 +81,8 @@ def test_shipped_drafter_is_lossless_and_drafts(kind, budget, examples, vanilla,
         return
     assert out.stats.mean_acceptance_length >= 1.5, out.stats.mean_acceptance_length
     assert out.stats.num_target_forwards < vanilla.stats.num_target_forwards
+    # the prompt pass fills the drafter's cache without its head (the [B, P, H] x [H, V] product EAGLE's code skips)
+    assert len(begins) == 2 and not heads_in_begin, heads_in_begin
 
 
 def test_mmspec_vlm_auto_uses_a_shipped_drafter(tmp_path, capsys):
