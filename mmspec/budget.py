@@ -162,6 +162,8 @@ class MeasuredSteps:
         self._estimated = (0, 0)  # this call's choices by estimate, and how many of them drafted
         self._call_tokens = 0  # the plain steps of the last call (its longest row's tokens after the first)
         self._predicted: float | None = None  # seconds the running drafted call was predicted to take
+        self._prediction: tuple[float, float] | None = None  # (begin seconds, best drafting speed) it came from
+        self._overruns: deque = deque(maxlen=STEP_SAMPLES)  # drafted calls' seconds over their predicted seconds
         self._explore_next = False  # the next drafted call re-explores (`_exploring`): it follows a backoff
         self._explore_call = False  # this call re-explores
         self._call_choices = 0  # choices made in this call
@@ -267,7 +269,7 @@ class MeasuredSteps:
         arithmetic: 33 calls in 32 / 1.7 + 1 call times). Once vanilla's step is measured, a call whose estimates say no
         drafting size beats a plain step (`_estimates_plain`) runs without the drafter too, as after a loss (backoff
         included); the drafted call after a backoff re-explores (`_exploring`). Only with measured times (`timing`)."""
-        self._predicted = None
+        self._predicted = self._prediction = None
         if self.timing and self.skip_calls > 0:
             self.skip_calls -= 1
             self.calls["without_drafter"] += 1
@@ -330,8 +332,20 @@ class MeasuredSteps:
             return True
         if plain <= 0:
             return False
-        self._predicted = self.begin_seconds() + self._call_tokens / best_drafting  # the drafted call's (logged)
+        self._prediction = (self.begin_seconds(), best_drafting)
+        self._predicted = (self._prediction[0] + self._call_tokens / best_drafting) * self.overrun()  # (logged)
         return self._call_tokens / plain <= self._predicted
+
+    def overrun(self) -> float:
+        """How much longer drafted calls took than predicted: the median of the last ones' seconds over what
+        `_estimates_plain` predicted for their own steps (its begin + their steps at the best size's speed), which
+        `_estimates_plain` multiplies its prediction by; 1 before a call was predicted. The prediction leaves out
+        what a call pays beyond its best size's steady state (its first choices, sizes still explored, the batch
+        tail's last steps): the world LLaVA's drafted calls at batch 8 on this CPU took 1.01-1.41x their predictions,
+        and calls predicted 4-9% under vanilla's time ran at 0.73-1.08x of it (runs/bench-vlm-s33a). A retry that
+        wins (`_exploring` calls, which are not predicted) clears them: the estimates are trusted afresh, so calls
+        that overran once are not kept plain for good."""
+        return statistics.median(self._overruns) if self._overruns else 1.0
 
     def begin_seconds(self) -> float:
         """The drafter's begin (its prompt pass) as measured: the median over the last drafted calls; 0 before one
@@ -424,6 +438,9 @@ class MeasuredSteps:
         self._drafted_since_reference += 1
         self._begins.append(begin_seconds)
         self._last_drafted = (seconds, plain_steps)
+        if self._prediction is not None:  # what the estimates predicted for this call's own steps
+            begin, speed = self._prediction
+            self._overruns.append(seconds / (begin + plain_steps / speed))
         self._drafted_total = (self._drafted_total[0] + seconds, self._drafted_total[1] + plain_steps)
         if self.calls["unjudged"] < UNJUDGED_CALLS:
             self.calls["unjudged"] += 1
@@ -444,6 +461,8 @@ class MeasuredSteps:
             self.calls["lost"] += 1
         else:
             self.backoff = CALL_BACKOFF
+            if self._explore_call:  # a retry won: the estimates are trusted afresh (`overrun`)
+                self._overruns.clear()
         verdict = "won"
         if confirm:
             verdict = "lost, to be confirmed by a call without the drafter"

@@ -244,6 +244,7 @@ def test_a_loss_against_one_slow_reading_of_vanilla_is_confirmed_first():
 
     assert CONFIRM_BELOW == 3
     budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
+    budget.overrun = lambda: 1.0  # (predictions as the estimates make them: `overrun` has its own test)
     assert budget.drafts_this_call()
     budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # not judged
     assert not budget.drafts_this_call()
@@ -440,6 +441,31 @@ def test_a_retry_waits_until_it_costs_a_small_share():
     predicted.end_call(1, seconds=10.0, plain_steps=10, drafted=False)
     gates = [predicted.drafts_this_call() for _ in range(16)]  # predicted plain: 15 calls, not 4
     assert gates == [False] * 15 + [True] and predicted.calls["predicted_plain"] == 1
+
+
+def test_call_predictions_carry_the_overrun_drafted_calls_showed():
+    """A call's prediction (begin + its steps at the best size's speed) is multiplied by how much longer the last
+    drafted calls took than predicted (the median): calls whose pooled verdict still won but which ran past vanilla's
+    time make the next call predicted plain; a retry that wins clears the overruns."""
+    from mmspec.budget import CALL_BACKOFF
+
+    budget = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True)
+    budget._plain_and_best_speeds = lambda: (1.0, 1.1)  # tokens/s: drafting 10% faster by the estimates
+    assert budget.overrun() == 1.0 and budget.drafts_this_call()
+    budget.end_call(1, seconds=8.0, plain_steps=10, drafted=True)  # unjudged, not predicted
+    assert not budget.drafts_this_call()  # the reference: 1 s a step
+    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)
+    for seconds in (8.0, 10.5, 10.8):  # predicted 10 / 1.1 = 9.09 s each; pooled, all three win
+        assert budget.drafts_this_call() and budget._predicted == pytest.approx(10 / 1.1 * budget.overrun())
+        budget.end_call(1, seconds=seconds, plain_steps=10, drafted=True)
+        assert budget.calls["lost"] == 0
+    assert budget.overrun() == pytest.approx(10.5 / (10 / 1.1))  # the median of 0.88, 1.155 and 1.188
+    assert not budget.drafts_this_call() and budget.calls["predicted_plain"] == 1  # 10.5 s predicted > 10
+    for _ in range(CALL_BACKOFF - 1):
+        assert not budget.drafts_this_call()
+    assert budget.drafts_this_call() and budget._predicted is None  # the retry explores; it is not predicted
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # and wins
+    assert budget.overrun() == 1.0 and budget.drafts_this_call()  # trusted afresh: predicted 9.09 s
 
 
 def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls(monkeypatch):
