@@ -342,7 +342,7 @@ class MeasuredSteps:
         `_estimates_plain` multiplies its prediction by; 1 before a call was predicted. The prediction leaves out
         what a call pays beyond its best size's steady state (its first choices, sizes still explored, the batch
         tail's last steps): the world LLaVA's drafted calls at batch 8 on this CPU took 1.01-1.41x their predictions,
-        and calls predicted 4-9% under vanilla's time ran at 0.73-1.08x of it (runs/bench-vlm-s33a). A retry that
+        and calls predicted at 0.71-1.00x of vanilla's time ran at 0.73-1.08x (runs/bench-vlm-s33a). A retry that
         wins (`_exploring` calls, which are not predicted) clears them: the estimates are trusted afresh, so calls
         that overran once are not kept plain for good."""
         return statistics.median(self._overruns) if self._overruns else 1.0
