@@ -117,7 +117,25 @@ class VLMEagleTreeDrafter(FeatureTreeDrafter):
             self.runner.forward(None, slots + 1, slots, features=features[:, :-1], embeds=embeds[:, 1:],
                                 logits=False, **self.prompt_inputs(inputs))  # fills the cache; no logits read
             self.runner.commit_chain(lengths - 1)
-        last = (lengths - 1).view(b, 1, 1).expand(-1, -1, features.shape[-1])
+        self.pend_first_pair(state, features, lengths)
+
+    def run_prompt_layout(self, state: DecodeState, positions: torch.Tensor, keep: torch.Tensor,
+                          **pairs: torch.Tensor) -> None:
+        """A compressed prompt layout (ViSpec, SpecVLM) into a new drafter cache: its elements at positions [B, L']
+        (`pairs`: features, embeds, and `forward_cached`'s other inputs), the first keep [B] of each row committed.
+        The head is not run (logits=False): the prompt pass only fills the cache."""
+        b, width = positions.shape
+        cache = self.drafter.new_cache(b, width + state.max_new_tokens + self.width + self.max_pool)
+        self.runner.cache = cache
+        slots = cache.slots(width)  # [B, L']
+        self.drafter.forward_cached(None, positions, cache, slots, cache.attention_mask(slots), logits=False, **pairs)
+        self.runner.forwards += 1
+        self.runner.commit_chain(keep)
+
+    def pend_first_pair(self, state: DecodeState, features: torch.Tensor, lengths: torch.Tensor) -> None:
+        """The first decode pair pends: the first token with the target's feature at each row's last prompt
+        position (features [B, P, H], lengths [B])."""
+        last = (lengths - 1).view(-1, 1, 1).expand(-1, -1, features.shape[-1])
         self.pending = PendingPairs(state.last_token, features.gather(1, last)[:, 0], self.width)
 
 

@@ -40,7 +40,6 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 
 from mmspec.errors import check
-from mmspec.feature_drafter import PendingPairs
 from mmspec.loop import DecodeState
 from vlm.eagle import SPECVLM_TREE, VLMEagleDrafter, VLMEagleTreeDrafter
 from vlm.target import Grid, VLMInputs, square_grid
@@ -287,18 +286,10 @@ class VLMSpecVLMTreeDrafter(VLMEagleTreeDrafter):
             layout = specvlm_layout(drafter, ids, embeds, features, lengths, lengths, target.image_token_id,
                                     image_grids=target.image_grids(inputs, embeds))
         drafter.last_choice, drafter.last_kept = layout["choice"], layout["kept"]
-        width = layout["positions"].shape[1]
-        cache = drafter.new_cache(b, width + state.max_new_tokens + self.width + self.max_pool)
-        self.runner.cache = cache
-        slots = cache.slots(width)
-        drafter.forward_cached(None, layout["positions"], cache, slots, cache.attention_mask(slots),
-                               features=layout["features"], embeds=layout["embeds"],
-                               logits=False)  # the prompt's pairs fill the cache; their logits are not read
-        self.runner.forwards += 1
-        self.runner.commit_chain(layout["count"])
+        self.run_prompt_layout(state, layout["positions"], layout["count"], features=layout["features"],
+                               embeds=layout["embeds"])
         self.position_offset = lengths - layout["count"]  # next element: position P_b at slot count_b
-        last = (lengths - 1).view(b, 1, 1).expand(-1, -1, features.shape[-1])
-        self.pending = PendingPairs(state.last_token, features.gather(1, last)[:, 0], self.width)
+        self.pend_first_pair(state, features, lengths)
 
 
 VLMSpecVLMDrafter.loop_drafter = VLMSpecVLMTreeDrafter  # what the loop runs for this drafter model

@@ -32,7 +32,6 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 
 from mmspec.errors import check
-from mmspec.feature_drafter import PendingPairs
 from mmspec.loop import DecodeState
 from vlm.eagle import VLMEagleDrafter, VLMEagleTreeDrafter
 from vlm.target import VLMInputs
@@ -189,19 +188,12 @@ class VLMViSpecTreeDrafter(VLMEagleTreeDrafter):
         lengths = inputs.lengths.to(features.device)
         layout = vispec_layout(drafter, ids, embeds, features, target.image_token_id)
         dropped = layout["dropped"]  # [B] image positions without a compressed token
-        short = layout["positions"].shape[1]  # drafter entries of the longest row
-        cache = drafter.new_cache(b, short + state.max_new_tokens + self.width + self.max_pool)
-        self.runner.cache = cache
-        slots = cache.slots(short)  # [B, L']
-        drafter.forward_cached(None, layout["positions"], cache, slots, cache.attention_mask(slots),
-                               features=layout["features"], embeds=layout["embeds"], direct=layout["direct"],
-                               logits=False)  # the prompt's pairs fill the cache; their logits are not read
-        self.runner.forwards += 1
-        self.runner.commit_chain(lengths - 1 - dropped)  # each row: its P_b - 1 pairs minus the dropped ones
+        # each row keeps its P_b - 1 pairs minus the dropped ones
+        self.run_prompt_layout(state, layout["positions"], lengths - 1 - dropped, features=layout["features"],
+                               embeds=layout["embeds"], direct=layout["direct"])
         self.position_offset = 1 + dropped  # [B]
         drafter.global_feature = layout["g"]  # every decoded element is text after the image (g = 0 without one)
-        last = (lengths - 1).view(b, 1, 1).expand(-1, -1, features.shape[-1])
-        self.pending = PendingPairs(state.last_token, features.gather(1, last)[:, 0], self.width)
+        self.pend_first_pair(state, features, lengths)
 
 
 VLMViSpecDrafter.loop_drafter = VLMViSpecTreeDrafter  # what the loop runs for this drafter model
