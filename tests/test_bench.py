@@ -370,6 +370,18 @@ def test_results_are_written_to_an_existing_directory(tmp_path, capsys):
     assert printed.startswith("wrote ") and "| method |" not in printed
 
 
+def test_a_bench_reads_only_its_own_family_record(tmp_path, monkeypatch):
+    """Listing the families with a bench hook imports every family's record (seconds of imports): only the error
+    that prints the list may do it."""
+    import mmspec.families as families
+
+    read, get_record = [], families.get_family
+    monkeypatch.setattr(families, "get_family", lambda name: read.append(name) or get_record(name))
+    assert main(["bench", "--family", "toy", "--methods", "vanilla", "--num-samples", "1", "--max-new-tokens", "2",
+                 "--repeats", "1", "--warmup", "0", "--no-plots", "--quiet", *SMALL_TOY, "--out", str(tmp_path)]) == 0
+    assert set(read) == {"toy"}
+
+
 def test_live_tensor_bytes_counts_what_a_window_allocates():
     from mmspec.bench.memory import PeakMemory
 

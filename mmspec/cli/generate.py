@@ -309,8 +309,9 @@ def run(args: argparse.Namespace) -> int:
         check(Path(args.model).exists(), f"--model {args.model} does not exist; pass a pipeline folder.")
     args.family = args.family or default_family()
     family = get_family(args.family)
-    check(family.generate is not None, f"family {args.family!r} does not generate images; pick one of "
-                                       f"{', '.join(available_families('generate'))}.")
+    if family.generate is None:  # (the list imports every family's record: only on this error)
+        raise InputError(f"family {args.family!r} does not generate images; pick one of "
+                         f"{', '.join(available_families('generate'))}.")
     text = family.condition == "prompt"
     check(not text or args.classes is None, f"family {args.family!r} is text-to-image: pass --prompt TEXT, "
                                             "--prompts FILE or a --job with a 'prompt' column, not --classes.")

@@ -236,3 +236,16 @@ def test_generate_auto_compiles_only_where_the_job_earns_the_compilation_back(mo
     assert run_generate(model_dir, tmp_path / "eager", "--classes", "0", "--num-images", "1", "--threads", "1",
                         "--compile", "none") == 0
     assert "compile=auto" not in capsys.readouterr().err  # none: eager, the verdicts not even read
+
+
+def test_a_run_reads_only_its_own_family_record(model_dir, tmp_path, monkeypatch):
+    """Listing the families that generate imports every family's record (seconds of imports: MAR's diffusers
+    autoencoders, ...): only --help and the errors that print the list may do it."""
+    import mmspec.cli.generate as generate_cli
+    import mmspec.families as families
+
+    read, get_family = [], families.get_family
+    monkeypatch.setattr(families, "get_family", lambda name: read.append(name) or get_family(name))
+    monkeypatch.setattr(generate_cli, "get_family", families.get_family)
+    assert run_generate(model_dir, tmp_path, "--classes", "0", "--num-images", "1") == 0
+    assert set(read) == {"llamagen"}
