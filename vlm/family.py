@@ -33,8 +33,15 @@ def bench():
     return vlm_family()
 
 
+def profile(pipe) -> dict:
+    """The target and every drafter saved with it, as the loop runs them (`vlm.profile`)."""
+    from vlm.profile import profile_runners
+
+    return profile_runners(pipe, pipe.folder)
+
+
 FAMILY = FamilyRecord("vlm", "LLaVA long answers about world scenes with speculative drafters (exactness, answers)",
-                      default_model=ASSETS_DIR / "vlm", load=load, bench=bench)
+                      default_model=ASSETS_DIR / "vlm", load=load, bench=bench, profile=profile)
 FAMILY.add("vanilla", None, {}, description="the LLaVA target alone")
 for kind, model, what in (("eagle", VLMEagleDrafter, "EagleVLM drafter"),
                           ("vispec", VLMViSpecDrafter, "ViSpec drafter (compressed image token + global feature)"),

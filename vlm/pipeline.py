@@ -90,6 +90,7 @@ class SpeculativeVLM:
         self.budgets: dict = {}  # budget="auto": what each draft budget learnt, kept between calls
         self.image_tokens_per_image: float | None = None  # of the last encoded batch (drafter_image_tokens)
         self.last_stats: SpecStats | None = None  # of the last generate call
+        self.folder: Path | None = None  # the folder `from_pretrained` read (its drafters/ hold the saved drafters)
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, drafter: str | None = None, *, drafter_path: str | Path | None = None,
@@ -113,7 +114,9 @@ class SpeculativeVLM:
         if drafter is not None:
             draft = load_drafter(drafter_path or folder / "drafters" / drafter, drafter, dtype).to(device)
         model = model.to(device) if dtype is None else model.to(device=device, dtype=dtype)
-        return cls(model, processor, draft, attention_backend=attention_backend)
+        vlm = cls(model, processor, draft, attention_backend=attention_backend)
+        vlm.folder = folder
+        return vlm
 
     # --------------------------------------------------------------------------------------------- inputs
     def drafter_image_tokens(self) -> float | None:

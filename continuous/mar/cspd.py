@@ -230,15 +230,11 @@ def cspd_budget(target: MARModel, draft: MARModel, run: MARRun, gamma: int, keep
 def window_costs(target: MARModel, draft: MARModel, run: MARRun, widths: list[int]) -> tuple[ForwardTimes, float]:
     """(median seconds of a target forward and its head over n window positions, per width; of one draft step) at
     the run's batch size, sampling steps and CFG; measured once, cached (`mmspec.cost`)."""
-    b, seq = run.labels.shape[0], target.seq_len
-    tokens = torch.zeros(b, seq, target.token_channels, device=target.device, dtype=target.dtype)
-    known = torch.zeros(b, seq, dtype=torch.bool, device=target.device)
+    b = run.labels.shape[0]
 
     def timer(model: MARModel):
-        @torch.no_grad()
-        def run_forward(batch: int, width: int) -> None:
-            sample_at(model, run, tokens, known, run.orders[:, :width], run.guidance_scale)
-        return run_forward
+        window = window_forward(model, run)
+        return lambda batch, width: window(width)
 
     announced = []
 
@@ -253,6 +249,22 @@ def window_costs(target: MARModel, draft: MARModel, run: MARRun, widths: list[in
     verify = cached_profile(profile_key(target, target.device, f"{extra}|W={widths}"), lambda: measure(target, widths))
     draft_step = cached_profile(profile_key(draft, target.device, extra), lambda: measure(draft, [1]))
     return verify, draft_step.seconds_at(b, 1)
+
+
+def window_forward(model: MARModel, run: MARRun) -> Callable[[int], None]:
+    """width -> one forward of `model` and its diffusion head over the first `width` positions of the run's orders,
+    on an empty canvas, at the run's batch, sampling steps and guidance: what a CSpD window of that width costs the
+    model (nothing is kept)."""
+    b, seq = run.labels.shape[0], model.seq_len
+    tokens = torch.zeros(b, seq, model.token_channels, device=model.device, dtype=model.dtype)  # [B, L, C]
+    known = torch.zeros(b, seq, dtype=torch.bool, device=model.device)  # [B, L]
+
+    @torch.no_grad()
+    def run_window(width: int) -> None:
+        check(width <= seq, f"a window of {width} tokens exceeds the model's {seq} tokens; pass widths up to {seq}.")
+        sample_at(model, run, tokens, known, run.orders[:, :width], run.guidance_scale)
+
+    return run_window
 
 
 class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):

@@ -61,10 +61,39 @@ def bench():
     return mar_family()
 
 
+PROFILE_SAMPLING_STEPS = 100  # the pipelines' default num_sampling_steps
+
+
+def profile(pipe) -> dict:
+    """The target (and the draft, in a CSpD folder) as CSpD's windows run them (`window_forward`): per batch size,
+    the classes 0..B-1 at the target's default guidance and CFG schedule, `PROFILE_SAMPLING_STEPS` diffusion steps a
+    token, then one forward and the head over W tokens of an empty canvas (the first W of a random order)."""
+    import torch
+
+    from continuous.mar.cspd import window_forward
+    from continuous.mar.pipeline import prepare_run
+    from mmspec.cost import runner_per_batch
+
+    target = target_model(pipe)
+    models = {"target": target, "draft": getattr(pipe, "draft", None)}
+
+    def runner(model):
+        def start(batch: int):
+            labels = [i % target.config.num_classes for i in range(batch)]
+            run = prepare_run(target, labels, None, None, 1.0, PROFILE_SAMPLING_STEPS, 1,
+                              torch.Generator().manual_seed(0), "latent")
+            return window_forward(model, run)
+
+        return runner_per_batch(start, lambda window, width: window(width), target.seq_len)
+
+    return {name: (model, runner(model)) for name, model in models.items() if model is not None}
+
+
 FAMILY = FamilyRecord("mar", "MAR class-conditional generation and CSpD (judge accuracy, world-FID)",
                       default_model=ASSETS_DIR / "mar", load=load,
                       num_classes=lambda pipe: target_model(pipe).config.num_classes,
-                      sampling_defaults=sampling_defaults, bench=bench)
+                      sampling_defaults=sampling_defaults, bench=bench,
+                      profile=profile)
 _call_generate = method_call_generate(FAMILY, call_options)
 
 

@@ -6,9 +6,11 @@ each, and cache the tables (`mmspec.cost`) that draft budgets read.
 Prints, per model, the milliseconds of one forward and the same in one-token forwards of its batch size (what a
 verify of W tokens costs in plain steps). A table is measured once per (model, device, dtype, threads, torch) and
 read back from the cache afterwards (`--refresh` measures again). Families offer their models through the `profile`
-hook of their record (`mmspec.families`). `--compile MODE` also times every model compiled in MODE against eager at
-the same cells and caches the verdict that `compile="auto"` reads (`mmspec.compile`): a model is compiled where its
-compiled forwards took at most 0.95x of eager's (the geometric mean over the cells).
+hook of their record (`mmspec.families`): llamagen (the target, the draft model, the EAGLE drafter), vlm (the
+target and every saved drafter: `vlm.profile`), mar (the target's and the draft's CSpD windows). `--compile MODE`
+also times every model compiled in MODE against eager at the same cells and caches the verdict that
+`compile="auto"` reads (`mmspec.compile`): a model is compiled where its compiled forwards took at most 0.95x of
+eager's (the geometric mean over the cells).
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ def run(args: argparse.Namespace) -> int:
         with_hook = [n for n in available_families() if get_family(n).profile is not None]
         raise InputError(f"family {args.family!r} has no profile hook; families with one: {', '.join(with_hook)}.")
     pipe = family.load(args.model, device)
+    check(args.compile is None or callable(getattr(pipe, "compile_forwards", None)),
+          f"the {type(pipe).__name__} of family {args.family!r} has no compiled forwards (compile_forwards), so no "
+          "compile verdict would be read; drop --compile.")
     for name, (model, run_forward) in family.profile(pipe).items():
         key = profile_key(model, device, extra=f"batches={batch_sizes}|widths={widths}")
 

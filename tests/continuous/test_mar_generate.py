@@ -121,3 +121,20 @@ def test_generate_and_bench_use_the_models_own_guidance(tmp_path):
                          settings=settings).runs[0].quality["world_fid"]
 
     assert bench_fid() == bench_fid(guidance_scale="2.0") != bench_fid(guidance_scale="3.0")
+
+
+def test_profile_times_the_windows_of_the_target_and_the_draft(folders, tmp_path, monkeypatch, capsys):
+    """`mmspec profile --family mar`: a window's forward and head per batch size and width, for both models of a
+    CSpD folder (the target alone in a single-model folder); a window wider than the token grid is a clear error."""
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    cspd_dir, mar_dir = folders
+    args = ["profile", "--family", "mar", "--batch-sizes", "1,2", "--repeats", "1"]
+    assert main([*args, "--model", str(cspd_dir), "--widths", "1,4"]) == 0
+    out = capsys.readouterr().out
+    assert "target: ms per forward" in out and "draft: ms per forward" in out and out.count("| 2 |") == 2
+    assert main([*args, "--model", str(mar_dir), "--widths", "1,4"]) == 0
+    out = capsys.readouterr().out
+    assert "target: ms per forward" in out and "draft:" not in out
+    assert len(list((tmp_path / "profiles").glob("*.json"))) == 2  # the target's table is the same model's in both
+    assert main([*args, "--model", str(mar_dir), "--widths", "1,17"]) == 2
+    assert "exceeds" in capsys.readouterr().err

@@ -99,6 +99,19 @@ def test_mmspec_vlm_auto_uses_a_shipped_drafter(tmp_path, capsys):
     assert captured.out.strip() in ("red", "green", "blue", "yellow") and figures
 
 
+def test_profile_times_the_target_and_every_shipped_drafter(tmp_path, monkeypatch, capsys):
+    """`mmspec profile --family vlm`: the target after world prompts and each shipped drafter after its own prompt
+    pass, per batch size and width, cached."""
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    assert main(["profile", "--family", "vlm", "--batch-sizes", "1,2", "--widths", "1,4", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    names = ["target", *(f"{kind}_drafter" for kind in DRAFTER_KINDS)]
+    assert [line.split(":")[0] for line in out.splitlines() if "ms per forward" in line] == names
+    assert out.count("| 2 |") == len(names) and len(list((tmp_path / "profiles").glob("*.json"))) == len(names)
+    assert main(["profile", "--family", "vlm", "--compile", "default"]) == 2  # nothing would read the verdict
+    assert "has no compiled forwards" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_chain_path_gives_the_tree_paths_tokens(temperature, examples, monkeypatch):
     """A chain shape (top_k 1) drafts without the candidate pool (`propose_chain`), verifies with the causal mask,
