@@ -73,6 +73,7 @@ REFERENCE_EVERY = 32  # a call without the drafter measures vanilla's step again
 REFERENCE_MARGIN = 1.25  # while the drafted calls won by less than this (a clear win survives a drift of the load)
 REFERENCE_SKIP_MARGIN = 1.5  # no reference call while drafted calls beat a lower bound of vanilla's step by this
 CONFIRM_BELOW = 3  # a loss judged against fewer calls without the drafter than this is confirmed by one more first
+CALL_SPREAD = 0.1  # a drafted call's speed over vanilla's varies so much from call to call, before 3 were judged
 STEP_SAMPLES = 9  # a size's step seconds: the median of its last this many measured steps
 STALE_AFTER = 64  # choices after a size's last measured step, its measured seconds give way to its scaled table's
 PLAIN_PROBE_EVERY = 8  # until STEP_SAMPLES plain steps are measured, every this many choices is a plain step
@@ -146,6 +147,7 @@ class MeasuredSteps:
         self._compiled_at = 0  # `compilations()` at the last choice
         self.skip_calls, self.backoff = 0, CALL_BACKOFF  # calls left to run as vanilla; the next loss's backoff
         self.call_seconds = self.call_steps = 0.0  # drafted calls' seconds and the plain steps they replaced, decayed
+        self.call_weights = (0.0, 0.0)  # the sum of those calls' weights and of their squares (`loss_margin`)
         self.calls = {"drafted": 0, "without_drafter": 0, "lost": 0, "reference": 0, "unjudged": 0,
                       "predicted_plain": 0}
         self._reference: deque = deque(maxlen=STEP_SAMPLES)  # a plain step's seconds in calls without the drafter
@@ -153,7 +155,7 @@ class MeasuredSteps:
         self._drafted_since_reference = 0
         self._confirming = False  # the next call measures vanilla's step again before a loss is acted on
         self._drafted_total = (0.0, 0)  # all drafted calls' seconds and the plain steps they replaced
-        self._last_drafted = (0.0, 0)  # the last drafted call's seconds and the plain steps it replaced
+        self._last_drafted: deque = deque(maxlen=2)  # the last two drafted calls' seconds and plain steps replaced
         self._batch = 1  # the batch size of the last call (a budget serves one)
         self._chosen_at: float | None = None
         self._plain_run = 0  # choices in a row (this call) where a plain step beat every size by the margin
@@ -164,6 +166,7 @@ class MeasuredSteps:
         self._predicted: float | None = None  # seconds the running drafted call was predicted to take
         self._prediction: tuple[float, float] | None = None  # (begin seconds, best drafting speed) it came from
         self._overruns: deque = deque(maxlen=STEP_SAMPLES)  # drafted calls' seconds over their predicted seconds
+        self._judged: deque = deque(maxlen=STEP_SAMPLES)  # the last judged drafted calls' (seconds, plain steps)
         self._explore_next = False  # the next drafted call re-explores (`_exploring`): it follows a backoff
         self._explore_call = False  # this call re-explores
         self._call_choices = 0  # choices made in this call
@@ -298,17 +301,21 @@ class MeasuredSteps:
         self._explore_next = True
 
     def retry_calls(self) -> int:
-        """Calls without the drafter over which a retry like the last drafted call costs at most RETRY_SHARE of
-        their time: its seconds over vanilla's for the same steps (vanilla's step as calls without the drafter
-        measured it), divided by RETRY_SHARE of a vanilla call's. A retry drafts the exploration size for `warmup`
-        choices and pays the drafter's begin, which costs about what the last drafted call lost where drafting
-        loses by far (LlamaGen's EAGLE at batch 8 on this CPU: drafted calls at 0.76-0.81x of vanilla's, their
-        chains costing 2.8x a plain step for 1.28 tokens), and little where it lost by a little, so a close loss
-        keeps the doubling backoff and is retried soon. 0 before vanilla's step or a drafted call is measured."""
-        vanilla, (seconds, steps) = self.vanilla_step_seconds(), self._last_drafted
-        if vanilla is None or steps <= 0:
+        """Calls without the drafter over which a retry like the last drafted calls costs at most RETRY_SHARE of
+        their time: the smaller loss of the last two drafted calls (each one's seconds over vanilla's for the same
+        steps, vanilla's step as calls without the drafter measured it), divided by RETRY_SHARE of a vanilla call's.
+        A retry drafts the exploration size for `warmup` choices and pays the drafter's begin, which costs about
+        what the last drafted calls lost where drafting loses by far (LlamaGen's EAGLE at batch 8 on this CPU:
+        drafted calls at 0.76-0.81x of vanilla's, their chains costing 2.8x a plain step for 1.28 tokens), and
+        little where it lost by a little, so a close loss keeps the doubling backoff and is retried soon. Two calls,
+        not one: a call that a passing load slowed reads as a loss by far (the world LLaVA at batch 8 on this CPU: a
+        drafted call at 0.66x of vanilla, its chains 35% slower than in the call before, which had won 1.04x; 21
+        calls ran without the drafter where the fixed chain of 8 gave 1.15x; runs/bench-vlm-s34c), and a wait that
+        long should rest on two. 0 before vanilla's step or a drafted call is measured."""
+        vanilla = self.vanilla_step_seconds()
+        if vanilla is None or not self._last_drafted:
             return 0
-        lost = seconds / (steps * vanilla) - 1.0  # the last drafted call's time over vanilla's, as a share of it
+        lost = min(seconds / (steps * vanilla) for seconds, steps in self._last_drafted) - 1.0  # a share of vanilla's
         return math.ceil(lost / RETRY_SHARE - 1e-9) if lost > 0 else 0  # (no rounding up of an exact share)
 
     def _estimates_plain(self) -> bool:
@@ -334,7 +341,28 @@ class MeasuredSteps:
             return False
         self._prediction = (self.begin_seconds(), best_drafting)
         self._predicted = (self._prediction[0] + self._call_tokens / best_drafting) * self.overrun()  # (logged)
-        return self._call_tokens / plain <= self._predicted
+        if self._call_tokens / plain > self._predicted:
+            return False
+        if self.drafting_measurably_won():
+            log.debug("batch %d: predicted plain (%.1f ms), but the last drafted calls measurably won: drafting",
+                      self._batch, 1e3 * self._predicted)
+            return False
+        return True
+
+    def drafting_measurably_won(self) -> bool:
+        """Whether the last judged drafted calls (up to STEP_SAMPLES, at least 3) beat vanilla by more than their own
+        spread: the mean of vanilla's time for each call's steps (vanilla's step as measured now) over the call's
+        seconds, less its standard error, above 1. A call prediction (`_estimates_plain`) does not overrule such
+        calls: it is a model of one call, made from the estimates of the moment, where they are measurements of
+        several, and calls differ by their content more than a prediction's error (the world LLaVA at batch 8 on
+        this CPU: drafted calls at 0.93-1.43x of vanilla, each 0.60-1.29x of its prediction; after one call at
+        0.93x a prediction ran the next four calls without the drafter while the calls had won 1.16x on average,
+        and the fixed chain of 8 gave 1.14x against auto's 1.03x; runs/bench-vlm-s34b)."""
+        vanilla = self.vanilla_step_seconds()
+        if vanilla is None or len(self._judged) < 3:
+            return False
+        ratios = [steps * vanilla / seconds for seconds, steps in self._judged]
+        return statistics.mean(ratios) - statistics.stdev(ratios) / math.sqrt(len(ratios)) > 1.0
 
     def overrun(self) -> float:
         """How much longer drafted calls took than predicted: the median of the last ones' seconds over what
@@ -422,7 +450,10 @@ class MeasuredSteps:
         the fixed budget gave 1.13x (runs/gpu-s26b). A judged call in which the budget chose sizes by estimate and none
         of them drafted lost whatever its time (it paid the drafter's begin and the budget's steps for nothing a vanilla
         call would not have given; on this CPU such calls of EAGLE and LANTERN at batch 8, all plain steps, read as
-        0.95-1.35x wins against a reference call that ran slow, runs/bench-llamagen-s27b)."""
+        0.95-1.35x wins against a reference call that ran slow, runs/bench-llamagen-s27b). A retry after a backoff is
+        judged on its own: pooled with the calls whose loss made the backoff, a retry that won by 5% read as a loss
+        and doubled the backoff (the world LLaVA at batch 8 on this CPU, where a lost call is often just a batch of
+        answers that draft badly: the fixed chain of 8 ran at 0.88-1.41x call by call)."""
         self._close_rows()
         if not self.timing or plain_steps <= 0:
             return
@@ -437,7 +468,7 @@ class MeasuredSteps:
             return
         self._drafted_since_reference += 1
         self._begins.append(begin_seconds)
-        self._last_drafted = (seconds, plain_steps)
+        self._last_drafted.append((seconds, plain_steps))
         if self._prediction is not None:  # what the estimates predicted for this call's own steps
             begin, speed = self._prediction
             self._overruns.append(seconds / (begin + plain_steps / speed))
@@ -448,11 +479,17 @@ class MeasuredSteps:
                       batch, 1e3 * seconds, plain_steps)
             self._log_estimates(batch)
             return
+        self._judged.append((seconds, plain_steps))
+        if self._explore_call:  # a retry is judged afresh: the calls before it decided the backoff it ends
+            self.call_seconds = self.call_steps = 0.0
+            self.call_weights = (0.0, 0.0)
         self.call_seconds = CALL_DECAY * self.call_seconds + seconds
         self.call_steps = CALL_DECAY * self.call_steps + plain_steps
+        weight, weight_sq = self.call_weights
+        self.call_weights = (CALL_DECAY * weight + 1.0, CALL_DECAY * CALL_DECAY * weight_sq + 1.0)
         plain = self.gate_plain_seconds(batch)
         chose_plain = self._estimated[0] > 0 and self._estimated[1] == 0
-        lost = chose_plain or self.call_seconds > self.call_steps * plain
+        lost = chose_plain or self._pooled_calls_lost(plain)
         confirm = lost and not chose_plain and len(self._reference) < CONFIRM_BELOW
         if confirm:
             self._confirming = True
@@ -475,12 +512,34 @@ class MeasuredSteps:
                   plain_steps * plain / seconds, self.call_steps * plain / self.call_seconds, verdict)
         self._log_estimates(batch)
 
+    def _pooled_calls_lost(self, plain: float) -> bool:
+        """Whether the pooled drafted calls ran below vanilla's speed (a plain step of `plain` seconds) by more than
+        `loss_margin`."""
+        return self.call_steps * plain < (1.0 - self.loss_margin()) * self.call_seconds
+
+    def loss_margin(self) -> float:
+        """How far below vanilla's speed the pooled drafted calls must run to have lost: the spread of a call's speed
+        over vanilla's (the standard deviation over the last judged calls, CALL_SPREAD before 3 were judged) over
+        the square root of the pooled calls' effective number (their decayed weights: 1 for one call, ~19 for a long
+        run). One call decides little: the world LLaVA's calls at batch 8 on this CPU ran the fixed chain of 8 at
+        0.91-0.95x of vanilla on one batch of answers and 1.04-1.26x on the three others, and the budget's first
+        judged call, on the hard batch, turned drafting off where the fixed chain gave 1.07-1.16x over the job
+        (runs/bench-vlm-s34b-g); a loss by far (LlamaGen's EAGLE at batch 8: 0.76-0.81x) is acted on at once, a
+        small one once it has held over several calls."""
+        weight, weight_sq = self.call_weights
+        calls = weight * weight / weight_sq if weight_sq > 0 else 1.0
+        vanilla = self.vanilla_step_seconds()
+        spread = CALL_SPREAD
+        if vanilla is not None and len(self._judged) >= 3:
+            spread = statistics.stdev(steps * vanilla / seconds for seconds, steps in self._judged)
+        return spread / math.sqrt(calls)
+
     def _confirm(self, batch: int) -> None:
         """After the call without the drafter that a close loss asked for: the pooled drafted calls judged again
         against vanilla's step with it; a loss backs off (that call was the backoff's first), a win keeps drafting."""
         self._confirming = False
         plain = self.gate_plain_seconds(batch)
-        lost = self.call_seconds > self.call_steps * plain
+        lost = self._pooled_calls_lost(plain)
         if lost:
             self._back_off(running_one=True)
             self.calls["lost"] += 1

@@ -408,28 +408,32 @@ def test_a_settled_budget_gets_plain_steps_without_asking_it_or_the_drafter():
 
 
 def test_a_retry_waits_until_it_costs_a_small_share():
-    """After a loss the backoff lasts at least until the last drafted call's time over vanilla's is RETRY_SHARE of
-    the calls run without the drafter: a call that lost by far (its retry will cost about as much) waits longer than
-    the doubling backoff, a close loss keeps it; so does a call predicted plain after a drafted call that lost."""
+    """After a loss the backoff lasts at least until the smaller loss of the last two drafted calls is RETRY_SHARE
+    of the calls run without the drafter: calls that lost by far (a retry will cost about as much) wait longer than
+    the doubling backoff; one loss by far after a win, a close loss, keep it; so does a call predicted plain after
+    a drafted call that lost."""
     from mmspec.budget import CALL_BACKOFF, RETRY_SHARE
 
     assert RETRY_SHARE == 0.02
     budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
     assert budget.retry_calls() == 0  # nothing measured yet
-    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # unjudged
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # unjudged: 10% under vanilla's
     budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # vanilla: 1 s a step
-    budget.end_call(1, seconds=10.5, plain_steps=10, drafted=True)  # 5% over: loses, confirmed first
-    assert budget.retry_calls() == 3  # 0.05 / 0.02, rounded up
+    budget.end_call(1, seconds=12.5, plain_steps=10, drafted=True)  # 25% over: loses, confirmed first
+    assert budget.retry_calls() == 0  # the call before won: one loss by far may be a passing load
     budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # the confirming call: the loss stands
-    assert budget.calls["lost"] == 1 and budget.skip_calls == CALL_BACKOFF - 1  # the doubling backoff: 4 > 3
+    assert budget.calls["lost"] == 1 and budget.skip_calls == CALL_BACKOFF - 1  # the doubling backoff
     for _ in range(CALL_BACKOFF - 1):
         assert not budget.drafts_this_call()
     assert budget.drafts_this_call()
-    budget.end_call(1, seconds=12.5, plain_steps=10, drafted=True)  # 25% over: its retry waits 13 calls, not 8
+    budget.end_call(1, seconds=12.5, plain_steps=10, drafted=True)  # 25% over again: its retry waits 13 calls
+    assert budget.retry_calls() == 13
     assert not budget.drafts_this_call()
     budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # (two references so far: confirmed first)
     assert budget.calls["lost"] == 2 and budget.skip_calls == 13 - 1 > 2 * CALL_BACKOFF  # (the confirming call)
     assert budget.backoff == 4 * CALL_BACKOFF  # (the doubling goes on underneath)
+    budget.end_call(1, seconds=10.5, plain_steps=10, drafted=True)  # a close loss after it: 5% over
+    assert budget.retry_calls() == 3  # 0.05 / 0.02, rounded up
     predicted = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0 if n == 1 else 3.0, warmup=2, timing=True)
     assert predicted.drafts_this_call()
     predicted.begin()
@@ -441,6 +445,76 @@ def test_a_retry_waits_until_it_costs_a_small_share():
     predicted.end_call(1, seconds=10.0, plain_steps=10, drafted=False)
     gates = [predicted.drafts_this_call() for _ in range(16)]  # predicted plain: 15 calls, not 4
     assert gates == [False] * 15 + [True] and predicted.calls["predicted_plain"] == 1
+
+
+def test_a_call_prediction_does_not_overrule_drafted_calls_that_measurably_won():
+    """A call predicted plain still drafts while the last judged drafted calls beat vanilla by more than their
+    spread (mean ratio less one standard error above 1); calls that won only within their spread leave the
+    prediction in charge."""
+    def budget_after(calls: tuple[float, ...]) -> AutoBudget:
+        budget = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True)
+        budget._plain_and_best_speeds = lambda: (1.0, 1.1)  # drafting 10% faster by the estimates
+        budget.overrun = lambda: 1.0
+        assert budget.drafts_this_call()
+        budget.end_call(1, seconds=8.0, plain_steps=10, drafted=True)  # unjudged
+        assert not budget.drafts_this_call()  # the reference: 1 s a step
+        budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)
+        for seconds in calls:
+            assert budget.drafts_this_call()
+            budget.end_call(1, seconds=seconds, plain_steps=10, drafted=True)
+        assert budget.calls["lost"] == 0
+        budget.overrun = lambda: 1.25  # the next call predicted at 10 / 1.1 x 1.25 = 11.4 s against vanilla's 10
+        return budget
+
+    clear = budget_after((8.5, 9.0, 8.0))  # 1.18x on average, standard error 0.04
+    assert clear.drafting_measurably_won() and clear.drafts_this_call() and clear.calls["predicted_plain"] == 0
+    assert not budget_after((8.5, 9.0)).drafting_measurably_won()  # two calls: no spread to measure
+    close = budget_after((9.0, 10.4, 9.5))  # 1.04x on average, standard error 0.043
+    assert not close.drafting_measurably_won()
+    assert not close.drafts_this_call() and close.calls["predicted_plain"] == 1
+
+
+def test_a_loss_must_exceed_the_calls_own_spread():
+    """Pooled drafted calls lose when they ran below vanilla's speed by more than a call's spread (CALL_SPREAD
+    before 3 calls were judged, then their standard deviation) over the root of their effective number: one call a
+    little slower than vanilla keeps drafting, one far slower backs off, and small losses that hold over several
+    calls back off too."""
+    from mmspec.budget import CALL_SPREAD
+
+    def after(calls: tuple[float, ...]) -> AutoBudget:
+        budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
+        budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # unjudged
+        for _ in range(3):
+            budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # vanilla: 1 s a step
+        for seconds in calls:
+            budget.end_call(1, seconds=seconds, plain_steps=10, drafted=True)
+        return budget
+
+    assert CALL_SPREAD == 0.1
+    one = after((10.8,))  # 0.93x: inside the spread of one call
+    assert one.loss_margin() == pytest.approx(0.1) and one.calls["lost"] == 0 and one.drafts_this_call()
+    assert after((11.5,)).calls["lost"] == 1  # 0.87x: lost at once
+    assert after((10.5, 10.6)).calls["lost"] == 0  # 0.95x twice: inside the spread of two calls (0.07)
+    held = after((10.5, 10.6, 10.5))  # a third: their own spread is 0.005, and the loss holds
+    assert held.calls["lost"] == 1 and held.loss_margin() < 0.01
+
+
+def test_a_retry_is_judged_on_its_own():
+    """The retry after a backoff is judged alone, not pooled with the calls whose loss made the backoff: a retry that
+    won keeps drafting and resets the backoff."""
+    from mmspec.budget import CALL_BACKOFF
+
+    budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # unjudged
+    for _ in range(3):
+        budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # vanilla: 1 s a step, measured 3 times
+    budget.end_call(1, seconds=12.0, plain_steps=10, drafted=True)  # lost
+    assert budget.calls["lost"] == 1 and budget.skip_calls == CALL_BACKOFF
+    while budget.skip_calls:
+        assert not budget.drafts_this_call()
+    assert budget.drafts_this_call() and budget._explore_call
+    budget.end_call(1, seconds=9.5, plain_steps=10, drafted=True)  # won alone; pooled with the loss it would lose
+    assert budget.calls["lost"] == 1 and budget.backoff == CALL_BACKOFF and budget.drafts_this_call()
 
 
 def test_call_predictions_carry_the_overrun_drafted_calls_showed():
@@ -489,7 +563,7 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls(monkeypatch):
     assert budget.drafts_this_call()
     budget.end_call(1, seconds=4.5, plain_steps=10, drafted=True)  # won: 4.5 s against 10 vanilla steps of 0.5 s
     assert budget.drafts_this_call() and budget.calls["lost"] == 0
-    budget.end_call(1, seconds=5.5, plain_steps=10, drafted=True)  # pooled: 0.9 * 4.5 + 5.5 > 0.9 * 5 + 5: lost
+    budget.end_call(1, seconds=8.0, plain_steps=10, drafted=True)  # pooled: 0.9 * 4.5 + 8 = 1.27 x (0.9 * 5 + 5)
     assert budget.calls["lost"] == 0 and not budget.drafts_this_call()  # one reference so far: confirmed first
     budget.end_call(1, seconds=5.0, plain_steps=10, drafted=False)  # vanilla's step again 0.5 s: the loss stands
     gates = [budget.drafts_this_call() for _ in range(CALL_BACKOFF)]  # (the confirming call was the first)
@@ -499,9 +573,9 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls(monkeypatch):
     budget.end_call(1, seconds=5.0, plain_steps=10, drafted=False)  # (two references so far: confirmed too)
     assert [budget.drafts_this_call() for _ in range(2 * CALL_BACKOFF)] == [False] * (2 * CALL_BACKOFF - 1) + [True]
     assert budget.calls["lost"] == 2
-    budget.end_call(1, seconds=5.5, plain_steps=10, drafted=True)  # three references: a loss backs off at once
+    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=True)  # three references: a loss backs off at once
     assert budget.calls["lost"] == 3 and budget.skip_calls == 4 * CALL_BACKOFF
-    # (against the table's 1 s a plain step, the calls of 5.5 and 10 s would have read as wins)
+    # (against the table's 1 s a plain step, the calls of 8 and 10 s would have read as wins)
     pooled = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
     pooled.end_call(1, seconds=9.0, plain_steps=10, drafted=True)
     pooled.end_call(1, seconds=10.0, plain_steps=10, drafted=False)
