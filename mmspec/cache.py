@@ -132,6 +132,18 @@ class StaticKVCache:
             buf.scatter_(2, dst_idx, moved)
         self.lengths = self.lengths + num_kept
 
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` slots per row (no-op if it has them): new zeroed buffers holding the old entries.
+        Entries, lengths and slots stay where they were; only the room after them grows."""
+        if capacity <= self.capacity:
+            return
+        for buffers in (self.k, self.v):
+            for i, old in enumerate(buffers):
+                new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])  # [B, H, T', D]
+                new[:, :, : self.capacity] = old
+                buffers[i] = new
+        self.capacity = capacity
+
     def reset(self) -> None:
         self.lengths = torch.zeros_like(self.lengths)
 

@@ -46,7 +46,7 @@ from mmspec.lm import CandidatePool, GuidedRunner, PendingTokens, TokenLayout
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams, process_logits
 from mmspec.tree import DraftTree, chain_as_tree, expand_eagle2, pool_size
-from mmspec.tree_budget import ShapedTreeDrafter, TreeShape
+from mmspec.tree_budget import ShapedTreeDrafter, TreeShape, max_chain_depth
 from mmspec.verify import VerifyResult
 
 
@@ -194,6 +194,7 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
         self.width = self.pending_width()  # pending pairs: an accepted path + the final token, plain steps' pairs
         self.runner = GuidedRunner(model, guidance_scale)
         self.pending: PendingPairs | None = None
+        self.room_base = 0  # the drafter cache's capacity before the candidate pool's room (`new_drafter_cache`)
         # the target's TokenLayout, for drafters whose cache slot j holds generated token j (image drafters): the
         # children of a node at slot s are generated token s + 1 and are ranked among the tokens allowed there
         self.layout = layout
@@ -209,6 +210,24 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
 
     def begin(self, inputs: Any, state: DecodeState) -> None:
         raise NotImplementedError
+
+    def new_drafter_cache(self, rows: int, base: int):
+        """The drafter's cache for a call (set as `self.runner.cache` and returned): `base` slots (the prompt's
+        pairs the drafter keeps, the generated tokens, the pending width) plus room for a chain of the deepest
+        depth a budget may draft; the candidate pool of a tree, up to 1 + top_k + (depth - 1) top_k^2 slots (711
+        for the VLM drafters' paper tree), is added when a tree is drafted (`room_for_pool`), so calls that draft
+        chains do not allocate and zero it (the world LLaVA's drafter cache at batch 8: 3.5x as large with it). A
+        compiled drafter (static shapes) gets the full shape's pool at once, a drafter set to a tree its pool."""
+        chains = pool_size(1, max_chain_depth(self.full_shape))  # a chain of depth d: d + 1 slots from its root
+        room = self.max_pool if has_compiled_forward(self.model) else max(chains, pool_size(self.top_k, self.depth))
+        self.room_base = base
+        self.runner.cache = self.model.new_cache(rows, base + room)
+        return self.runner.cache
+
+    def room_for_pool(self, pool: int) -> None:
+        """Grow the drafter cache to hold a candidate pool of `pool` slots after `room_base` (a host-side bound: no
+        device read)."""
+        self.runner.cache.grow(self.room_base + pool)
 
     def _offset(self, trailing: int) -> int | torch.Tensor:
         """The position offset, shaped to add to [B] (trailing 0) or [B, S] (trailing 1) slots."""
@@ -256,9 +275,11 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
     def propose_tree(self, state: DecodeState) -> DraftTree:
         """EAGLE-2 expansion over a candidate pool in the drafter's cache (`mmspec.lm.CandidatePool`)."""
         runner, model = self.runner, self.model
+        size = pool_size(self.top_k, self.depth)  # the pool this shape's expansion fills (<= max_pool)
+        self.room_for_pool(size)
         root_logits, root_hidden, root_slot = self.run_pending()  # [B, V], [R, dim], [B]
-        pool = CandidatePool(root_slot, self.max_pool, runner.cache.capacity)
-        pool_features = root_hidden.new_zeros(root_hidden.shape[0], self.max_pool, root_hidden.shape[-1])  # [R,P,dim]
+        pool = CandidatePool(root_slot, size, runner.cache.capacity)
+        pool_features = root_hidden.new_zeros(root_hidden.shape[0], size, root_hidden.shape[-1])  # [R, P, dim]
         pool_features[:, 0] = root_hidden
 
         def score(tokens: torch.Tensor, ids: torch.Tensor, parent_ids: torch.Tensor, depth: int) -> torch.Tensor:

@@ -105,3 +105,14 @@ def test_select_rows_drops_finished_rows():
     cache = filled_cache([2, 5, 7])
     cache.select_rows(torch.tensor([2, 0]))
     assert cache.lengths.tolist() == [7, 2] and cache.k[0].shape[0] == 2
+
+
+def test_grow_keeps_every_entry_and_adds_zeroed_room():
+    cache = filled_cache([3, 5], capacity=8)
+    before = [t.clone() for t in cache.k + cache.v]
+    cache.grow(6)  # no-op: it has the room
+    assert cache.capacity == 8
+    cache.grow(20)
+    assert cache.capacity == 20 and cache.lengths.tolist() == [3, 5]
+    for old, new in zip(before, cache.k + cache.v):
+        assert new.shape[2] == 20 and torch.equal(new[:, :, :8], old) and not new[:, :, 8:].any()

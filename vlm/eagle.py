@@ -103,15 +103,13 @@ class VLMEagleTreeDrafter(FeatureTreeDrafter):
         return {}
 
     def begin(self, inputs: VLMInputs, state: DecodeState) -> None:
-        target, drafter = self.target, self.drafter
+        target = self.target
         lengths = inputs.lengths.to(state.done.device)  # [B]
         b, p = inputs.input_ids.shape
         features = self.target_features(b, p, "prefill")  # [B, P, H]
         embeds = target.prompt_embeds  # [B, P, H]
         check(embeds is not None and embeds.shape[:2] == (b, p), "run the target's prefill (prefill_vlm) first.")
-        capacity = p + state.max_new_tokens + self.width + self.max_pool
-        cache = drafter.new_cache(b, capacity)
-        self.runner.cache = cache
+        cache = self.new_drafter_cache(b, p + state.max_new_tokens + self.width)
         if p > 1:  # the prompt's pairs (f_j, e_{j+1}), j < P_b - 1
             slots = cache.slots(p - 1)  # [B, P-1]
             self.runner.forward(None, slots + 1, slots, features=features[:, :-1], embeds=embeds[:, 1:],
@@ -125,8 +123,7 @@ class VLMEagleTreeDrafter(FeatureTreeDrafter):
         (`pairs`: features, embeds, and `forward_cached`'s other inputs), the first keep [B] of each row committed.
         The head is not run (logits=False): the prompt pass only fills the cache."""
         b, width = positions.shape
-        cache = self.drafter.new_cache(b, width + state.max_new_tokens + self.width + self.max_pool)
-        self.runner.cache = cache
+        cache = self.new_drafter_cache(b, width + state.max_new_tokens + self.width)
         slots = cache.slots(width)  # [B, L']
         self.drafter.forward_cached(None, positions, cache, slots, cache.attention_mask(slots), logits=False, **pairs)
         self.runner.forwards += 1

@@ -189,6 +189,5 @@ class EagleTreeDrafter(FeatureTreeDrafter):
     def begin(self, inputs: Any, state: DecodeState) -> None:
         rows = state.batch_size * (2 if self.runner.uses_cfg else 1)
         prefill = self.target_features(rows, self.target.config.cls_token_num, "prefill")  # [R, C, dim]
-        capacity = self.drafter.block_size + self.width + self.max_pool
-        self.runner.cache = self.drafter.new_cache(rows, capacity)
+        self.new_drafter_cache(rows, self.drafter.block_size + self.width)
         self.pending = PendingPairs(state.last_token, prefill[:, -1], self.width)  # (f_0, img_0)

@@ -82,7 +82,7 @@ class ImageAREagleTreeDrafter(FeatureTreeDrafter):
         check(lengths is not None and lengths.shape[0] == rows, "run the target's prefill first.")
         features = self.target_features(rows, int(self.target.last_hidden.shape[1]), "prefill")  # [R, P, H]
         last = (lengths - 1).to(features.device).view(-1, 1, 1).expand(-1, -1, features.shape[-1])
-        self.runner.cache = self.drafter.new_cache(rows, state.max_new_tokens + self.width + self.max_pool)
+        self.new_drafter_cache(rows, state.max_new_tokens + self.width)
         self.pending = PendingPairs(state.last_token, features.gather(1, last)[:, 0], self.width)  # (f_0, tok_0)
 
 

@@ -97,3 +97,34 @@ def test_cached_drafter_equals_its_training_forward():
             reference = drafter(pair_embeds, features[b: b + 1, :n])  # [1, n, H]
         assert int(root_slot[b]) == n - 1
         torch.testing.assert_close(root_hidden[b], reference[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_call_drafting_chains_allocates_no_candidate_pool():
+    """The drafter cache holds the pending pairs and a chain of the deepest depth a budget may draft; a tree's
+    candidate pool is added when a tree is drafted (and the drafter set to a tree at `begin` gets it at once)."""
+    from mmspec.loop import DecodeState
+    from mmspec.tree import pool_size
+    from mmspec.tree_budget import TreeShape, max_chain_depth
+
+    model = tiny_llava(seed=5)
+    lm = LlavaCachedLM(model)
+    drafter = VLMEagleDrafter.for_target(lm)
+    rows, pixels = ROWS[:2], torch.rand(2, 3, 32, 32)
+    tree = VLMEagleTreeDrafter(drafter, lm, SamplingParams(temperature=0.0), top_k=4, depth=4, total_tokens=16)
+    target = LMTarget(lm, SamplingParams(temperature=0.0), max_new_tokens=4, prefill_fn=prefill_vlm)
+
+    def begin() -> DecodeState:
+        target.prefill(batch(rows, pixels))
+        state = DecodeState.new(2, 4, "cpu")
+        tree.begin(batch(rows, pixels), state)
+        return state
+
+    chain_room = max_chain_depth(tree.full_shape) + 1
+    tree.set_draft_size(TreeShape(1, 3, 4))
+    state = begin()
+    assert tree.runner.cache.capacity == tree.room_base + chain_room < tree.room_base + pool_size(4, 4)
+    assert tree.propose(state).num_nodes == 4
+    tree.set_draft_size(tree.full_shape)
+    assert tree.propose(state).num_nodes == 16 and tree.runner.cache.capacity == tree.room_base + pool_size(4, 4)
+    begin()  # set to the tree: its pool at once
+    assert tree.runner.cache.capacity == tree.room_base + pool_size(4, 4)
