@@ -164,6 +164,8 @@ class MeasuredSteps:
         self._estimated = (0, 0)  # this call's choices by estimate, and how many of them drafted
         self._call_tokens = 0  # the plain steps of the last call (its longest row's tokens after the first)
         self._predicted: float | None = None  # seconds the running drafted call was predicted to take
+        self._prediction: tuple[float, float] | None = None  # (begin seconds, best drafting speed) it came from
+        self._overruns: deque = deque(maxlen=STEP_SAMPLES)  # drafted calls' seconds over their predicted seconds
         self._judged: deque = deque(maxlen=STEP_SAMPLES)  # the last judged drafted calls' (seconds, plain steps)
         self._explore_next = False  # the next drafted call re-explores (`_exploring`): it follows a backoff
         self._explore_call = False  # this call re-explores
@@ -270,7 +272,7 @@ class MeasuredSteps:
         arithmetic: 33 calls in 32 / 1.7 + 1 call times). Once vanilla's step is measured, a call whose estimates say no
         drafting size beats a plain step (`_estimates_plain`) runs without the drafter too, as after a loss (backoff
         included); the drafted call after a backoff re-explores (`_exploring`). Only with measured times (`timing`)."""
-        self._predicted = None
+        self._predicted = self._prediction = None
         if self.timing and self.skip_calls > 0:
             self.skip_calls -= 1
             self.calls["without_drafter"] += 1
@@ -325,13 +327,7 @@ class MeasuredSteps:
         drafter's prompt pass alone 16% of it, and where the estimates favoured chains of 2-4 by 6-9% a step, the
         begin still made the call lose (runs/bench-vlm-s28a). `drafts_this_call` then runs it, and the backoff's
         calls, without the drafter; the call after them re-explores, so the estimates are measured again rather
-        than trusted for ever. The drafter's begin weighs in only until a drafted call has been judged: from then on
-        the calls' measured verdicts decide (`end_call`, with its margin for their spread), not a model of one call
-        made from the estimates of the moment. Calls differ by their content more than such a prediction errs: the
-        world LLaVA's drafted calls at batch 8 on this CPU ran at 0.76-1.48x of vanilla and at 0.60-1.29x of their
-        predictions, and predictions after calls that had won 1.16x on average ran the next calls without the
-        drafter again and again, auto at 0.98-1.02x where the fixed chain of 8 gave 1.14x (runs/bench-vlm-s34b,
-        s34i)."""
+        than trusted for ever."""
         if self._call_tokens <= 0:
             return False
         saved, self._tail = self._tail, (self._call_tokens, self._batch)
@@ -343,10 +339,41 @@ class MeasuredSteps:
             return True
         if plain <= 0:
             return False
-        if self.call_weights[0] > 0:  # drafted calls were judged: their verdicts decide (`end_call`)
+        self._prediction = (self.begin_seconds(), best_drafting)
+        self._predicted = (self._prediction[0] + self._call_tokens / best_drafting) * self.overrun()  # (logged)
+        if self._call_tokens / plain > self._predicted:
             return False
-        self._predicted = self.begin_seconds() + self._call_tokens / best_drafting  # (logged)
-        return self._call_tokens / plain <= self._predicted
+        if self.drafting_measurably_won():
+            log.debug("batch %d: predicted plain (%.1f ms), but the last drafted calls measurably won: drafting",
+                      self._batch, 1e3 * self._predicted)
+            return False
+        return True
+
+    def drafting_measurably_won(self) -> bool:
+        """Whether the last judged drafted calls (up to STEP_SAMPLES, at least 3) beat vanilla by more than their own
+        spread: the mean of vanilla's time for each call's steps (vanilla's step as measured now) over the call's
+        seconds, less its standard error, above 1. A call prediction (`_estimates_plain`) does not overrule such
+        calls: it is a model of one call, made from the estimates of the moment, where they are measurements of
+        several, and calls differ by their content more than a prediction's error (the world LLaVA at batch 8 on
+        this CPU: drafted calls at 0.93-1.43x of vanilla, each 0.60-1.29x of its prediction; after one call at
+        0.93x a prediction ran the next four calls without the drafter while the calls had won 1.16x on average,
+        and the fixed chain of 8 gave 1.14x against auto's 1.03x; runs/bench-vlm-s34b)."""
+        vanilla = self.vanilla_step_seconds()
+        if vanilla is None or len(self._judged) < 3:
+            return False
+        ratios = [steps * vanilla / seconds for seconds, steps in self._judged]
+        return statistics.mean(ratios) - statistics.stdev(ratios) / math.sqrt(len(ratios)) > 1.0
+
+    def overrun(self) -> float:
+        """How much longer drafted calls took than predicted: the median of the last ones' seconds over what
+        `_estimates_plain` predicted for their own steps (its begin + their steps at the best size's speed), which
+        `_estimates_plain` multiplies its prediction by; 1 before a call was predicted. The prediction leaves out
+        what a call pays beyond its best size's steady state (its first choices, sizes still explored, the batch
+        tail's last steps): the world LLaVA's drafted calls at batch 8 on this CPU took 1.01-1.41x their predictions,
+        and calls predicted at 0.71-1.00x of vanilla's time ran at 0.73-1.08x (runs/bench-vlm-s33a). A retry that
+        wins (`_exploring` calls, which are not predicted) clears them: the estimates are trusted afresh, so calls
+        that overran once are not kept plain for good."""
+        return statistics.median(self._overruns) if self._overruns else 1.0
 
     def begin_seconds(self) -> float:
         """The drafter's begin (its prompt pass) as measured: the median over the last drafted calls; 0 before one
@@ -442,6 +469,9 @@ class MeasuredSteps:
         self._drafted_since_reference += 1
         self._begins.append(begin_seconds)
         self._last_drafted.append((seconds, plain_steps))
+        if self._prediction is not None:  # what the estimates predicted for this call's own steps
+            begin, speed = self._prediction
+            self._overruns.append(seconds / (begin + plain_steps / speed))
         self._drafted_total = (self._drafted_total[0] + seconds, self._drafted_total[1] + plain_steps)
         if self.calls["unjudged"] < UNJUDGED_CALLS:
             self.calls["unjudged"] += 1
@@ -468,6 +498,8 @@ class MeasuredSteps:
             self.calls["lost"] += 1
         else:
             self.backoff = CALL_BACKOFF
+            if self._explore_call:  # a retry won: the estimates are trusted afresh (`overrun`)
+                self._overruns.clear()
         verdict = "won"
         if confirm:
             verdict = "lost, to be confirmed by a call without the drafter"

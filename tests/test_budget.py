@@ -244,6 +244,7 @@ def test_a_loss_against_one_slow_reading_of_vanilla_is_confirmed_first():
 
     assert CONFIRM_BELOW == 3
     budget = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, timing=True)
+    budget.overrun = lambda: 1.0  # (predictions as the estimates make them: `overrun` has its own test)
     assert budget.drafts_this_call()
     budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # not judged
     assert not budget.drafts_this_call()
@@ -446,6 +447,33 @@ def test_a_retry_waits_until_it_costs_a_small_share():
     assert gates == [False] * 15 + [True] and predicted.calls["predicted_plain"] == 1
 
 
+def test_a_call_prediction_does_not_overrule_drafted_calls_that_measurably_won():
+    """A call predicted plain still drafts while the last judged drafted calls beat vanilla by more than their
+    spread (mean ratio less one standard error above 1); calls that won only within their spread leave the
+    prediction in charge."""
+    def budget_after(calls: tuple[float, ...]) -> AutoBudget:
+        budget = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True)
+        budget._plain_and_best_speeds = lambda: (1.0, 1.1)  # drafting 10% faster by the estimates
+        budget.overrun = lambda: 1.0
+        assert budget.drafts_this_call()
+        budget.end_call(1, seconds=8.0, plain_steps=10, drafted=True)  # unjudged
+        assert not budget.drafts_this_call()  # the reference: 1 s a step
+        budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)
+        for seconds in calls:
+            assert budget.drafts_this_call()
+            budget.end_call(1, seconds=seconds, plain_steps=10, drafted=True)
+        assert budget.calls["lost"] == 0
+        budget.overrun = lambda: 1.25  # the next call predicted at 10 / 1.1 x 1.25 = 11.4 s against vanilla's 10
+        return budget
+
+    clear = budget_after((8.5, 9.0, 8.0))  # 1.18x on average, standard error 0.04
+    assert clear.drafting_measurably_won() and clear.drafts_this_call() and clear.calls["predicted_plain"] == 0
+    assert not budget_after((8.5, 9.0)).drafting_measurably_won()  # two calls: no spread to measure
+    close = budget_after((9.0, 10.4, 9.5))  # 1.04x on average, standard error 0.043
+    assert not close.drafting_measurably_won()
+    assert not close.drafts_this_call() and close.calls["predicted_plain"] == 1
+
+
 def test_a_loss_must_exceed_the_calls_own_spread():
     """Pooled drafted calls lose when they ran below vanilla's speed by more than a call's spread (CALL_SPREAD
     before 3 calls were judged, then their standard deviation) over the root of their effective number: one call a
@@ -489,25 +517,29 @@ def test_a_retry_is_judged_on_its_own():
     assert budget.calls["lost"] == 1 and budget.backoff == CALL_BACKOFF and budget.drafts_this_call()
 
 
-def test_a_call_prediction_stands_in_for_judged_calls_until_there_are_some():
-    """Before any drafted call is judged, a call whose prediction (the drafter's begin plus its steps at the best
-    size's speed) is slower than vanilla's runs without the drafter; once calls have been judged their verdicts
-    decide, and only estimates under which no size beats a plain step send a call plain."""
+def test_call_predictions_carry_the_overrun_drafted_calls_showed():
+    """A call's prediction (begin + its steps at the best size's speed) is multiplied by how much longer the last
+    drafted calls took than predicted (the median): calls whose pooled verdict still won but which ran past vanilla's
+    time make the next call predicted plain; a retry that wins clears the overruns."""
+    from mmspec.budget import CALL_BACKOFF
+
     budget = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True)
-    speeds = [(1.0, 1.1)]  # tokens/s: drafting 10% faster by the estimates
-    budget._plain_and_best_speeds = lambda: speeds[-1]
-    budget.end_call(1, seconds=8.0, plain_steps=10, drafted=True, begin_seconds=1.5)  # unjudged
-    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # vanilla: 1 s a step
-    assert budget._estimates_plain() and budget._predicted == pytest.approx(1.5 + 10 / 1.1)  # 10.6 s > 10 s
-    fresh = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True)
-    fresh._plain_and_best_speeds = lambda: speeds[-1]
-    fresh.end_call(1, seconds=8.0, plain_steps=10, drafted=True, begin_seconds=0.5)
-    fresh.end_call(1, seconds=10.0, plain_steps=10, drafted=False)
-    assert fresh.drafts_this_call()  # 0.5 + 9.1 s < 10 s: drafted
-    fresh.end_call(1, seconds=9.5, plain_steps=10, drafted=True, begin_seconds=3.0)  # judged: won
-    assert not fresh._estimates_plain() and fresh.drafts_this_call()  # 3 + 9.1 s, but the judged call decides
-    speeds.append((1.0, 0.9))  # no size beats a plain step now
-    assert fresh._estimates_plain() and not fresh.drafts_this_call() and fresh.calls["predicted_plain"] == 1
+    budget._plain_and_best_speeds = lambda: (1.0, 1.1)  # tokens/s: drafting 10% faster by the estimates
+    assert budget.overrun() == 1.0 and budget.drafts_this_call()
+    budget.end_call(1, seconds=8.0, plain_steps=10, drafted=True)  # unjudged, not predicted
+    assert not budget.drafts_this_call()  # the reference: 1 s a step
+    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)
+    for seconds in (8.0, 10.5, 10.8):  # predicted 10 / 1.1 = 9.09 s each; pooled, all three win
+        assert budget.drafts_this_call() and budget._predicted == pytest.approx(10 / 1.1 * budget.overrun())
+        budget.end_call(1, seconds=seconds, plain_steps=10, drafted=True)
+        assert budget.calls["lost"] == 0
+    assert budget.overrun() == pytest.approx(10.5 / (10 / 1.1))  # the median of 0.88, 1.155 and 1.188
+    assert not budget.drafts_this_call() and budget.calls["predicted_plain"] == 1  # 10.5 s predicted > 10
+    for _ in range(CALL_BACKOFF - 1):
+        assert not budget.drafts_this_call()
+    assert budget.drafts_this_call() and budget._predicted is None  # the retry explores; it is not predicted
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # and wins
+    assert budget.overrun() == 1.0 and budget.drafts_this_call()  # trusted afresh: predicted 9.09 s
 
 
 def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls(monkeypatch):
