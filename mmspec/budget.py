@@ -511,10 +511,10 @@ class MeasuredSteps:
         over vanilla's (the standard deviation over the last judged calls, CALL_SPREAD before 3 were judged) over
         the square root of the pooled calls' effective number (their decayed weights: 1 for one call, ~19 for a long
         run). One call decides little: the world LLaVA's calls at batch 8 on this CPU ran the fixed chain of 8 at
-        0.91-0.95x of vanilla on one batch of answers and 1.04-1.26x on the three others, and the budget's first
-        judged call, on the hard batch, turned drafting off where the fixed chain gave 1.07-1.16x over the job
-        (runs/bench-vlm-s34b-g); a loss by far (LlamaGen's EAGLE at batch 8: 0.76-0.81x) is acted on at once, a
-        small one once it has held over several calls."""
+        0.88-1.09x of vanilla on one batch of answers and 1.08-1.41x on the three others (1.04-1.19x over a job), and
+        the budget's first judged call, on the hard batch, turned drafting off (docs/benchmarks.md, "The call gate
+        weighs calls by their spread"); a loss by far (LlamaGen's EAGLE at batch 8: 0.76-0.81x) is acted on at once,
+        a small one once it has held over several calls."""
         weight, weight_sq = self.call_weights
         calls = weight * weight / weight_sq if weight_sq > 0 else 1.0
         vanilla = self.vanilla_step_seconds()
