@@ -131,8 +131,9 @@ def profile_path(key: str) -> Path:
 
 # changed whenever mmspec's forwards get cheaper or dearer, so tables timed by an earlier version are timed again
 # (2026-11-25: LlamaGen's rotation and SDPA's shared additive mask made LlamaGen's target about 10% faster;
-# 2026-11-27: shared-slot cache writes and the pair swap by index_select made its window steps about 7% faster)
-COSTS_REVISION = "2026-11-27"
+# 2026-11-27: shared-slot cache writes and the pair swap by index_select made its window steps about 7% faster;
+# 2026-11-28: MAR's CSpD windows are timed on a half-known canvas, 15% dearer at batch 32 than on an empty one)
+COSTS_REVISION = "2026-11-28"
 
 
 def profile_key(model: torch.nn.Module, device: torch.device | str, extra: str = "") -> str:

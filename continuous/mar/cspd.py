@@ -245,7 +245,7 @@ def window_costs(target: MARModel, draft: MARModel, run: MARRun, widths: list[in
                   "and device; cached)", file=sys.stderr, flush=True)
         return measure_forward_times(timer(model), [b], at, repeats=3, warmup=1, device=target.device)
 
-    extra = f"cspd-window|B={b}|steps={run.num_sampling_steps}|cfg={run.guidance_scale}"
+    extra = f"cspd-window|B={b}|steps={run.num_sampling_steps}|cfg={run.guidance_scale}|canvas=half"
     verify = cached_profile(profile_key(target, target.device, f"{extra}|W={widths}"), lambda: measure(target, widths))
     draft_step = cached_profile(profile_key(draft, target.device, extra), lambda: measure(draft, [1]))
     return verify, draft_step.seconds_at(b, 1)
@@ -253,11 +253,17 @@ def window_costs(target: MARModel, draft: MARModel, run: MARRun, widths: list[in
 
 def window_forward(model: MARModel, run: MARRun) -> Callable[[int], None]:
     """width -> one forward of `model` and its diffusion head over the first `width` positions of the run's orders,
-    on an empty canvas, at the run's batch, sampling steps and guidance: what a CSpD window of that width costs the
-    model (nothing is kept)."""
+    on a half-known canvas (the later half of the run's order known, the window the first `width` of the order), at
+    the run's batch, sampling steps and guidance: what a CSpD window of that width costs the model (nothing is
+    kept). Half known, as a generation's canvas is on average: MAR's encoder reads the known tokens, so an empty
+    canvas under-reads a step (the world MAR at batch 32, 50 sampling steps: a one-token window 255 ms empty, 293 ms
+    half known, 315 ms nine-tenths known, vanilla's steps 343 ms), and the call gate's lower bound of vanilla's step
+    comes from this table before a call without the drafter has measured it: a first CSpD call at 2x vanilla's
+    speed then missed the clear win that skips the reference call (docs/benchmarks.md, the ninth session)."""
     b, seq = run.labels.shape[0], model.seq_len
     tokens = torch.zeros(b, seq, model.token_channels, device=model.device, dtype=model.dtype)  # [B, L, C]
     known = torch.zeros(b, seq, dtype=torch.bool, device=model.device)  # [B, L]
+    known.scatter_(1, run.orders[:, seq - seq // 2:], True)  # the order's later half
 
     @torch.no_grad()
     def run_window(width: int) -> None:

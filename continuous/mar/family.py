@@ -67,7 +67,7 @@ PROFILE_SAMPLING_STEPS = 100  # the pipelines' default num_sampling_steps
 def profile(pipe) -> dict:
     """The target (and the draft, in a CSpD folder) as CSpD's windows run them (`window_forward`): per batch size,
     the classes 0..B-1 at the target's default guidance and CFG schedule, `PROFILE_SAMPLING_STEPS` diffusion steps a
-    token, then one forward and the head over W tokens of an empty canvas (the first W of a random order)."""
+    token, then one forward and the head over W tokens of a half-known canvas (the first W of a random order)."""
     import torch
 
     from continuous.mar.cspd import window_forward

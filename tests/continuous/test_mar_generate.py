@@ -138,3 +138,21 @@ def test_profile_times_the_windows_of_the_target_and_the_draft(folders, tmp_path
     assert len(list((tmp_path / "profiles").glob("*.json"))) == 2  # the target's table is the same model's in both
     assert main([*args, "--model", str(mar_dir), "--widths", "1,17"]) == 2
     assert "exceeds" in capsys.readouterr().err
+
+
+def test_window_costs_are_timed_on_a_half_known_canvas(folders, monkeypatch):
+    """`window_forward` (the window budget's and the profile's timing) runs a window over the first W tokens of the
+    order with the order's later half known: a generation's average canvas, which MAR's encoder reads."""
+    import torch
+
+    import continuous.mar.cspd as cspd
+    from continuous.mar.pipeline import prepare_run
+
+    pipe = CSpDPipeline.from_pretrained(folders[0])
+    run = prepare_run(pipe.target, [0, 1], None, None, 1.0, 2, 1, torch.Generator().manual_seed(0), "latent")
+    seen = []
+    monkeypatch.setattr(cspd, "sample_at", lambda model, run, tokens, known, positions, cfg: seen.append(
+        (known.sum(1).tolist(), bool(known.gather(1, positions).any()))))
+    cspd.window_forward(pipe.target, run)(3)
+    seq = pipe.target.seq_len
+    assert seen == [([seq - seq // 2] * 2, False)]
