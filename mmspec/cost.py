@@ -249,10 +249,18 @@ def feature_forward_runner(model, feature_dim: int, prefix: int, guidance_scale:
         runner.cache.lengths += prefix
         return runner
 
-    def step(runner: GuidedRunner, width: int) -> None:
+    return runner_per_batch(start, feature_pairs_step(feature_dim), max_width)
+
+
+def feature_pairs_step(feature_dim: int) -> Callable[[Any, int], None]:
+    """step(runner, width) of a feature drafter's profile (`runner_per_batch`): `width` new (token, feature) pairs a
+    row after the runner's cache, uncommitted; tokens 0 and features zeros (a forward's cost does not depend on
+    their values)."""
+
+    def step(runner, width: int) -> None:
         slots = runner.slots(width)  # [B, W]
         features = torch.zeros(runner.cache.batch_size, width, feature_dim, dtype=runner.cache.k[0].dtype,
                                device=slots.device)  # [R, W, dim]
         runner.forward(torch.zeros_like(slots), slots, slots, features=features)
 
-    return runner_per_batch(start, step, max_width)
+    return step

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
-from mmspec.cost import RunForward, lm_forward_runner, runner_per_batch
+from mmspec.cost import RunForward, feature_pairs_step, lm_forward_runner, runner_per_batch
 from mmspec.lm import GuidedRunner, LMTarget
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams
@@ -49,13 +47,7 @@ def drafter_runner(pipe, drafter, max_width: int) -> RunForward:
         loop_drafter.begin(inputs, state)
         return loop_drafter.runner
 
-    def step(runner: GuidedRunner, width: int) -> None:
-        slots = runner.slots(width)  # [B, W]
-        features = torch.zeros(runner.cache.batch_size, width, drafter.hidden_size, dtype=runner.cache.k[0].dtype,
-                               device=slots.device)  # [B, W, H]
-        runner.forward(torch.zeros_like(slots), slots, slots, features=features)
-
-    return runner_per_batch(start, step, max_width)
+    return runner_per_batch(start, feature_pairs_step(drafter.hidden_size), max_width)
 
 
 def profile_runners(pipe, folder: str | Path | None, max_width: int = 64) -> dict:
