@@ -141,7 +141,8 @@ def write_verdict(model, mode: str, ratio: float) -> None:
     cached_json(mmspec.compile.verdict_key(model, "cpu", mode), lambda: {"mode": mode, "ratio": ratio}, refresh=True)
 
 
-def test_auto_compiles_only_where_a_measured_verdict_says_it_pays(capsys):
+def test_auto_compiles_only_where_a_measured_verdict_says_it_pays(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))  # its own cache: other tests write verdicts for the same model
     pipe = dummy_pipeline()
     assert mmspec.compile.auto_compile_mode(pipe.transformer, "cpu") == (None, float("inf"))  # nothing measured
     pipe.compile_forwards("auto")
