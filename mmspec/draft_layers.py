@@ -6,7 +6,10 @@ The target never runs through here: it runs its own model's forward (`mmspec.hf_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from mmspec.attention import attend
 from mmspec.cache import StaticKVCache
@@ -24,6 +27,13 @@ def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, m
     positions = positions.expand(b, s).to(x.device)
     cos, signed_sin = rope_rotation(rotary, x, positions)  # [B, S, D] each
     cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)  # [B, 1, S, D]
+    # inference: the layers' weights as one plan each (`inference_plan`: q|k|v and gate|up one product each);
+    # autograd and torch.compile (which fuses by itself and would not trace the plan's checks) run the modules
+    if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        for i, layer in enumerate(layers):
+            plan = inference_plan(layer)
+            x = run_planned_layer(plan, x, cos, signed_sin, mask, cache, slots, first_layer_index + i, backend)
+        return x
     for i, layer in enumerate(layers):
         attn = layer.self_attn
         num_heads = attn.q_proj.out_features // attn.head_dim
@@ -39,6 +49,95 @@ def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, m
         x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, num_heads * attn.head_dim))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return x
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What an inference forward of one `LlamaDecoderLayer` reads, looked up once: head counts, the norms and the
+    activation (the layer's own modules; input_norm None for an Identity), q|k|v and gate|up concatenated
+    [(Hq + 2 Hkv) D, H] and [2F, H] (biases None where the projections have none), o and down as they are."""
+
+    key: tuple
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    input_norm: torch.nn.Module | None
+    post_norm: torch.nn.Module
+    act_fn: torch.nn.Module
+    qkv: tuple[torch.Tensor, torch.Tensor | None]
+    gate_up: tuple[torch.Tensor, torch.Tensor | None]
+    o: tuple[torch.Tensor, torch.Tensor | None]
+    down: tuple[torch.Tensor, torch.Tensor | None]
+
+
+PLAN_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
+                    ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"), ("mlp", "down_proj"))
+
+
+def plan_key(layer) -> tuple:
+    """What a plan must still match: every projection's parameters (the same objects, at the same version and
+    storage: an optimizer step, `load_state_dict` or a move changes one) and the norm and activation modules. Read
+    through the modules' own dictionaries (`nn.Module.__getattr__` costs ~0.4 us a name, and this runs every step)."""
+    modules = layer._modules
+    key = [id(modules["input_layernorm"]), id(modules["post_attention_layernorm"]), id(modules["mlp"].act_fn)]
+    for parent, name in PLAN_PROJECTIONS:
+        for tensor in modules[parent]._modules[name]._parameters.values():
+            key += (id(tensor), -1) if tensor is None else (id(tensor), tensor._version, tensor.data_ptr())
+    return tuple(key)
+
+
+def inference_plan(layer) -> LayerPlan:
+    """The layer's `LayerPlan`, kept on the layer while `plan_key` holds. The concatenated products are the same
+    (each output column is its own row's dot product; bit-identical on this CPU): one forward runs 4 products
+    where it ran 7, and a drafter's one-token step on a CPU is bound by operation count. Costs a second copy of
+    the q, k, v, gate and up weights (inference only)."""
+    key = plan_key(layer)
+    plan = layer.__dict__.get("_mmspec_plan")
+    if plan is not None and plan.key == key:
+        return plan
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def joined(*modules) -> tuple[torch.Tensor, torch.Tensor | None]:
+        biases = [m.bias for m in modules]
+        return (torch.cat([m.weight for m in modules]).detach(),
+                None if biases[0] is None else torch.cat(biases).detach())
+
+    def own(module) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return module.weight.detach(), None if module.bias is None else module.bias.detach()
+
+    norm = layer.input_layernorm
+    plan = LayerPlan(key, attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim,
+                     attn.head_dim, attn.scaling, None if isinstance(norm, torch.nn.Identity) else norm,
+                     layer.post_attention_layernorm, mlp.act_fn, joined(attn.q_proj, attn.k_proj, attn.v_proj),
+                     joined(mlp.gate_proj, mlp.up_proj), own(attn.o_proj), own(mlp.down_proj))
+    layer.__dict__["_mmspec_plan"] = plan
+    return plan
+
+
+def run_planned_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                      mask: torch.Tensor | None, cache: StaticKVCache | None, slots: torch.Tensor | None,
+                      cache_layer: int, backend: str | None) -> torch.Tensor:
+    """One decoder layer from its plan over x [B, S, H] (cos, signed_sin [B, 1, S, D]): the modules' forward,
+    with q|k|v and gate|up as one product each."""
+    b, s, _ = x.shape
+    heads, kv_heads = plan.num_heads, plan.num_kv_heads
+    h = x if plan.input_norm is None else plan.input_norm(x)
+    qkv = F.linear(h, *plan.qkv).view(b, s, heads + 2 * kv_heads, plan.head_dim).transpose(1, 2)  # [B, Hq+2Hkv, S, D]
+    q_and_k = rotate_heads(qkv[:, :heads + kv_heads], cos, signed_sin)  # [B, Hq + Hkv, S, D]
+    q, k, v = q_and_k[:, :heads], q_and_k[:, heads:], qkv[:, heads + kv_heads:]
+    if cache is not None:
+        k, v = cache.write(cache_layer, slots.expand(b, s), k, v)  # [B, Hkv, T, D]
+    out = attend(q, k, v, mask, backend=backend, scale=plan.scaling)  # [B, Hq, S, D]
+    x = x + F.linear(out.transpose(1, 2).reshape(b, s, heads * plan.head_dim), *plan.o)
+    gate, up = F.linear(plan.post_norm(x), *plan.gate_up).chunk(2, dim=-1)  # [B, S, F] each
+    return x + F.linear(plan.act_fn(gate) * up, *plan.down)
+
+
+def rotate_heads(heads: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`rotate_together`'s rotation of q and k already side by side, heads [B, Hq + Hkv, S, D] (cos, signed_sin
+    [B, 1, S, D]): no concatenation."""
+    return heads * cos + heads.roll(heads.shape[-1] // 2, dims=-1) * signed_sin
 
 
 ROPE_TABLE_POSITIONS = 8192  # positions a RoPE table holds (a larger max_position_embeddings is looked up to here)
@@ -68,8 +167,7 @@ def rotate_together(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     [B, 1, S, D]): x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, D / 2) * signed_sin (the
     same products: (-a) * b = a * (-b)), so bit-identical in 5 operations instead of 10."""
     heads = q.shape[1]
-    both = torch.cat((q, k), dim=1)  # [B, Hq + Hkv, S, D]
-    both = both * cos + both.roll(both.shape[-1] // 2, dims=-1) * signed_sin
+    both = rotate_heads(torch.cat((q, k), dim=1), cos, signed_sin)  # [B, Hq + Hkv, S, D]
     return both[:, :heads], both[:, heads:]
 
 

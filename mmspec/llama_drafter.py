@@ -28,7 +28,7 @@ from torch import nn
 from mmspec.attention.model_backend import AttentionBackendMixin
 from mmspec.cache import StaticKVCache
 from mmspec.draft_layers import run_llama_layers
-from mmspec.errors import InputError, check
+from mmspec.errors import InputError
 
 
 def rope_theta_of(text_config) -> float:
@@ -120,8 +120,8 @@ class LlamaFeatureDrafter(TargetBound, AttentionBackendMixin, ModelMixin, Config
     def fuse(self, embeds: torch.Tensor, features: torch.Tensor, direct: torch.Tensor | None = None) -> torch.Tensor:
         """fc([embeds ; features]): [R, S, H] each -> [R, S, H]; elements where direct [R, S] bool is set read
         embeds itself (no fc, no feature)."""
-        check(features.shape == embeds.shape and features.shape[-1] == self.hidden_size,
-              f"features must be target features {list(embeds.shape)}, got {list(features.shape)}.")
+        if features.shape != embeds.shape or features.shape[-1] != self.hidden_size:  # (no message built per step)
+            raise InputError(f"features must be target features {list(embeds.shape)}, got {list(features.shape)}.")
         dtype = self.fc.weight.dtype
         x = self.fc(torch.cat([embeds.to(dtype), features.to(dtype)], dim=-1))
         return x if direct is None else torch.where(direct.unsqueeze(-1), embeds.to(x.dtype), x)

@@ -62,3 +62,61 @@ def test_q_and_k_rotated_together_give_transformers_rotation(grad) -> None:
         cos, signed_sin = rope_rotation(rotary, q, positions)
         got = rotate_together(q, k, cos.unsqueeze(1), signed_sin.unsqueeze(1))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def llama_layers(bias: bool, kv_heads: int) -> tuple[torch.nn.ModuleList, LlamaRotaryEmbedding]:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, intermediate_size=96,
+                         attention_bias=bias, mlp_bias=bias, max_position_embeddings=128, num_hidden_layers=2)
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList([LlamaDecoderLayer(config, layer_idx=i) for i in range(2)])
+    if bias:  # transformers zero-initialises biases: make them count
+        for name, parameter in layers.named_parameters():
+            if name.endswith("bias"):
+                torch.nn.init.normal_(parameter)
+    return layers, LlamaRotaryEmbedding(config)
+
+
+@pytest.mark.parametrize("bias,kv_heads", [(False, 4), (True, 2)], ids=["plain", "bias-gqa"])
+def test_fused_projections_give_the_modules_numbers(bias, kv_heads) -> None:
+    """Without autograd the layers run q|k|v and gate|up as one product each (`inference_plan`): the same outputs
+    as the modules' own projections (run with autograd), through a cache as without one."""
+    from mmspec.cache import StaticKVCache
+    from mmspec.draft_layers import run_llama_layers
+
+    layers, rotary = llama_layers(bias, kv_heads)
+    x, positions = torch.randn(3, 5, 64), torch.arange(1, 6).unsqueeze(0)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril().expand(3, -1, -1)
+    want = run_llama_layers(layers, rotary, x, positions, mask).detach()
+    with torch.no_grad():
+        got = run_llama_layers(layers, rotary, x, positions, mask)
+        cache = StaticKVCache(2, 3, kv_heads, 8, 16, torch.float32, "cpu")
+        slots = cache.slots(5)
+        with cache.keys_up_to(5):
+            cached = run_llama_layers(layers, rotary, x, positions, cache.attention_mask(slots), cache=cache,
+                                      slots=slots)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(cached, want, rtol=1e-6, atol=1e-6)
+    assert "_mmspec_plan" in layers[0].__dict__
+
+
+def test_fused_projections_follow_the_weights() -> None:
+    """A weight changed in place (an optimizer step, `load_state_dict`), a weight replaced and a norm replaced each
+    give a new plan, not stale weights."""
+    from mmspec.draft_layers import run_llama_layers
+
+    layers, rotary = llama_layers(False, 4)
+    x, positions = torch.randn(1, 3, 64), torch.arange(3).unsqueeze(0)
+    mask = torch.ones(3, 3, dtype=torch.bool).tril().unsqueeze(0)
+    changes = [lambda: layers[1].self_attn.k_proj.weight.mul_(2.0), lambda: layers[0].mlp.up_proj.weight.add_(0.5),
+               lambda: setattr(layers[0].mlp.down_proj, "weight", torch.nn.Parameter(torch.randn(64, 96))),
+               lambda: setattr(layers[1], "input_layernorm", torch.nn.Identity())]
+    for change in changes:
+        with torch.no_grad():
+            before = run_llama_layers(layers, rotary, x, positions, mask)
+            change()
+            after = run_llama_layers(layers, rotary, x, positions, mask)
+        want = run_llama_layers(layers, rotary, x, positions, mask).detach()  # the modules' own projections
+        assert not torch.allclose(before, after)
+        torch.testing.assert_close(after, want, rtol=1e-6, atol=1e-6)

@@ -136,6 +136,9 @@ class CachedVLM:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = cfg.vocab_size
         self.image_token_id = image_token_id(model.config)
+        # the model's own input embedding module, looked up once (`get_input_embeddings` walks the model: 9 us, more
+        # than the lookup itself, paid by every drafted token)
+        self.input_embeddings = model.get_input_embeddings()
         self.last_hidden: torch.Tensor | None = None  # [B, S, H] post-norm features of the last forward
         self.prompt_embeds: torch.Tensor | None = None  # [B, P, H] merged input embeddings of the last prefill
 
@@ -195,7 +198,7 @@ class CachedVLM:
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         """The model's own input embeddings of token ids [B, S] -> [B, S, H] (as its forward embeds them)."""
-        return self.model.get_input_embeddings()(ids)
+        return self.input_embeddings(ids)
 
     def prompt_positions(self, inputs: VLMInputs, slots: torch.Tensor) -> torch.Tensor:
         """The rotary positions of the prompts' tokens in the model's layout (slots [B, P] = token indices)."""
@@ -330,8 +333,9 @@ def prefill_vlm(model: CachedVLM, inputs: VLMInputs, extra_capacity: int) -> tup
     cache = model.new_cache(b, p + extra_capacity)
     slots = cache.slots(p)  # [B, P] == token indices (right padding)
     positions = model.prompt_positions(inputs, slots)  # [B, P] or the model's layout ([3, B, P] for M-RoPE)
-    mask = model.prompt_mask(inputs, cache.attention_mask(slots))  # [B, P, T]
-    logits = model.forward_embeds(embeds, positions, cache, slots, mask)  # [B, P, V]
+    with cache.keys_up_to(p):  # the prompts attend over their own P slots, not the room left for the answer
+        mask = model.prompt_mask(inputs, cache.attention_mask(slots))  # [B, P, P]
+        logits = model.forward_embeds(embeds, positions, cache, slots, mask)  # [B, P, V]
     lengths = inputs.lengths.to(cache.device)  # [B]
     cache.commit_chain(lengths)
     last = (lengths - 1).view(b, 1, 1)  # model.last_hidden keeps every prompt position [B, P, H] (drafters)
