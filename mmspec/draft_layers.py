@@ -78,12 +78,16 @@ PLAN_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_att
 def plan_key(layer) -> tuple:
     """What a plan must still match: every projection's parameters (the same objects, at the same version and
     storage: an optimizer step, `load_state_dict` or a move changes one) and the norm and activation modules. Read
-    through the modules' own dictionaries (`nn.Module.__getattr__` costs ~0.4 us a name, and this runs every step)."""
+    through the modules' own dictionaries (`nn.Module.__getattr__` costs ~0.4 us a name, and this runs every step).
+    Weights made under `torch.inference_mode` keep no version: their storage and identity alone are compared."""
     modules = layer._modules
     key = [id(modules["input_layernorm"]), id(modules["post_attention_layernorm"]), id(modules["mlp"].act_fn)]
     for parent, name in PLAN_PROJECTIONS:
         for tensor in modules[parent]._modules[name]._parameters.values():
-            key += (id(tensor), -1) if tensor is None else (id(tensor), tensor._version, tensor.data_ptr())
+            if tensor is None:
+                key.append(None)
+            else:
+                key += id(tensor), -1 if tensor.is_inference() else tensor._version, tensor.data_ptr()
     return tuple(key)
 
 

@@ -120,3 +120,19 @@ def test_fused_projections_follow_the_weights() -> None:
         want = run_llama_layers(layers, rotary, x, positions, mask).detach()  # the modules' own projections
         assert not torch.allclose(before, after)
         torch.testing.assert_close(after, want, rtol=1e-6, atol=1e-6)
+
+
+def test_layers_made_under_inference_mode_run_from_a_plan() -> None:
+    """Weights created under `torch.inference_mode` track no version: the plan is keyed without it, and the
+    layers give the modules' numbers."""
+    from mmspec.draft_layers import run_llama_layers
+
+    x, positions = torch.randn(2, 4, 64), torch.arange(4).unsqueeze(0)
+    mask = torch.ones(4, 4, dtype=torch.bool).tril().expand(2, -1, -1)
+    layers, rotary = llama_layers(True, 2)
+    want = run_llama_layers(layers, rotary, x, positions, mask).detach()
+    with torch.inference_mode():
+        made, made_rotary = llama_layers(True, 2)
+        assert made[0].self_attn.q_proj.weight.is_inference()
+        got = run_llama_layers(made, made_rotary, x, positions, mask)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)

@@ -92,6 +92,7 @@ class Emu3CachedLM:
         self.text = model.model.text_model
         check_attention_support(self.text.config, "the Emu3 text model", attention_backend)
         self.model, self.backend = model, attention_backend
+        self.input_embeddings = model.get_input_embeddings()  # looked up once (the lookup walks the model)
         cfg = model.config.text_config
         self.num_layers, self.num_heads = cfg.num_hidden_layers, cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -126,7 +127,7 @@ class Emu3CachedLM:
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] -> the model's input embeddings [B, S, H]."""
-        return self.model.get_input_embeddings()(tokens.to(self.device))
+        return self.input_embeddings(tokens.to(self.device))
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Post-norm hidden states [..., H] -> logits over the whole vocabulary [..., V] float32 (the LM head)."""
