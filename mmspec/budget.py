@@ -77,6 +77,8 @@ CALL_SPREAD = 0.1  # a drafted call's speed over vanilla's varies so much from c
 STEP_SAMPLES = 9  # a size's step seconds: the median of its last this many measured steps
 STALE_AFTER = 64  # choices after a size's last measured step, its measured seconds give way to its scaled table's
 PLAIN_PROBE_EVERY = 8  # until STEP_SAMPLES plain steps are measured, every this many choices is a plain step
+LINE_MIN_SIZES = 3  # drafting sizes measured before an unmeasured one is priced by their line (`table_reading`)
+LINE_MIN_SLOPE = 0.5  # .. whose slope is at least this (a step does not cost less than half its table's)
 
 
 def call_drafts(budget) -> bool:
@@ -745,14 +747,16 @@ class AutoBudget(MeasuredSteps):
         return self.draft_seconds(batch, k) + self.verify_seconds(batch, k + 1)
 
     def seconds(self, batch: int, k: int) -> float:
-        """A step's seconds with k drafts: as measured where that size ran (timing), else the table's, scaled by
-        how the sizes that ran compare with it; a plain step at most vanilla's (`plain_choice_seconds`)."""
+        """A step's seconds with k drafts: as measured where that size ran (timing), else the table's, read by how
+        the sizes that ran compare with theirs (`table_reading`: the drafting sizes' line once three ran, else a
+        ratio); a plain step at most vanilla's (`plain_choice_seconds`)."""
         seen = self.fresh_seen()
         if k in seen:
             seconds = seen[k]
         else:
-            scale = sum(seen[s] / max(self.table_seconds(batch, s), 1e-12) for s in seen) / len(seen) if seen else 1.0
-            seconds = self.table_seconds(batch, k) * scale
+            pairs = {s: (self.table_seconds(batch, s), seen[s]) for s in seen}
+            drafted = [] if k == 0 else [pair for s, pair in pairs.items() if s != 0]
+            seconds = table_reading(list(pairs.values()), drafted)(self.table_seconds(batch, k))
         return self.plain_choice_seconds(seconds) if k == 0 else seconds
 
     def explore_size(self, batch: int) -> int:
@@ -832,6 +836,31 @@ class AutoBudget(MeasuredSteps):
         reached = (acc >= positions) & (drafted > positions) & active.unsqueeze(-1)  # [B, k]
         self.reached[:k] += reached.sum(0).double().cpu()
         self.accepted[:k] += (reached & (acc > positions)).sum(0).double().cpu()
+
+
+def table_reading(measured: Sequence[tuple[float, float]],
+                  drafted: Sequence[tuple[float, float]]) -> Callable[[float], float]:
+    """How an unmeasured size's table seconds t read as a step's seconds, from the (table, measured) seconds of the
+    sizes measured (`measured`, the plain step among them) and of the drafting ones among them (`drafted`; empty to
+    price a plain step). With LINE_MIN_SIZES drafting sizes whose table times differ by 20% or more: the
+    least-squares line a + b t through them (b >= LINE_MIN_SLOPE, a >= 0, else the line through the origin). A
+    drafted step carries work its table leaves out, partly fixed (the drafter's pass over the accepted tokens, the
+    acceptance and the budget's own) and partly in proportion (a forward in the loop runs on caches the verify has
+    just filled): the world LLaVA's EAGLE chains of 6-16 at batch 8 read their table + 2.7-5.0 ms (1.17-1.56x), and a
+    ratio alone priced a chain of 1 at 4.8 ms where it ran 5.5-7.0 ms (docs/benchmarks.md, "An auto call's steps").
+    Else, as before, the mean of the measured sizes' ratios (1 with none)."""
+    ratio = sum(s / max(t, 1e-12) for t, s in measured) / len(measured) if measured else 1.0
+    tables = [t for t, _ in drafted]
+    if len(drafted) < LINE_MIN_SIZES or max(tables) < 1.2 * min(tables):
+        return lambda t: t * ratio
+    n = len(drafted)
+    mean_t, mean_s = sum(tables) / n, sum(s for _, s in drafted) / n
+    slope = sum((t - mean_t) * (s - mean_s) for t, s in drafted) / sum((t - mean_t) ** 2 for t in tables)
+    slope = max(slope, LINE_MIN_SLOPE)
+    intercept = mean_s - slope * mean_t
+    if intercept < 0.0:
+        intercept, slope = 0.0, sum(t * s for t, s in drafted) / sum(t * t for t in tables)
+    return lambda t: intercept + slope * t
 
 
 def plain_and_best(speed: dict[int, float]) -> tuple[float, float]:
@@ -967,6 +996,8 @@ def make_budget(mode: str | None, target, drafter, rule, inputs, batch: int,
         return None
     if hasattr(drafter, "full_shape"):  # a tree drafter: its shapes are timed on the live models at the loop's start
         from mmspec.tree_budget import TreeBudget
+
+        drafter.steered_by_budget = True  # its begin keeps room for chains; a drafted tree makes its own pool's
 
         if keep is None:
             return TreeBudget(drafter.full_shape)

@@ -48,7 +48,7 @@ from typing import NamedTuple
 
 import torch
 
-from mmspec.budget import MeasuredSteps, chain_second_moments, position_rates
+from mmspec.budget import MeasuredSteps, chain_second_moments, position_rates, table_reading
 from mmspec.errors import check
 from mmspec.tree import DraftTree, pool_size
 from mmspec.verify import ChainDraft, VerifyResult, accept
@@ -173,6 +173,7 @@ class ShapedTreeDrafter(PendingRoom):
     `pending` (room for `pending_width()` tokens) and `run_pending()`."""
 
     full_shape: TreeShape
+    steered_by_budget = False  # set by `make_budget`: a budget sets each step's shape (`set_draft_size`)
 
     def pending_width(self) -> int:
         """Pending tokens a row can hold: the longest accepted path (the deepest chain) plus the final token, plus
@@ -234,11 +235,24 @@ class TreeBudget(MeasuredSteps):
     def expected_tokens(self) -> torch.Tensor:
         """E[tokens per row | shape] [S]: trees from their counted acceptance (1 for shapes never seen), chains from
         the position model (`chain_rates`), so a chain deeper than any drafted yet is valued too."""
-        expected = 1.0 + self.accepted / self.rows.clamp_min(1e-9)
+        return self.emitted_moments(with_variance=False)[0]
+
+    def emitted_moments(self, with_variance: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(E, Var)[tokens per row | shape] [S] each (`expected_tokens`, `emitted_variance`), the chains' position
+        rates computed once; Var None without `with_variance`."""
+        mean_acc = self.accepted / self.rows.clamp_min(1e-9)  # [S]
+        expected = 1.0 + mean_acc
+        var = None
+        if with_variance:
+            var = (self.accepted_sq / self.rows.clamp_min(1e-9) - mean_acc * mean_acc).clamp_min(0.0)
         if self.chains and bool((self.chain_reached > 0).any()):
-            chain = 1.0 + torch.cumsum(torch.cumprod(self.chain_rates(), 0), 0)  # [D] E[tokens | chain of depth d]
-            expected[self.chain_index] = chain[self.chain_depth - 1]
-        return expected
+            rates = self.chain_rates()  # [D]
+            chain = (1.0 + torch.cumsum(torch.cumprod(rates, 0), 0))[self.chain_depth - 1]  # [C] E[tokens | chain]
+            expected[self.chain_index] = chain
+            if with_variance:
+                second = chain_second_moments(rates)[self.chain_depth - 1]  # [C]
+                var[self.chain_index] = (second - chain * chain).clamp_min(0.0)
+        return expected, var
 
     def chain_rates(self, prior: float = 2.0) -> torch.Tensor:
         """a_j [D]: P(chain position j accepted | 1..j-1 accepted), shrunk towards the pooled rate with `prior`
@@ -248,13 +262,15 @@ class TreeBudget(MeasuredSteps):
 
     def step_seconds(self) -> torch.Tensor:
         """seconds(s) [S]: the steps of this shape as they ran (an average that follows the machine's load), else
-        the timed cost scaled by how the shapes that ran compare with their timed costs; the plain step at most
-        vanilla's (`plain_choice_seconds`)."""
+        the timed cost read by how the shapes that ran compare with their timed costs (`table_reading`: the drafting
+        shapes' line once three ran, else a ratio); the plain step at most vanilla's (`plain_choice_seconds`)."""
         check(self.costs is not None, "TreeBudget has no costs; call begin(...) or pass costs=.")
         seen = self.fresh_seen()  # (a shape not run for a while takes its scaled table time again)
-        ran = [s for s in self.shapes if s in seen]
-        scale = sum(seen[s] / self.costs[s] for s in ran) / len(ran) if ran else 1.0
-        seconds = [seen.get(s, self.costs[s] * scale) for s in self.shapes]
+        pairs = {s: (self.costs[s], seen[s]) for s in self.shapes if s in seen}
+        drafted = table_reading(list(pairs.values()), [pair for s, pair in pairs.items() if s != PLAIN])
+        seconds = [seen[s] if s in seen else drafted(self.costs[s]) for s in self.shapes]
+        if PLAIN not in seen:  # a plain step's table reads like the measured sizes' ratio, not the drafted steps' line
+            seconds[0] = table_reading(list(pairs.values()), [])(self.costs[PLAIN])
         seconds[0] = self.plain_choice_seconds(seconds[0])  # the menu starts with PLAIN
         return torch.tensor(seconds, dtype=torch.float64)
 
@@ -278,20 +294,14 @@ class TreeBudget(MeasuredSteps):
     def emitted_variance(self) -> torch.Tensor:
         """Var[tokens per row | shape] [S]: from the counted accepts' squares (0 for shapes never seen, the plain
         step), chains from the position model (as `expected_tokens`)."""
-        mean_acc = self.accepted / self.rows.clamp_min(1e-9)
-        var = (self.accepted_sq / self.rows.clamp_min(1e-9) - mean_acc * mean_acc).clamp_min(0.0)
-        if self.chains and bool((self.chain_reached > 0).any()):
-            second = chain_second_moments(self.chain_rates())[self.chain_depth - 1]  # [C]
-            expected = self.expected_tokens()[self.chain_index]  # [C]
-            var[self.chain_index] = (second - expected * expected).clamp_min(0.0)
-        return var
+        return self.emitted_moments()[1]
 
     def speeds(self) -> torch.Tensor:
         """[S] tokens per second per row, or at batch > 1 with the tokens left noted, the batch-tail speed
         (`MeasuredSteps.tail_speeds`)."""
         if self.batch_tail() is None:
             return self.throughput()
-        return self.tail_speeds(self.step_seconds(), self.expected_tokens(), self.emitted_variance())
+        return self.tail_speeds(self.step_seconds(), *self.emitted_moments())
 
     def _plain_and_best_speeds(self) -> tuple[float, float]:
         if self.costs is None:  # not timed yet: no estimate

@@ -939,3 +939,28 @@ def test_batch_steps_match_a_simulation_of_rows_drafting_chains(chain, rate, tok
     budget._new_call()  # a call that never reached `end_call` leaves nothing to the next
     budget.end_call(4, seconds=1.0, plain_steps=10, drafted=True)
     assert budget.row_spread() == 0.0
+
+
+def test_an_unmeasured_size_reads_its_table_by_the_drafting_sizes_line():
+    """Once three drafting sizes ran, an unmeasured one is priced on their least-squares line (a drafted step's
+    extra work is partly fixed: a ratio under-priced short chains); with fewer, by the measured sizes' mean ratio;
+    an unmeasured plain step always by the ratio. Chain and tree budgets alike."""
+    from mmspec.budget import table_reading
+
+    line = table_reading([(2.0, 1.0), (4.0, 7.0), (6.0, 9.0), (8.0, 11.0)], [(4.0, 7.0), (6.0, 9.0), (8.0, 11.0)])
+    assert line(1.0) == pytest.approx(4.0)  # table + 3 s
+    two = table_reading([(4.0, 7.0), (8.0, 11.0)], [(4.0, 7.0), (8.0, 11.0)])
+    assert two(1.0) == pytest.approx((7.0 / 4.0 + 11.0 / 8.0) / 2.0)  # a ratio
+    flat = table_reading([(4.0, 4.0), (5.0, 9.0), (6.0, 6.0)], [(4.0, 4.0), (5.0, 9.0), (6.0, 6.0)])
+    assert flat(10.0) >= 0.5 * 10.0  # the slope is bounded below
+    budget = AutoBudget([0, 1, 2, 4, 8], verify_seconds=lambda b, n: float(n), warmup=0, timing=True)
+    for k in (2, 4, 8):
+        budget._note_seconds(k, k + 1.0 + 3.0)  # its table (k + 1 s) + 3 s
+    assert budget.seconds(1, 1) == pytest.approx(2.0 + 3.0)
+    assert budget.seconds(1, 0) == pytest.approx(1.0 * (6.0 / 3.0 + 8.0 / 5.0 + 12.0 / 9.0) / 3.0)  # the ratio
+    shapes = [PLAIN] + [TreeShape(1, d, d + 1) for d in (1, 2, 4, 8)]
+    costs = {shape: float(shape.total) for shape in shapes}
+    tree = TreeBudget(shapes[-1], shapes, warmup=0, refresh_every=0, costs=costs, timing=True)
+    for shape in shapes[2:]:
+        tree._note_seconds(shape, costs[shape] + 3.0)
+    assert tree.step_seconds()[1].item() == pytest.approx(2.0 + 3.0)  # the chain of 1 on the line
