@@ -16,10 +16,10 @@ in a long window), E[tokens | k] blends that position model with the mean tokens
 k; drafters that say so (`budget_options`: Jacobi) are valued by that mean alone once a size has run, and keep a
 choice for a few steps. seconds(k) starts from the measured tables and becomes each size's own measured step time
 once it has run (the drafter's bookkeeping and the machine's load included), until it has not run for STALE_AFTER
-choices (then its table's again, scaled like the sizes measured since: `fresh_seen`). The first `warmup` steps draft the
-largest size that costs at most `explore_cost` plain steps (the method's configured size where drafting is cheap),
-so the rates are learnt without paying for a size this device cannot afford; after that the choice is the best
-estimate (no random exploration), with the warm-up size again at refresh steps.
+choices (then its table's again, read like the sizes measured since: `fresh_seen`, `table_reading`). The first
+`warmup` steps draft the largest size that costs at most `explore_cost` plain steps (the method's configured size
+where drafting is cheap), so the rates are learnt without paying for a size this device cannot afford; after that the
+choice is the best estimate (no random exploration), with the warm-up size again at refresh steps.
 
 At batch > 1 a call lasts as long as its slowest row, and drafting makes rows diverge (plain steps keep them
 together): with the tokens left known (`note_rows_left`, which the loop calls before each choice), sizes are
