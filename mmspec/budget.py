@@ -332,11 +332,7 @@ class MeasuredSteps:
         than trusted for ever."""
         if self._call_tokens <= 0:
             return False
-        saved, self._tail = self._tail, (self._call_tokens, self._batch)
-        try:
-            plain, best_drafting = self._plain_and_best_speeds()
-        finally:
-            self._tail = saved
+        plain, best_drafting = self._call_speeds(self._call_tokens, self._batch)
         if best_drafting <= plain:
             return True
         if plain <= 0:
@@ -344,6 +340,15 @@ class MeasuredSteps:
         self._prediction = (self.begin_seconds(), best_drafting)
         self._predicted = (self._prediction[0] + self._call_tokens / best_drafting) * self.overrun()  # (logged)
         return self._call_tokens / plain * (1.0 + self.prediction_error()) <= self._predicted
+
+    def _call_speeds(self, tokens: int, batch: int) -> tuple[float, float]:
+        """(plain, best drafting) speeds by the current estimates for a call whose longest row emits `tokens` with
+        every row of `batch` active (the batch tail)."""
+        saved, self._tail = self._tail, (tokens, batch)
+        try:
+            return self._plain_and_best_speeds()
+        finally:
+            self._tail = saved
 
     def prediction_error(self) -> float:
         """How far call predictions have erred: the standard deviation of the last drafted calls' overruns (their
@@ -356,9 +361,12 @@ class MeasuredSteps:
         return statistics.stdev(self._overruns) if len(self._overruns) >= 3 else CALL_SPREAD
 
     def overrun(self) -> float:
-        """How much longer drafted calls took than predicted: the median of the last ones' seconds over what
-        `_estimates_plain` predicted for their own steps (its begin + their steps at the best size's speed), which
-        `_estimates_plain` multiplies its prediction by; 1 before a call was predicted. The prediction leaves out
+        """How much longer drafted calls took than their estimates say: the median of the last predicted ones'
+        seconds over their own begin plus their steps at the best size's speed as the estimates read at the call's
+        end, its steps measured (so a load that came or went during a call shows once, in the step times, not again
+        here: LlamaGen's SJD on this CPU ran one call at 0.92x under a passing load, 1.74x its prediction, and with
+        the slow steps counted twice the next four calls ran without the drafter; runs/bench-llamagen-s35o), which
+        `_estimates_plain` multiplies its prediction by; 1 before a call was predicted. The estimates leave out
         what a call pays beyond its best size's steady state (its first choices, sizes still explored, the batch
         tail's last steps): the world LLaVA's drafted calls at batch 8 on this CPU took 1.01-1.41x their predictions,
         and calls predicted at 0.71-1.00x of vanilla's time ran at 0.73-1.08x (runs/bench-vlm-s33a). A retry that
@@ -460,9 +468,10 @@ class MeasuredSteps:
         self._drafted_since_reference += 1
         self._begins.append(begin_seconds)
         self._last_drafted.append((seconds, plain_steps))
-        if self._prediction is not None:  # what the estimates predicted for this call's own steps
-            begin, speed = self._prediction
-            self._overruns.append(seconds / (begin + plain_steps / speed))
+        if self._prediction is not None:  # against what the estimates, now holding this call's steps, say it took
+            speed = self._call_speeds(plain_steps, batch)[1]
+            speed = speed if speed > 0 else self._prediction[1]
+            self._overruns.append(seconds / (begin_seconds + plain_steps / speed))
         self._drafted_total = (self._drafted_total[0] + seconds, self._drafted_total[1] + plain_steps)
         if self.calls["unjudged"] < UNJUDGED_CALLS:
             self.calls["unjudged"] += 1

@@ -964,3 +964,18 @@ def test_an_unmeasured_size_reads_its_table_by_the_drafting_sizes_line():
     for shape in shapes[2:]:
         tree._note_seconds(shape, costs[shape] + 3.0)
     assert tree.step_seconds()[1].item() == pytest.approx(2.0 + 3.0)  # the chain of 1 on the line
+
+
+def test_a_calls_overrun_is_read_against_its_own_measured_steps():
+    """A predicted call is compared, at its end, with its own begin plus its steps at the best size's speed as the
+    estimates then read them (its steps measured): a call slowed by a passing load, whose steps read as slow, does
+    not also count as an overrun (which would multiply the next predictions by the same slowdown)."""
+    budget = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True)
+    speeds = {"now": (1.0, 1.1)}
+    budget._plain_and_best_speeds = lambda: speeds["now"]
+    budget.end_call(1, seconds=8.0, plain_steps=10, drafted=True)  # unjudged, not predicted
+    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # the reference
+    assert budget.drafts_this_call() and budget._predicted == pytest.approx(10 / 1.1)
+    speeds["now"] = (1.0, 0.55)  # the call's steps ran at half speed, and the estimates now say so
+    budget.end_call(1, seconds=10 / 0.55 + 0.5, plain_steps=10, drafted=True, begin_seconds=0.5)
+    assert budget.overrun() == pytest.approx(1.0)  # not 2.05: the slowdown is in the step times already
