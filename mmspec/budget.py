@@ -352,12 +352,12 @@ class MeasuredSteps:
 
     def prediction_error(self) -> float:
         """How far call predictions have erred: the standard deviation of the last drafted calls' overruns (their
-        seconds over their predictions, `overrun`), CALL_SPREAD before 3 were measured. A call is predicted plain
-        only where its prediction exceeds vanilla's time by more than this: where the overruns are steady, as on
-        the world LLaVA at batch 32 on this CPU (drafted calls 1.15-1.3x their predictions), the corrected
-        prediction is trusted; where they scatter with the calls' content, as at batch 8 (0.60-1.29x, while the
-        calls won 1.16x on average), one call's overrun would run the next calls without the drafter again and
-        again (auto at 0.96-1.05x where the fixed chain of 8 gave 1.08-1.16x; runs/bench-vlm-s34b, s34i)."""
+        seconds over what the estimates say they took, `overrun`), CALL_SPREAD before 3 were measured. A call is
+        predicted plain only where its prediction exceeds vanilla's time by more than this: where the overruns are
+        steady, as on the world LLaVA at batch 32 on this CPU (drafted calls 1.15-1.3x their predictions), the
+        corrected prediction is trusted; where they scatter with the calls' content, as at batch 8 (0.60-1.29x,
+        while the calls won 1.16x on average), one call's overrun would run the next calls without the drafter again
+        and again (auto at 0.96-1.05x where the fixed chain of 8 gave 1.08-1.16x; runs/bench-vlm-s34b, s34i)."""
         return statistics.stdev(self._overruns) if len(self._overruns) >= 3 else CALL_SPREAD
 
     def overrun(self) -> float:

@@ -267,8 +267,8 @@ class TreeBudget(MeasuredSteps):
         check(self.costs is not None, "TreeBudget has no costs; call begin(...) or pass costs=.")
         seen = self.fresh_seen()  # (a shape not run for a while takes its scaled table time again)
         pairs = {s: (self.costs[s], seen[s]) for s in self.shapes if s in seen}
-        drafted = table_reading(list(pairs.values()), [pair for s, pair in pairs.items() if s != PLAIN])
-        seconds = [seen[s] if s in seen else drafted(self.costs[s]) for s in self.shapes]
+        read_drafting = table_reading(list(pairs.values()), [pair for s, pair in pairs.items() if s != PLAIN])
+        seconds = [seen[s] if s in seen else read_drafting(self.costs[s]) for s in self.shapes]
         if PLAIN not in seen:  # a plain step's table reads like the measured sizes' ratio, not the drafted steps' line
             seconds[0] = table_reading(list(pairs.values()), [])(self.costs[PLAIN])
         seconds[0] = self.plain_choice_seconds(seconds[0])  # the menu starts with PLAIN
