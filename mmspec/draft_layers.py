@@ -29,26 +29,34 @@ def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, m
     cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)  # [B, 1, S, D]
     # inference: the layers' weights as one plan each (`inference_plan`: q|k|v and gate|up one product each);
     # autograd and torch.compile (which fuses by itself and would not trace the plan's checks) run the modules
-    if not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        for i, layer in enumerate(layers):
-            plan = inference_plan(layer)
-            x = run_planned_layer(plan, x, cos, signed_sin, mask, cache, slots, first_layer_index + i, backend)
-        return x
+    planned = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
     for i, layer in enumerate(layers):
-        attn = layer.self_attn
-        num_heads = attn.q_proj.out_features // attn.head_dim
-        num_kv_heads = attn.k_proj.out_features // attn.head_dim
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(b, s, num_heads, attn.head_dim).transpose(1, 2)  # [B, Hq, S, D]
-        k = attn.k_proj(h).view(b, s, num_kv_heads, attn.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
-        v = attn.v_proj(h).view(b, s, num_kv_heads, attn.head_dim).transpose(1, 2)
-        q, k = rotate_together(q, k, cos, signed_sin)
-        if cache is not None:
-            k, v = cache.write(first_layer_index + i, slots.expand(b, s), k, v)  # [B, Hkv, T, D]
-        out = attend(q, k, v, mask, backend=backend, scale=attn.scaling)  # [B, Hq, S, D]
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, num_heads * attn.head_dim))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        plan = inference_plan(layer) if planned else None
+        if plan is not None:
+            x = run_planned_layer(plan, x, cos, signed_sin, mask, cache, slots, first_layer_index + i, backend)
+        else:
+            x = run_module_layer(layer, x, cos, signed_sin, mask, cache, slots, first_layer_index + i, backend)
     return x
+
+
+def run_module_layer(layer, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, mask: torch.Tensor | None,
+                     cache: StaticKVCache | None, slots: torch.Tensor | None, cache_layer: int,
+                     backend: str | None) -> torch.Tensor:
+    """One `LlamaDecoderLayer` over x [B, S, H] (cos, signed_sin [B, 1, S, D]) through its own modules' forwards."""
+    b, s, _ = x.shape
+    attn = layer.self_attn
+    num_heads = attn.q_proj.out_features // attn.head_dim
+    num_kv_heads = attn.k_proj.out_features // attn.head_dim
+    h = layer.input_layernorm(x)
+    q = attn.q_proj(h).view(b, s, num_heads, attn.head_dim).transpose(1, 2)  # [B, Hq, S, D]
+    k = attn.k_proj(h).view(b, s, num_kv_heads, attn.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+    v = attn.v_proj(h).view(b, s, num_kv_heads, attn.head_dim).transpose(1, 2)
+    q, k = rotate_together(q, k, cos, signed_sin)
+    if cache is not None:
+        k, v = cache.write(cache_layer, slots.expand(b, s), k, v)  # [B, Hkv, T, D]
+    out = attend(q, k, v, mask, backend=backend, scale=attn.scaling)  # [B, Hq, S, D]
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, num_heads * attn.head_dim))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 @dataclass(frozen=True)
@@ -57,7 +65,6 @@ class LayerPlan:
     activation (the layer's own modules; input_norm None for an Identity), q|k|v and gate|up concatenated
     [(Hq + 2 Hkv) D, H] and [2F, H] (biases None where the projections have none), o and down as they are."""
 
-    key: tuple
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -76,14 +83,17 @@ PLAN_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_att
 
 
 def plan_key(layer) -> tuple:
-    """What a plan must still match: every projection's parameters (the same objects, at the same version and
-    storage: an optimizer step, `load_state_dict` or a move changes one) and the norm and activation modules. Read
-    through the modules' own dictionaries (`nn.Module.__getattr__` costs ~0.4 us a name, and this runs every step).
-    Weights made under `torch.inference_mode` keep no version: their storage and identity alone are compared."""
+    """What a plan must still match: every projection module and its parameters (the same objects, at the same
+    version and storage: an optimizer step, `load_state_dict` or a move changes one) and the norm and activation
+    modules. Read through the modules' own dictionaries (`nn.Module.__getattr__` costs ~0.4 us a name, and this runs
+    every step). Weights made under `torch.inference_mode` keep no version: their storage and identity alone are
+    compared."""
     modules = layer._modules
     key = [id(modules["input_layernorm"]), id(modules["post_attention_layernorm"]), id(modules["mlp"].act_fn)]
     for parent, name in PLAN_PROJECTIONS:
-        for tensor in modules[parent]._modules[name]._parameters.values():
+        projection = modules[parent]._modules[name]
+        key.append(id(projection))
+        for tensor in projection._parameters.values():
             if tensor is None:
                 key.append(None)
             else:
@@ -91,16 +101,20 @@ def plan_key(layer) -> tuple:
     return tuple(key)
 
 
-def inference_plan(layer) -> LayerPlan:
-    """The layer's `LayerPlan`, kept on the layer while `plan_key` holds. The concatenated products are the same
-    (each output column is its own row's dot product; bit-identical on this CPU): one forward runs 4 products
-    where it ran 7, and a drafter's one-token step on a CPU is bound by operation count. Costs a second copy of
-    the q, k, v, gate and up weights (inference only)."""
+def inference_plan(layer) -> LayerPlan | None:
+    """The layer's `LayerPlan`, kept on the layer while `plan_key` holds; None (the modules' own forwards) where a
+    projection is not a plain `nn.Linear` (a wrapped or adapted one computes more than its weight). The concatenated
+    products are the same (each output column is its own row's dot product; bit-identical on this CPU): one
+    forward runs 4 products where it ran 7, and a drafter's one-token step on a CPU is bound by operation count.
+    Costs a second copy of the q, k, v, gate and up weights (inference only)."""
     key = plan_key(layer)
-    plan = layer.__dict__.get("_mmspec_plan")
-    if plan is not None and plan.key == key:
-        return plan
+    cached = layer.__dict__.get("_mmspec_plan")
+    if cached is not None and cached[0] == key:
+        return cached[1]
     attn, mlp = layer.self_attn, layer.mlp
+    if any(type(getattr(layer, parent)._modules[name]) is not torch.nn.Linear for parent, name in PLAN_PROJECTIONS):
+        layer.__dict__["_mmspec_plan"] = (key, None)
+        return None
 
     def joined(*modules) -> tuple[torch.Tensor, torch.Tensor | None]:
         biases = [m.bias for m in modules]
@@ -111,11 +125,11 @@ def inference_plan(layer) -> LayerPlan:
         return module.weight.detach(), None if module.bias is None else module.bias.detach()
 
     norm = layer.input_layernorm
-    plan = LayerPlan(key, attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim,
+    plan = LayerPlan(attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim,
                      attn.head_dim, attn.scaling, None if isinstance(norm, torch.nn.Identity) else norm,
                      layer.post_attention_layernorm, mlp.act_fn, joined(attn.q_proj, attn.k_proj, attn.v_proj),
                      joined(mlp.gate_proj, mlp.up_proj), own(attn.o_proj), own(mlp.down_proj))
-    layer.__dict__["_mmspec_plan"] = plan
+    layer.__dict__["_mmspec_plan"] = (key, plan)
     return plan
 
 

@@ -98,7 +98,7 @@ def test_fused_projections_give_the_modules_numbers(bias, kv_heads) -> None:
                                       slots=slots)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(cached, want, rtol=1e-6, atol=1e-6)
-    assert "_mmspec_plan" in layers[0].__dict__
+    assert layers[0].__dict__["_mmspec_plan"][1] is not None
 
 
 def test_fused_projections_follow_the_weights() -> None:
@@ -136,3 +136,29 @@ def test_layers_made_under_inference_mode_run_from_a_plan() -> None:
         assert made[0].self_attn.q_proj.weight.is_inference()
         got = run_llama_layers(made, made_rotary, x, positions, mask)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_a_wrapped_projection_runs_through_its_own_module() -> None:
+    """A projection that is not a plain `nn.Linear` (an adapter adding to its weight's product) gets no plan: the
+    layers run the modules' own forwards, adapter included, and a plain one put back is planned again."""
+    from mmspec.draft_layers import run_llama_layers
+
+    class Adapted(torch.nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return super().forward(x) + 1.0
+
+    layers, rotary = llama_layers(False, 4)
+    x, positions = torch.randn(1, 3, 64), torch.arange(3).unsqueeze(0)
+    mask = torch.ones(3, 3, dtype=torch.bool).tril().unsqueeze(0)
+    plain = layers[0].mlp.up_proj
+    adapted = Adapted(64, 96, bias=False)
+    adapted.weight = plain.weight
+    layers[0].mlp.up_proj = adapted
+    want = run_llama_layers(layers, rotary, x, positions, mask).detach()
+    with torch.no_grad():
+        got = run_llama_layers(layers, rotary, x, positions, mask)
+        assert layers[0].__dict__["_mmspec_plan"][1] is None and layers[1].__dict__["_mmspec_plan"][1] is not None
+        layers[0].mlp.up_proj = plain
+        back = run_llama_layers(layers, rotary, x, positions, mask)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(back, got) and layers[0].__dict__["_mmspec_plan"][1] is not None
