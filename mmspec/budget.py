@@ -822,11 +822,18 @@ class AutoBudget(MeasuredSteps):
         """Record a chain step's verdicts: position j (1-based) was reached by rows that drafted >= j and accepted
         j - 1, and accepted by those that accepted >= j (per-size mode: not the first `uncounted_after_change` steps
         after a change, nor, with `count_once_refilled`, those before the rows emitted as many tokens as the size)."""
-        rows, last = float(active.sum()), self._last
+        last = self._last
         if last:
             self.note_row_accepts(result.num_accepted, active)
-        emitted = (result.num_emitted * active).double()  # [B]
-        total = float(emitted.sum())
+        on = active.double()  # [B]
+        emitted = result.num_emitted.double() * on  # [B]
+        k = min(result.accepted_flags.shape[1], self.reached.shape[0])
+        positions = torch.arange(k, device=result.num_accepted.device)  # [k] 0-based j - 1
+        acc, drafted = result.num_accepted.unsqueeze(-1), result.num_drafted.unsqueeze(-1)  # [B, 1]
+        reached = (acc >= positions) & (drafted > positions) & active.unsqueeze(-1)  # [B, k]
+        counted = torch.stack([reached, reached & (acc > positions)]).sum(1).flatten()  # [2k] reached, accepted
+        sums = torch.cat([torch.stack([on, emitted, emitted * emitted]).sum(1), counted]).cpu()  # [3 + 2k] float64
+        rows, total, total_sq = sums[:3].tolist()  # (the step's one read of the device: the transfer above)
         if self.per_size and last:
             refilled = self._emitted_since_change >= last
             self._emitted_since_change += total / max(rows, 1.0)  # tokens per active row
@@ -836,15 +843,10 @@ class AutoBudget(MeasuredSteps):
         keep = self.decay if self.per_size else 1.0
         self.rows_at[last] = self.rows_at.get(last, 0.0) * keep + rows
         self.emitted_at[last] = self.emitted_at.get(last, 0.0) * keep + total
-        self.emitted_sq_at[last] = self.emitted_sq_at.get(last, 0.0) * keep + float((emitted * emitted).sum())
-        k = min(result.accepted_flags.shape[1], self.reached.shape[0])
-        if k == 0:
-            return
-        positions = torch.arange(k, device=result.num_accepted.device)  # [k] 0-based j - 1
-        acc, drafted = result.num_accepted.unsqueeze(-1), result.num_drafted.unsqueeze(-1)  # [B, 1]
-        reached = (acc >= positions) & (drafted > positions) & active.unsqueeze(-1)  # [B, k]
-        self.reached[:k] += reached.sum(0).double().cpu()
-        self.accepted[:k] += (reached & (acc > positions)).sum(0).double().cpu()
+        self.emitted_sq_at[last] = self.emitted_sq_at.get(last, 0.0) * keep + total_sq
+        if k:
+            self.reached[:k] += sums[3: 3 + k]
+            self.accepted[:k] += sums[3 + k:]
 
 
 def table_reading(measured: Sequence[tuple[float, float]],

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import math
 import sys
+from functools import lru_cache
 from typing import NamedTuple
 
 import torch
@@ -105,6 +106,13 @@ def tree_menu(full: TreeShape) -> list[TreeShape]:
     return [PLAIN, *chains, *trees]
 
 
+@lru_cache(maxsize=256)
+def constant_on(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A small constant vector made once per device and kept (read only): on a GPU, a host list copied in every
+    step waits for the device like a read of it."""
+    return torch.tensor(values, device=device)
+
+
 def counterfactual_accepts(tree: DraftTree, path: torch.Tensor, shapes: list[TreeShape]) -> torch.Tensor:
     """Drafts each row would have accepted under each shape: the leading nodes of the accepted path (path [B, W]
     node indices, root first, -1 padded) that the shape's tree holds. Needs `tree.scores`. Returns [B, S] long."""
@@ -112,7 +120,7 @@ def counterfactual_accepts(tree: DraftTree, path: torch.Tensor, shapes: list[Tre
     device = tree.tokens.device
     if tree.is_chain:  # a chain shows chains only (its tree columns are never counted): its accepted drafts
         accepted = (path[:, 1:] >= 0).sum(-1, keepdim=True)  # [B, 1]
-        depths = torch.tensor([shape.depth if shape.top_k == 1 else 0 for shape in shapes], device=device)  # [S]
+        depths = constant_on(tuple(shape.depth if shape.top_k == 1 else 0 for shape in shapes), device)  # [S]
         return torch.minimum(accepted, depths)  # [B, S]
     nodes = path[:, 1:]  # [B, W-1] u_1..u_k
     on_path = nodes >= 0
@@ -139,7 +147,7 @@ def counterfactual_accepts(tree: DraftTree, path: torch.Tensor, shapes: list[Tre
         rank = (beats & shallow).sum(-1).gather(1, at)  # [B, W-1] rank among the drafted nodes of depth <= d
         rank = torch.where(on_path & (depth_on_path <= depth), rank, n)  # off the path or too deep: never inside
         worst = rank.cummax(-1).values  # [B, W-1] the worst rank of each leading part of the path
-        kept = torch.tensor([shapes[s].total - 1 for s in columns], device=device)  # [C] drafted nodes kept
+        kept = constant_on(tuple(shapes[s].total - 1 for s in columns), device)  # [C] drafted nodes kept
         out[:, columns] = (worst.unsqueeze(-1) < kept).sum(1)  # [B, C] leading path nodes inside each tree
     return out
 
@@ -350,20 +358,25 @@ class TreeBudget(MeasuredSteps):
         self.note_row_accepts(result.num_accepted, active)
         covered = self.shows[self._last]  # [S]
         counts = counterfactual_accepts(draft, result.accepted_nodes, self.shapes)  # [B, S]
-        rows = active.unsqueeze(-1)
-        self.accepted = torch.where(covered, self.accepted * self.decay + (counts * rows).sum(0).double().cpu(),
-                                    self.accepted)
-        self.rows = torch.where(covered, self.rows * self.decay + float(active.sum()), self.rows)
-        self.accepted_sq = torch.where(covered, self.accepted_sq * self.decay
-                                       + (counts * counts * rows).sum(0).double().cpu(), self.accepted_sq)
+        rows = active.unsqueeze(-1)  # [B, 1]
+        parts = [(counts * rows).sum(0).double(), (counts * counts * rows).sum(0).double(),
+                 active.sum().double().view(1)]  # [S], [S], [1]
         depth = self._last.depth  # the deepest chain the step contains: its positions 1..depth
-        if depth in self.chains:
-            accepted = counts[:, self.chains[depth]][active].unsqueeze(-1)  # [b, 1]
+        chain = depth in self.chains
+        if chain:
+            accepted = counts[:, self.chains[depth]].unsqueeze(-1)  # [B, 1]
             positions = torch.arange(1, depth + 1, device=accepted.device)  # [depth]
-            reached = (accepted >= positions - 1).sum(0).double().cpu()  # [depth]
+            parts += [((accepted >= positions - 1) & rows).sum(0).double(),
+                      ((accepted >= positions) & rows).sum(0).double()]  # [depth] reached, [depth] accepted
+        sums = torch.cat(parts).cpu()  # the step's one read of the device
+        n = len(self.shapes)
+        self.accepted = torch.where(covered, self.accepted * self.decay + sums[:n], self.accepted)
+        self.rows = torch.where(covered, self.rows * self.decay + sums[2 * n], self.rows)
+        self.accepted_sq = torch.where(covered, self.accepted_sq * self.decay + sums[n: 2 * n], self.accepted_sq)
+        if chain:
+            reached, accepted = sums[2 * n + 1: 2 * n + 1 + depth], sums[2 * n + 1 + depth:]
             self.chain_reached[:depth] = self.chain_reached[:depth] * self.decay + reached
-            self.chain_accepted[:depth] = (self.chain_accepted[:depth] * self.decay
-                                           + (accepted >= positions).sum(0).double().cpu())
+            self.chain_accepted[:depth] = self.chain_accepted[:depth] * self.decay + accepted
 
     # ---------------------------------------------------------------------------------------------- costs
     def begin(self, target, drafter, state, rule) -> None:

@@ -10,6 +10,7 @@ from mmspec.budget import CALL_BACKOFF, AutoBudget
 from mmspec.jacobi import JacobiDrafter
 from mmspec.lm import DraftModelDrafter, LMTarget, NoDrafter, TreeModelDrafter
 from mmspec.loop import DecodeState, generate
+from mmspec.phases import record_phases
 from mmspec.sampling import SamplingParams
 from mmspec.testing.budgets import CyclingBudget
 from mmspec.testing.distributions import empirical_distribution, tv_distance, tv_tolerance
@@ -979,3 +980,35 @@ def test_a_calls_overrun_is_read_against_its_own_measured_steps():
     speeds["now"] = (1.0, 0.55)  # the call's steps ran at half speed, and the estimates now say so
     budget.end_call(1, seconds=10 / 0.55 + 0.5, plain_steps=10, drafted=True, begin_seconds=0.5)
     assert budget.overrun() == pytest.approx(1.0)  # not 2.05: the slowdown is in the step times already
+
+
+def test_a_budgets_observe_reads_the_step_in_one_transfer():
+    """On a GPU every read of a device value waits for the device: a step's observe gathers its sums on the device
+    and reads them in one transfer, never value by value (the H200 runs, docs/benchmarks.md)."""
+    chain = AutoBudget(range(5), verify_seconds=lambda b, n: 1.0, prior_strength=1e-9)
+    with record_phases(count_ops=True) as reads:  # reads.syncs: float(), int(), bool() of a tensor (not .tolist())
+        chain.observe(result([0, 2, 4, 1], [4, 4, 4, 4]), torch.ones(4, dtype=torch.bool))
+    assert not reads.syncs
+    assert chain.reached.tolist() == [4, 3, 2, 1] and chain.accepted.tolist() == [3, 2, 1, 1]
+    assert chain.rows_at[0] == 4 and chain.emitted_at[0] == 11 and chain.emitted_sq_at[0] == 1 + 9 + 25 + 4
+
+    v, full = 12, TreeShape(3, 4, 20)
+    target = LMTarget(toy_model(seed=0, vocab_size=v), SamplingParams(temperature=0), 6, max_draft_nodes=20)
+    drafter = TreeModelDrafter(toy_model(seed=1, vocab_size=v), top_k=3, depth=4, total_tokens=20)
+    prompt = torch.randint(0, v, (6, 4), generator=torch.Generator().manual_seed(2))
+    state = DecodeState.new(6, 6, "cpu")
+    state.last_token = target.prefill(prompt)[:, 0].argmax(-1)
+    drafter.begin(prompt, state)
+    tree = drafter.propose(state)
+    res = accept("lossless", tree, target.verify(state, tree), None)
+    active = torch.tensor([True, True, False, True, True, True])
+    budget = TreeBudget(full, costs={s: 1.0 for s in tree_menu(full)}, warmup=1, refresh_every=0, timing=False)
+    assert budget.choose(6) == full
+    with record_phases(count_ops=True) as reads:
+        budget.observe(res, active, tree)
+    assert not reads.syncs
+    covered = budget.shows[full]  # [S] the shapes the drafted tree contains
+    counts = counterfactual_accepts(tree, res.accepted_nodes, budget.shapes)[active] * covered  # [5, S]
+    assert budget.accepted.tolist() == counts.sum(0).double().tolist() and counts.sum() > 0
+    assert budget.accepted_sq.tolist() == (counts * counts).sum(0).double().tolist()
+    assert budget.rows.tolist() == (5.0 * covered).tolist()

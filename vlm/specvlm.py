@@ -226,40 +226,39 @@ def specvlm_layout(drafter: VLMSpecVLMDrafter, input_ids: torch.Tensor, embeds: 
     is_image = input_ids == image_token_id
     start, run_length = image_run_bounds(is_image)  # [B], [B]
     has = run_length > 0  # [B] rows with an image (text-only rows mix in: no run, nothing to compress)
-    image_index = has.nonzero()[:, 0]  # [N]
-    image_rows = image_index.tolist()
+    end = start + run_length - 1
+    # the layout is index bookkeeping: each row's bounds are read once and the indices built on the host
+    starts, ends, row_lengths, run_lengths = torch.stack(
+        [start, end, lengths.to(start.device).long(), run_length]).tolist()  # [4, B] -> lists
+    image_rows = [r for r, n in enumerate(run_lengths) if n > 0]
+    image_index = torch.tensor(image_rows, dtype=torch.long, device=input_ids.device)  # [N]
     check(image_grids is None or len(image_grids) == len(image_rows),
           f"{len(image_rows)} prompts hold an image but {len(image_grids or [])} image grids were given.")
-    end = start + run_length - 1
     q = question_features(input_ids, features, prompt_lengths, image_token_id)  # [B, H]
     text_only = F.one_hot(torch.tensor(PRIMITIVES.index("text_only")), len(PRIMITIVES)).to(q)
     weights = torch.where(has.unsqueeze(-1), drafter.choose(q, generator, train), text_only)  # [B, 5]
-    runs = [embeds[r, int(start[r]): int(end[r]) + 1] for r in image_rows]  # each [T_r, H]
+    runs = [embeds[r, starts[r]: ends[r] + 1] for r in image_rows]  # each [T_r, H]
     counts = torch.zeros(b, dtype=torch.long, device=input_ids.device)
     if image_rows:  # rows with an image get their run's compressed tokens (autograd flows through the assignment)
-        tokens, kept = drafter.compress(runs, image_grids or [None] * len(runs), weights[has])
+        tokens, kept = drafter.compress(runs, image_grids or [None] * len(runs), weights[image_index])
         tokens = embeds.new_zeros(b, tokens.shape[1], h, dtype=tokens.dtype).index_put((image_index,), tokens)
-        counts[has] = kept.to(counts.device)
+        counts[image_index] = kept.to(counts.device)
     else:
         tokens = embeds.new_zeros(b, 1, h)  # [B, M, H]
-    rows = []
-    for r in range(b):
-        s, e, k = int(start[r]), int(end[r]), int(counts[r])
-        positions = list(range(1, s)) + list(range(e - k + 1, e + 1)) + list(range(e + 1, length)) if has[r] \
-            else list(range(1, length))
-        rows.append(positions)
+    kept_counts = counts.tolist()
+    rows = [list(range(1, s)) + list(range(e - k + 1, e + 1)) + list(range(e + 1, length)) if run
+            else list(range(1, length)) for s, e, k, run in zip(starts, ends, kept_counts, run_lengths)]
     width = max(len(p) for p in rows)
-    positions = torch.zeros(b, width, dtype=torch.long, device=input_ids.device)
-    is_token = torch.zeros(b, width, dtype=torch.bool, device=input_ids.device)
-    token_index = torch.zeros(b, width, dtype=torch.long, device=input_ids.device)
-    count = torch.zeros(b, dtype=torch.long, device=input_ids.device)
-    for r, p in enumerate(rows):
-        positions[r, : len(p)] = torch.tensor(p, device=positions.device)
-        s, k = int(start[r]), int(counts[r])
-        cols = torch.arange(s - 1, s - 1 + k, device=positions.device)
-        is_token[r, cols] = True
-        token_index[r, cols] = torch.arange(k, device=positions.device)
-        count[r] = sum(1 for pos in p if pos < int(lengths[r]))
+    token_cols = [[0] * width for _ in rows]  # each element's compressed token (where is_token)
+    for r, (s, k) in enumerate(zip(starts, kept_counts)):
+        token_cols[r][s - 1: s - 1 + k] = range(k)
+    device = input_ids.device
+    positions = torch.tensor([p + [0] * (width - len(p)) for p in rows], dtype=torch.long, device=device)  # [B, L']
+    is_token = torch.tensor([[s - 1 <= c < s - 1 + k for c in range(width)] for s, k in zip(starts, kept_counts)],
+                            dtype=torch.bool, device=device)  # [B, L']
+    token_index = torch.tensor(token_cols, dtype=torch.long, device=device)  # [B, L']
+    count = torch.tensor([sum(pos < n for pos in p) for p, n in zip(rows, row_lengths)], dtype=torch.long,
+                         device=device)  # [B] real elements
     valid = torch.arange(width, device=input_ids.device) < count.unsqueeze(-1)
     pair_embeds = embeds.gather(1, positions.clamp_min(0).unsqueeze(-1).expand(-1, -1, h))
     compressed = tokens.gather(1, token_index.unsqueeze(-1).expand(-1, -1, h)).to(pair_embeds.dtype)

@@ -96,6 +96,27 @@ def test_layout_positions_for_every_primitive(choice):
     assert layout["choice"].tolist() == [choice, choice]
 
 
+
+def test_the_layout_reads_the_device_a_fixed_number_of_times():
+    """The layout is index bookkeeping on the host: each row's bounds are read in one transfer, never row by row
+    or position by position (each read of a CUDA value waits for the device: SpecVLM's begin at batch 32 on an
+    H200 took 33-43 ms before, 8-10 ms after; docs/benchmarks.md)."""
+    from mmspec.phases import record_phases
+
+    model = tiny_llava()
+    lm = LlavaCachedLM(model)
+    drafter = VLMSpecVLMDrafter.for_target(lm)
+    reads = []
+    for rows in (ROWS[:1], ROWS + [prompt([7, 8], [9, 5, 5], 0)]):  # a text-only row mixed in
+        inputs = batch(rows, torch.rand(min(len(rows), 3), 3, 32, 32))
+        prefill_vlm(lm, inputs, 1)
+        with record_phases(count_ops=True) as times:
+            layout = specvlm_layout(drafter, inputs.input_ids, lm.prompt_embeds, lm.last_hidden, inputs.lengths,
+                                    inputs.lengths, IMAGE_TOKEN)
+        reads.append(sum(times.syncs.values()))
+    assert reads[0] == reads[1] <= 5  # the gate, compressor and bounds checks: as many for one row as for four
+    assert layout["kept"][-1] == 0 and layout["count"][-1] == len(rows[-1]) - 1  # the text-only row: every pair
+
 @pytest.mark.parametrize("choice", [0, 3, 4])
 def test_greedy_specvlm_equals_greedy_vanilla(choice):
     model = tiny_llava(seed=5)
