@@ -7,6 +7,7 @@ import pytest
 import torch
 from vlm_dummies import IMAGE_TOKEN, batch, greedy_vanilla_and_tree, prompt, tiny_llava
 
+from mmspec.phases import record_phases
 from vlm.specvlm import PRIMITIVES, VLMSpecVLMDrafter, VLMSpecVLMTreeDrafter, specvlm_layout
 from vlm.target import LlavaCachedLM, prefill_vlm, square_grid
 
@@ -101,8 +102,6 @@ def test_the_layout_reads_the_device_a_fixed_number_of_times():
     """The layout is index bookkeeping on the host: each row's bounds are read in one transfer, never row by row
     or position by position (each read of a CUDA value waits for the device: SpecVLM's begin at batch 32 on an
     H200 took 33-43 ms before, 8-10 ms after; docs/benchmarks.md)."""
-    from mmspec.phases import record_phases
-
     model = tiny_llava()
     lm = LlavaCachedLM(model)
     drafter = VLMSpecVLMDrafter.for_target(lm)
