@@ -155,6 +155,12 @@ class Drafter(Protocol):
         returned ([B, K+1, V] or [B, N, V]): Jacobi drafters resample their unaccepted tail from it."""
 
 
+def drafts_nothing(drafter: Drafter) -> bool:
+    """Whether the drafter can only take plain steps (its `draft_sizes` are 0 alone: vanilla's `NoDrafter`)."""
+    sizes = getattr(drafter, "draft_sizes", None)
+    return sizes is not None and max(sizes) == 0
+
+
 @dataclass
 class GenerationOutput:
     tokens: torch.Tensor  # [B, max_new_tokens] -1 padded
@@ -218,11 +224,12 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     start = time.perf_counter()
 
     state = DecodeState.new(batch_size, max_new_tokens, device, eos_token_id)
-    # a budget may run a whole call as vanilla (its drafting, the drafter's begin included, lost on earlier calls);
-    # a target that keeps room for draft nodes in its cache then keeps none (`draft_room`)
+    # a budget may run a whole call as vanilla (its drafting, the drafter's begin included, lost on earlier calls),
+    # and vanilla's drafter never drafts; a target that keeps room for draft nodes in its cache then keeps none
+    # (`draft_room`: LlamaGen's vanilla at batch 32 took 4.7% longer with a window's room, docs/benchmarks.md)
     drafting = call_drafts(budget)
     if hasattr(target, "draft_room"):
-        target.draft_room = drafting
+        target.draft_room = drafting and not drafts_nothing(drafter)
     with phase("prefill"):
         first_p = target.prefill(inputs)  # [B, 1, V]
     stats.num_target_forwards += 1
