@@ -87,6 +87,13 @@ def call_drafts(budget) -> bool:
     return budget is None or not hasattr(budget, "drafts_this_call") or budget.drafts_this_call()
 
 
+def drafts_nothing(drafter) -> bool:
+    """Whether the drafter can only take plain steps (its `draft_sizes` are 0 alone: vanilla's `NoDrafter`): no
+    budget steers it, and its calls keep no room for drafts."""
+    sizes = getattr(drafter, "draft_sizes", None)
+    return sizes is not None and max(sizes) == 0
+
+
 def begin_call(budget, drafter, inputs: Any, state: Any, device: torch.device) -> float:
     """The loop's side of the drafter's begin (its prompt pass) in a drafted call: runs it and returns its seconds,
     synced for a budget with a call gate (`end_call` hears them; the first step would sync there anyway). The
@@ -1018,7 +1025,7 @@ def make_budget(mode: str | None, target, drafter, rule, inputs, batch: int,
             keep[key] = TreeBudget(drafter.full_shape)
         return keep[key]
     sizes = getattr(drafter, "draft_sizes", None)
-    if sizes is None or max(sizes) == 0:
+    if sizes is None or drafts_nothing(drafter):
         return None
     key = ("chain", type(drafter).__name__, id(getattr(getattr(drafter, "runner", None), "model", None)),
            tuple(sizes), batch, str(getattr(rule, "name", rule)), str(target.params))

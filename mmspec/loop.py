@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mmspec.budget import begin_call, call_drafts, choose_size, report_call
+from mmspec.budget import begin_call, call_drafts, choose_size, drafts_nothing, report_call
 from mmspec.compile import compilations
 from mmspec.errors import check, check_positive_int
 from mmspec.phases import phase, synchronize
@@ -153,12 +153,6 @@ class Drafter(Protocol):
                 target_probs: torch.Tensor) -> None:
         """Learn what was accepted (called before `state.append`). `target_probs` is what the target's verify
         returned ([B, K+1, V] or [B, N, V]): Jacobi drafters resample their unaccepted tail from it."""
-
-
-def drafts_nothing(drafter: Drafter) -> bool:
-    """Whether the drafter can only take plain steps (its `draft_sizes` are 0 alone: vanilla's `NoDrafter`)."""
-    sizes = getattr(drafter, "draft_sizes", None)
-    return sizes is not None and max(sizes) == 0
 
 
 @dataclass

@@ -249,14 +249,11 @@ def specvlm_layout(drafter: VLMSpecVLMDrafter, input_ids: torch.Tensor, embeds: 
     rows = [list(range(1, s)) + list(range(e - k + 1, e + 1)) + list(range(e + 1, length)) if run
             else list(range(1, length)) for s, e, k, run in zip(starts, ends, kept_counts, run_lengths)]
     width = max(len(p) for p in rows)
-    token_cols = [[0] * width for _ in rows]  # each element's compressed token (where is_token)
-    for r, (s, k) in enumerate(zip(starts, kept_counts)):
-        token_cols[r][s - 1: s - 1 + k] = range(k)
     device = input_ids.device
     positions = torch.tensor([p + [0] * (width - len(p)) for p in rows], dtype=torch.long, device=device)  # [B, L']
-    is_token = torch.tensor([[s - 1 <= c < s - 1 + k for c in range(width)] for s, k in zip(starts, kept_counts)],
-                            dtype=torch.bool, device=device)  # [B, L']
-    token_index = torch.tensor(token_cols, dtype=torch.long, device=device)  # [B, L']
+    column = torch.arange(width, device=device) - (start - 1).unsqueeze(-1)  # [B, L'] offset from the run's column
+    is_token = (column >= 0) & (column < counts.unsqueeze(-1))  # [B, L'] the row's compressed tokens
+    token_index = torch.where(is_token, column, 0)  # [B, L'] which compressed token (0 elsewhere)
     count = torch.tensor([sum(pos < n for pos in p) for p, n in zip(rows, row_lengths)], dtype=torch.long,
                          device=device)  # [B] real elements
     valid = torch.arange(width, device=input_ids.device) < count.unsqueeze(-1)
