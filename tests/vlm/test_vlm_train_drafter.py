@@ -13,6 +13,7 @@ import vlm.train_drafter as vlm_train_drafter
 from mmspec.cli import main
 from mmspec.hf_loading import folder_fingerprint
 from mmspec.model_card import metadata, strip_metadata
+from vlm.family import drafter_model
 from vlm.pipeline import SpeculativeVLM
 from vlm.world import world_llava_config, world_processor
 
@@ -47,6 +48,28 @@ def test_train_eagle_end_to_end(target_dir, tmp_path):
     assert metadata(card)["pipeline_tag"] == "image-text-to-text" and metadata(card)["library_name"] == "mmspec"
     vlm = SpeculativeVLM.from_pretrained(target_dir, drafter="eagle")
     assert vlm.drafter is not None
+
+
+def test_the_eval_reads_the_drafters_paper_tree(target_dir, monkeypatch):
+    """The card's acceptance is the paper tree's (budget="fixed"), not what a draft budget chose on this machine:
+    the eval's spec call drafts the configured tree every step, as a fixed-budget call does."""
+    base = SpeculativeVLM.from_pretrained(target_dir)
+    torch.manual_seed(0)
+    vlm = SpeculativeVLM(base.model, base.processor, drafter_model("eagle").for_target(base.lm))
+    calls = []
+    real = SpeculativeVLM.generate
+
+    def spy(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        calls.append((kwargs, out))
+        return out
+
+    monkeypatch.setattr(SpeculativeVLM, "generate", spy)
+    info = vlm_train_drafter.evaluate(vlm, 3, seed=0, max_tokens=8)
+    (_, spec), (_, vanilla) = calls
+    assert not any(key.startswith("budget_") for key in spec.stats.extra)  # no draft budget chose its steps
+    assert info["mean_acceptance_length"] == spec.stats.mean_acceptance_length
+    assert info["step_compression"] == vanilla.stats.num_target_forwards / spec.stats.num_target_forwards
 
 
 def test_checkpoint_state_resume_and_errors(target_dir, tmp_path, monkeypatch):
