@@ -702,31 +702,35 @@ class AutoBudget(MeasuredSteps):
         pooled = (total_accepted + self.prior_strength * self.prior_rate) / (total_reached + self.prior_strength)
         return position_rates(self.accepted, self.reached, pooled, self.prior_strength)
 
-    def expected_tokens(self, k: int, rates: torch.Tensor | None = None) -> float:
-        """E[tokens emitted per row | k drafts]: the position model 1 + sum_i prod_{j<=i} a_j, blended with the mean
-        emitted per row at size k where that size ran (per-size mode: that mean alone)."""
+    def model_moments(self) -> tuple[list[float], list[float]]:
+        """The position model's (E[X], E[X^2]) per size 1..K (`chain_moments` of `rates`)."""
+        return chain_moments(self.rates().tolist())
+
+    def expected_tokens(self, k: int, moments: tuple[list[float], list[float]] | None = None) -> float:
+        """E[tokens emitted per row | k drafts]: the position model 1 + sum_i prod_{j<=i} a_j (`moments`, from
+        `model_moments`), blended with the mean emitted per row at size k where that size ran (per-size mode: that
+        mean alone)."""
         if k == 0:
             return 1.0
         rows = self.rows_at.get(k, 0.0)
         if self.per_size and rows > 0:
             return self.emitted_at[k] / rows
-        rates = self.rates() if rates is None else rates
-        model = 1.0 + float(torch.cumprod(rates[:k], 0).sum())
+        model = (moments or self.model_moments())[0][k - 1]
         return (self.emitted_at.get(k, 0.0) + self.prior_strength * model) / (rows + self.prior_strength)
 
-    def throughput(self, batch: int, k: int, rates: torch.Tensor | None = None) -> float:
+    def throughput(self, batch: int, k: int, moments: tuple[list[float], list[float]] | None = None) -> float:
         """Expected tokens per second per row with k drafts at this batch size."""
-        return self.expected_tokens(k, rates) / max(self.seconds(batch, k), 1e-12)
+        return self.expected_tokens(k, moments) / max(self.seconds(batch, k), 1e-12)
 
-    def emitted_variance(self, k: int, rates: torch.Tensor | None = None) -> float:
+    def emitted_variance(self, k: int, moments: tuple[list[float], list[float]] | None = None) -> float:
         """Var[tokens a row emits per step | k drafts]: measured where size k ran (blended with the position model
         as `expected_tokens`), else the position model's: P(X > i) = prod_{j<=i} a_j,
         E[X^2] = 1 + sum_i (2i+1) P(X > i)."""
         if k == 0:
             return 0.0
-        mean = self.expected_tokens(k, rates)
-        rates = self.rates() if rates is None else rates
-        model_sq = chain_second_moment(rates[:k])
+        moments = moments or self.model_moments()
+        mean = self.expected_tokens(k, moments)
+        model_sq = moments[1][k - 1]
         rows = self.rows_at.get(k, 0.0)
         if self.per_size and rows > 0:
             second = self.emitted_sq_at.get(k, 0.0) / rows
@@ -734,18 +738,19 @@ class AutoBudget(MeasuredSteps):
             second = (self.emitted_sq_at.get(k, 0.0) + self.prior_strength * model_sq) / (rows + self.prior_strength)
         return max(second - mean * mean, 0.0)
 
-    def speeds(self, batch: int, rates: torch.Tensor) -> dict[int, float]:
+    def speeds(self, batch: int) -> dict[int, float]:
         """Each size's expected speed: tokens per second per row, or, with the tokens left noted at batch > 1, the
         longest row's tokens left over the expected time until every active row is done (the batch tail)."""
+        moments = self.model_moments()
         if self.batch_tail() is None:
-            return {k: self.throughput(batch, k, rates) for k in self.sizes}
-        mean = torch.tensor([self.expected_tokens(k, rates) for k in self.sizes], dtype=torch.float64)
+            return {k: self.throughput(batch, k, moments) for k in self.sizes}
+        mean = torch.tensor([self.expected_tokens(k, moments) for k in self.sizes], dtype=torch.float64)
         seconds = torch.tensor([self.seconds(batch, k) for k in self.sizes], dtype=torch.float64)
-        var = torch.tensor([self.emitted_variance(k, rates) for k in self.sizes], dtype=torch.float64)
+        var = torch.tensor([self.emitted_variance(k, moments) for k in self.sizes], dtype=torch.float64)
         return dict(zip(self.sizes, self.tail_speeds(seconds, mean, var).tolist()))
 
     def _plain_and_best_speeds(self) -> tuple[float, float]:
-        return plain_and_best(self.speeds(self._batch, self.rates()))
+        return plain_and_best(self.speeds(self._batch))
 
     def plain_table_seconds(self, batch: int) -> float:
         return self.table_seconds(batch, 0)
@@ -754,9 +759,9 @@ class AutoBudget(MeasuredSteps):
         return self.seconds(batch, 0)
 
     def describe(self, batch: int) -> str:
-        rates = self.rates()
+        moments = self.model_moments()
         return ", ".join(f"{k}: {self.chosen.get(k, 0)}x {1e3 * self.seconds(batch, k):.2f} ms "
-                         f"(table {1e3 * self.table_seconds(batch, k):.2f}) {self.expected_tokens(k, rates):.2f} tok"
+                         f"(table {1e3 * self.table_seconds(batch, k):.2f}) {self.expected_tokens(k, moments):.2f} tok"
                          for k in self.sizes if self.chosen.get(k) or k == 0 or k == self.sizes[-1])
 
     def table_seconds(self, batch: int, k: int) -> float:
@@ -807,7 +812,7 @@ class AutoBudget(MeasuredSteps):
         elif not self.per_size and self._plain_probe():  # a Jacobi window would lose its converged tail
             best = 0
         else:
-            speed = self.speeds(batch, self.rates())
+            speed = self.speeds(batch)
             best = max(self.sizes, key=lambda k: (speed[k], -k))
             self._note_plain_margin(*plain_and_best(speed))
         changed = best != self._last or not self._run
@@ -897,16 +902,20 @@ def position_rates(accepted: torch.Tensor, reached: torch.Tensor, pooled: float,
     return rates
 
 
-def chain_second_moments(rates: torch.Tensor) -> torch.Tensor:
-    """[k]: E[X^2] for X = the tokens a chain of depth d = 1..k emits (1 + accepted drafts) under per-position rates
-    a_j [k]: P(X > i) = prod_{j<=i} a_j, E[X^2] = 1 + sum_{i<=d} (2i + 1) P(X > i)."""
-    tail = torch.cumprod(rates.double(), 0)  # [k] P(X > i), i = 1..k
-    return 1.0 + torch.cumsum((2 * torch.arange(1, rates.shape[0] + 1, dtype=torch.float64) + 1) * tail, 0)
-
-
-def chain_second_moment(rates: torch.Tensor) -> float:
-    """E[X^2] of a chain of depth k = len(rates) (`chain_second_moments`)."""
-    return float(chain_second_moments(rates)[-1]) if rates.shape[0] else 1.0
+def chain_moments(rates: Sequence[float]) -> tuple[list[float], list[float]]:
+    """(E[X], E[X^2]) for X = the tokens a chain of depth d = 1..k emits (1 + accepted drafts) under per-position
+    rates a_j (k of them): P(X > i) = prod_{j<=i} a_j, E[X] = 1 + sum_{i<=d} P(X > i), E[X^2] = 1 + sum_{i<=d}
+    (2i + 1) P(X > i). Host floats in one pass: a budget reads them for every depth before every step, where tensor
+    operations on a few numbers cost microseconds each (`TreeBudget.emitted_moments`, `AutoBudget.speeds`)."""
+    tail, first, second = 1.0, 0.0, 0.0
+    firsts, seconds = [], []
+    for i, rate in enumerate(rates, 1):
+        tail *= rate  # P(X > i)
+        first += tail
+        second += (2 * i + 1) * tail
+        firsts.append(1.0 + first)
+        seconds.append(1.0 + second)
+    return firsts, seconds
 
 
 def batch_steps(tokens_left: float, rows: int, mean: float, var: float, spread: float = 0.0) -> float:

@@ -2,11 +2,13 @@
 choices, and exactness: sequences sampled with budgets that change the draft size every step (plain steps
 included) have the target's exact sequence distribution, and greedy decoding stays token-identical to vanilla."""
 
+import math
+
 import pytest
 import torch
 from test_jacobi import exact_sequence_distribution
 
-from mmspec.budget import CALL_BACKOFF, AutoBudget
+from mmspec.budget import CALL_BACKOFF, AutoBudget, chain_moments
 from mmspec.jacobi import JacobiDrafter
 from mmspec.lm import DraftModelDrafter, LMTarget, NoDrafter, TreeModelDrafter
 from mmspec.loop import DecodeState, generate
@@ -40,6 +42,20 @@ def test_rates_count_each_position_given_the_earlier_ones_and_fill_unseen_positi
     assert rates[2:].tolist() == pytest.approx([rates[1].item()] * 6)  # unseen positions take the deepest rate
     assert fresh.expected_tokens(0) == 1.0 and fresh.expected_tokens(2) == pytest.approx(
         1 + rates[0].item() + rates[0].item() * rates[1].item())
+
+
+def test_chain_moments_are_those_of_a_chains_tokens():
+    """E[X] and E[X^2] of X = 1 + the drafts a chain of depth d accepts, against X's distribution written out: a
+    chain stops at the first rejected position (P(X = 1 + a) = a_1..a_a (1 - a_(a+1)), all d accepted: a_1..a_d)."""
+    rates = [0.9, 0.5, 0.25, 1.0, 0.0, 0.7]
+    firsts, seconds = chain_moments(rates)
+    assert len(firsts) == len(seconds) == len(rates)
+    for depth in range(1, len(rates) + 1):
+        law = {1 + a: math.prod(rates[:a]) * (1.0 - rates[a] if a < depth else 1.0) for a in range(depth + 1)}
+        assert sum(law.values()) == pytest.approx(1.0)
+        assert firsts[depth - 1] == pytest.approx(sum(x * p for x, p in law.items()))
+        assert seconds[depth - 1] == pytest.approx(sum(x * x * p for x, p in law.items()))
+    assert chain_moments([]) == ([], [])
 
 
 def test_the_choice_follows_cost_and_acceptance():
