@@ -61,12 +61,13 @@ VISION_FILE = "vision-tower.pt"  # in --work-dir: the pretrained tower, read by 
 MODEL_CONFIG_KEYS = {"vision", "text", "projector_hidden_act", "vision_feature_layer", "multimodal_projector_bias"}
 # the world target's architectures: its config and processor builders, transformers class, the vision tower (and
 # which of its parts stay frozen with it: LLaVA's projector and Qwen2-VL's merger train), --model-config keys, card
+# (its name, title, text and tags; the drafters' cards name their target by it: `vlm.train_drafter`)
 ARCHS = {
     "llava": dict(config=world_llava_config, processor=world_processor, model="LlavaForConditionalGeneration",
                   tower=lambda model: model.model.vision_tower, frozen=lambda tower: [tower],
                   keys=MODEL_CONFIG_KEYS, fixed_vision=("image_size", "patch_size"),
                   frozen_text="The pretrained vision tower is", projector="the projector",
-                  title="Embedded VLM default (world LLaVA target)",
+                  name="LLaVA", title="Embedded VLM default (world LLaVA target)",
                   about=["A small LLaVA (transformers `LlavaForConditionalGeneration`: CLIP vision tower, "
                          "Linear-GELU-Linear projector,", "Llama language model) trained from scratch on mmspec's "
                          "procedural world: 32x32 images, 64 image tokens, the", "world's questions with short (one "
@@ -80,7 +81,7 @@ ARCHS = {
                      fixed_vision=("patch_size", "spatial_merge_size", "temporal_patch_size"),
                      frozen_text="The pretrained tower's patch embedding and blocks are",
                      projector="its patch merger (Qwen2-VL's projector)",
-                     title="World Qwen2-VL target",
+                     name="Qwen2-VL", title="World Qwen2-VL target",
                      about=["A small Qwen2-VL (transformers `Qwen2VLForConditionalGeneration`: Qwen2-VL's vision "
                             "tower with a 2x2 patch merger,", "Qwen2 language model with M-RoPE) trained from "
                             "scratch on mmspec's procedural world: 32x32 images, 16 image", "tokens on a 4x4 grid, "

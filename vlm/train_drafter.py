@@ -321,10 +321,19 @@ def evaluate(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int) -> dict:
             "tree": list(vlm.drafter.official_tree)}
 
 
-def _card(command: str, info: dict) -> str:
+def target_card_names(model_type: str) -> tuple[str, str]:
+    """(the name, the Hub tag) a drafter card gives its target, from the target's `model_type` (the world targets'
+    `vlm.train.ARCHS`; another architecture by its model type)."""
+    from vlm.train import ARCHS
+
+    arch = ARCHS.get(model_type)
+    return (arch["name"], arch["tags"][0]) if arch else (model_type, model_type.replace("_", "-"))
+
+
+def _card(command: str, info: dict, target_name: str = "LLaVA") -> str:
     d = info["drafter"]
     article = "An" if d["kind"] in ("eagle", "msd") else "A"
-    lines = card_head(f"VLM drafter ({d['kind']}) for the world LLaVA",
+    lines = card_head(f"VLM drafter ({d['kind']}) for the world {target_name}",
                       [f"{article} {KIND_TEXT[d['kind']]} trained on "
                        + ("the target's own greedy long answers." if d.get("answers", "target") == "target"
                           else "the world dataset's long answers.")],
@@ -375,9 +384,10 @@ def run(args: argparse.Namespace) -> int:
             "kind", "target", *(["out"] if args.out else []), "num_train", "answer_max_tokens", "steps", "batch_size",
             "lr", "noise", "noise_scaling", "p_weight", "answers", "seed", "threads"])
         if "drafter" in info:
+            name, tag = target_card_names(vlm.model.config.model_type)
             card_text = with_metadata(
-                _card(command, info),
-                pipeline_tag="image-text-to-text", tags=["llava", "speculative-decoding", "world"])
+                _card(command, info, name),
+                pipeline_tag="image-text-to-text", tags=[tag, "speculative-decoding", "world"])
             (out / "README.md").write_text(card_text)
         print(json.dumps(info["eval"], indent=2))
     print(f"wrote {out}")

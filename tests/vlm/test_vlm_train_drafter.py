@@ -44,10 +44,17 @@ def test_train_eagle_end_to_end(target_dir, tmp_path):
     assert info["eval"]["mean_acceptance_length"] >= 1.0
     assert info["drafter"]["final_feature_smoothl1"] < info["drafter"]["first_feature_smoothl1"]
     card = (out / "README.md").read_text()
-    assert strip_metadata(card).startswith("# VLM drafter (eagle)")
+    assert strip_metadata(card).startswith("# VLM drafter (eagle) for the world LLaVA")
     assert metadata(card)["pipeline_tag"] == "image-text-to-text" and metadata(card)["library_name"] == "mmspec"
+    assert "llava" in metadata(card)["tags"]
     vlm = SpeculativeVLM.from_pretrained(target_dir, drafter="eagle")
     assert vlm.drafter is not None
+
+
+def test_a_drafter_card_names_its_targets_architecture():
+    assert vlm_train_drafter.target_card_names("llava") == ("LLaVA", "llava")
+    assert vlm_train_drafter.target_card_names("qwen2_vl") == ("Qwen2-VL", "qwen2-vl")  # not "the world LLaVA"
+    assert vlm_train_drafter.target_card_names("gemma3") == ("gemma3", "gemma3")
 
 
 def test_the_eval_reads_the_drafters_paper_tree(target_dir, monkeypatch):
