@@ -73,10 +73,15 @@ def test_the_eval_reads_the_drafters_paper_tree(target_dir, monkeypatch):
 
     monkeypatch.setattr(SpeculativeVLM, "generate", spy)
     info = vlm_train_drafter.evaluate(vlm, 3, seed=0, max_tokens=8)
-    (_, spec), (_, vanilla) = calls
-    assert not any(key.startswith("budget_") for key in spec.stats.extra)  # no draft budget chose its steps
+    (_, spec), (chain_kwargs, chain), (_, vanilla) = calls
+    for out in (spec, chain):
+        assert not any(key.startswith("budget_") for key in out.stats.extra)  # no draft budget chose its steps
     assert info["mean_acceptance_length"] == spec.stats.mean_acceptance_length
     assert info["step_compression"] == vanilla.stats.num_target_forwards / spec.stats.num_target_forwards
+    # and a greedy chain deeper than the paper trees, whose acceptance they cap
+    assert chain_kwargs["tree"] == (info["chain"], 1, info["chain"] + 1) and info["chain"] == 16
+    assert info["chain_mean_acceptance_length"] == chain.stats.mean_acceptance_length
+    assert info["greedy_equal_to_vanilla"] is True
 
 
 def test_checkpoint_state_resume_and_errors(target_dir, tmp_path, monkeypatch):
