@@ -246,8 +246,8 @@ class TreeBudget(MeasuredSteps):
     def emitted_moments(self, with_variance: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(E, Var)[tokens per row | shape] [S] each (`expected_tokens`, `emitted_variance`), the chains' position
         rates computed once; Var None without `with_variance`."""
-        # on the host, in floats: the [S] statistics are a few dozen numbers, where each tensor operation would cost
-        # microseconds before every step (a choice at batch 8 took ~0.45 ms, ~3% of the world LLaVA's chain step)
+        # on the host, in floats: the [S] statistics are a few dozen numbers, and each tensor operation costs
+        # microseconds before every step (51 -> 39 us for the VLM drafters' 47 shapes, isolated)
         rows = [max(r, 1e-9) for r in self.rows.tolist()]
         mean_acc = [a / r for a, r in zip(self.accepted.tolist(), rows)]  # [S]
         expected = [1.0 + m for m in mean_acc]
