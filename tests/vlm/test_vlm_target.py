@@ -8,6 +8,7 @@ import torch
 from vlm_dummies import assert_tree_logits_match_llava, batch, prompt, tiny_llava
 
 from mmspec.errors import InputError
+from mmspec.hf_cache import cache_argument
 from mmspec.lm import LMTarget, NoDrafter
 from mmspec.loop import generate
 from mmspec.sampling import SamplingParams
@@ -18,12 +19,14 @@ def reference_greedy(model, row: list[int], pixels: torch.Tensor, steps: int) ->
     """transformers' own forward with its own cache, one token at a time (the image only in the prompt, so a
     generated `<image>` id is an ordinary token, as in our loop)."""
     out = []
+    name = cache_argument(model)  # `cache` from transformers 5.24 on (`past_key_values` warns, then goes in 5.40)
     with torch.no_grad():
         step = model(input_ids=torch.tensor([row]), pixel_values=pixels, use_cache=True)
         for _ in range(steps):
             token = int(step.logits[:, -1].argmax(-1))
             out.append(token)
-            step = model(input_ids=torch.tensor([[token]]), past_key_values=step.past_key_values, use_cache=True)
+            cache = step.get("cache", step.get("past_key_values"))
+            step = model(input_ids=torch.tensor([[token]]), use_cache=True, **{name: cache})
     return out
 
 
