@@ -222,7 +222,7 @@ def specvlm_layout(drafter: VLMSpecVLMDrafter, input_ids: torch.Tensor, embeds: 
     question features of the first prompt_lengths tokens. `image_grids`: the 2D grids of each image's run, in row
     order (the target's `image_grids`); None: every run is the compressor's default square."""
     b, length = input_ids.shape
-    h = embeds.shape[-1]
+    h, device = embeds.shape[-1], input_ids.device
     is_image = input_ids == image_token_id
     start, run_length = image_run_bounds(is_image)  # [B], [B]
     has = run_length > 0  # [B] rows with an image (text-only rows mix in: no run, nothing to compress)
@@ -231,14 +231,14 @@ def specvlm_layout(drafter: VLMSpecVLMDrafter, input_ids: torch.Tensor, embeds: 
     starts, ends, row_lengths, run_lengths = torch.stack(
         [start, end, lengths.to(start.device).long(), run_length]).tolist()  # [4, B] -> lists
     image_rows = [r for r, n in enumerate(run_lengths) if n > 0]
-    image_index = torch.tensor(image_rows, dtype=torch.long, device=input_ids.device)  # [N]
+    image_index = torch.tensor(image_rows, dtype=torch.long, device=device)  # [N]
     check(image_grids is None or len(image_grids) == len(image_rows),
           f"{len(image_rows)} prompts hold an image but {len(image_grids or [])} image grids were given.")
     q = question_features(input_ids, features, prompt_lengths, image_token_id)  # [B, H]
     text_only = F.one_hot(torch.tensor(PRIMITIVES.index("text_only")), len(PRIMITIVES)).to(q)
     weights = torch.where(has.unsqueeze(-1), drafter.choose(q, generator, train), text_only)  # [B, 5]
     runs = [embeds[r, starts[r]: ends[r] + 1] for r in image_rows]  # each [T_r, H]
-    counts = torch.zeros(b, dtype=torch.long, device=input_ids.device)
+    counts = torch.zeros(b, dtype=torch.long, device=device)
     if image_rows:  # rows with an image get their run's compressed tokens (autograd flows through the assignment)
         tokens, kept = drafter.compress(runs, image_grids or [None] * len(runs), weights[image_index])
         tokens = embeds.new_zeros(b, tokens.shape[1], h, dtype=tokens.dtype).index_put((image_index,), tokens)
@@ -249,14 +249,13 @@ def specvlm_layout(drafter: VLMSpecVLMDrafter, input_ids: torch.Tensor, embeds: 
     rows = [list(range(1, s)) + list(range(e - k + 1, e + 1)) + list(range(e + 1, length)) if run
             else list(range(1, length)) for s, e, k, run in zip(starts, ends, kept_counts, run_lengths)]
     width = max(len(p) for p in rows)
-    device = input_ids.device
     positions = torch.tensor([p + [0] * (width - len(p)) for p in rows], dtype=torch.long, device=device)  # [B, L']
     column = torch.arange(width, device=device) - (start - 1).unsqueeze(-1)  # [B, L'] offset from the run's column
     is_token = (column >= 0) & (column < counts.unsqueeze(-1))  # [B, L'] the row's compressed tokens
     token_index = torch.where(is_token, column, 0)  # [B, L'] which compressed token (0 elsewhere)
     count = torch.tensor([sum(pos < n for pos in p) for p, n in zip(rows, row_lengths)], dtype=torch.long,
                          device=device)  # [B] real elements
-    valid = torch.arange(width, device=input_ids.device) < count.unsqueeze(-1)
+    valid = torch.arange(width, device=device) < count.unsqueeze(-1)
     pair_embeds = embeds.gather(1, positions.clamp_min(0).unsqueeze(-1).expand(-1, -1, h))
     compressed = tokens.gather(1, token_index.unsqueeze(-1).expand(-1, -1, h)).to(pair_embeds.dtype)
     pair_embeds = torch.where(is_token.unsqueeze(-1), compressed, pair_embeds)

@@ -340,7 +340,7 @@ def target_card_names(model_type: str) -> tuple[str, str]:
     return (arch["name"], arch["tags"][0]) if arch else (model_type, model_type.replace("_", "-"))
 
 
-def _card(command: str, info: dict, target_name: str = "LLaVA") -> str:
+def _card(command: str, info: dict, target_name: str) -> str:
     d = info["drafter"]
     article = "An" if d["kind"] in ("eagle", "msd") else "A"
     lines = card_head(f"VLM drafter ({d['kind']}) for the world {target_name}",

@@ -97,7 +97,6 @@ def test_layout_positions_for_every_primitive(choice):
     assert layout["choice"].tolist() == [choice, choice]
 
 
-
 def test_the_layout_reads_the_device_a_fixed_number_of_times():
     """The layout is index bookkeeping on the host: each row's bounds are read in one transfer, never row by row
     or position by position (each read of a CUDA value waits for the device: SpecVLM's begin at batch 32 on an
