@@ -184,6 +184,8 @@ class MeasuredSteps:
         # a call's per-row acceptance at batch > 1 (`note_row_accepts`): [2, 2, B] (odd / even drafting steps) x
         # (the row's accepted drafts, the batch mean's over the same steps); the spread it gave, pooled over calls
         self._row_sums: torch.Tensor | None = None
+        self._retired_sums: list[torch.Tensor] = []  # [2, 2, b] sums of rows the loop dropped (`select_rows`)
+        self._call_dropped = self._last_call_dropped = False  # the loop dropped rows in this / the last drafted call
         self._row_half = 0
         self._spread_pooled = (0.0, 0.0)  # (sum of rows x each call's covariance, rows), each earlier call x CALL_DECAY
 
@@ -337,8 +339,8 @@ class MeasuredSteps:
         begin still made the call lose (runs/bench-vlm-s28a). `drafts_this_call` then runs it, and the backoff's
         calls, without the drafter; the call after them re-explores, so the estimates are measured again rather
         than trusted for ever."""
-        if self._call_tokens <= 0:
-            return False
+        if self._call_tokens <= 0 or self._last_call_dropped:  # (its steps ran at several row counts: not
+            return False  # predicted from one count's estimates; the gate judges such calls by their time alone)
         plain, best_drafting = self._call_speeds(self._call_tokens, self._batch)
         if best_drafting <= plain:
             return True
@@ -461,11 +463,15 @@ class MeasuredSteps:
         and doubled the backoff (the world LLaVA at batch 8 on this CPU, where a lost call is often just a batch of
         answers that draft badly: the fixed chain of 8 ran at 0.88-1.41x call by call)."""
         self._close_rows()
+        dropped, self._call_dropped = self._call_dropped, False
         if not self.timing or plain_steps <= 0:
             return
         self._batch, self._call_tokens = batch, plain_steps
+        if drafted:
+            self._last_call_dropped = dropped
         if not drafted:
-            self._note_seconds(self.plain_size, seconds / plain_steps)
+            if not dropped:  # (a call that dropped rows averages steps over fewer rows: not a plain step's seconds)
+                self._note_seconds(self.plain_size, seconds / plain_steps)
             self._reference.append(seconds / plain_steps)
             self._drafted_since_reference = 0
             log.debug("batch %d: a call without the drafter, %.2f ms a plain step", batch, 1e3 * seconds / plain_steps)
@@ -574,6 +580,7 @@ class MeasuredSteps:
         self._chosen_at, self._plain_run = None, 0  # the time between calls is not a step
         self._tail = None
         self._row_sums, self._row_half = None, 0  # (a call that ended without `end_call` left its rows)
+        self._retired_sums = []
         self._estimated = (0, 0)  # this call's choices by estimate, and how many of them drafted
         self._call_choices = 0
 
@@ -610,14 +617,27 @@ class MeasuredSteps:
         self._row_sums[self._row_half] += torch.stack([acc, mean * on])  # [2, B]
         self._row_half ^= 1
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """The loop dropped the finished rows of this call and keeps rows [B'] (indices into the current B): their
+        acceptance sums follow them, and the dropped rows' sums wait for the call's end (`_close_rows`)."""
+        self._call_dropped = True
+        sums = self._row_sums
+        if sums is None:
+            return
+        kept = torch.zeros(sums.shape[-1], dtype=torch.bool, device=sums.device).index_fill_(0, rows, True)  # [B]
+        self._retired_sums.append(sums[..., ~kept])  # [2, 2, B - B']
+        self._row_sums = sums.index_select(2, rows)  # [2, 2, B']
+
     def _close_rows(self) -> None:
         """At a call's end: how much the rows' acceptance differs (`row_spread`). A row's ratio is its accepted
         drafts over the batch mean's on the same steps, once from its odd and once from its even drafting steps;
         the covariance of the two over the rows measures the spread of the rows' own rates (each half's noise is
         independent of the other's, so it drops out). Rows with under 2 expected accepts in a half are left out."""
         sums, self._row_sums, self._row_half = self._row_sums, None, 0
+        retired, self._retired_sums = self._retired_sums, []
         if sums is None:
             return
+        sums = torch.cat([*retired, sums], dim=2)  # [2, 2, B] every row of the call, dropped ones included
         sums = sums.cpu()
         keep = (sums[:, 1] >= 2.0).all(0)  # [B]
         n = int(keep.sum())

@@ -69,6 +69,11 @@ class PendingPairs(PendingTokens):
         self.features[every, column] = torch.where(feature_rows.unsqueeze(-1), features, kept)  # one column per row
         super().append(tokens, rows)
 
+    def select_rows(self, rows: torch.Tensor, feature_rows: torch.Tensor) -> None:
+        """Keep only rows [B'] of the tokens and feature_rows [R'] of the features (both halves with CFG)."""
+        super().select_rows(rows)
+        self.features = self.features.index_select(0, feature_rows)
+
     def set_pairs(self, tokens: torch.Tensor, count: torch.Tensor, rows: torch.Tensor, features: torch.Tensor,
                   feature_rows: torch.Tensor) -> None:
         """rows [B] / feature_rows [R] bool take tokens [B, <=W], count [B] and features [R, <=W, dim]."""
@@ -229,6 +234,15 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
         self.room_base = base
         self.runner.cache = self.model.new_cache(rows, base + room)
         return self.runner.cache
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only rows [B'] of the call (the loop drops finished rows): the drafter's cache, its pending pairs
+        and per-row position offsets."""
+        b = self.runner.cache.batch_size // (2 if self.runner.uses_cfg else 1)
+        self.runner.select_rows(rows)
+        self.pending.select_rows(rows, torch.cat([rows, rows + b]) if self.runner.uses_cfg else rows)
+        if isinstance(self.position_offset, torch.Tensor) and self.position_offset.dim() > 0:  # [B] per row
+            self.position_offset = self.position_offset.index_select(0, rows)
 
     def room_for_pool(self, pool: int) -> None:
         """Grow the drafter cache to hold a candidate pool of `pool` slots after `room_base` (a host-side bound: no

@@ -112,6 +112,20 @@ class GuidedRunner:
             scale = scale.to(logits.device).view(-1, *([1] * (logits.dim() - 1)))
         return cfg_combine(cond, uncond, scale)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only rows [B'] (indices into the current B, in that order): the cache's rows (both halves of a CFG
+        pair), the unconditional rows' shift and per-row guidance scales (`mmspec.loop`'s finished-row dropping)."""
+        both = rows  # [R'] the model's rows (both halves with CFG)
+        if self.uses_cfg:
+            both = torch.cat([rows, rows + self.cache.batch_size // 2])
+            if isinstance(self.guidance_scale, torch.Tensor) and self.guidance_scale.dim() > 0:  # [B] per row
+                self.guidance_scale = self.guidance_scale.index_select(0, rows.to(self.guidance_scale.device))
+        self.cache.select_rows(both)
+        if self.uncond_shift is not None:
+            self.uncond_shift = self.uncond_shift.index_select(0, rows)
+        if hasattr(self.model, "select_rows"):  # a model's own per-row state of the call (Qwen2-VL's rope deltas)
+            self.model.select_rows(both)
+
     @property
     def lengths(self) -> torch.Tensor:
         """[B] committed entries per row."""
@@ -264,6 +278,10 @@ class LMTarget:
             logits = self.layout.constrain(logits, state.num_generated.unsqueeze(-1) + offsets)
         return probs_from_params(logits, self.params)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only rows [B'] of the call (the loop drops finished rows)."""
+        self.runner.select_rows(rows)
+
     def commit(self, state: DecodeState, draft: Draft, result: VerifyResult, active: torch.Tensor) -> None:
         keep = (result.num_accepted + 1) * active  # the last token plus the accepted drafts
         if isinstance(draft, DraftTree) and not draft.is_chain:  # a chain's accepted nodes are in place
@@ -286,6 +304,9 @@ class NoDrafter:
         pass
 
     def skip(self, state, result, active, target_probs) -> None:
+        pass
+
+    def select_rows(self, rows: torch.Tensor) -> None:
         pass
 
     def propose(self, state: DecodeState) -> ChainDraft:
@@ -322,6 +343,10 @@ class PendingTokens:
         """For rows [B] bool, add tokens [B] after the pending ones (a row must have room: count < W)."""
         self.tokens = torch.where(self.next_column() & rows.unsqueeze(-1), tokens.unsqueeze(-1), self.tokens)
         self.count = self.count + rows.long()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only rows [B'] (indices into the current B, in that order)."""
+        self.tokens, self.count = self.tokens.index_select(0, rows), self.count.index_select(0, rows)
 
 
 def feed_pending(runner: GuidedRunner, pending: PendingTokens,

@@ -10,6 +10,9 @@
         drafter.observe(state, draft, result, active, p)
         stats.record(result, active); state.append(result, active)
 
+With `drop_finished` (the VLM pipeline's default) a batch whose rows end at different steps (EOS) drops its finished
+rows, so later steps compute only the rows still generating; the outputs keep the call's row order.
+
 Vanilla decoding is the same loop with `NoDrafter` (zero-length drafts: every iteration emits the bonus token),
 so a benchmark compares methods through one code path. Targets and drafters are small adapters around a model
 (see `mmspec.lm` for causal LMs with a static KV cache); the loop knows nothing about images or text. Its phases
@@ -34,6 +37,8 @@ from mmspec.stats import SpecStats
 from mmspec.tree import DraftTree
 from mmspec.verify import AcceptanceRule, ChainDraft, Draft, VerifyResult, accept, get_rule
 
+DROP_AT = 0.75  # drop_finished: the finished rows go once at most this share of the rows held are still generating
+
 
 @dataclass
 class DecodeState:
@@ -47,6 +52,10 @@ class DecodeState:
     eos_token_id: int | Sequence[int] | None = None  # one stop id or several (e.g. Qwen2-VL's two)
     iteration: int = 0
     stop_ids: torch.Tensor | None = field(init=False, default=None)  # [E] eos_token_id on the device, made once
+    # once finished rows were dropped (`select_rows`): the call's own index of each row [B], and the call's output
+    # and counts [B0, ...] as of the last drop (`full_output`, `full_num_generated` bring them up to date)
+    row_ids: torch.Tensor | None = field(init=False, default=None)
+    _book: tuple[torch.Tensor, torch.Tensor] | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.eos_token_id is not None:
@@ -68,8 +77,42 @@ class DecodeState:
 
     @property
     def tokens(self) -> torch.Tensor:
-        """[B, max_new_tokens] generated tokens, -1 padded."""
+        """[B, max_new_tokens] generated tokens of the rows still kept, -1 padded (`full_tokens`: the call's)."""
         return self.output[:, : self.max_new_tokens]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only rows [B'] (indices into the current B, in that order; the loop drops finished rows so a step
+        computes only the rows still generating). The dropped rows' tokens stay in the call's book."""
+        self._write_book()
+        self.row_ids = rows if self.row_ids is None else self.row_ids.index_select(0, rows)
+        self.output, self.num_generated, self.last_token, self.done = (
+            t.index_select(0, rows) for t in (self.output, self.num_generated, self.last_token, self.done))
+
+    def _write_book(self) -> None:
+        """Bring the call's book up to date with the kept rows."""
+        if self.row_ids is None:
+            self._book = (self.output.clone(), self.num_generated.clone())
+        else:
+            self._book[0].index_copy_(0, self.row_ids, self.output)
+            self._book[1].index_copy_(0, self.row_ids, self.num_generated)
+
+    def full_output(self) -> torch.Tensor:
+        """[B0, max_new_tokens + 1] the call's output, every row at its own index (dropped rows included)."""
+        if self.row_ids is None:
+            return self.output
+        self._write_book()
+        return self._book[0]
+
+    def full_num_generated(self) -> torch.Tensor:
+        """[B0] the call's tokens generated per row, every row at its own index."""
+        if self.row_ids is None:
+            return self.num_generated
+        self._write_book()
+        return self._book[1]
+
+    def full_tokens(self) -> torch.Tensor:
+        """[B0, max_new_tokens] the call's generated tokens, -1 padded."""
+        return self.full_output()[:, : self.max_new_tokens]
 
     def append(self, result: VerifyResult, active: torch.Tensor, all_active: bool = False) -> torch.Tensor:
         """Append each active row's emitted tokens, stopping at max_new_tokens and after EOS (`all_active`: the
@@ -196,7 +239,7 @@ def cap_draft(draft: Draft, room: torch.Tensor) -> Draft:
 def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, inputs: Any, *, batch_size: int,
              max_new_tokens: int, generator: Generators = None, eos_token_id: int | Sequence[int] | None = None,
              device: torch.device | str = "cpu", callback: StepCallback | None = None,
-             validate: str = "first", budget: Any = None) -> GenerationOutput:
+             validate: str = "first", budget: Any = None, drop_finished: bool = False) -> GenerationOutput:
     """Generate up to `max_new_tokens` per row with speculative decoding (vanilla with `NoDrafter`).
 
     validate: "first" checks the rule's inputs on the first iteration only (cheap), "always" on every one,
@@ -207,7 +250,12 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     or the drafter again (vanilla's cost where no drafting pays); one whose `drafts_this_call()` says no runs the
     whole call so, without the drafter's `begin`; `end_call(batch, seconds, plain_steps, drafted, begin_seconds)`
     tells it how the call went (seconds from the drafter's begin to the end; the steps vanilla would have taken; the
-    begin's own seconds).
+    begin's own seconds). drop_finished: once at most DROP_AT of the rows held are still generating, the finished
+    ones are dropped (`select_rows` of the state, the target, the drafter while it drafts, the budget, and the
+    per-row generators), so later steps compute only the live rows; the outputs keep the call's row order, and a
+    callback reads the whole call through `state.full_output()` / `full_num_generated()` (`state.row_ids` maps the
+    rows held to the call's). Each row's tokens are those it gets without dropping (rows do not interact; with
+    per-row generators, to the bit).
     """
     check(validate in ("first", "always", "never"), f"validate must be first/always/never, got {validate!r}.")
     rule = get_rule(rule)
@@ -224,6 +272,8 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     drafting = call_drafts(budget)
     if hasattr(target, "draft_room"):
         target.draft_room = drafting and not drafts_nothing(drafter)
+    drop_finished = (drop_finished and batch_size > 1 and hasattr(target, "select_rows")
+                     and (not drafting or hasattr(drafter, "select_rows")))
     with phase("prefill"):
         first_p = target.prefill(inputs)  # [B, 1, V]
     stats.num_target_forwards += 1
@@ -237,11 +287,23 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     if drafting and budget is not None and hasattr(budget, "begin"):  # times its choices on the live models
         budget.begin(target, drafter, state, rule)
     decode_start = time.perf_counter()
+    rows_generator = generator
     while True:
         active = ~state.done
-        if not bool(active.any()):  # the one host sync per iteration
-            break
-        size, plain_for_good = choose_size(budget, state.batch_size, plain_for_good,
+        if not drop_finished:
+            if not bool(active.any()):  # the one host sync per iteration
+                break
+        else:
+            live = int(active.sum())  # the one host sync per iteration
+            if live == 0:
+                break
+            if live <= DROP_AT * state.batch_size:
+                rows_generator = drop_finished_rows(state, target, drafter, budget, rows_generator, active,
+                                                    drafts=drafting and not plain_for_good)
+                active = ~state.done
+                no_draft = plain_draft(state.batch_size, device)
+        # (the call's batch size: a budget serves one; it hears the rows held through `select_rows`)
+        size, plain_for_good = choose_size(budget, batch_size, plain_for_good,
                                            lambda active=active: (state.max_new_tokens - state.num_generated) * active)
         # never draft past the end: a row with r tokens left may accept at most r - 1 drafts
         with phase("draft"):
@@ -258,7 +320,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         stats.num_target_forwards += 1
         check_now = validate == "always" or (validate == "first" and state.iteration == 0)
         with phase("accept"):
-            result = accept(rule, draft, target_probs, generator, validate=check_now)
+            result = accept(rule, draft, target_probs, rows_generator, validate=check_now)
         with phase("commit"):
             target.commit(state, draft, result, active)
         with phase("observe"):
@@ -270,7 +332,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
             if not plain_for_good:
                 budget.observe(result, active, draft)
             stats.add_extra(f"budget_{size}", 1)  # steps at each draft size (the bench's histogram)
-        stats.record(result, active)
+        stats.record(result, active, rows=state.row_ids)
         state.append(result, active, all_active=state.batch_size == 1)  # one row: active, or the loop had ended
         state.iteration += 1
         if callback is not None and callback(state, draft, result) is False:
@@ -279,7 +341,23 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     synchronize(device)
     if hasattr(budget, "end_call"):
         report_call(budget, stats, batch_size, begin_seconds + time.perf_counter() - decode_start,
-                    int(state.num_generated.max()) - 1, drafting, compiled_before, begin_seconds)
+                    int(state.full_num_generated().max()) - 1, drafting, compiled_before, begin_seconds)
     stats.wall_time = time.perf_counter() - start
     stats.num_draft_forwards = getattr(drafter, "forwards", 0) - draft_forwards_before
-    return GenerationOutput(tokens=state.tokens, num_generated=state.num_generated, stats=stats)
+    return GenerationOutput(tokens=state.full_tokens(), num_generated=state.full_num_generated(), stats=stats)
+
+
+def drop_finished_rows(state: DecodeState, target: Target, drafter: Drafter, budget: Any, generator: Generators,
+                       active: torch.Tensor, drafts: bool) -> Generators:
+    """Keep only the active [B] rows in the state, the target, the drafter (`drafts`: it still runs in this call) and
+    the budget; returns the generators of the rows kept (a per-row list follows its rows)."""
+    rows = active.nonzero().squeeze(-1)  # [B'] (a device read, once per drop)
+    state.select_rows(rows)
+    target.select_rows(rows)
+    if drafts:  # (a call without the drafter, or one settled on plain steps, does not ask it again)
+        drafter.select_rows(rows)
+    if hasattr(budget, "select_rows"):
+        budget.select_rows(rows)
+    if generator is None or isinstance(generator, torch.Generator):
+        return generator
+    return [generator[i] for i in rows.tolist()]

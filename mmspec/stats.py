@@ -57,26 +57,30 @@ class SpecStats:
     _accepted_pos: torch.Tensor | None = field(default=None, repr=False)
     _drafted_pos: torch.Tensor | None = field(default=None, repr=False)
     _hist: torch.Tensor | None = field(default=None, repr=False)
-    _per_row: list = field(default_factory=list, repr=False)  # list of (result, [B] active) per iteration
+    _per_row: list = field(default_factory=list, repr=False)  # (result, [B] active, [B] rows or None) a step
     _steps: list = field(default_factory=list, repr=False)  # recorded steps not yet folded into the counters
 
     # ------------------------------------------------------------------------------------------ record
-    def record(self, result: VerifyResult, active: torch.Tensor | None = None, *, keep_per_row: bool = True) -> None:
-        """Keep one verify call's outcome; `active` [B] bool masks rows that are already finished. No tensor work
-        here (the loop calls this every step): the counters are folded in when first read, all steps at once."""
+    def record(self, result: VerifyResult, active: torch.Tensor | None = None, *, keep_per_row: bool = True,
+               rows: torch.Tensor | None = None) -> None:
+        """Keep one verify call's outcome; `active` [B] bool masks rows that are already finished; `rows` [B] the
+        call's own index of each row, once the loop has dropped finished rows (None: row b is the call's row b).
+        No tensor work here (the loop calls this every step): the counters are folded in when first read, all steps
+        at once."""
         if active is None:
             active = torch.ones_like(result.num_accepted, dtype=torch.bool)
         self._steps.append((result, active))
         if keep_per_row:
-            self._per_row.append((result, active))
+            self._per_row.append((result, active, rows))
         if len(self._steps) >= FOLD_EVERY:  # bound what is held on long runs
             self._fold()
 
     def _fold(self) -> None:
-        """Fold the kept steps into the counters (one batched pass; grouped by draft width; none kept: nothing)."""
+        """Fold the kept steps into the counters (one batched pass per shape: grouped by draft width and rows, which
+        change when the loop drops finished rows; none kept: nothing)."""
         steps, self._steps = self._steps, []
-        for k in sorted({result.accepted_flags.shape[1] for result, _ in steps}):
-            group = [(result, active) for result, active in steps if result.accepted_flags.shape[1] == k]
+        for k, b in sorted({tuple(result.accepted_flags.shape[:2][::-1]) for result, _ in steps}):
+            group = [(result, active) for result, active in steps if tuple(result.accepted_flags.shape[:2]) == (b, k)]
             acc, drafted, emitted = (torch.stack([getattr(result, name) for result, _ in group])  # [S, B] each
                                      for name in ("num_accepted", "num_drafted", "num_emitted"))
             flags = torch.stack([result.accepted_flags for result, _ in group])  # [S, B, K]
@@ -154,8 +158,16 @@ class SpecStats:
         """Spec-Bench's `accept_lengths`: per row, the emitted tokens of each verify call it took part in."""
         if not self._per_row:
             return []
-        emitted = torch.stack([result.num_emitted for result, _ in self._per_row], 1).tolist()  # [B, iterations]
-        active = torch.stack([m for _, m in self._per_row], 1).tolist()
+        batch = self._per_row[0][1].shape[0]  # the call's rows (its first steps have them all)
+        emitted, active = [], []  # per iteration: [B] each, dropped rows inactive
+        for result, on, rows in self._per_row:
+            if rows is None:
+                emitted.append(result.num_emitted)
+                active.append(on)
+            else:
+                emitted.append(result.num_emitted.new_zeros(batch).index_copy(0, rows, result.num_emitted))
+                active.append(on.new_zeros(batch).index_copy(0, rows, on))
+        emitted, active = torch.stack(emitted, 1).tolist(), torch.stack(active, 1).tolist()  # [B, iterations]
         return [[e for e, m in zip(er, ar) if m] for er, ar in zip(emitted, active)]
 
     def to_dict(self) -> dict:

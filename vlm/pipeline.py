@@ -88,6 +88,9 @@ class SpeculativeVLM:
         self.lm = cached_vlm(self.model, attention_backend)
         self.drafter = None if drafter is None else drafter.eval().attach(self.lm)
         self.budgets: dict = {}  # budget="auto": what each draft budget learnt, kept between calls
+        # a batch's finished answers leave it, so its later steps compute only the rows still generating (the same
+        # tokens; `mmspec.loop.generate`'s drop_finished); False keeps every row to the end, as transformers does
+        self.drop_finished = True
         self.image_tokens_per_image: float | None = None  # of the last encoded batch (drafter_image_tokens)
         self.last_stats: SpecStats | None = None  # of the last generate call
         self.folder: Path | None = None  # the folder `from_pretrained` read (its drafters/ hold the saved drafters)
@@ -320,17 +323,17 @@ class SpeculativeVLM:
 
         counts_per_round: list[torch.Tensor] = []  # without a stream, rounds are cut after the loop
 
-        def record(state, draft, result) -> None:
+        def record(state, draft, result) -> None:  # (the loop drops finished rows: read the call's whole batch)
             if stream is None:
-                counts_per_round.append(state.num_generated.clone())
+                counts_per_round.append(state.full_num_generated().clone())
             else:
-                take(state.output.tolist(), state.num_generated.tolist())
+                take(state.full_output().tolist(), state.full_num_generated().tolist())
 
         rule = params.lossless_rule
         draft_budget = make_budget(budget, target, drafter, rule, inputs, b, self.lm.device, self.budgets)
         result = generate(target, drafter, rule, inputs, batch_size=b, max_new_tokens=max_new_tokens,
                           generator=generator, eos_token_id=eos, device=self.lm.device, callback=record,
-                          budget=draft_budget)
+                          budget=draft_budget, drop_finished=self.drop_finished)
         tokens = result.tokens.tolist()
         for counts in torch.stack(counts_per_round).tolist() if counts_per_round else []:
             take(tokens, counts)

@@ -64,6 +64,11 @@ class Qwen2VLCachedLM(CachedVLM):
         self.rope_deltas = deltas.to(self.device).view(-1, 1)  # [B, 1]
         return positions  # [3, B, P]
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep the rope deltas of rows [B'] (the loop dropped the call's finished rows)."""
+        if self.rope_deltas is not None:
+            self.rope_deltas = self.rope_deltas.index_select(0, rows)
+
     def step_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """Loop positions [B, S] -> [3, B, S]: t = h = w = position + the row's rope delta."""
         check(self.rope_deltas is not None, "run the target's prefill (prefill_vlm) first.")

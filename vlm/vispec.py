@@ -195,5 +195,9 @@ class VLMViSpecTreeDrafter(VLMEagleTreeDrafter):
         drafter.global_feature = layout["g"]  # every decoded element is text after the image (g = 0 without one)
         self.pend_first_pair(state, features, lengths)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        super().select_rows(rows)
+        self.drafter.global_feature = self.drafter.global_feature.index_select(0, rows)  # [R', H] (no CFG: R = B)
+
 
 VLMViSpecDrafter.loop_drafter = VLMViSpecTreeDrafter  # what the loop runs for this drafter model
