@@ -8,7 +8,10 @@ the tree defaults to each drafter's paper setting, depth in drafted levels: EAGL
 Inputs: `--num-samples` test-split scenes, one question each, asked with the long-answer prompt ("Answer in
 detail."): short answers hide any speed-up, so every paper lengthens them, and so does this family (say so when
 quoting its numbers). Family options (`--family-option KEY=VALUE`): model (target folder, default the embedded
-`assets/vlm`; drafters in MODEL/drafters/<kind>), top_p. Quality: `exactness` (fraction of answers equal to
+`assets/vlm`; drafters in MODEL/drafters/<kind>), top_p, long_fraction (the share of questions asking for the long
+answer, default 1; 0.5 is the world's own mix of one-word and long answers), drop_finished (true, the pipeline's
+default: a batch drops its finished answers; false keeps every row to the end, as transformers does).
+Quality: `exactness` (fraction of answers equal to
 vanilla's token for token; lossless methods must give 1.0 at temperature 0) and `answer_contains_short` (the
 answer contains the world's short answer as a word: how often the target is right, the same for every lossless
 method at temperature 0); at temperature > 0 the token calibration figures (`pit_ks`, its p-value...:
@@ -34,19 +37,24 @@ import torch
 
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of, pop_budget
 from mmspec.data.artifacts import ASSETS_DIR
-from mmspec.errors import InputError
+from mmspec.errors import InputError, check
 from vlm.bench_peers import peer_methods
 from vlm.family import FAMILY, TREE
 
-OPTIONS = ("model", "top_p")
+OPTIONS = ("model", "top_p", "long_fraction", "drop_finished")
 
 
 def _options(settings: BenchSettings) -> dict[str, Any]:
     unknown = set(settings.options) - set(OPTIONS)
     if unknown:
         raise InputError(f"unknown option(s) {sorted(unknown)} for bench family 'vlm'; known: {', '.join(OPTIONS)}.")
-    return {"model": settings.options.get("model") or str(ASSETS_DIR / "vlm"),
-            "top_p": float(settings.options.get("top_p", 1.0))}
+    options = settings.options
+    long_fraction, drop = float(options.get("long_fraction", 1.0)), str(options.get("drop_finished", "true")).lower()
+    check(0.0 <= long_fraction <= 1.0, f"long_fraction must be in [0, 1] (the share of questions asking for the long "
+                                       f"answer), got {long_fraction}.")
+    check(drop in ("true", "false"), f"drop_finished must be true or false, got {drop!r}.")
+    return {"model": options.get("model") or str(ASSETS_DIR / "vlm"), "top_p": float(options.get("top_p", 1.0)),
+            "long_fraction": long_fraction, "drop_finished": drop == "true"}
 
 
 def build(settings: BenchSettings) -> dict:
@@ -64,7 +72,8 @@ def build(settings: BenchSettings) -> dict:
 def inputs(settings: BenchSettings) -> list[Sample]:
     from vlm.world import world_vqa_examples
 
-    examples = world_vqa_examples("test", settings.num_samples, seed=settings.seed, long_fraction=1.0)
+    examples = world_vqa_examples("test", settings.num_samples, seed=settings.seed,
+                                  long_fraction=_options(settings)["long_fraction"])
     return [Sample(question_id=i, category=ex.qa.kind, data=ex) for i, ex in enumerate(examples)]
 
 
@@ -86,6 +95,7 @@ def _runner(record):
                 pipes[kind] = SpeculativeVLM(vlm.model, vlm.processor, models["drafters"][kind])
             vlm = pipes[kind]
         use_drafter = kind is not None
+        vlm.drop_finished = _options(settings)["drop_finished"]
         tree = (params.get("depth"), params.get("top_k"), params.get("total_tokens"))
         examples = [s.data for s in batch]
         out = vlm.generate([ex.image for ex in examples], [ex.prompt for ex in examples], settings.max_new_tokens,

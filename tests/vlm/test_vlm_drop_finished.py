@@ -112,3 +112,21 @@ def test_qwen2_vl_rows_keep_their_rope_deltas(drops, questions):
         dropped = answers(vlm, questions, drop=True, **kwargs)
         assert drops and dropped == kept, kwargs
         drops.clear()
+
+
+def test_the_bench_family_mixes_answers_and_keeps_rows_on_request():
+    """`--family-option long_fraction=0.5` asks the world's own mix of one-word and long answers, `drop_finished=
+    false` keeps every row to the end (transformers' way); bad values are one-line errors."""
+    from mmspec.bench.registry import BenchSettings
+    from mmspec.errors import InputError
+    from vlm.bench import _options, inputs
+
+    def prompts(**options):
+        return [s.data.prompt for s in inputs(BenchSettings(num_samples=16, options=options))]
+
+    assert len(set(prompts())) < len(set(prompts(long_fraction="0.5")) | set(prompts()))
+    assert _options(BenchSettings())["drop_finished"] and not _options(
+        BenchSettings(options={"drop_finished": "false"}))["drop_finished"]
+    for bad in ({"long_fraction": "2"}, {"drop_finished": "maybe"}):
+        with pytest.raises(InputError):
+            _options(BenchSettings(options=bad))
