@@ -401,23 +401,30 @@ class TreeBudget(MeasuredSteps):
         self._prefix_bucket = 1 << max(prefix - 1, 0).bit_length()
         self.hold_rows(state.batch_size)
 
-    def time_shapes(self, rows: int) -> dict[TreeShape, float]:
-        """Every menu shape's seconds at `rows` rows, timed on the live call (`begin`'s target, drafter, state and
-        rule) or read from the cache of earlier timings."""
+    def time_shapes(self, level: int) -> dict[TreeShape, float]:
+        """Every menu shape's seconds for `level` rows held, timed on the live call (`begin`'s target, drafter, state
+        and rule, with the rows it holds) or read from the cache of earlier timings. Below the call's own batch only
+        the chains and the plain step are timed (a third of the menu: the timing runs inside a call), and each tree
+        is priced at its call-level seconds times the chains' mean ratio between the two levels."""
         from mmspec.cost import cached_json, profile_key
 
         target, drafter, state, rule = self._live
         runner = target.runner
-        bucket = self._prefix_bucket
         models = [getattr(m, "model", m) if not isinstance(m, torch.nn.Module) else m
                   for m in (runner.model, drafter.runner.model)]
-        extra = (f"tree-budget-v2|B={rows}|prefix<={bucket}|{getattr(rule, 'name', rule)}|{target.params}|"
-                 f"cfg={runner.guidance_scale is not None}|{type(drafter).__name__}|{profile_key(models[1], 'cpu')}|"
-                 f"{[str(s) for s in self.shapes]}")
+        call_level = level == self._call_rows
+        shapes = self.shapes if call_level else [s for s in self.shapes if s == PLAIN or s.top_k == 1]
+        extra = (f"tree-budget-v2|B={level}|prefix<={self._prefix_bucket}|{getattr(rule, 'name', rule)}|"
+                 f"{target.params}|cfg={runner.guidance_scale is not None}|{type(drafter).__name__}|"
+                 f"{profile_key(models[1], 'cpu')}|{[str(s) for s in shapes]}")
         key = profile_key(models[0], runner.cache.device, extra)
-        times = cached_json(key, lambda: measure_shapes(target, drafter, state, rule, self.shapes))
-        return {s: times["draft"].get(f"{s.top_k},{s.depth}", 0.0) + times["step"][step_key(s)] for s in self.shapes}
-
+        times = cached_json(key, lambda: measure_shapes(target, drafter, state, rule, shapes))
+        costs = {s: times["draft"].get(f"{s.top_k},{s.depth}", 0.0) + times["step"][step_key(s)] for s in shapes}
+        if not call_level:
+            full = self._tables[self._call_rows]
+            ratio = sum(costs[s] / full[s] for s in shapes) / len(shapes)
+            costs.update({s: full[s] * ratio for s in self.shapes if s not in costs})
+        return costs
     def select_rows(self, rows: torch.Tensor) -> None:
         """The loop dropped the call's finished rows and holds rows [B']: the steps are priced for that many rows
         from now on (`hold_rows`)."""
@@ -441,7 +448,7 @@ class TreeBudget(MeasuredSteps):
         self.seen, self._samples, self._sampled_at = self._steps_at.get(level, ({}, {}, {}))
         if level not in self._tables:
             start = time.perf_counter()
-            self._tables[level] = self._given_costs or self.time_shapes(rows)
+            self._tables[level] = self._given_costs or self.time_shapes(level)
             self._timing_seconds += time.perf_counter() - start  # (not the call's: `end_call`)
         self.costs, self._level = self._tables[level], level
         self._chosen_at = None  # the step that ran across the change is not timed
