@@ -128,14 +128,16 @@ def choose_size(budget, batch: int, plain_for_good: bool,
 
 
 def report_call(budget, stats, batch: int, seconds: float, plain_steps: int, drafted: bool,
-                compiled_before: int, begin_seconds: float = 0.0) -> None:
+                compiled_before: int, begin_seconds: float = 0.0, held_rows: list[int] | None = None) -> None:
     """The loop's side of the call gate after a call, for a budget that has one (`end_call`): `seconds` the call took
-    from the drafter's start (or, without the drafter, the first step), `plain_steps` the steps vanilla takes for it
-    and `begin_seconds` the drafter's begin (its prompt pass) go to `end_call`, unless torch.compile compiled a
-    forward during the call (`compiled_before`: `compilations()` at its start), whose time is the compiler's; `stats`
-    counts a call without the drafter."""
+    from the drafter's start (or, without the drafter, the first step), `plain_steps` the steps vanilla takes for it,
+    `begin_seconds` the drafter's begin (its prompt pass) and `held_rows` (a call that drops finished rows: the rows
+    vanilla would hold at each of its steps) go to `end_call`, unless torch.compile compiled a forward during the
+    call (`compiled_before`: `compilations()` at its start), whose time is the compiler's; `stats` counts a call
+    without the drafter."""
     if compilations() == compiled_before:
-        budget.end_call(batch, seconds, plain_steps, drafted, begin_seconds=begin_seconds)
+        held = {} if held_rows is None else {"held_rows": held_rows}
+        budget.end_call(batch, seconds, plain_steps, drafted, begin_seconds=begin_seconds, **held)
     stats.add_extra("calls_without_drafter", int(not drafted))
 
 
@@ -441,10 +443,13 @@ class MeasuredSteps:
             return False
         return self.call_steps * self.vanilla_step_seconds() < REFERENCE_MARGIN * self.call_seconds
 
-    def end_call(self, batch: int, seconds: float, plain_steps: int, drafted: bool, begin_seconds: float = 0.0) -> None:
+    def end_call(self, batch: int, seconds: float, plain_steps: int, drafted: bool, begin_seconds: float = 0.0,
+                 held_rows: list[int] | None = None) -> None:
         """How a call went: `seconds` from the drafter's begin (or, without the drafter, the first step) to the end,
         `plain_steps` the steps vanilla takes for it (the longest row's tokens after the first), `begin_seconds` the
-        drafter's begin (`begin_seconds()`). A call without the drafter measures vanilla's step. Drafted calls are
+        drafter's begin (`begin_seconds()`), `held_rows` the rows vanilla holds at each of those steps where the loop
+        drops finished rows (the call is then measured in full-batch steps, `plain_units`). A call without the drafter
+        measures vanilla's step. Drafted calls are
         pooled (each earlier one weighs CALL_DECAY times as much) and judged against vanilla's step
         (`gate_plain_seconds`): when they took longer than the plain steps they replaced, drafting lost (one call's
         content decides too little: a batch with one unusual answer drafts badly). A loss judged against fewer than
@@ -469,6 +474,7 @@ class MeasuredSteps:
         self._batch, self._call_tokens = batch, plain_steps
         if drafted:
             self._last_call_dropped = dropped
+        tokens, plain_steps = plain_steps, self.plain_units(plain_steps, held_rows)  # (the gate's unit from here on)
         if not drafted:
             if not dropped:  # (a call that dropped rows averages steps over fewer rows: not a plain step's seconds)
                 self._note_seconds(self.plain_size, seconds / plain_steps)
@@ -482,13 +488,13 @@ class MeasuredSteps:
         self._begins.append(begin_seconds)
         self._last_drafted.append((seconds, plain_steps))
         if self._prediction is not None:  # against what the estimates, now holding this call's steps, say it took
-            speed = self._call_speeds(plain_steps, batch)[1]
+            speed = self._call_speeds(tokens, batch)[1]
             speed = speed if speed > 0 else self._prediction[1]
-            self._overruns.append(seconds / (begin_seconds + plain_steps / speed))
+            self._overruns.append(seconds / (begin_seconds + tokens / speed))
         self._drafted_total = (self._drafted_total[0] + seconds, self._drafted_total[1] + plain_steps)
         if self.calls["unjudged"] < UNJUDGED_CALLS:
             self.calls["unjudged"] += 1
-            log.debug("batch %d: a drafted call, %.1f ms for %d plain steps: not judged (one-time costs)",
+            log.debug("batch %d: a drafted call, %.1f ms for %.1f plain steps: not judged (one-time costs)",
                       batch, 1e3 * seconds, plain_steps)
             self._log_estimates(batch)
             return
@@ -520,10 +526,27 @@ class MeasuredSteps:
             verdict = (f"lost{' (no size chosen by estimate drafted)' if chose_plain else ''}, the next "
                        f"{self.skip_calls} calls without the drafter")
         predicted = "" if self._predicted is None else f", predicted {1e3 * self._predicted:.1f}"
-        log.debug("batch %d: a drafted call, %.1f ms (begin %.1f%s) for %d plain steps of %.2f ms (%.2fx; pooled "
+        log.debug("batch %d: a drafted call, %.1f ms (begin %.1f%s) for %.1f plain steps of %.2f ms (%.2fx; pooled "
                   "%.2fx): %s", batch, 1e3 * seconds, 1e3 * begin_seconds, predicted, plain_steps, 1e3 * plain,
                   plain_steps * plain / seconds, self.call_steps * plain / self.call_seconds, verdict)
         self._log_estimates(batch)
+
+    def plain_units(self, plain_steps: int, held_rows: list[int] | None) -> float:
+        """A call's length in full-batch plain steps: `plain_steps`, or where the loop drops finished rows
+        (`held_rows`: the rows vanilla holds at each step) the sum of each step's cost at its rows over a full
+        batch's (`rows_cost`; plain_steps while the costs by rows are unknown). A batch of one-word and long answers
+        costs vanilla far less a step than one of long answers once its short rows are gone (the world LLaVA at batch
+        8 on this CPU: 1.28-2.43 ms a plain step call by call), and a drafted call is judged against what vanilla
+        would have spent on the same rows."""
+        cost = self.rows_cost() if held_rows else None
+        if cost is None:
+            return float(plain_steps)
+        full = cost(self._batch)
+        return sum(cost(rows) for rows in held_rows) / full
+
+    def rows_cost(self) -> Callable[[int], float] | None:
+        """A plain step's seconds as a function of the rows held, where known (`TreeBudget`: from its levels)."""
+        return None
 
     def _pooled_calls_lost(self, plain: float) -> bool:
         """Whether the pooled drafted calls ran below vanilla's speed (a plain step of `plain` seconds) by more than

@@ -340,11 +340,24 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
 
     synchronize(device)
     if hasattr(budget, "end_call"):
-        report_call(budget, stats, batch_size, begin_seconds + time.perf_counter() - decode_start,
-                    int(state.full_num_generated().max()) - 1, drafting, compiled_before, begin_seconds)
+        tokens = (state.full_num_generated() - 1).clamp_min(0).tolist()  # [B0] each row's tokens after the first
+        report_call(budget, stats, batch_size, begin_seconds + time.perf_counter() - decode_start, max(tokens),
+                    drafting, compiled_before, begin_seconds, vanilla_held_rows(tokens) if drop_finished else None)
     stats.wall_time = time.perf_counter() - start
     stats.num_draft_forwards = getattr(drafter, "forwards", 0) - draft_forwards_before
     return GenerationOutput(tokens=state.full_tokens(), num_generated=state.full_num_generated(), stats=stats)
+
+
+def vanilla_held_rows(tokens: list[int]) -> list[int]:
+    """The rows a vanilla call that drops its finished rows (`drop_finished`) holds at each of its steps, for rows
+    that emit `tokens` [B] tokens after the first: row b generates in steps 0 .. tokens[b] - 1."""
+    held, out = len(tokens), []
+    for step in range(max(tokens, default=0)):
+        live = sum(t > step for t in tokens)
+        if live <= DROP_AT * held:
+            held = live
+        out.append(held)
+    return out
 
 
 def drop_finished_rows(state: DecodeState, target: Target, drafter: Drafter, budget: Any, generator: Generators,

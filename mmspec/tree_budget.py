@@ -45,6 +45,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from functools import lru_cache
 from typing import NamedTuple
 
@@ -453,11 +454,27 @@ class TreeBudget(MeasuredSteps):
         self.costs, self._level = self._tables[level], level
         self._chosen_at = None  # the step that ran across the change is not timed
 
-    def end_call(self, batch: int, seconds: float, plain_steps: int, drafted: bool, begin_seconds: float = 0.0) -> None:
+    def end_call(self, batch: int, seconds: float, plain_steps: int, drafted: bool, begin_seconds: float = 0.0,
+                 held_rows: list[int] | None = None) -> None:
         """`MeasuredSteps.end_call`, the call's seconds without those it spent timing shapes for fewer rows."""
         self._live = None  # (the call's models and state are not kept past it)
         seconds, self._timing_seconds = seconds - self._timing_seconds, 0.0
-        super().end_call(batch, seconds, plain_steps, drafted, begin_seconds=begin_seconds)
+        super().end_call(batch, seconds, plain_steps, drafted, begin_seconds=begin_seconds, held_rows=held_rows)
+
+    def rows_cost(self) -> Callable[[int], float] | None:
+        """A plain step's seconds by rows held: the least-squares line a + b x rows through the levels' timed plain
+        steps (two levels or more), None before."""
+        points = [(level, table[PLAIN]) for level, table in self._tables.items()]
+        if len(points) < 2:
+            return None
+        n = len(points)
+        mean_x, mean_y = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+        spread = sum((x - mean_x) ** 2 for x, _ in points)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread > 0 else 0.0
+        if slope <= 0:
+            return None
+        intercept = max(mean_y - slope * mean_x, 0.0)
+        return lambda rows: intercept + slope * rows
 
 
 def plain_and_best_shape(speed: torch.Tensor) -> tuple[float, float]:

@@ -1028,3 +1028,23 @@ def test_a_budgets_observe_reads_the_step_in_one_transfer():
     assert budget.accepted.tolist() == counts.sum(0).double().tolist() and counts.sum() > 0
     assert budget.accepted_sq.tolist() == (counts * counts).sum(0).double().tolist()
     assert budget.rows.tolist() == (5.0 * covered).tolist()
+
+
+def test_a_call_that_drops_rows_is_measured_in_full_batch_steps():
+    """Where the loop drops finished rows, vanilla's steps cost what their rows cost: `vanilla_held_rows` gives the
+    rows vanilla holds at each step (dropping once at most DROP_AT of those held are live), and the tree budget
+    counts the call in full-batch steps from its levels' plain steps (a line in the rows held), so a batch of short
+    answers is not judged against the steps of a batch of long ones."""
+    from mmspec.loop import vanilla_held_rows
+
+    assert vanilla_held_rows([0, 0, 5, 3]) == [2, 2, 2, 1, 1]
+    assert vanilla_held_rows([4, 4, 4, 4]) == [4, 4, 4, 4]
+    assert vanilla_held_rows([]) == []
+    full = TreeShape(1, 2, 3)
+    budget = TreeBudget(full, costs={s: 1.0 for s in tree_menu(full)})
+    budget._batch = 8
+    assert budget.plain_units(5, [8, 8, 1]) == 5.0  # no costs by rows yet: the longest row's steps
+    budget._tables = {8: {PLAIN: 2.0}, 1: {PLAIN: 1.0}}  # a plain step: 1 + (rows - 1) / 7 ms
+    assert budget.plain_units(3, [8, 8, 1]) == pytest.approx((2.0 + 2.0 + 1.0) / 2.0)
+    budget._tables = {8: {PLAIN: 1.0}, 1: {PLAIN: 1.0}}  # rows cost nothing (a GPU): steps are steps
+    assert budget.plain_units(3, [8, 8, 1]) == 3.0
