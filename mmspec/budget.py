@@ -449,10 +449,9 @@ class MeasuredSteps:
         `plain_steps` the steps vanilla takes for it (the longest row's tokens after the first), `begin_seconds` the
         drafter's begin (`begin_seconds()`), `held_rows` the rows vanilla holds at each of those steps where the loop
         drops finished rows (the call is then measured in full-batch steps, `plain_units`). A call without the drafter
-        measures vanilla's step. Drafted calls are
-        pooled (each earlier one weighs CALL_DECAY times as much) and judged against vanilla's step
-        (`gate_plain_seconds`): when they took longer than the plain steps they replaced, drafting lost (one call's
-        content decides too little: a batch with one unusual answer drafts badly). A loss judged against fewer than
+        measures vanilla's step. Drafted calls are pooled (each earlier one weighs CALL_DECAY times as much) and judged
+        against vanilla's step (`gate_plain_seconds`): when they took longer than the plain steps they replaced,
+        drafting lost (one call's content decides too little: a batch with one unusual answer drafts badly). A loss judged against fewer than
         CONFIRM_BELOW calls without the drafter is confirmed first: the next call runs without the drafter (as the
         backoff's first would) and the pooled calls are judged again against the median with it (`_confirm`): one
         reference call of LlamaGen's GSD at batch 1 read vanilla's step at 5.65 ms where the others read 9-12, and a
