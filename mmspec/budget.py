@@ -451,21 +451,21 @@ class MeasuredSteps:
         drops finished rows (the call is then measured in full-batch steps, `plain_units`). A call without the drafter
         measures vanilla's step. Drafted calls are pooled (each earlier one weighs CALL_DECAY times as much) and judged
         against vanilla's step (`gate_plain_seconds`): when they took longer than the plain steps they replaced,
-        drafting lost (one call's content decides too little: a batch with one unusual answer drafts badly). A loss judged against fewer than
-        CONFIRM_BELOW calls without the drafter is confirmed first: the next call runs without the drafter (as the
-        backoff's first would) and the pooled calls are judged again against the median with it (`_confirm`): one
-        reference call of LlamaGen's GSD at batch 1 read vanilla's step at 5.65 ms where the others read 9-12, and a
-        drafted call at 1.6x of the usual step lost against it (runs/bench-llamagen-s29f). The first UNJUDGED_CALLS
-        drafted calls are not judged: they pay what later calls do not (the device's first run of the drafter's kernels
-        and shapes, the budget's exploration of sizes): SpecVLM's first drafted call on an H200 ran at 0.41x of
-        vanilla's step and the next at 1.71x, and pooled with the first it lost too, so 12 calls ran as vanilla where
-        the fixed budget gave 1.13x (runs/gpu-s26b). A judged call in which the budget chose sizes by estimate and none
-        of them drafted lost whatever its time (it paid the drafter's begin and the budget's steps for nothing a vanilla
-        call would not have given; on this CPU such calls of EAGLE and LANTERN at batch 8, all plain steps, read as
-        0.95-1.35x wins against a reference call that ran slow, runs/bench-llamagen-s27b). A retry after a backoff is
-        judged on its own: pooled with the calls whose loss made the backoff, a retry that won by 5% read as a loss
-        and doubled the backoff (the world LLaVA at batch 8 on this CPU, where a lost call is often just a batch of
-        answers that draft badly: the fixed chain of 8 ran at 0.88-1.41x call by call)."""
+        drafting lost (one call's content decides too little: a batch with one unusual answer drafts badly). A loss
+        judged against fewer than CONFIRM_BELOW calls without the drafter is confirmed first: the next call runs without
+        the drafter (as the backoff's first would) and the pooled calls are judged again against the median with it
+        (`_confirm`): one reference call of LlamaGen's GSD at batch 1 read vanilla's step at 5.65 ms where the others
+        read 9-12, and a drafted call at 1.6x of the usual step lost against it (runs/bench-llamagen-s29f). The first
+        UNJUDGED_CALLS drafted calls are not judged: they pay what later calls do not (the device's first run of the
+        drafter's kernels and shapes, the budget's exploration of sizes): SpecVLM's first drafted call on an H200 ran at
+        0.41x of vanilla's step and the next at 1.71x, and pooled with the first it lost too, so 12 calls ran as vanilla
+        where the fixed budget gave 1.13x (runs/gpu-s26b). A judged call in which the budget chose sizes by estimate and
+        none of them drafted lost whatever its time (it paid the drafter's begin and the budget's steps for nothing a
+        vanilla call would not have given; on this CPU such calls of EAGLE and LANTERN at batch 8, all plain steps, read
+        as 0.95-1.35x wins against a reference call that ran slow, runs/bench-llamagen-s27b). A retry after a backoff is
+        judged on its own: pooled with the calls whose loss made the backoff, a retry that won by 5% read as a loss and
+        doubled the backoff (the world LLaVA at batch 8 on this CPU, where a lost call is often just a batch of answers
+        that draft badly: the fixed chain of 8 ran at 0.88-1.41x call by call)."""
         self._close_rows()
         dropped, self._call_dropped = self._call_dropped, False
         if not self.timing or plain_steps <= 0:
