@@ -223,3 +223,36 @@ def test_vanilla_keeps_no_room_for_drafts(target_model, prompt):
         capacity = target.extra_capacity if room else target.plain_capacity
         assert target.runner.cache.capacity == prompt.shape[1] + capacity
         assert torch.equal(out.tokens, reference_greedy(target_model, prompt, n))
+
+
+def test_dropping_finished_rows_under_cfg_keeps_every_row(target_model):
+    """`drop_finished` on a CFG target (both halves of each row leave together, per-row guidance scales follow),
+    sampled with a generator per row and stopped by EOS at different steps: the
+    same tokens, counts and per-row accept lengths as keeping every row, and rows did leave."""
+    import mmspec.loop as loop
+    from mmspec.lm import cfg_prompt_pair
+
+    cond = torch.randint(0, 16, (6, 5), generator=torch.Generator().manual_seed(3))
+    uncond = torch.zeros_like(cond)
+    scale = torch.tensor([1.0, 2.0, 3.0, 1.5, 2.5, 4.0])
+    params = SamplingParams(temperature=1.0)
+    outs, drops = [], []
+    original = loop.drop_finished_rows
+
+    def counted(*args, **kwargs):
+        drops.append(int(args[5].sum()))
+        return original(*args, **kwargs)
+
+    loop.drop_finished_rows = counted
+    try:
+        for drop in (False, True):
+            target = LMTarget(target_model, params, 20, guidance_scale=scale, prefill_fn=cfg_prompt_pair)
+            gens = [torch.Generator().manual_seed(10 + i) for i in range(6)]
+            outs.append(generate(target, NoDrafter(), "lossless", (cond, uncond), batch_size=6, max_new_tokens=20,
+                                 generator=gens, eos_token_id=[2, 5], drop_finished=drop))
+    finally:
+        loop.drop_finished_rows = original
+    kept, dropped = outs
+    assert drops and torch.equal(kept.tokens, dropped.tokens) and torch.equal(kept.num_generated, dropped.num_generated)
+    assert kept.stats.accept_lengths_per_row() == dropped.stats.accept_lengths_per_row()
+    assert kept.num_generated.min() < kept.num_generated.max()
