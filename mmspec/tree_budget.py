@@ -392,7 +392,8 @@ class TreeBudget(MeasuredSteps):
 
     # ---------------------------------------------------------------------------------------------- costs
     def begin(self, target, drafter, state, rule) -> None:
-        """Time every menu shape on this call's own target, drafter and prefix (or read the cached times)."""
+        """Time every menu shape on this call's own target, drafter and prefix (or read the cached times), and price
+        the call's steps for its whole batch (`hold_rows`) until the loop drops rows."""
         self._new_call()
         self._timing_seconds = 0.0
         if state is None:  # (a budget given its costs, in tests)
@@ -426,6 +427,7 @@ class TreeBudget(MeasuredSteps):
             ratio = sum(costs[s] / full[s] for s in shapes) / len(shapes)
             costs.update({s: full[s] * ratio for s in self.shapes if s not in costs})
         return costs
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """The loop dropped the call's finished rows and holds rows [B']: the steps are priced for that many rows
         from now on (`hold_rows`)."""

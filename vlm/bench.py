@@ -10,17 +10,15 @@ detail."): short answers hide any speed-up, so every paper lengthens them, and s
 quoting its numbers). Family options (`--family-option KEY=VALUE`): model (target folder, default the embedded
 `assets/vlm`; drafters in MODEL/drafters/<kind>), top_p, long_fraction (the share of questions asking for the long
 answer, default 1; 0.5 is the world's own mix of one-word and long answers), drop_finished (true, the pipeline's
-default: a batch drops its finished answers; false keeps every row to the end, as transformers does).
-Quality: `exactness` (fraction of answers equal to
-vanilla's token for token; lossless methods must give 1.0 at temperature 0) and `answer_contains_short` (the
-answer contains the world's short answer as a word: how often the target is right, the same for every lossless
-method at temperature 0); at temperature > 0 the token calibration figures (`pit_ks`, its p-value...:
-`mmspec.metrics.calibration`; one teacher-forced target pass per answer, its EOS included) test that each
-method's tokens follow the target's distribution. The drafter's prefill cost is reported as the figure
-`drafter_image_tokens_per_row`:
-how many image tokens the drafter attends to per row, averaged over the pass's rows (EagleVLM and MSD: all of
-them; ViSpec: one compressed token; SpecVLM: what its gate chose; 0 in calls the draft budget ran without the
-drafter).
+default: a batch drops its finished answers; false keeps every row to the end, as transformers does). Quality:
+`exactness` (fraction of answers equal to vanilla's token for token; lossless methods must give 1.0 at temperature
+0) and `answer_contains_short` (the answer contains the world's short answer as a word: how often the target is
+right, the same for every lossless method at temperature 0); at temperature > 0 the token calibration figures
+(`pit_ks`, its p-value...: `mmspec.metrics.calibration`; one teacher-forced target pass per answer, its EOS
+included) test that each method's tokens follow the target's distribution. The drafter's prefill cost is reported as
+the figure `drafter_image_tokens_per_row`: how many image tokens the drafter attends to per row, averaged over the
+pass's rows (EagleVLM and MSD: all of them; ViSpec: one compressed token; SpecVLM: what its gate chose; 0 in calls
+the draft budget ran without the drafter).
 
 transformers' own decoding runs beside them as peer methods (`vlm.bench_peers`): `hf_generate`,
 `hf_prompt_lookup` (num_tokens) and `hf_assisted` (layers), in the same process, on the same prompts.
