@@ -238,9 +238,9 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only rows [B'] of the call (the loop drops finished rows): the drafter's cache, its pending pairs
         and per-row position offsets."""
-        b = self.runner.cache.batch_size // (2 if self.runner.uses_cfg else 1)
+        feature_rows = self.runner.model_rows(rows)  # [R'] (before the runner's rows change)
         self.runner.select_rows(rows)
-        self.pending.select_rows(rows, torch.cat([rows, rows + b]) if self.runner.uses_cfg else rows)
+        self.pending.select_rows(rows, feature_rows)
         if isinstance(self.position_offset, torch.Tensor) and self.position_offset.dim() > 0:  # [B] per row
             self.position_offset = self.position_offset.index_select(0, rows)
 

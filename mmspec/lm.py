@@ -112,14 +112,16 @@ class GuidedRunner:
             scale = scale.to(logits.device).view(-1, *([1] * (logits.dim() - 1)))
         return cfg_combine(cond, uncond, scale)
 
+    def model_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Row indices rows [B'] of the current B -> the model's [R'] (both halves of a CFG pair)."""
+        return torch.cat([rows, rows + self.cache.batch_size // 2]) if self.uses_cfg else rows
+
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only rows [B'] (indices into the current B, in that order): the cache's rows (both halves of a CFG
         pair), the unconditional rows' shift and per-row guidance scales (`mmspec.loop`'s finished-row dropping)."""
-        both = rows  # [R'] the model's rows (both halves with CFG)
-        if self.uses_cfg:
-            both = torch.cat([rows, rows + self.cache.batch_size // 2])
-            if isinstance(self.guidance_scale, torch.Tensor) and self.guidance_scale.dim() > 0:  # [B] per row
-                self.guidance_scale = self.guidance_scale.index_select(0, rows.to(self.guidance_scale.device))
+        both = self.model_rows(rows)  # [R']
+        if self.uses_cfg and isinstance(self.guidance_scale, torch.Tensor) and self.guidance_scale.dim() > 0:
+            self.guidance_scale = self.guidance_scale.index_select(0, rows.to(self.guidance_scale.device))  # [B']
         self.cache.select_rows(both)
         if self.uncond_shift is not None:
             self.uncond_shift = self.uncond_shift.index_select(0, rows)

@@ -40,6 +40,11 @@ from mmspec.verify import AcceptanceRule, ChainDraft, Draft, VerifyResult, accep
 DROP_AT = 0.75  # drop_finished: the finished rows go once at most this share of the rows held are still generating
 
 
+def drops_rows(live: int, held: int) -> bool:
+    """Whether a call dropping its finished rows drops them now: `live` of the `held` rows are still generating."""
+    return live <= DROP_AT * held
+
+
 @dataclass
 class DecodeState:
     """Per-row progress of a batched generation."""
@@ -88,13 +93,14 @@ class DecodeState:
         self.output, self.num_generated, self.last_token, self.done = (
             t.index_select(0, rows) for t in (self.output, self.num_generated, self.last_token, self.done))
 
-    def _write_book(self) -> None:
-        """Bring the call's book up to date with the kept rows."""
+    def _write_book(self, output: bool = True) -> None:
+        """Bring the call's book up to date with the kept rows (`output`: their tokens too, not only their counts)."""
         if self.row_ids is None:
             self._book = (self.output.clone(), self.num_generated.clone())
-        else:
+            return
+        if output:
             self._book[0].index_copy_(0, self.row_ids, self.output)
-            self._book[1].index_copy_(0, self.row_ids, self.num_generated)
+        self._book[1].index_copy_(0, self.row_ids, self.num_generated)
 
     def full_output(self) -> torch.Tensor:
         """[B0, max_new_tokens + 1] the call's output, every row at its own index (dropped rows included)."""
@@ -107,7 +113,7 @@ class DecodeState:
         """[B0] the call's tokens generated per row, every row at its own index."""
         if self.row_ids is None:
             return self.num_generated
-        self._write_book()
+        self._write_book(output=False)  # (the VLM pipeline reads the counts every step)
         return self._book[1]
 
     def full_tokens(self) -> torch.Tensor:
@@ -297,7 +303,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
             live = int(active.sum())  # the one host sync per iteration
             if live == 0:
                 break
-            if live <= DROP_AT * state.batch_size:
+            if drops_rows(live, state.batch_size):
                 rows_generator = drop_finished_rows(state, target, drafter, budget, rows_generator, active,
                                                     drafts=drafting and not plain_for_good)
                 active = ~state.done
@@ -354,7 +360,7 @@ def vanilla_held_rows(tokens: list[int]) -> list[int]:
     held, out = len(tokens), []
     for step in range(max(tokens, default=0)):
         live = sum(t > step for t in tokens)
-        if live <= DROP_AT * held:
+        if drops_rows(live, held):
             held = live
         out.append(held)
     return out

@@ -79,8 +79,9 @@ class SpecStats:
         """Fold the kept steps into the counters (one batched pass per shape: grouped by draft width and rows, which
         change when the loop drops finished rows; none kept: nothing)."""
         steps, self._steps = self._steps, []
-        for k, b in sorted({tuple(result.accepted_flags.shape[:2][::-1]) for result, _ in steps}):
-            group = [(result, active) for result, active in steps if tuple(result.accepted_flags.shape[:2]) == (b, k)]
+        for shape in sorted({tuple(result.accepted_flags.shape) for result, _ in steps}):  # [B, K] each
+            group = [(result, active) for result, active in steps if tuple(result.accepted_flags.shape) == shape]
+            k = shape[1]
             acc, drafted, emitted = (torch.stack([getattr(result, name) for result, _ in group])  # [S, B] each
                                      for name in ("num_accepted", "num_drafted", "num_emitted"))
             flags = torch.stack([result.accepted_flags for result, _ in group])  # [S, B, K]
