@@ -17,12 +17,14 @@ from mmspec.cache import StaticKVCache
 
 def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, *,
                      cache: StaticKVCache | None = None, slots: torch.Tensor | None = None,
-                     first_layer_index: int = 0, backend: str | None = None) -> torch.Tensor:
+                     first_layer_index: int = 0, backend: str | None = None,
+                     cache_only: bool = False) -> torch.Tensor | None:
     """transformers Llama decoder layers (`LlamaDecoderLayer`: their projections, norms, MLPs; RoPE from `rotary`,
     a `LlamaRotaryEmbedding`) over x [B, S, H] at positions [B, S] through mmspec's attention. With a cache,
     layer i writes its K/V at `slots` [B, S] (cache layer first_layer_index + i) and mask [B, S, T] covers the
     cache; without one, mask [B, S, S] covers x itself (training). Returns the last layer's output (no final
-    norm) [B, S, H]. Autograd flows when called outside no_grad."""
+    norm) [B, S, H]. Autograd flows when called outside no_grad. cache_only (a prompt pass that only fills the
+    cache): the last layer writes its K/V and stops (`write_layer_kv`), and None is returned."""
     b, s, _ = x.shape
     positions = positions.expand(b, s).to(x.device)
     cos, signed_sin = rope_rotation(rotary, x, positions)  # [B, S, D] each
@@ -32,6 +34,9 @@ def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, m
     planned = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
     for i, layer in enumerate(layers):
         plan = inference_plan(layer) if planned else None
+        if cache_only and i == len(layers) - 1:
+            write_layer_kv(layer, plan, x, cos, signed_sin, cache, slots, first_layer_index + i)
+            return None
         if plan is not None:
             x = run_planned_layer(plan, x, cos, signed_sin, mask, cache, slots, first_layer_index + i, backend)
         else:
@@ -57,6 +62,30 @@ def run_module_layer(layer, x: torch.Tensor, cos: torch.Tensor, signed_sin: torc
     out = attend(q, k, v, mask, backend=backend, scale=attn.scaling)  # [B, Hq, S, D]
     x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, num_heads * attn.head_dim))
     return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def write_layer_kv(layer, plan: LayerPlan | None, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                   cache: StaticKVCache, slots: torch.Tensor, cache_layer: int) -> None:
+    """What later steps read of one decoder layer over x [B, S, H] (cos, signed_sin [B, 1, S, D]): its K/V, written
+    at slots [B, S] (the input norm, the k and v projections, k's rotation: the same numbers as the whole layer's).
+    A prompt pass that only fills the cache stops here: the layer's queries, attention, o projection and MLP feed
+    nothing, and they are 3/4 of a Llama layer's products (the world LLaVA's EagleVLM prompt pass at batch 32 on a
+    2-core CPU: 14 ms where the whole layer took 52; docs/benchmarks.md, "The drafter's prompt pass to its K/V")."""
+    b, s, _ = x.shape
+    if plan is not None:
+        kv_heads, start = plan.num_kv_heads, plan.num_heads * plan.head_dim  # k|v rows start after q's
+        weight, bias = plan.qkv  # [(Hq + 2 Hkv) D, H]
+        h = x if plan.input_norm is None else plan.input_norm(x)
+        kv = F.linear(h, weight[start:], None if bias is None else bias[start:])  # [B, S, 2 Hkv D]
+        kv = kv.view(b, s, 2 * kv_heads, plan.head_dim).transpose(1, 2)  # [B, 2 Hkv, S, D]
+        k, v = kv[:, :kv_heads], kv[:, kv_heads:]
+    else:
+        attn = layer.self_attn
+        kv_heads = attn.k_proj.out_features // attn.head_dim
+        h = layer.input_layernorm(x)
+        k = attn.k_proj(h).view(b, s, kv_heads, attn.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
+        v = attn.v_proj(h).view(b, s, kv_heads, attn.head_dim).transpose(1, 2)
+    cache.write(cache_layer, slots.expand(b, s), rotate_heads(k, cos, signed_sin), v)
 
 
 @dataclass(frozen=True)

@@ -158,13 +158,14 @@ class LlamaFeatureDrafter(TargetBound, AttentionBackendMixin, ModelMixin, Config
                        logits: bool = True) -> torch.Tensor | None:
         """Pairs (tokens [R, S] or their input embeddings `embeds` [R, S, H], features [R, S, H]; direct [R, S]
         bool: enter as embeds alone) at positions [R, S], written to cache slots [R, S], attending through mask
-        [R, S, T]. Returns logits [R, S, V] and sets `last_hidden` [R, S, H]. logits=False returns None without
-        running the head: a prompt pass that only fills the cache (as EAGLE's code, which runs the head on the
-        prompt's last position alone) skips the [R, S, H] x [H, V] product, the drafter's largest for a large
-        vocabulary (Qwen2.5-VL-7B's 152k-token head has 2.3x the multiply-adds of its decoder layer a position)."""
+        [R, S, T]. Returns logits [R, S, V] and sets `last_hidden` [R, S, H]. logits=False returns None and sets
+        `last_hidden` None: a prompt pass that only fills the cache (EAGLE's code runs the head on the prompt's last
+        position alone; mmspec's first draft reads the target's feature there) runs neither the head, the
+        drafter's largest product for a large vocabulary (Qwen2.5-VL-7B's 152k-token head has 2.3x the
+        multiply-adds of its decoder layer a position), nor the layer past its K/V (`write_layer_kv`)."""
         if embeds is None:
             embeds = self.embed_tokens(tokens)
         x = run_llama_layers(self.layers, self.rotary_emb, self.fuse(embeds, features, direct), positions, mask,
-                             cache=cache, slots=slots, backend=self.attention_backend)
-        self.last_hidden = x.detach()
-        return self.head(x) if logits else None
+                             cache=cache, slots=slots, backend=self.attention_backend, cache_only=not logits)
+        self.last_hidden = None if x is None else x.detach()
+        return None if x is None else self.head(x)

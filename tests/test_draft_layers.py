@@ -162,3 +162,40 @@ def test_a_wrapped_projection_runs_through_its_own_module() -> None:
         back = run_llama_layers(layers, rotary, x, positions, mask)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert not torch.allclose(back, got) and layers[0].__dict__["_mmspec_plan"][1] is not None
+
+
+@pytest.mark.parametrize("bias,kv_heads", [(False, 4), (True, 2)], ids=["plain", "bias-gqa"])
+@pytest.mark.parametrize("adapted", [False, True], ids=["planned", "modules"])
+def test_a_cache_only_pass_writes_the_whole_passs_keys_and_values(bias, kv_heads, adapted) -> None:
+    """`cache_only` (a prompt pass that only fills the cache) runs the last layer to its K/V alone: every cache
+    layer holds the whole pass's keys and values bit for bit, from the plan and from the modules (a wrapped
+    projection), and the pass returns None; later queries through the cache then see the same numbers."""
+    from mmspec.cache import StaticKVCache
+    from mmspec.draft_layers import run_llama_layers
+
+    layers, rotary = llama_layers(bias, kv_heads)
+    if adapted:
+        class Adapted(torch.nn.Linear):
+            pass
+        wrapped = Adapted(64, 96, bias=bias)
+        wrapped.load_state_dict(layers[0].mlp.up_proj.state_dict())
+        layers[0].mlp.up_proj = layers[1].mlp.up_proj = wrapped
+    g = torch.Generator().manual_seed(1)
+    x, positions = torch.randn(3, 5, 64, generator=g), torch.tensor([[2, 3, 4, 5, 6], [0, 1, 2, 3, 4], [9, 8, 7, 6, 5]])
+    caches = []
+    with torch.no_grad():
+        for cache_only in (False, True):
+            cache = StaticKVCache(2, 3, kv_heads, 8, 16, torch.float32, "cpu")
+            for stale in cache.k + cache.v:  # stale entries: a slot the pass did not write keeps its own
+                stale.normal_(generator=g)
+            slots = cache.slots(5)
+            with cache.keys_up_to(5):
+                out = run_llama_layers(layers, rotary, x, positions, cache.attention_mask(slots), cache=cache,
+                                       slots=slots, cache_only=cache_only)
+            assert (out is None) == cache_only
+            caches.append(cache)
+    assert (layers[1].__dict__["_mmspec_plan"][1] is None) == adapted
+    full, only = caches
+    for layer in range(2):
+        for a, b in ((full.k[layer], only.k[layer]), (full.v[layer], only.v[layer])):  # [B, Hkv, T, D]
+            assert torch.equal(a[:, :, :5], b[:, :, :5]) and not torch.equal(a[:, :, 5:], b[:, :, 5:])

@@ -113,7 +113,7 @@ class VLMEagleTreeDrafter(FeatureTreeDrafter):
         if p > 1:  # the prompt's pairs (f_j, e_{j+1}), j < P_b - 1
             slots = cache.slots(p - 1)  # [B, P-1]
             self.runner.forward(None, slots + 1, slots, features=features[:, :-1], embeds=embeds[:, 1:],
-                                logits=False, **self.prompt_inputs(inputs))  # fills the cache; no logits read
+                                logits=False, **self.prompt_inputs(inputs))  # fills the cache: K/V alone, no logits
             self.runner.commit_chain(lengths - 1)
         self.pend_first_pair(state, features, lengths)
 
@@ -121,7 +121,7 @@ class VLMEagleTreeDrafter(FeatureTreeDrafter):
                           **pairs: torch.Tensor) -> None:
         """A compressed prompt layout (ViSpec, SpecVLM) into a new drafter cache: its elements at positions [B, L']
         (`pairs`: features, embeds, and `forward_cached`'s other inputs), the first keep [B] of each row committed.
-        The head is not run (logits=False): the prompt pass only fills the cache."""
+        logits=False: the prompt pass only fills the cache (no head, the layer run to its K/V alone)."""
         b, width = positions.shape
         cache = self.new_drafter_cache(b, width + state.max_new_tokens + self.width)
         slots = cache.slots(width)  # [B, L']
