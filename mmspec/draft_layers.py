@@ -17,14 +17,16 @@ from mmspec.cache import StaticKVCache
 
 def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, *,
                      cache: StaticKVCache | None = None, slots: torch.Tensor | None = None,
-                     first_layer_index: int = 0, backend: str | None = None,
-                     cache_only: bool = False) -> torch.Tensor | None:
+                     first_layer_index: int = 0, backend: str | None = None, cache_only: bool = False,
+                     query_column: torch.Tensor | None = None) -> torch.Tensor | None:
     """transformers Llama decoder layers (`LlamaDecoderLayer`: their projections, norms, MLPs; RoPE from `rotary`,
     a `LlamaRotaryEmbedding`) over x [B, S, H] at positions [B, S] through mmspec's attention. With a cache,
     layer i writes its K/V at `slots` [B, S] (cache layer first_layer_index + i) and mask [B, S, T] covers the
     cache; without one, mask [B, S, S] covers x itself (training). Returns the last layer's output (no final
     norm) [B, S, H]. Autograd flows when called outside no_grad. cache_only (a prompt pass that only fills the
-    cache): the last layer writes its K/V and stops (`write_layer_kv`), and None is returned."""
+    cache): the last layer writes its K/V and stops (`write_layer_kv`), and None is returned. query_column [B] (with
+    a cache): the last layer writes every column's K/V, then runs on for that one column of each row alone
+    (`run_layer_column`), and its output [B, 1, H] is returned."""
     b, s, _ = x.shape
     positions = positions.expand(b, s).to(x.device)
     cos, signed_sin = rope_rotation(rotary, x, positions)  # [B, S, D] each
@@ -34,9 +36,11 @@ def run_llama_layers(layers, rotary, x: torch.Tensor, positions: torch.Tensor, m
     planned = not torch.is_grad_enabled() and not torch.compiler.is_compiling()
     for i, layer in enumerate(layers):
         plan = inference_plan(layer) if planned else None
-        if cache_only and i == len(layers) - 1:
-            write_layer_kv(layer, plan, x, cos, signed_sin, cache, slots, first_layer_index + i)
-            return None
+        if (cache_only or query_column is not None) and i == len(layers) - 1:
+            keys, values = write_layer_kv(layer, plan, x, cos, signed_sin, cache, slots, first_layer_index + i)
+            if cache_only:
+                return None
+            return run_layer_column(layer, plan, x, cos, signed_sin, mask, keys, values, query_column, backend)
         if plan is not None:
             x = run_planned_layer(plan, x, cos, signed_sin, mask, cache, slots, first_layer_index + i, backend)
         else:
@@ -59,18 +63,25 @@ def run_module_layer(layer, x: torch.Tensor, cos: torch.Tensor, signed_sin: torc
     q, k = rotate_together(q, k, cos, signed_sin)
     if cache is not None:
         k, v = cache.write(cache_layer, slots.expand(b, s), k, v)  # [B, Hkv, T, D]
-    out = attend(q, k, v, mask, backend=backend, scale=attn.scaling)  # [B, Hq, S, D]
-    x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, num_heads * attn.head_dim))
+    return finish_module_layer(layer, x, attend(q, k, v, mask, backend=backend, scale=attn.scaling))
+
+
+def finish_module_layer(layer, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A `LlamaDecoderLayer` past its attention, through its own modules: x [B, S, H] the layer's input, out
+    [B, Hq, S, D] the attention's output -> the layer's output [B, S, H] (o projection, MLP, both residuals)."""
+    b, heads, s, head_dim = out.shape
+    x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(b, s, heads * head_dim))
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 def write_layer_kv(layer, plan: LayerPlan | None, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
-                   cache: StaticKVCache, slots: torch.Tensor, cache_layer: int) -> None:
+                   cache: StaticKVCache, slots: torch.Tensor, cache_layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     """What later steps read of one decoder layer over x [B, S, H] (cos, signed_sin [B, 1, S, D]): its K/V, written
     at slots [B, S] (the input norm, the k and v projections, k's rotation: the same numbers as the whole layer's).
     A prompt pass that only fills the cache stops here: the layer's queries, attention, o projection and MLP feed
     nothing, and they are 3/4 of a Llama layer's products (the world LLaVA's EagleVLM prompt pass at batch 32 on a
-    2-core CPU: 14 ms where the whole layer took 52; docs/benchmarks.md, "The drafter's prompt pass to its K/V")."""
+    2-core CPU: 14 ms where the whole layer took 52; docs/benchmarks.md, "The drafter's prompt pass to its K/V").
+    Returns the cache's keys and values [B, Hkv, T, D] (`StaticKVCache.write`)."""
     b, s, _ = x.shape
     if plan is not None:
         kv_heads, start = plan.num_kv_heads, plan.num_heads * plan.head_dim  # k|v rows start after q's
@@ -85,7 +96,32 @@ def write_layer_kv(layer, plan: LayerPlan | None, x: torch.Tensor, cos: torch.Te
         h = layer.input_layernorm(x)
         k = attn.k_proj(h).view(b, s, kv_heads, attn.head_dim).transpose(1, 2)  # [B, Hkv, S, D]
         v = attn.v_proj(h).view(b, s, kv_heads, attn.head_dim).transpose(1, 2)
-    cache.write(cache_layer, slots.expand(b, s), rotate_heads(k, cos, signed_sin), v)
+    return cache.write(cache_layer, slots.expand(b, s), rotate_heads(k, cos, signed_sin), v)
+
+
+def run_layer_column(layer, plan: LayerPlan | None, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor,
+                     mask: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, column: torch.Tensor,
+                     backend: str | None) -> torch.Tensor:
+    """One decoder layer for one column of each row, its K/V already written (`write_layer_kv`: keys, values
+    [B, Hkv, T, D]): x [B, S, H] the layer's input, cos, signed_sin [B, 1, S, D], mask [B, S, T], column [B] ->
+    the layer's output at that column [B, 1, H]. A drafter's pending pairs need every column's K/V but the output
+    of each row's last one alone (`FeatureTreeDrafter.run_pending`)."""
+    b, _, hidden = x.shape
+    x = x.gather(1, column.view(b, 1, 1).expand(b, 1, hidden))  # [B, 1, H]
+    at = column.view(b, 1, 1, 1).expand(b, 1, 1, cos.shape[-1])  # [B, 1, 1, D]
+    cos, signed_sin = cos.gather(2, at), signed_sin.gather(2, at)  # [B, 1, 1, D] each
+    mask = mask.gather(1, column.view(b, 1, 1).expand(b, 1, mask.shape[-1]))  # [B, 1, T]
+    if plan is not None:
+        weight, bias = plan.qkv
+        size = plan.num_heads * plan.head_dim  # q's rows come first
+        h = x if plan.input_norm is None else plan.input_norm(x)
+        q = F.linear(h, weight[:size], None if bias is None else bias[:size])  # [B, 1, Hq D]
+        q = rotate_heads(q.view(b, 1, plan.num_heads, plan.head_dim).transpose(1, 2), cos, signed_sin)
+        return finish_planned_layer(plan, x, attend(q, keys, values, mask, backend=backend, scale=plan.scaling))
+    attn = layer.self_attn
+    q = attn.q_proj(layer.input_layernorm(x)).view(b, 1, -1, attn.head_dim).transpose(1, 2)  # [B, Hq, 1, D]
+    q = rotate_heads(q, cos, signed_sin)
+    return finish_module_layer(layer, x, attend(q, keys, values, mask, backend=backend, scale=attn.scaling))
 
 
 @dataclass(frozen=True)
@@ -175,8 +211,13 @@ def run_planned_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, signe
     q, k, v = q_and_k[:, :heads], q_and_k[:, heads:], qkv[:, heads + kv_heads:]
     if cache is not None:
         k, v = cache.write(cache_layer, slots.expand(b, s), k, v)  # [B, Hkv, T, D]
-    out = attend(q, k, v, mask, backend=backend, scale=plan.scaling)  # [B, Hq, S, D]
-    x = x + F.linear(out.transpose(1, 2).reshape(b, s, heads * plan.head_dim), *plan.o)
+    return finish_planned_layer(plan, x, attend(q, k, v, mask, backend=backend, scale=plan.scaling))
+
+
+def finish_planned_layer(plan: LayerPlan, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`finish_module_layer` from a plan: x [B, S, H], the attention's output out [B, Hq, S, D] -> [B, S, H]."""
+    b, heads, s, head_dim = out.shape
+    x = x + F.linear(out.transpose(1, 2).reshape(b, s, heads * head_dim), *plan.o)
     gate, up = F.linear(plan.post_norm(x), *plan.gate_up).chunk(2, dim=-1)  # [B, S, F] each
     return x + F.linear(plan.act_fn(gate) * up, *plan.down)
 

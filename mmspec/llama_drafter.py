@@ -84,6 +84,7 @@ class LlamaFeatureDrafter(TargetBound, AttentionBackendMixin, ModelMixin, Config
     """EAGLE feature drafter with one Llama decoder layer (see the module docstring); subclasses bind a target."""
 
     attends_without_mask = True  # forward_cached takes mask None (`mmspec.lm.CachedLM`)
+    runs_one_column = True  # forward_cached takes query_column (`FeatureTreeDrafter.run_pending`)
 
     @register_to_config
     def __init__(self, hidden_size: int = 4096, num_attention_heads: int = 32, num_key_value_heads: int | None = None,
@@ -155,17 +156,20 @@ class LlamaFeatureDrafter(TargetBound, AttentionBackendMixin, ModelMixin, Config
     def forward_cached(self, tokens: torch.Tensor | None, positions: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor, mask: torch.Tensor, *, features: torch.Tensor,
                        embeds: torch.Tensor | None = None, direct: torch.Tensor | None = None,
-                       logits: bool = True) -> torch.Tensor | None:
+                       logits: bool = True, query_column: torch.Tensor | None = None) -> torch.Tensor | None:
         """Pairs (tokens [R, S] or their input embeddings `embeds` [R, S, H], features [R, S, H]; direct [R, S]
         bool: enter as embeds alone) at positions [R, S], written to cache slots [R, S], attending through mask
         [R, S, T]. Returns logits [R, S, V] and sets `last_hidden` [R, S, H]. logits=False returns None and sets
         `last_hidden` None: a prompt pass that only fills the cache (EAGLE's code runs the head on the prompt's last
         position alone; mmspec's first draft reads the target's feature there) runs neither the head, the
         drafter's largest product for a large vocabulary (Qwen2.5-VL-7B's 152k-token head has 2.3x the
-        multiply-adds of its decoder layer a position), nor the layer past its K/V (`write_layer_kv`)."""
+        multiply-adds of its decoder layer a position), nor the layer past its K/V (`write_layer_kv`).
+        query_column [R]: every pair's K/V is written, the logits [R, 1, V] and `last_hidden` [R, 1, H] are those
+        of that column of each row alone (`run_layer_column`; mask must be given)."""
         if embeds is None:
             embeds = self.embed_tokens(tokens)
         x = run_llama_layers(self.layers, self.rotary_emb, self.fuse(embeds, features, direct), positions, mask,
-                             cache=cache, slots=slots, backend=self.attention_backend, cache_only=not logits)
+                             cache=cache, slots=slots, backend=self.attention_backend, cache_only=not logits,
+                             query_column=query_column)
         self.last_hidden = None if x is None else x.detach()
         return None if x is None else self.head(x)

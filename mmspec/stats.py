@@ -58,6 +58,7 @@ class SpecStats:
     _drafted_pos: torch.Tensor | None = field(default=None, repr=False)
     _hist: torch.Tensor | None = field(default=None, repr=False)
     _per_row: list = field(default_factory=list, repr=False)  # (result, [B] active, [B] rows or None) a step
+    _rows_merged: list = field(default_factory=list, repr=False)  # accept lengths of the rows of runs added (`+`)
     _steps: list = field(default_factory=list, repr=False)  # recorded steps not yet folded into the counters
 
     # ------------------------------------------------------------------------------------------ record
@@ -156,9 +157,10 @@ class SpecStats:
         return [] if self._hist is None else self._hist.tolist()
 
     def accept_lengths_per_row(self) -> list[list[int]]:
-        """Spec-Bench's `accept_lengths`: per row, the emitted tokens of each verify call it took part in."""
+        """Spec-Bench's `accept_lengths`: per row, the emitted tokens of each verify call it took part in (the rows
+        of runs merged with `+` first, in their order)."""
         if not self._per_row:
-            return []
+            return list(self._rows_merged)
         batch = self._per_row[0][1].shape[0]  # the call's rows (its first steps have them all)
         emitted, active = [], []  # per iteration: [B] each, dropped rows inactive
         for result, on, rows in self._per_row:
@@ -169,7 +171,7 @@ class SpecStats:
                 emitted.append(result.num_emitted.new_zeros(batch).index_copy(0, rows, result.num_emitted))
                 active.append(on.new_zeros(batch).index_copy(0, rows, on))
         emitted, active = torch.stack(emitted, 1).tolist(), torch.stack(active, 1).tolist()  # [B, iterations]
-        return [[e for e, m in zip(er, ar) if m] for er, ar in zip(emitted, active)]
+        return self._rows_merged + [[e for e, m in zip(er, ar) if m] for er, ar in zip(emitted, active)]
 
     def to_dict(self) -> dict:
         self._fold()
@@ -211,7 +213,8 @@ class SpecStats:
         return out
 
     def __add__(self, other: SpecStats) -> SpecStats:
-        """Merge two runs' counters (per-row lists are not merged)."""
+        """Merge two runs' counters; the merged run's `accept_lengths_per_row` lists this run's rows, then
+        `other`'s (a pipeline's batches, in order)."""
         a, b = self.to_dict(), other.to_dict()
         merged = {k: a[k] + b[k] for k in ("num_target_forwards", "num_draft_forwards", "num_drafts",
                                            "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
@@ -220,4 +223,6 @@ class SpecStats:
             n = max(len(a[key]), len(b[key]))
             merged[key] = [x + y for x, y in zip(a[key] + [0] * (n - len(a[key])), b[key] + [0] * (n - len(b[key])))]
         merged["extra"] = {k: a["extra"].get(k, 0) + b["extra"].get(k, 0) for k in set(a["extra"]) | set(b["extra"])}
-        return SpecStats.from_dict(merged)
+        out = SpecStats.from_dict(merged)
+        out._rows_merged = self.accept_lengths_per_row() + other.accept_lengths_per_row()
+        return out

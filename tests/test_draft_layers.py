@@ -199,3 +199,40 @@ def test_a_cache_only_pass_writes_the_whole_passs_keys_and_values(bias, kv_heads
     for layer in range(2):
         for a, b in ((full.k[layer], only.k[layer]), (full.v[layer], only.v[layer])):  # [B, Hkv, T, D]
             assert torch.equal(a[:, :, :5], b[:, :, :5]) and not torch.equal(a[:, :, 5:], b[:, :, 5:])
+
+
+@pytest.mark.parametrize("bias,kv_heads", [(False, 4), (True, 2)], ids=["plain", "bias-gqa"])
+@pytest.mark.parametrize("adapted", [False, True], ids=["planned", "modules"])
+def test_one_column_per_row_gives_the_whole_passs_output_there(bias, kv_heads, adapted) -> None:
+    """`query_column` [B] (a drafter's pending pairs, of which only each row's last is read): every column's K/V
+    written as by the whole pass, and the output [B, 1, H] is the whole pass's at each row's column, from the plan
+    and from the modules; a wrong column would give another column's output."""
+    from mmspec.cache import StaticKVCache
+    from mmspec.draft_layers import run_llama_layers
+
+    layers, rotary = llama_layers(bias, kv_heads)
+    if adapted:
+        class Adapted(torch.nn.Linear):
+            pass
+        wrapped = Adapted(64, 96, bias=bias)
+        wrapped.load_state_dict(layers[1].mlp.up_proj.state_dict())
+        layers[1].mlp.up_proj = wrapped
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 5, 64, generator=g)
+    positions = torch.tensor([[2, 3, 4, 5, 6], [0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    column = torch.tensor([4, 0, 2])
+    outs, caches = [], []
+    with torch.no_grad():
+        for query in (None, column):
+            cache = StaticKVCache(2, 3, kv_heads, 8, 16, torch.float32, "cpu")
+            cache.lengths += torch.tensor([1, 0, 2])  # committed prefixes of different lengths
+            slots = cache.slots(5)
+            with cache.keys_up_to(8):
+                outs.append(run_llama_layers(layers, rotary, x, positions, cache.attention_mask(slots), cache=cache,
+                                             slots=slots, query_column=query))
+            caches.append(cache)
+    full, one = outs
+    assert one.shape == (3, 1, 64)
+    torch.testing.assert_close(one[:, 0], full[torch.arange(3), column], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(one[:, 0], full[torch.arange(3), column.flip(0)])
+    assert all(torch.equal(a, b) for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v))

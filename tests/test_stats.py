@@ -41,6 +41,8 @@ def test_positions_grow_with_longer_drafts_and_merge():
     assert merged.num_target_forwards == 5 and merged.wall_time == 1.5
     assert merged.per_position_acceptance_rate == [2 / 3, 1 / 2, 1.0, 1.0, 0.0]
     assert merged.extra == {"fallbacks": 2}
+    assert merged.accept_lengths_per_row() == [[2, 5], [1]]  # each run's rows, in order (a pipeline's batches)
+    assert (merged + a).accept_lengths_per_row() == [[2, 5], [1], [2, 5]]
     again = SpecStats.from_dict(json.loads(merged.to_json()))
     assert again.to_dict() == merged.to_dict()
 

@@ -105,13 +105,11 @@ class VLMViSpecDrafter(VLMEagleDrafter):
         return self.img_fc(torch.cat([features, g], dim=-1))
 
     @torch.no_grad()
-    def forward_cached(self, tokens, positions, cache, slots, mask, *, features, embeds=None, direct=None,
-                       logits=True):
+    def forward_cached(self, tokens, positions, cache, slots, mask, *, features, **inputs):
         """As EagleVLM's; after `begin`, decoded (text) elements' features are fused with g first."""
         if self.global_feature is not None:
             features = self.with_global(features, self.global_feature)
-        return super().forward_cached(tokens, positions, cache, slots, mask, features=features, embeds=embeds,
-                                      direct=direct, logits=logits)
+        return super().forward_cached(tokens, positions, cache, slots, mask, features=features, **inputs)
 
 
 def vispec_layout(drafter: VLMViSpecDrafter, input_ids: torch.Tensor, embeds: torch.Tensor, features: torch.Tensor,

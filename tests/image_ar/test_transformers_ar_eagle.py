@@ -55,6 +55,27 @@ def test_greedy_trees_equal_greedy_vanilla_with_cfg_in_fewer_forwards(trained, m
     assert out.stats.num_target_forwards < vanilla.stats.num_target_forwards
 
 
+def test_the_root_pair_alone_drafts_as_the_whole_pass_with_cfg(trained, monkeypatch):
+    """The pending pairs' K/V for both CFG halves and the root's pair alone past them (`run_layer_column`, each
+    half's row its own column): the same tokens and accept lengths as the whole pass over every pair."""
+    import mmspec.draft_layers as draft_layers
+
+    family, folder = trained
+    pipe = TINY[family][1].from_pretrained(folder)
+    pipe.set_progress_bar_config(disable=True)
+    rows, original = [], draft_layers.run_layer_column
+    monkeypatch.setattr(draft_layers, "run_layer_column", lambda *a: rows.append(a[2].shape[0]) or original(*a))
+    runs = []
+    for one_column in (True, False):
+        pipe.eagle_drafter.runs_one_column = one_column
+        out = pipe(PROMPTS, temperature=0.0, method="eagle", budget="fixed", output_type="latent")
+        runs.append((out.tokens, out.stats.accept_lengths_per_row()))
+        assert bool(rows) == one_column and set(rows) <= {2 * len(PROMPTS)}  # (both halves' rows)
+        rows.clear()
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
+    assert max(max(row) for row in runs[0][1]) > 2  # (drafts were accepted: the drafts compared)
+
+
 @pytest.mark.parametrize("trained", ["emu3"], indirect=True)
 def test_emu3_drafts_are_ranked_among_the_tokens_its_layout_allows(trained):
     folder = trained[1]
