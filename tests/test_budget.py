@@ -998,6 +998,27 @@ def test_a_calls_overrun_is_read_against_its_own_measured_steps():
     assert budget.overrun() == pytest.approx(1.0)  # not 2.05: the slowdown is in the step times already
 
 
+def test_a_call_that_dropped_rows_adds_no_overrun():
+    """A predicted call in which the loop dropped finished rows ran steps its prediction (every row held to the end)
+    did not price, and the estimates at its end are those of the rows it held last: it adds no overrun, which would
+    multiply the next predictions (one row's speeds against a full batch's call read as a 2x overrun)."""
+    budget = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True)
+    speeds = {"now": (1.0, 1.1)}
+    budget._plain_and_best_speeds = lambda: speeds["now"]
+    budget.end_call(1, seconds=8.0, plain_steps=10, drafted=True)  # unjudged, not predicted
+    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # the reference
+    assert budget.drafts_this_call() and budget._predicted == pytest.approx(10 / 1.1)
+    budget.select_rows(torch.tensor([0]))  # the loop dropped rows; the estimates now read one row's speeds
+    speeds["now"] = (2.0, 2.2)
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)
+    assert budget.overrun() == 1.0 and not budget._overruns
+    assert budget.drafts_this_call() and budget._predicted is None  # (after a call that dropped rows: no prediction)
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # kept its rows: the next call is predicted ..
+    assert budget.drafts_this_call() and budget._predicted == pytest.approx(10 / 2.2)
+    budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)  # .. and, keeping its rows, adds its overrun
+    assert list(budget._overruns) == [pytest.approx(9.0 / (10 / 2.2))]
+
+
 def test_a_budgets_observe_reads_the_step_in_one_transfer():
     """On a GPU every read of a device value waits for the device: a step's observe gathers its sums on the device
     and reads them in one transfer, never value by value (the H200 runs, docs/benchmarks.md)."""
