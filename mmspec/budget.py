@@ -78,6 +78,8 @@ STEP_SAMPLES = 9  # a size's step seconds: the median of its last this many meas
 STALE_AFTER = 64  # choices after a size's last measured step, its measured seconds give way to its scaled table's
 PLAIN_PROBE_EVERY = 8  # until STEP_SAMPLES plain steps are measured, every this many choices is a plain step
 LINE_MIN_SIZES = 3  # drafting sizes measured before an unmeasured one is priced by their line (`table_reading`)
+LOAD_SLOW = 1.2  # a drafted call whose timed steps took this much longer than the same sizes' usual is not judged
+LOAD_MIN_STEPS = 3  # .. read from this many of its steps (each against its size's median of 3 or more before it)
 LINE_MIN_SLOPE = 0.5  # .. whose slope is at least this (a step does not cost less than half its table's)
 
 
@@ -160,7 +162,7 @@ class MeasuredSteps:
         self.call_seconds = self.call_steps = 0.0  # drafted calls' seconds and the plain steps they replaced, decayed
         self.call_weights = (0.0, 0.0)  # the sum of those calls' weights and of their squares (`loss_margin`)
         self.calls = {"drafted": 0, "without_drafter": 0, "lost": 0, "reference": 0, "unjudged": 0,
-                      "predicted_plain": 0}
+                      "predicted_plain": 0, "loaded": 0}
         self._reference: deque = deque(maxlen=STEP_SAMPLES)  # a plain step's seconds in calls without the drafter
         self._begins: deque = deque(maxlen=STEP_SAMPLES)  # the drafter's begin seconds in drafted calls
         self._drafted_since_reference = 0
@@ -181,6 +183,7 @@ class MeasuredSteps:
         self._explore_next = False  # the next drafted call re-explores (`_exploring`): it follows a backoff
         self._explore_call = False  # this call re-explores
         self._call_choices = 0  # choices made in this call
+        self._call_steps: list[tuple[float, float]] = []  # this call's timed steps: (seconds, their size's median)
         self._choices = 0  # choices made over the budget's life (the warm-up's, refreshes' and staleness's clock)
         self._sampled_at: dict = {}  # size -> `_choices` when its seconds were last measured
         # a call's per-row acceptance at batch > 1 (`note_row_accepts`): [2, 2, B] (odd / even drafting steps) x
@@ -207,6 +210,8 @@ class MeasuredSteps:
         carry for several steps, and more for short steps than long ones (so plain steps read slow and drafting
         looks better than it is); a median ignores such outliers and still follows a lasting change of load."""
         samples = self._samples.setdefault(size, deque(maxlen=STEP_SAMPLES))
+        if len(samples) >= 3:  # this step against its size's usual (`call_load`)
+            self._call_steps.append((took, self.seen[size]))
         samples.append(took)
         self.seen[size] = statistics.median(samples)
         self._sampled_at[size] = self._choices
@@ -465,7 +470,11 @@ class MeasuredSteps:
         as 0.95-1.35x wins against a reference call that ran slow, runs/bench-llamagen-s27b). A retry after a backoff is
         judged on its own: pooled with the calls whose loss made the backoff, a retry that won by 5% read as a loss and
         doubled the backoff (the world LLaVA at batch 8 on this CPU, where a lost call is often just a batch of answers
-        that draft badly: the fixed chain of 8 ran at 0.88-1.41x call by call)."""
+        that draft badly: the fixed chain of 8 ran at 0.88-1.41x call by call). A drafted call whose steps ran
+        LOAD_SLOW slower than the same sizes' usual (`call_load`) is not judged either: a load came and went, and its
+        time tells of that (on this CPU with two other processes taking a core in bursts, drafted calls of the world
+        LLaVA at batch 8 ran at 0.21-0.32x of vanilla with their steps at 1.85-7.17x their usual, and each loss ran the
+        next 4-8 calls without the drafter; docs/benchmarks.md, "A call's load")."""
         self._close_rows()
         dropped, self._call_dropped = self._call_dropped, False
         if not self.timing or plain_steps <= 0:
@@ -482,6 +491,12 @@ class MeasuredSteps:
             log.debug("batch %d: a call without the drafter, %.2f ms a plain step", batch, 1e3 * seconds / plain_steps)
             if self._confirming:
                 self._confirm(batch)
+            return
+        load = self.call_load()
+        if load > LOAD_SLOW:  # its time tells of the load, not of drafting (`call_load`): no verdict, no estimate
+            self.calls["loaded"] += 1
+            log.debug("batch %d: a drafted call, %.1f ms for %.1f plain steps, its steps at %.2fx their usual (a load "
+                      "that came and went): not judged", batch, 1e3 * seconds, plain_steps, load)
             return
         self._drafted_since_reference += 1
         self._begins.append(begin_seconds)
@@ -530,8 +545,9 @@ class MeasuredSteps:
                        f"{self.skip_calls} calls without the drafter")
         predicted = "" if self._predicted is None else f", predicted {1e3 * self._predicted:.1f}"
         log.debug("batch %d: a drafted call, %.1f ms (begin %.1f%s) for %.1f plain steps of %.2f ms (%.2fx; pooled "
-                  "%.2fx): %s", batch, 1e3 * seconds, 1e3 * begin_seconds, predicted, plain_steps, 1e3 * plain,
-                  plain_steps * plain / seconds, self.call_steps * plain / self.call_seconds, verdict)
+                  "%.2fx; steps at %.2fx their usual): %s", batch, 1e3 * seconds, 1e3 * begin_seconds, predicted,
+                  plain_steps, 1e3 * plain, plain_steps * plain / seconds, self.call_steps * plain / self.call_seconds,
+                  self.call_load(), verdict)
         self._log_estimates(batch)
 
     def plain_units(self, plain_steps: int, held_rows: list[int] | None) -> float:
@@ -609,6 +625,17 @@ class MeasuredSteps:
         self._retired_sums = []
         self._estimated = (0, 0)  # this call's choices by estimate, and how many of them drafted
         self._call_choices = 0
+        self._call_steps = []
+
+    def call_load(self) -> float:
+        """How slowly this call's steps ran against the same sizes' usual: their seconds over the sum of each one's
+        size's median before it (steps of sizes with 3 or more earlier steps), 1 with fewer than LOAD_MIN_STEPS such
+        steps. A step's cost does not follow the batch's content (the same shapes at the same rows held), so a call
+        whose steps ran slow ran under a load that came and went; a sum, not a median, so a load over part of the
+        call shows too."""
+        if len(self._call_steps) < LOAD_MIN_STEPS:
+            return 1.0
+        return sum(took for took, _ in self._call_steps) / max(sum(usual for _, usual in self._call_steps), 1e-12)
 
     def note_rows_left(self, tokens_left: torch.Tensor) -> None:
         """tokens_left [B]: the tokens each row may still emit (0 for finished rows), before the next choice; read

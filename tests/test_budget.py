@@ -1019,6 +1019,32 @@ def test_a_call_that_dropped_rows_adds_no_overrun():
     assert list(budget._overruns) == [pytest.approx(9.0 / (10 / 2.2))]
 
 
+def test_a_call_whose_steps_ran_slow_is_not_judged():
+    """A drafted call whose steps took LOAD_SLOW longer than the same sizes' usual ran under a load that came and
+    went (a step's cost does not follow the batch's content): no verdict, no backoff; the same call time with its
+    steps at their usual speed loses."""
+    budget = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True)
+    budget.end_call(1, seconds=8.0, plain_steps=10, drafted=True)  # unjudged
+    for _ in range(3):
+        budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # vanilla: 1 s a step
+    for _ in range(5):
+        budget._note_seconds(2, 1.0)  # size 2's usual step
+    budget._new_call()
+    assert budget.call_load() == 1.0  # (no step timed yet)
+    for _ in range(4):
+        budget._note_seconds(2, 2.5)
+    assert budget.call_load() == pytest.approx(2.5)
+    budget.end_call(1, seconds=15.0, plain_steps=10, drafted=True)  # 1.5x vanilla's time, its steps 2.5x slow
+    assert budget.calls["loaded"] == 1 and budget.calls["lost"] == 0 and budget.skip_calls == 0
+    assert not budget._confirming and budget.drafts_this_call()
+    budget._new_call()
+    for _ in range(4):
+        budget._note_seconds(2, 1.0)
+    assert budget.call_load() == pytest.approx(1.0)
+    budget.end_call(1, seconds=15.0, plain_steps=10, drafted=True)  # the same time at the usual step speed
+    assert budget.calls["lost"] == 1 and budget.skip_calls > 0
+
+
 def test_a_budgets_observe_reads_the_step_in_one_transfer():
     """On a GPU every read of a device value waits for the device: a step's observe gathers its sums on the device
     and reads them in one transfer, never value by value (the H200 runs, docs/benchmarks.md)."""
