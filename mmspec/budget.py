@@ -78,9 +78,9 @@ STEP_SAMPLES = 9  # a size's step seconds: the median of its last this many meas
 STALE_AFTER = 64  # choices after a size's last measured step, its measured seconds give way to its scaled table's
 PLAIN_PROBE_EVERY = 8  # until STEP_SAMPLES plain steps are measured, every this many choices is a plain step
 LINE_MIN_SIZES = 3  # drafting sizes measured before an unmeasured one is priced by their line (`table_reading`)
+LINE_MIN_SLOPE = 0.5  # .. whose slope is at least this (a step does not cost less than half its table's)
 LOAD_SLOW = 1.2  # a drafted call whose timed steps took this much longer than the same sizes' usual is not judged
 LOAD_MIN_STEPS = 3  # .. read from this many of its steps (each against its size's median of 3 or more before it)
-LINE_MIN_SLOPE = 0.5  # .. whose slope is at least this (a step does not cost less than half its table's)
 
 
 def call_drafts(budget) -> bool:
@@ -183,7 +183,7 @@ class MeasuredSteps:
         self._explore_next = False  # the next drafted call re-explores (`_exploring`): it follows a backoff
         self._explore_call = False  # this call re-explores
         self._call_choices = 0  # choices made in this call
-        self._call_steps: list[tuple[float, float]] = []  # this call's timed steps: (seconds, their size's median)
+        self._call_step_times: list[tuple[float, float]] = []  # this call's timed steps: (seconds, size's median)
         self._choices = 0  # choices made over the budget's life (the warm-up's, refreshes' and staleness's clock)
         self._sampled_at: dict = {}  # size -> `_choices` when its seconds were last measured
         # a call's per-row acceptance at batch > 1 (`note_row_accepts`): [2, 2, B] (odd / even drafting steps) x
@@ -211,7 +211,7 @@ class MeasuredSteps:
         looks better than it is); a median ignores such outliers and still follows a lasting change of load."""
         samples = self._samples.setdefault(size, deque(maxlen=STEP_SAMPLES))
         if len(samples) >= 3:  # this step against its size's usual (`call_load`)
-            self._call_steps.append((took, self.seen[size]))
+            self._call_step_times.append((took, self.seen[size]))
         samples.append(took)
         self.seen[size] = statistics.median(samples)
         self._sampled_at[size] = self._choices
@@ -474,7 +474,7 @@ class MeasuredSteps:
         LOAD_SLOW slower than the same sizes' usual (`call_load`) is not judged either: a load came and went, and its
         time tells of that (on this CPU with two other processes taking a core in bursts, drafted calls of the world
         LLaVA at batch 8 ran at 0.21-0.32x of vanilla with their steps at 1.85-7.17x their usual, and each loss ran the
-        next 4-8 calls without the drafter; docs/benchmarks.md, "A call's load")."""
+        next 4-8 calls without the drafter; docs/benchmarks.md, the fourteenth session's "a call's load")."""
         self._close_rows()
         dropped, self._call_dropped = self._call_dropped, False
         if not self.timing or plain_steps <= 0:
@@ -625,7 +625,7 @@ class MeasuredSteps:
         self._retired_sums = []
         self._estimated = (0, 0)  # this call's choices by estimate, and how many of them drafted
         self._call_choices = 0
-        self._call_steps = []
+        self._call_step_times = []
 
     def call_load(self) -> float:
         """How slowly this call's steps ran against the same sizes' usual: their seconds over the sum of each one's
@@ -633,9 +633,10 @@ class MeasuredSteps:
         steps. A step's cost does not follow the batch's content (the same shapes at the same rows held), so a call
         whose steps ran slow ran under a load that came and went; a sum, not a median, so a load over part of the
         call shows too."""
-        if len(self._call_steps) < LOAD_MIN_STEPS:
+        if len(self._call_step_times) < LOAD_MIN_STEPS:
             return 1.0
-        return sum(took for took, _ in self._call_steps) / max(sum(usual for _, usual in self._call_steps), 1e-12)
+        took, usual = map(sum, zip(*self._call_step_times))
+        return took / max(usual, 1e-12)
 
     def note_rows_left(self, tokens_left: torch.Tensor) -> None:
         """tokens_left [B]: the tokens each row may still emit (0 for finished rows), before the next choice; read

@@ -79,8 +79,8 @@ def write_layer_kv(layer, plan: LayerPlan | None, x: torch.Tensor, cos: torch.Te
     """What later steps read of one decoder layer over x [B, S, H] (cos, signed_sin [B, 1, S, D]): its K/V, written
     at slots [B, S] (the input norm, the k and v projections, k's rotation: the same numbers as the whole layer's).
     A prompt pass that only fills the cache stops here: the layer's queries, attention, o projection and MLP feed
-    nothing, and they are about 5/6 of a Llama layer's products (the world LLaVA's EagleVLM prompt pass at batch 32 on a
-    2-core CPU: 14 ms where the whole layer took 52; docs/benchmarks.md, "The drafter's prompt pass to its K/V").
+    nothing, and they are about 5/6 of a Llama layer's products (the world LLaVA's EagleVLM prompt pass at batch 32
+    on a 2-core CPU: 14 ms where the whole layer took 52; docs/benchmarks.md, "The drafter's prompt pass to its K/V").
     Returns the cache's keys and values [B, Hkv, T, D] (`StaticKVCache.write`)."""
     b, s, _ = x.shape
     if plan is not None:

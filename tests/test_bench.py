@@ -157,7 +157,7 @@ def test_gate_log_shows_each_call_gate_verdict(tmp_path, caplog, capsys):
             budget.end_call(1, seconds=4.0, plain_steps=10, drafted=True)
         lines = [r.getMessage() for r in caplog.records if r.name == "mmspec.budget"]
         assert "not judged" in lines[0] and "a call without the drafter, 500.00 ms a plain step" in lines[2]
-        assert "plain steps of 500.00 ms (1.25x; pooled 1.25x): won" in lines[3]
+        assert "plain steps of 500.00 ms (1.25x; pooled 1.25x; steps at 1.00x their usual): won" in lines[3]
         # the sizes' line: the plain step measured by the vanilla call, the size chosen once at its table time
         assert lines[1].startswith("batch 1: sizes: 0: 0x 1000.00 ms (table 1000.00)")
         assert lines[4].startswith("batch 1: sizes: 0: 0x 500.00 ms (table 1000.00) 1.00 tok, 2: 1x")
