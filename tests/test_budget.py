@@ -983,16 +983,23 @@ def test_an_unmeasured_size_reads_its_table_by_the_drafting_sizes_line():
     assert tree.step_seconds()[1].item() == pytest.approx(2.0 + 3.0)  # the chain of 1 on the line
 
 
-def test_a_calls_overrun_is_read_against_its_own_measured_steps():
-    """A predicted call is compared, at its end, with its own begin plus its steps at the best size's speed as the
-    estimates then read them (its steps measured): a call slowed by a passing load, whose steps read as slow, does
-    not also count as an overrun (which would multiply the next predictions by the same slowdown)."""
+def predicted_budget() -> tuple[AutoBudget, dict]:
+    """A budget whose estimates read `speeds["now"]` (plain, best drafting; tokens/s), after its unjudged call and a
+    reference (vanilla 1 s a step), with a drafted call predicted at 10 / 1.1 s running."""
     budget = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True)
     speeds = {"now": (1.0, 1.1)}
     budget._plain_and_best_speeds = lambda: speeds["now"]
     budget.end_call(1, seconds=8.0, plain_steps=10, drafted=True)  # unjudged, not predicted
     budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # the reference
     assert budget.drafts_this_call() and budget._predicted == pytest.approx(10 / 1.1)
+    return budget, speeds
+
+
+def test_a_calls_overrun_is_read_against_its_own_measured_steps():
+    """A predicted call is compared, at its end, with its own begin plus its steps at the best size's speed as the
+    estimates then read them (its steps measured): a call slowed by a passing load, whose steps read as slow, does
+    not also count as an overrun (which would multiply the next predictions by the same slowdown)."""
+    budget, speeds = predicted_budget()
     speeds["now"] = (1.0, 0.55)  # the call's steps ran at half speed, and the estimates now say so
     budget.end_call(1, seconds=10 / 0.55 + 0.5, plain_steps=10, drafted=True, begin_seconds=0.5)
     assert budget.overrun() == pytest.approx(1.0)  # not 2.05: the slowdown is in the step times already
@@ -1002,12 +1009,7 @@ def test_a_call_that_dropped_rows_adds_no_overrun():
     """A predicted call in which the loop dropped finished rows ran steps its prediction (every row held to the end)
     did not price, and the estimates at its end are those of the rows it held last: it adds no overrun, which would
     multiply the next predictions (one row's speeds against a full batch's call read as a 2x overrun)."""
-    budget = AutoBudget([0, 2], verify_seconds=lambda b, n: 1.0, timing=True)
-    speeds = {"now": (1.0, 1.1)}
-    budget._plain_and_best_speeds = lambda: speeds["now"]
-    budget.end_call(1, seconds=8.0, plain_steps=10, drafted=True)  # unjudged, not predicted
-    budget.end_call(1, seconds=10.0, plain_steps=10, drafted=False)  # the reference
-    assert budget.drafts_this_call() and budget._predicted == pytest.approx(10 / 1.1)
+    budget, speeds = predicted_budget()
     budget.select_rows(torch.tensor([0]))  # the loop dropped rows; the estimates now read one row's speeds
     speeds["now"] = (2.0, 2.2)
     budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)

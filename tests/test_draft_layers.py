@@ -64,7 +64,10 @@ def test_q_and_k_rotated_together_give_transformers_rotation(grad) -> None:
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def llama_layers(bias: bool, kv_heads: int) -> tuple[torch.nn.ModuleList, LlamaRotaryEmbedding]:
+def llama_layers(bias: bool, kv_heads: int,
+                 wrap_last: bool = False) -> tuple[torch.nn.ModuleList, LlamaRotaryEmbedding]:
+    """Two seeded Llama decoder layers; wrap_last: the last one's up projection is a `nn.Linear` subclass with the
+    same weights, so that layer gets no plan and runs through its modules."""
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
     config = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads, intermediate_size=96,
@@ -75,6 +78,12 @@ def llama_layers(bias: bool, kv_heads: int) -> tuple[torch.nn.ModuleList, LlamaR
         for name, parameter in layers.named_parameters():
             if name.endswith("bias"):
                 torch.nn.init.normal_(parameter)
+    if wrap_last:
+        class Wrapped(torch.nn.Linear):
+            pass
+        wrapped = Wrapped(64, 96, bias=bias)
+        wrapped.load_state_dict(layers[-1].mlp.up_proj.state_dict())
+        layers[-1].mlp.up_proj = wrapped
     return layers, LlamaRotaryEmbedding(config)
 
 
@@ -173,13 +182,7 @@ def test_a_cache_only_pass_writes_the_whole_passs_keys_and_values(bias, kv_heads
     from mmspec.cache import StaticKVCache
     from mmspec.draft_layers import run_llama_layers
 
-    layers, rotary = llama_layers(bias, kv_heads)
-    if adapted:
-        class Adapted(torch.nn.Linear):
-            pass
-        wrapped = Adapted(64, 96, bias=bias)
-        wrapped.load_state_dict(layers[0].mlp.up_proj.state_dict())
-        layers[0].mlp.up_proj = layers[1].mlp.up_proj = wrapped
+    layers, rotary = llama_layers(bias, kv_heads, wrap_last=adapted)
     g = torch.Generator().manual_seed(1)
     x, positions = torch.randn(3, 5, 64, generator=g), torch.tensor([[2, 3, 4, 5, 6], [0, 1, 2, 3, 4], [9, 8, 7, 6, 5]])
     caches = []
@@ -210,13 +213,7 @@ def test_one_column_per_row_gives_the_whole_passs_output_there(bias, kv_heads, a
     from mmspec.cache import StaticKVCache
     from mmspec.draft_layers import run_llama_layers
 
-    layers, rotary = llama_layers(bias, kv_heads)
-    if adapted:
-        class Adapted(torch.nn.Linear):
-            pass
-        wrapped = Adapted(64, 96, bias=bias)
-        wrapped.load_state_dict(layers[1].mlp.up_proj.state_dict())
-        layers[1].mlp.up_proj = wrapped
+    layers, rotary = llama_layers(bias, kv_heads, wrap_last=adapted)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(3, 5, 64, generator=g)
     positions = torch.tensor([[2, 3, 4, 5, 6], [0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
