@@ -58,7 +58,9 @@ class SpecStats:
     _drafted_pos: torch.Tensor | None = field(default=None, repr=False)
     _hist: torch.Tensor | None = field(default=None, repr=False)
     _per_row: list = field(default_factory=list, repr=False)  # (result, [B] active, [B] rows or None) a step
-    _rows_merged: list = field(default_factory=list, repr=False)  # accept lengths of the rows of runs added (`+`)
+    # the rows' accept lengths of runs added with `+`, one part per run (rows [R_i] of lists): a job that merges a
+    # batch at a time copies its parts' references at each merge, not every row's (K batches: K^2 / 2, not K^2 B / 2)
+    _row_parts: list = field(default_factory=list, repr=False)
     _steps: list = field(default_factory=list, repr=False)  # recorded steps not yet folded into the counters
 
     # ------------------------------------------------------------------------------------------ record
@@ -159,8 +161,12 @@ class SpecStats:
     def accept_lengths_per_row(self) -> list[list[int]]:
         """Spec-Bench's `accept_lengths`: per row, the emitted tokens of each verify call it took part in (the rows
         of runs merged with `+` first, in their order)."""
+        return [row for part in self._parts_of_rows() for row in part]
+
+    def _parts_of_rows(self) -> list[list[list[int]]]:
+        """The rows' accept lengths, one part per run merged (`_row_parts`), then this run's own rows, if any."""
         if not self._per_row:
-            return list(self._rows_merged)
+            return list(self._row_parts)
         batch = self._per_row[0][1].shape[0]  # the call's rows (its first steps have them all)
         emitted, active = [], []  # per iteration: [B] each, dropped rows inactive
         for result, on, rows in self._per_row:
@@ -171,7 +177,7 @@ class SpecStats:
                 emitted.append(result.num_emitted.new_zeros(batch).index_copy(0, rows, result.num_emitted))
                 active.append(on.new_zeros(batch).index_copy(0, rows, on))
         emitted, active = torch.stack(emitted, 1).tolist(), torch.stack(active, 1).tolist()  # [B, iterations]
-        return self._rows_merged + [[e for e, m in zip(er, ar) if m] for er, ar in zip(emitted, active)]
+        return self._row_parts + [[[e for e, m in zip(er, ar) if m] for er, ar in zip(emitted, active)]]
 
     def to_dict(self) -> dict:
         self._fold()
@@ -224,5 +230,5 @@ class SpecStats:
             merged[key] = [x + y for x, y in zip(a[key] + [0] * (n - len(a[key])), b[key] + [0] * (n - len(b[key])))]
         merged["extra"] = {k: a["extra"].get(k, 0) + b["extra"].get(k, 0) for k in set(a["extra"]) | set(b["extra"])}
         out = SpecStats.from_dict(merged)
-        out._rows_merged = self.accept_lengths_per_row() + other.accept_lengths_per_row()
+        out._row_parts = self._parts_of_rows() + other._parts_of_rows()
         return out
