@@ -77,6 +77,7 @@ CALL_SPREAD = 0.1  # a drafted call's speed over vanilla's varies so much from c
 STEP_SAMPLES = 9  # a size's step seconds: the median of its last this many measured steps
 STALE_AFTER = 64  # choices after a size's last measured step, its measured seconds give way to its scaled table's
 PLAIN_PROBE_EVERY = 8  # until STEP_SAMPLES plain steps are measured, every this many choices is a plain step
+PROBE_SAMPLES = 3  # a drafting size read from fewer measured steps is tried again by `_drafting_probe`
 LINE_MIN_SIZES = 3  # drafting sizes measured before an unmeasured one is priced by their line (`table_reading`)
 LINE_MIN_SLOPE = 0.5  # .. whose slope is at least this (a step does not cost less than half its table's)
 LOAD_SLOW = 1.2  # a drafted call whose timed steps took this much longer than the same sizes' usual is not judged
@@ -173,6 +174,7 @@ class MeasuredSteps:
         self._chosen_at: float | None = None
         self._plain_run = 0  # choices in a row (this call) where a plain step beat every size by the margin
         self._since_probe = 0  # choices since the last plain step kept for its timing (`_plain_probe`)
+        self._since_draft_probe = 0  # plain choices by estimate since the last drafting probe (`_drafting_probe`)
         self._tail: tuple[int, int] | None = None  # (tokens left in the longest row, active rows), if noted
         self._estimated = (0, 0)  # this call's choices by estimate, and how many of them drafted
         self._call_tokens = 0  # the plain steps of the last call (its longest row's tokens after the first)
@@ -198,9 +200,15 @@ class MeasuredSteps:
         """Time the previous step (from its choice to this one: the loop syncs between). A step during which
         torch.compile compiled a forward (a shape its graphs had not seen) is not counted: seconds of compilation
         are not the step's cost (with `compile=` and budget "auto", LlamaGen's Jacobi windows once read so and ran
-        plain steps at 0.94-1.07x where the fixed window gave 1.78x, runs/bench-llamagen-s23-compile)."""
+        plain steps at 0.94-1.07x where the fixed window gave 1.78x, runs/bench-llamagen-s23-compile). Nor is a
+        call's first step: it runs just after the prefill, and every call's first step is slower than its later
+        ones of the same shape (the world LLaVA's target verify at batch 32: 12-16 ms where the next ones took 8, in
+        the same operations; one such chain step read 23.4 ms where its like took 13.7-14, and the level's every
+        drafting shape then read slower than a plain step for the rest of the call; its cost is the call's, which
+        the call gate weighs)."""
         now, compiled = time.perf_counter(), compilations()
-        if self._chosen_at is not None and self.timing and compiled == self._compiled_at:
+        first = self._call_choices == 1  # (the step being timed was this call's first choice)
+        if self._chosen_at is not None and self.timing and compiled == self._compiled_at and not first:
             self._note_seconds(self._last, now - self._chosen_at)
         self._chosen_at, self._compiled_at = now, compiled
 
@@ -240,6 +248,22 @@ class MeasuredSteps:
         if self._since_probe < PLAIN_PROBE_EVERY:
             return False
         self._since_probe = 0
+        return True
+
+    def _drafting_probe(self, size) -> bool:
+        """Whether a choice the estimates made plain drafts `size` (the best drafting size by estimate) instead, for
+        its timing: every PLAIN_PROBE_EVERY-th such choice while `size` has fewer than PROBE_SAMPLES measured steps
+        (at the rows held, for a tree budget). A size's seconds are the median of its measured steps, which for one
+        or two steps is a step a passing load slowed as well as a usual one, and a size read slow is not chosen, so
+        not measured again, until STALE_AFTER choices: the rest of a call (and its settling) would rest on it. The
+        probe delays settling (a drafted choice is not a plain one); it costs at most one drafted step in
+        PLAIN_PROBE_EVERY, PROBE_SAMPLES - 1 times per size."""
+        if not self.timing or len(self._samples.get(size, ())) >= PROBE_SAMPLES:
+            return False
+        self._since_draft_probe += 1
+        if self._since_draft_probe < PLAIN_PROBE_EVERY:
+            return False
+        self._since_draft_probe, self._plain_run = 0, 0
         return True
 
     def plain_seconds(self, batch: int) -> float:

@@ -316,19 +316,54 @@ def test_a_plain_choice_costs_at_most_vanillas_step():
 
 
 def test_measured_step_times_replace_the_table(monkeypatch):
-    clock = iter([0.0, 1.0, 11.0])  # the warm-up step takes 1 s; then 10 s pass between two calls
+    """A step's seconds run from its choice to the next; a call's first step (just after the prefill, slower than
+    its like later) and the time between calls are not a step's."""
+    clock = iter([0.0, 5.0, 6.0, 16.0])  # the call's first step takes 5 s, the second 1 s; then 10 s between calls
     monkeypatch.setattr("mmspec.budget.time.perf_counter", lambda: next(clock))
-    budget = AutoBudget(range(9), verify_seconds=lambda b, n: float(n), warmup=1, timing=True)
+    budget = AutoBudget(range(9), verify_seconds=lambda b, n: float(n), warmup=2, timing=True)
     assert budget.choose(1) == 2  # warm-up: the largest size within 3 plain steps of the table (a 3-token step)
     budget.observe(result([0], [2]), torch.ones(1, dtype=torch.bool))
+    assert budget.choose(1) == 2
+    assert budget.seen == {}  # the call's first step is not timed
+    budget.observe(result([0], [2]), torch.ones(1, dtype=torch.bool))
     budget.choose(1)
-    assert budget.seen == {2: 1.0}  # the warm-up step ran in 1 s, a third of its table time
+    assert budget.seen == {2: 1.0}  # the second warm-up step ran in 1 s, a third of its table time
     assert budget.seconds(1, 8) == pytest.approx(9 / 3)  # sizes not run: table x the ratio of those that ran
     budget.begin()  # a new call: the time since the last choice is not a step
     budget.choose(1)
     assert budget.seen == {2: 1.0}
 
 
+
+
+def test_a_drafting_shape_read_slow_from_one_step_is_tried_again(monkeypatch):
+    """A tree budget's drafting shape whose seconds rest on fewer than PROBE_SAMPLES steps is drafted again every
+    PLAIN_PROBE_EVERY-th choice the estimates make plain: one step a passing load slowed does not keep it unchosen,
+    and so unmeasured, for the rest of a call (the world LLaVA at batch 32 ran 33 plain steps after one such step);
+    a shape slow in every step is tried only until it has PROBE_SAMPLES steps."""
+    from mmspec.budget import PLAIN_PROBE_EVERY, PROBE_SAMPLES
+
+    full = TreeShape(2, 2, 4)
+
+    def picks(tree_seconds: float, choices: int) -> list:
+        now = [0.0]
+        monkeypatch.setattr("mmspec.budget.time.perf_counter", lambda: now[0])
+        tree = TreeBudget(full, [PLAIN, full], warmup=0, refresh_every=0, costs={PLAIN: 1.0, full: 2.0},
+                          timing=True)
+        tree.accepted[1], tree.rows[1] = 2.0, 1.0  # 3 tokens a tree step: 1.5 a second at its table time
+        tree._note_seconds(PLAIN, 1.0)
+        tree._note_seconds(full, 10.0)  # one step slowed by a passing load: 0.3 tokens a second, a plain step 1
+        chosen = []
+        for _ in range(choices):
+            chosen.append(tree.choose(1))
+            now[0] += tree_seconds if chosen[-1] else 1.0
+        return chosen
+
+    usual = picks(2.0, 4 * PLAIN_PROBE_EVERY)
+    assert usual[0] == 0 and 0 < usual.index(full) <= PLAIN_PROBE_EVERY + 1
+    assert usual[-PLAIN_PROBE_EVERY:] == [full] * PLAIN_PROBE_EVERY  # measured at its usual time, it is chosen
+    slow = picks(10.0, 6 * PLAIN_PROBE_EVERY)
+    assert slow.count(full) == PROBE_SAMPLES - 1  # then its seconds rest on PROBE_SAMPLES steps: no more probes
 
 
 def test_a_size_not_run_for_a_while_takes_its_scaled_table_time_again():
