@@ -3,6 +3,7 @@ choices, and exactness: sequences sampled with budgets that change the draft siz
 included) have the target's exact sequence distribution, and greedy decoding stays token-identical to vanilla."""
 
 import math
+from collections import deque
 
 import pytest
 import torch
@@ -334,6 +335,22 @@ def test_measured_step_times_replace_the_table(monkeypatch):
     assert budget.seen == {2: 1.0}
 
 
+
+
+def test_the_step_across_a_drop_of_rows_is_not_timed(monkeypatch):
+    """A step whose time carries the loop's drop of finished rows (the caches' compaction, `select_rows`) is not a
+    step's cost, at the same level of rows held as after a change of level."""
+    clock = iter([0.0, 1.0, 2.0, 7.0, 8.0])  # steps of 1 s; the third, across the drop, 5 s
+    monkeypatch.setattr("mmspec.budget.time.perf_counter", lambda: next(clock))
+    full = TreeShape(2, 2, 4)
+    tree = TreeBudget(full, [PLAIN, full], warmup=8, refresh_every=0, costs={PLAIN: 1.0, full: 2.0}, timing=True)
+    for _ in range(3):  # the call's first step is not timed, its second is
+        assert tree.choose(1) == full
+    assert tree._samples[full] == deque([1.0])
+    tree.select_rows(torch.tensor([0, 2]))  # (no live call: the rows held keep their level)
+    tree.choose(1)
+    tree.choose(1)
+    assert tree._samples[full] == deque([1.0, 1.0])  # the 5 s step across the drop is not among them
 
 
 def test_a_drafting_shape_read_slow_from_one_step_is_tried_again(monkeypatch):
