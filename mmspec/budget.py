@@ -77,7 +77,7 @@ CALL_SPREAD = 0.1  # a drafted call's speed over vanilla's varies so much from c
 STEP_SAMPLES = 9  # a size's step seconds: the median of its last this many measured steps
 STALE_AFTER = 64  # choices after a size's last measured step, its measured seconds give way to its scaled table's
 PLAIN_PROBE_EVERY = 8  # until STEP_SAMPLES plain steps are measured, every this many choices is a plain step
-PROBE_SAMPLES = 3  # a drafting size read from fewer measured steps is tried again by `_drafting_probe`
+PROBE_SAMPLES = 3  # drafting read from fewer measured steps (at the rows held) is tried again: `_drafting_probe`
 LINE_MIN_SIZES = 3  # drafting sizes measured before an unmeasured one is priced by their line (`table_reading`)
 LINE_MIN_SLOPE = 0.5  # .. whose slope is at least this (a step does not cost less than half its table's)
 LOAD_SLOW = 1.2  # a drafted call whose timed steps took this much longer than the same sizes' usual is not judged
@@ -250,15 +250,16 @@ class MeasuredSteps:
         self._since_probe = 0
         return True
 
-    def _drafting_probe(self, size) -> bool:
-        """Whether a choice the estimates made plain drafts `size` (the best drafting size by estimate) instead, for
-        its timing: every PLAIN_PROBE_EVERY-th such choice while `size` has fewer than PROBE_SAMPLES measured steps
-        (at the rows held, for a tree budget). A size's seconds are the median of its measured steps, which for one
-        or two steps is a step a passing load slowed as well as a usual one, and a size read slow is not chosen, so
-        not measured again, until STALE_AFTER choices: the rest of a call (and its settling) would rest on it. The
-        probe delays settling (a drafted choice is not a plain one); it costs at most one drafted step in
-        PLAIN_PROBE_EVERY, PROBE_SAMPLES - 1 times per size."""
-        if not self.timing or len(self._samples.get(size, ())) >= PROBE_SAMPLES:
+    def _drafting_probe(self) -> bool:
+        """Whether a choice the estimates made plain drafts the best drafting size by estimate instead, for its
+        timing: every PLAIN_PROBE_EVERY-th such choice while the drafting sizes have fewer than PROBE_SAMPLES measured
+        steps in all (at the rows held, for a tree budget). A size's seconds are the median of its measured steps,
+        the sizes not run are read like those that ran (`table_reading`), and one step a passing load slowed is then
+        every drafting size's reading; a size read slow is not chosen, so not measured again, until STALE_AFTER
+        choices: the rest of a call (and its settling) would rest on it. The probe delays settling (a drafted choice
+        is not a plain one); it costs at most one drafted step in PLAIN_PROBE_EVERY, PROBE_SAMPLES times in all."""
+        drafting_steps = sum(len(steps) for size, steps in self._samples.items() if size != self.plain_size)
+        if not self.timing or drafting_steps >= PROBE_SAMPLES:
             return False
         self._since_draft_probe += 1
         if self._since_draft_probe < PLAIN_PROBE_EVERY:

@@ -358,9 +358,8 @@ class TreeBudget(MeasuredSteps):
             speed = self.speeds()  # [S]
             shape = self.shapes[int(speed.argmax())]
             self._note_plain_margin(*plain_and_best_shape(speed))
-            if shape == PLAIN and len(self.shapes) > 1:  # (its seconds at the rows held may rest on one slow step)
-                best_drafting = self.shapes[1 + int(speed[1:].argmax())]
-                shape = best_drafting if self._drafting_probe(best_drafting) else PLAIN
+            if shape == PLAIN and len(self.shapes) > 1 and self._drafting_probe():  # (read from one slow step?)
+                shape = self.shapes[1 + int(speed[1:].argmax())]
         self._count_choice()
         self._last = shape
         self.chosen[str(shape)] = self.chosen.get(str(shape), 0) + 1

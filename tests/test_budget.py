@@ -354,10 +354,10 @@ def test_the_step_across_a_drop_of_rows_is_not_timed(monkeypatch):
 
 
 def test_a_drafting_shape_read_slow_from_one_step_is_tried_again(monkeypatch):
-    """A tree budget's drafting shape whose seconds rest on fewer than PROBE_SAMPLES steps is drafted again every
-    PLAIN_PROBE_EVERY-th choice the estimates make plain: one step a passing load slowed does not keep it unchosen,
-    and so unmeasured, for the rest of a call (the world LLaVA at batch 32 ran 33 plain steps after one such step);
-    a shape slow in every step is tried only until it has PROBE_SAMPLES steps."""
+    """While a tree budget's drafting shapes rest on fewer than PROBE_SAMPLES measured steps in all, the best one is
+    drafted every PLAIN_PROBE_EVERY-th choice the estimates make plain: one step a passing load slowed does not keep
+    drafting unchosen, and so unmeasured, for the rest of a call (the world LLaVA at batch 32 ran 33 plain steps after
+    one such step); drafting slow in every step is tried only until PROBE_SAMPLES steps were measured."""
     from mmspec.budget import PLAIN_PROBE_EVERY, PROBE_SAMPLES
 
     full = TreeShape(2, 2, 4)
