@@ -258,8 +258,8 @@ class MeasuredSteps:
         every drafting size's reading; a size read slow is not chosen, so not measured again, until STALE_AFTER
         choices: the rest of a call (and its settling) would rest on it. The probe delays settling (a drafted choice
         is not a plain one); it costs at most one drafted step in PLAIN_PROBE_EVERY, PROBE_SAMPLES times in all."""
-        drafting_steps = sum(len(steps) for size, steps in self._samples.items() if size != self.plain_size)
-        if not self.timing or drafting_steps >= PROBE_SAMPLES:
+        if not self.timing or sum(len(steps) for size, steps in self._samples.items()
+                                  if size != self.plain_size) >= PROBE_SAMPLES:
             return False
         self._since_draft_probe += 1
         if self._since_draft_probe < PLAIN_PROBE_EVERY:
