@@ -48,6 +48,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -1119,7 +1120,21 @@ def make_budget(mode: str | None, target, drafter, rule, inputs, batch: int,
     `keep`: a dict the caller holds (a pipeline's) in which a budget stays between calls of the same drafter, size,
     batch size, rule and sampling setting, so its acceptance estimates and step times carry over (short answers end
     before a per-call budget has learnt anything; a 256-token image at batch 1 spends a third of its steps learning);
-    the next call's tokens then depend on earlier calls and on measured times (greedy ones do not)."""
+    the next call's tokens then depend on earlier calls and on measured times (greedy ones do not). A function set
+    in `BUDGET_WRAPPER` gets the budget first (tests force its decisions: `mmspec.testing.budgets.forced_budget`)."""
+    budget = build_budget(mode, target, drafter, rule, inputs, batch, device, keep)
+    wrap = BUDGET_WRAPPER.get()
+    return budget if budget is None or wrap is None else wrap(budget)
+
+
+# a function every budget `make_budget` returns passes through (None: none): how a test forces a budget's decisions
+# while its bookkeeping (timing, levels of rows held, estimates) runs as usual (`mmspec.testing.budgets`)
+BUDGET_WRAPPER: ContextVar[Callable[[Any], Any] | None] = ContextVar("mmspec_budget_wrapper", default=None)
+
+
+def build_budget(mode: str | None, target, drafter, rule, inputs, batch: int,
+                 device: torch.device | str, keep: dict | None = None):
+    """`make_budget` without the wrapper."""
     check_budget_mode(mode)
     if mode in (None, "fixed"):
         return None

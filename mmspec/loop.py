@@ -305,7 +305,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
                 break
             if drops_rows(live, state.batch_size):
                 rows_generator = drop_finished_rows(state, target, drafter, budget, rows_generator, active,
-                                                    drafts=drafting and not plain_for_good)
+                                                    drafts=drafting)
                 active = ~state.done
                 no_draft = plain_draft(state.batch_size, device)
         # (the call's batch size: a budget serves one; it hears the rows held through `select_rows`)
@@ -368,12 +368,14 @@ def vanilla_held_rows(tokens: list[int]) -> list[int]:
 
 def drop_finished_rows(state: DecodeState, target: Target, drafter: Drafter, budget: Any, generator: Generators,
                        active: torch.Tensor, drafts: bool) -> Generators:
-    """Keep only the active [B] rows in the state, the target, the drafter (`drafts`: it still runs in this call) and
-    the budget; returns the generators of the rows kept (a per-row list follows its rows)."""
+    """Keep only the active [B] rows in the state, the target, the drafter (`drafts`: it was begun in this call) and
+    the budget; returns the generators of the rows kept (a per-row list follows its rows). Invariant: every part
+    that holds per-row state and may run again in this call holds the state's rows, so a begun drafter follows
+    them even in a call settled on plain steps (a budget may still run it, e.g. to time its shapes)."""
     rows = active.nonzero().squeeze(-1)  # [B'] (a device read, once per drop)
     state.select_rows(rows)
     target.select_rows(rows)
-    if drafts:  # (a call without the drafter, or one settled on plain steps, does not ask it again)
+    if drafts:  # (a call without the drafter never began it: it holds nothing of this call)
         drafter.select_rows(rows)
     if hasattr(budget, "select_rows"):
         budget.select_rows(rows)

@@ -247,6 +247,7 @@ class TreeBudget(MeasuredSteps):
         self._timing_seconds = 0.0  # seconds the running call spent timing shapes (`hold_rows`)
         self._prefix_bucket = 1  # the running call's prompt length, rounded up to a power of two
         self._given_costs = costs  # (tests: the same costs at every level)
+        self._held_next: int | None = None  # rows held after a drop, priced at the next choice (`select_rows`)
 
     # ------------------------------------------------------------------------------------------ estimates
     def expected_tokens(self) -> torch.Tensor:
@@ -343,6 +344,9 @@ class TreeBudget(MeasuredSteps):
 
     def choose(self, batch: int) -> TreeShape | int:
         """The next step's shape (0 = a plain step)."""
+        if self._held_next is not None:  # (rows were dropped since the last choice)
+            self.hold_rows(self._held_next)
+            self._held_next = None
         self._time_last_step()
         refresh = self.refresh_every and self._choices == self._refresh_at
         if refresh:  # at steps 16, 32, 64, 128, ..
@@ -397,6 +401,7 @@ class TreeBudget(MeasuredSteps):
         """Time every menu shape on this call's own target, drafter and prefix (or read the cached times), and price
         the call's steps for its whole batch (`hold_rows`) until the loop drops rows."""
         self._new_call()
+        self._held_next = None
         if state is not None:  # (None: a budget given its costs, in tests)
             self._live, self._call_rows = (target, drafter, state, rule), state.batch_size
             prefix = int(target.runner.lengths.max())  # the prompts' (a bucket of the timings' key)
@@ -435,9 +440,10 @@ class TreeBudget(MeasuredSteps):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """The loop dropped the call's finished rows and holds rows [B']: the steps are priced for that many rows
-        from now on (`hold_rows`)."""
+        from the next choice on (`hold_rows`; a call settled on plain steps makes no more choices, and times
+        nothing)."""
         super().select_rows(rows)
-        self.hold_rows(rows.shape[0])
+        self._held_next = rows.shape[0]
 
     def hold_rows(self, rows: int) -> None:
         """Price steps for `rows` rows held, rounded up to a power of four (at most the call's batch): each such
@@ -464,7 +470,7 @@ class TreeBudget(MeasuredSteps):
     def end_call(self, batch: int, seconds: float, plain_steps: int, drafted: bool, begin_seconds: float = 0.0,
                  held_rows: list[int] | None = None) -> None:
         """`MeasuredSteps.end_call`, the call's seconds without those it spent timing shapes for fewer rows."""
-        self._live = None  # (the call's models and state are not kept past it)
+        self._live, self._held_next = None, None  # (the call's models and state are not kept past it)
         seconds, self._timing_seconds = seconds - self._timing_seconds, 0.0
         super().end_call(batch, seconds, plain_steps, drafted, begin_seconds=begin_seconds, held_rows=held_rows)
 

@@ -1,10 +1,26 @@
-"""A draft budget for tests: it walks through fixed sizes (plain steps `0`, chain sizes or `TreeShape`s) in turn, so
-a test exercises every path of the loop's variable draft sizes."""
+"""Draft budgets for tests: `CyclingBudget` walks through fixed sizes; `forced_budget` makes the real budgets of a
+pipeline's default path (`budget="auto"`) take scripted decisions, so a test exercises every decision the loop can
+be given (drafting each size, plain steps, settling on plain steps for the rest of a call, a call without the
+drafter) whatever the machine's speed, while the budget's own bookkeeping runs as usual (its timing of shapes, its
+levels of rows held after a drop, its estimates and call gate).
+
+    with forced_budget(CallScript(steps=("full", "plain", "chain")), CallScript(settle_after=2),
+                       CallScript(drafts=False)):
+        vlm.generate(**enc)   # call 1: full, plain, chain, full, ..; call 2 settles; call 3 runs without the drafter
+
+Step names: "full" the drafter's full size (a tree drafter's full shape, a chain or window drafter's largest size),
+"small" its smallest drafting size (the smallest tree of the menu, else a chain of 1), "chain" a chain of about a
+third of the full depth (a window drafter: its middle size), "plain" a plain step.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+STEP_NAMES = ("full", "small", "chain", "plain")
 
 
 class CyclingBudget:
@@ -19,3 +35,93 @@ class CyclingBudget:
 
     def observe(self, result, active, draft=None) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class CallScript:
+    """One call's decisions: `drafts` False runs it without the drafter (the call gate's verdict); else its steps
+    draft `steps` in turn (cycled), and from step `settle_after` on (None: never) the call settles on plain steps."""
+
+    drafts: bool = True
+    steps: tuple[str, ...] = ("full",)
+    settle_after: int | None = None
+
+    def __post_init__(self) -> None:
+        unknown = [s for s in self.steps if s not in STEP_NAMES]
+        if unknown or not self.steps:
+            raise ValueError(f"steps must be a non-empty tuple of {STEP_NAMES}, got {self.steps!r}.")
+
+
+def named_size(budget: Any, name: str) -> Any:
+    """The size `name` (see the module docstring) in `budget`'s menu: a `TreeShape` of a tree budget, an int of a
+    chain or window budget; 0 for "plain"."""
+    if name == "plain":
+        return 0
+    if hasattr(budget, "full"):  # a tree budget
+        chains = sorted((s for s in budget.shapes if s.top_k == 1), key=lambda s: s.depth)
+        trees = sorted((s for s in budget.shapes if s.top_k > 1 and s != budget.full), key=lambda s: s.total)
+        if name == "full":
+            return budget.full
+        if name == "small":
+            return trees[0] if trees else chains[0]
+        return next((s for s in chains if s.depth >= max(1, budget.full.depth // 3)), chains[-1])
+    drafting = [k for k in budget.sizes if k > 0]
+    return {"full": drafting[-1], "small": drafting[0], "chain": drafting[len(drafting) // 2]}[name]
+
+
+class ScriptedBudget:
+    """A real budget (`budget`) whose decisions follow `script`; everything else is the real budget's (attribute
+    access falls through to it). Each choice first asks the real budget, so it times, prices the rows it holds and
+    counts as it would, then the scripted size is the one drafted (and the one the real budget learns from)."""
+
+    def __init__(self, budget: Any, script: CallScript) -> None:
+        self.budget, self.script, self.steps = budget, script, 0
+        self.choices: list[Any] = []  # the sizes chosen in this call, in order (tests read them)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.budget, name)
+
+    def drafts_this_call(self) -> bool:
+        if hasattr(self.budget, "drafts_this_call"):
+            self.budget.drafts_this_call()  # (its bookkeeping; the verdict is the script's)
+        return self.script.drafts
+
+    def choose(self, batch: int) -> Any:
+        self.budget.choose(batch)
+        script = self.script
+        settling = script.settle_after is not None and self.steps >= script.settle_after
+        name = "plain" if settling else script.steps[self.steps % len(script.steps)]
+        size = named_size(self.budget, name)
+        if hasattr(self.budget, "full"):  # the shape it learns from is the one drafted
+            from mmspec.tree_budget import PLAIN
+
+            self.budget._last = PLAIN if size == 0 else size
+        else:
+            self.budget._last = size
+        self.steps += 1
+        self.choices.append(size)
+        return size
+
+    def settled(self) -> bool:
+        return self.script.settle_after is not None and self.steps > self.script.settle_after
+
+
+@contextlib.contextmanager
+def forced_budget(*scripts: CallScript) -> Iterator[list[ScriptedBudget]]:
+    """Inside the block every budget `mmspec.budget.make_budget` builds (one per call; a pipeline's batches are
+    calls) follows the next of `scripts` (cycled). Yields the list of the scripted budgets made so far."""
+    from mmspec.budget import BUDGET_WRAPPER
+
+    if not scripts:
+        raise ValueError("give at least one CallScript.")
+    made: list[ScriptedBudget] = []
+
+    def wrap(budget: Any) -> ScriptedBudget:
+        made.append(ScriptedBudget(budget, scripts[len(made) % len(scripts)]))
+        return made[-1]
+
+    token = BUDGET_WRAPPER.set(wrap)
+    try:
+        yield made
+    finally:
+        BUDGET_WRAPPER.reset(token)

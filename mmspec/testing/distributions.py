@@ -32,9 +32,16 @@ def tv_tolerance(vocab_size: int, samples: int, sigmas: float = 6.0) -> float:
     return 0.5 * (vocab_size / samples) ** 0.5 * (1 + sigmas / vocab_size ** 0.5)
 
 
-def pooled_chi_square(pairs: list[list[int]], next_probs) -> tuple[float, int]:
+def prefix_pairs(rows: list[list[int]], positions: range | list[int]) -> list[list]:
+    """[prefix, next] pairs for `pooled_chi_square` from sampled token rows: for each row and each position j, the
+    tuple of its first j tokens and its token j (the law of a later token, given everything before it)."""
+    return [[tuple(row[:j]), row[j]] for row in rows for j in positions if j < len(row)]
+
+
+def pooled_chi_square(pairs: list[list], next_probs) -> tuple[float, int]:
     """Chi-square of sampled second tokens against the target's conditional law, pooled over first tokens:
-    pairs = [first, second] per row; next_probs(first) -> the target's probabilities [V] of the second token.
+    pairs = [first, second] per row (first may be any sortable key, e.g. a prefix tuple from `prefix_pairs`);
+    next_probs(first) -> the target's probabilities [V] of the second token.
     First tokens with < 20 samples are skipped; bins expecting < 5 are merged. Returns (chi2, degrees of freedom)."""
     import numpy as np
 

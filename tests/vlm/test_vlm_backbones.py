@@ -12,26 +12,15 @@ from vlm_dummies import assert_tree_logits_match_llava, greedy_vanilla_and_tree,
 from mmspec.errors import InputError
 from vlm.family import DRAFTER_KINDS, drafter_model
 from vlm.target import SUPPORTED_TEXT_MODELS, LlavaCachedLM
+from vlm.tiny import tiny_text_config
 
 SMALL = dict(vocab_size=99, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256)
 
 
 def text_config(backbone: str):
-    """A tiny text config of `backbone` (a transformers model_type), with what makes it differ from Llama on."""
-    import transformers as tf
-
-    head = dict(head_dim=8)
-    made = {
-        "llama": lambda: tf.LlamaConfig(**SMALL),
-        "mistral": lambda: tf.MistralConfig(**SMALL, sliding_window=128),
-        "qwen2": lambda: tf.Qwen2Config(**SMALL),
-        "qwen3": lambda: tf.Qwen3Config(**SMALL, **head),  # q_norm / k_norm per head before RoPE
-        "gemma": lambda: tf.GemmaConfig(**SMALL, **head),  # embeddings scaled by sqrt(hidden), (1 + w) norms
-        "gemma2": lambda: tf.Gemma2Config(**SMALL, **head, sliding_window=128, attn_implementation="eager"),
-        "gemma3_text": lambda: tf.Gemma3TextConfig(**SMALL, **head, sliding_window=128, query_pre_attn_scalar=8),
-    }
-    return made[backbone]()
+    """A tiny text config of `backbone` over this module's 99-token vocabulary (`vlm.tiny.tiny_text_config`)."""
+    return tiny_text_config(backbone, vocab_size=99)
 
 
 def tiny_llava_with(text, seed: int = 0, **kwargs):

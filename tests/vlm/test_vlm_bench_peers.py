@@ -4,15 +4,14 @@ is reported per row instead of stopping the bench."""
 
 from __future__ import annotations
 
-from test_vlm_hf_generate import tiny_pipeline
-
 from mmspec.bench.registry import BenchSettings, Sample
 from vlm.bench_peers import peer_methods
+from vlm.tiny import tiny_vlm
 from vlm.world import world_vqa_examples
 
 
 def test_peers_give_vanilla_answers_and_report_transformers_errors():
-    vlm = tiny_pipeline("llava")
+    vlm = tiny_vlm("llava")
     settings = BenchSettings(num_samples=3, max_new_tokens=8, temperature=0.0)
     examples = world_vqa_examples("test", 3, seed=0, long_fraction=1.0)
     batch = [Sample(question_id=i, category=ex.qa.kind, data=ex) for i, ex in enumerate(examples)]

@@ -10,6 +10,7 @@ import torch
 
 import mmspec.loop as loop
 from mmspec.data.artifacts import ASSETS_DIR
+from mmspec.testing.budgets import CallScript, forced_budget
 from vlm.family import DRAFTER_KINDS
 from vlm.pipeline import SpeculativeVLM
 from vlm.world import world_vqa_examples
@@ -79,11 +80,13 @@ def test_dropping_finished_rows_keeps_every_answer(kind, questions, drops, tmp_p
 def test_an_auto_budget_times_the_rows_it_holds(questions, drops, tmp_path, monkeypatch):
     """The tree budget times its shapes for the rows held after a drop (powers of four up to the call's batch) and
     keeps each level's measured steps apart; the call's batch size keys it as before. The call's seconds the gate
-    hears leave out the levels timed inside it, and only those (the call level is timed before its clock starts)."""
+    hears leave out the levels timed inside it, and only those (the call level is timed before its clock starts).
+    The budget drafts every step (forced), so it makes choices, and prices them, at every level the call reaches."""
     monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
     vlm = SpeculativeVLM.from_pretrained(FOLDER, "eagle")
     start = time.perf_counter()
-    vlm.generate(*questions, max_new_tokens=48, batch_size=8, temperature=0.0, budget="auto")
+    with forced_budget(CallScript(steps=("full", "chain"))):
+        vlm.generate(*questions, max_new_tokens=48, batch_size=8, temperature=0.0, budget="auto")
     took = time.perf_counter() - start
     (budget,) = vlm.budgets.values()
     levels = {1 if rows == 1 else 4 if rows <= 4 else 8 for rows in drops}

@@ -9,45 +9,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers as tf
 
-from mmspec.data import load_world_tokenizer
 from vlm.family import drafter_model
 from vlm.gemma3 import Gemma3CachedLM, image_runs
 from vlm.pipeline import SpeculativeVLM
 from vlm.target import cached_vlm
+from vlm.tiny import GEMMA3_SPECIAL, tiny_vlm
 
 PROMPTS = ["What color is the object?", "How many objects are there?", "Describe the scene."]
-SPECIAL = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
-
-
-def tiny_gemma3() -> SpeculativeVLM:
-    tok = load_world_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": list(SPECIAL.values())})
-    for name, token in SPECIAL.items():  # what Gemma3Processor reads off the tokenizer
-        setattr(tok, name, token)
-        setattr(tok, f"{name}_id", tok.convert_tokens_to_ids(token))
-    text = tf.Gemma3TextConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=512,
-                               sliding_window=256, layer_types=["sliding_attention", "full_attention"],
-                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    vision = tf.SiglipVisionConfig(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64,
-                                   num_hidden_layers=2, num_attention_heads=2)
-    torch.manual_seed(0)
-    model = tf.Gemma3ForConditionalGeneration(tf.Gemma3Config(
-        text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=tok.boi_token_id,
-        eoi_token_index=tok.eoi_token_id, image_token_index=tok.image_token_id)).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(10.0)  # peaked laws, so drafts are sometimes accepted
-    processor = tf.Gemma3Processor(image_processor=tf.Gemma3ImageProcessor(size={"height": 32, "width": 32},
-                                                                           do_convert_rgb=False),
-                                   tokenizer=tok, image_seq_length=4)
-    return SpeculativeVLM(model, processor)
 
 
 @pytest.fixture(scope="module")
 def vlm() -> SpeculativeVLM:
-    return tiny_gemma3()
+    return tiny_vlm("gemma3")
 
 
 def images(n: int) -> list[np.ndarray]:
@@ -111,7 +85,7 @@ def test_a_saved_gemma3_folder_loads_through_from_pretrained_and_answers_the_sam
     vlm.model.save_pretrained(tmp_path)
     vlm.processor.save_pretrained(tmp_path)
     config = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "extra_special_tokens": SPECIAL}))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "extra_special_tokens": GEMMA3_SPECIAL}))
     again = SpeculativeVLM.from_pretrained(tmp_path)
     assert isinstance(again.lm, Gemma3CachedLM)
     imgs = [*images(2), None]
@@ -128,7 +102,7 @@ def test_sampled_second_token_follows_the_models_own_law_with_a_negative_control
 
     from mmspec.testing.distributions import assert_fits_law_not_control
 
-    vlm = tiny_gemma3()
+    vlm = tiny_vlm("gemma3")
     with torch.no_grad():
         vlm.model.lm_head.weight.mul_(2.0)  # x20 in all: a few first tokens, each with enough samples
     vlm.drafter = drafter_model("eagle").for_target(vlm.lm).eval()
@@ -147,7 +121,7 @@ def test_sampled_second_token_follows_the_models_own_law_with_a_negative_control
 def test_gemma3_stays_exact_past_its_sliding_window():
     """Gemma 3's local layers with a 10-token window under prompts longer than it (an image's 4 tokens stay inside
     one window): greedy vanilla and EAGLE trees == transformers' generate; with full attention the answers differ."""
-    base = tiny_gemma3()
+    base = tiny_vlm("gemma3")
     base.model.config.text_config.sliding_window = 10
     vlm = SpeculativeVLM(base.model, base.processor)
     assert vlm.lm.window == 10
@@ -170,7 +144,8 @@ def test_train_a_specvlm_drafter_for_a_gemma3_folder(vlm, tmp_path):
     vlm.model.save_pretrained(tmp_path / "g3")
     vlm.processor.save_pretrained(tmp_path / "g3")
     config = json.loads((tmp_path / "g3" / "tokenizer_config.json").read_text())
-    (tmp_path / "g3" / "tokenizer_config.json").write_text(json.dumps({**config, "extra_special_tokens": SPECIAL}))
+    config["extra_special_tokens"] = GEMMA3_SPECIAL
+    (tmp_path / "g3" / "tokenizer_config.json").write_text(json.dumps(config))
     assert main(["train", "vlm-drafter", "--target", str(tmp_path / "g3"), "--work-dir", str(tmp_path / "work"),
                  "--kind", "specvlm", "--steps", "12", "--num-train", "12", "--answer-max-tokens", "8",
                  "--batch-size", "4", "--eval-prompts", "3", "--quiet"]) == 0

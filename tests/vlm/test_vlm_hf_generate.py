@@ -8,51 +8,20 @@ from threading import Thread
 
 import pytest
 import torch
-from transformers import (
-    GenerationConfig,
-    LlavaForConditionalGeneration,
-    Qwen2VLForConditionalGeneration,
-    TextIteratorStreamer,
-)
+from transformers import GenerationConfig, TextIteratorStreamer
 
 from mmspec.errors import InputError
 from mmspec.sampling import SamplingParams
 from vlm.family import drafter_model
 from vlm.hf_generate import resolve_generation
-from vlm.pipeline import SpeculativeVLM
-from vlm.world import world_llava_config, world_processor, world_vqa_examples
-from vlm.world_qwen2_vl import world_qwen2_vl_config, world_qwen2_vl_processor
-
-TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2)
-
-
-def tiny_pipeline(family: str) -> SpeculativeVLM:
-    torch.manual_seed(0)
-    if family == "llava":
-        model = LlavaForConditionalGeneration(world_llava_config(
-            vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2),
-            text=TEXT)).eval()
-        processor = world_processor()
-    else:
-        model = Qwen2VLForConditionalGeneration(world_qwen2_vl_config(
-            vision=dict(depth=1, embed_dim=32, num_heads=2), text=TEXT)).eval()
-        processor = world_qwen2_vl_processor()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(10.0)  # peaked next-token distributions: long drafts get accepted sometimes
-    return SpeculativeVLM(model, processor)
-
-
-def processor_batch(vlm: SpeculativeVLM, n: int = 3, padding_side: str = "left"):
-    examples = world_vqa_examples("test", n, seed=1)
-    texts = [vlm.prompt_text(ex.qa.question + " Answer in detail." * (i % 2)) for i, ex in enumerate(examples)]
-    vlm.processor.tokenizer.padding_side = padding_side
-    return vlm.processor(images=[ex.image for ex in examples], text=texts, padding=True, return_tensors="pt")
+from vlm.tiny import tiny_processor_batch, tiny_vlm
+from vlm.world import world_vqa_examples
 
 
 @pytest.mark.parametrize("family", ["llava", "qwen2_vl"])
 def test_greedy_tensor_equals_model_generate_on_a_left_padded_batch(family):
-    vlm = tiny_pipeline(family)
-    enc = processor_batch(vlm)
+    vlm = tiny_vlm(family)
+    enc = tiny_processor_batch(vlm)
     assert bool((enc["attention_mask"][:, 0] == 0).any())  # really left-padded
     reference = vlm.model.generate(**enc, max_new_tokens=10, do_sample=False)
     assert torch.equal(vlm.generate(**enc, max_new_tokens=10, do_sample=False), reference)
@@ -66,9 +35,9 @@ def test_greedy_tensor_equals_model_generate_on_a_left_padded_batch(family):
 
 
 def test_a_streamer_receives_the_answer():
-    vlm = tiny_pipeline("llava")
+    vlm = tiny_vlm("llava")
     vlm.drafter = drafter_model("eagle").for_target(vlm.lm).eval()
-    enc = processor_batch(vlm, n=1)
+    enc = tiny_processor_batch(vlm, n=1)
     streamer = TextIteratorStreamer(vlm.processor.tokenizer, skip_prompt=True, skip_special_tokens=True)
     result = {}
     thread = Thread(target=lambda: result.update(out=vlm.generate(**enc, max_new_tokens=12, streamer=streamer)))
@@ -81,7 +50,7 @@ def test_a_streamer_receives_the_answer():
 
 
 def test_settings_follow_transformers_precedence():
-    vlm = tiny_pipeline("llava")
+    vlm = tiny_vlm("llava")
     model = vlm.model
     model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9,
                                                max_new_tokens=7, eos_token_id=[2, 3])
@@ -94,14 +63,14 @@ def test_settings_follow_transformers_precedence():
                                                max_new_tokens=7, eos_token_id=[2, 3])
     given = GenerationConfig(do_sample=True, temperature=1.3, top_k=0, top_p=1.0)
     assert resolve_generation(model, given, {"top_k": 9})[0] == SamplingParams(1.3, 9, 1.0)
-    enc = processor_batch(vlm, n=2)
+    enc = tiny_processor_batch(vlm, n=2)
     out = vlm.generate(**enc, do_sample=False)  # the model's max_new_tokens (7)
     assert out.shape[1] <= enc["input_ids"].shape[1] + 7
 
 
 def test_bad_calls_are_one_line_errors():
-    vlm = tiny_pipeline("llava")
-    enc = processor_batch(vlm, n=2)
+    vlm = tiny_vlm("llava")
+    enc = tiny_processor_batch(vlm, n=2)
     examples = world_vqa_examples("test", 1, seed=0)
     cases = [
         (lambda: vlm.generate([examples[0].image], ["q"], **enc), "not both"),

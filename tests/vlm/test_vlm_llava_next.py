@@ -8,51 +8,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import transformers as tf
 
-from mmspec.data import load_world_tokenizer
 from vlm.family import drafter_model
 from vlm.pipeline import SpeculativeVLM
+from vlm.tiny import PINPOINTS, tiny_vlm
 
-PINPOINTS = [[32, 64], [64, 32], [64, 64]]
 PROMPTS = ["What color is the object?", "How many objects are there?", "Describe the scene."]
-
-
-def tiny_pipeline(kind: str) -> SpeculativeVLM:
-    """A tiny LLaVA-NeXT (CLIP, Llama) or OneVision (SigLIP, Qwen2) target with its processor; peaked LM head."""
-    tok = load_world_tokenizer()
-    tok.add_special_tokens({"additional_special_tokens": [tok.image_token, "<video>"]})
-    text = dict(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id)
-    vision = dict(image_size=32, patch_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=2)
-    torch.manual_seed(0)
-    if kind == "llava_next":
-        model = tf.LlavaNextForConditionalGeneration(tf.LlavaNextConfig(
-            vision_config=tf.CLIPVisionConfig(**vision), text_config=tf.LlamaConfig(**text),
-            image_token_index=tok.image_token_id, image_grid_pinpoints=PINPOINTS, vision_feature_layer=-2,
-            vision_feature_select_strategy="default", image_seq_length=16))
-        processor = tf.LlavaNextProcessor(
-            image_processor=tf.LlavaNextImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32,
-                                                                                              "width": 32},
-                                                       image_grid_pinpoints=PINPOINTS, do_convert_rgb=False),
-            tokenizer=tok, patch_size=8, vision_feature_select_strategy="default", num_additional_image_tokens=1)
-    else:
-        model = tf.LlavaOnevisionForConditionalGeneration(tf.LlavaOnevisionConfig(
-            vision_config=tf.SiglipVisionConfig(**vision), text_config=tf.Qwen2Config(**text),
-            image_token_index=tok.image_token_id, video_token_index=tok.convert_tokens_to_ids("<video>"),
-            image_grid_pinpoints=PINPOINTS, vision_feature_layer=-1, vision_feature_select_strategy="full"))
-        square = {"height": 32, "width": 32}
-        processor = tf.LlavaOnevisionProcessor(
-            image_processor=tf.LlavaOnevisionImageProcessor(size=square, image_grid_pinpoints=PINPOINTS,
-                                                            do_convert_rgb=False),
-            tokenizer=tok, video_processor=tf.LlavaOnevisionVideoProcessor(size=square), num_image_tokens=16,
-            vision_feature_select_strategy="full")
-    model.eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(10.0)  # peaked laws, so drafts are sometimes accepted
-    return SpeculativeVLM(model, processor)
 
 
 def images_of_three_sizes() -> list[np.ndarray]:
@@ -74,7 +35,7 @@ def transformers_answers(vlm: SpeculativeVLM, images, prompts) -> list[list[int]
                                          ("llava_onevision", "eagle"), ("llava_onevision", "vispec"),
                                          ("llava_onevision", "msd")])
 def test_greedy_answers_equal_transformers_generate_on_images_of_three_sizes(target, kind):
-    vlm = tiny_pipeline(target)
+    vlm = tiny_vlm(target)
     images = images_of_three_sizes()
     runs = (vlm.encode(images, PROMPTS).input_ids == vlm.lm.image_token_id).sum(-1).tolist()
     assert len(set(runs)) == 3, runs  # three image sizes, three run lengths
@@ -93,7 +54,7 @@ def test_image_grids_are_the_base_view_and_the_unpadded_tiles(target):
 
     from vlm.target import prefill_vlm
 
-    vlm = tiny_pipeline(target)
+    vlm = tiny_vlm(target)
     inputs = vlm.encode(images_of_three_sizes(), PROMPTS)
     prefill_vlm(vlm.lm, inputs, 1)
     expected = []
@@ -111,7 +72,7 @@ def test_greedy_specvlm_equals_transformers_generate_on_images_of_three_sizes(ta
     """SpecVLM on tiled images: the gate forced to one primitive, which compresses each run along its own grids."""
     from vlm.specvlm import PRIMITIVES
 
-    vlm = tiny_pipeline(target)
+    vlm = tiny_vlm(target)
     images = images_of_three_sizes()
     reference = transformers_answers(vlm, images, PROMPTS)
     torch.manual_seed(1)
@@ -135,7 +96,7 @@ def test_sampled_second_token_follows_the_models_own_law_with_a_negative_control
 
     from mmspec.testing.distributions import assert_fits_law_not_control
 
-    vlm = tiny_pipeline(target)
+    vlm = tiny_vlm(target)
     with torch.no_grad():
         vlm.model.lm_head.weight.mul_(2.0)  # x20 in all: a few first tokens, each with enough samples
     vlm.drafter = drafter_model("eagle").for_target(vlm.lm).eval()
@@ -156,7 +117,7 @@ def test_train_a_specvlm_drafter_for_a_llava_next_folder(tmp_path):
 
     from mmspec.cli import main
 
-    vlm, folder = tiny_pipeline("llava_next"), tmp_path / "next"
+    vlm, folder = tiny_vlm("llava_next"), tmp_path / "next"
     vlm.model.save_pretrained(folder)
     vlm.processor.save_pretrained(folder)
     assert main(["train", "vlm-drafter", "--target", str(folder), "--work-dir", str(tmp_path / "work"), "--kind",

@@ -92,15 +92,17 @@ def assert_tree_logits_match_llava(model, rows: list[list[int]], pixels: torch.T
 
 def appended_token_law(model, enc: dict, temperature: float):
     """next_probs(first) for `pooled_chi_square`: the model's own softmax at `temperature` of the token after row 0
-    of a processor's outputs `enc` plus `first` (input_ids get it, attention_mask a 1, token_type_ids a 0)."""
+    of a processor's outputs `enc` plus `first` (one token, or a tuple of tokens: a prefix from `prefix_pairs`);
+    input_ids get them, attention_mask 1s, token_type_ids 0s."""
     extra = {"input_ids": None, "attention_mask": 1, "token_type_ids": 0}
 
-    def next_probs(first: int):
+    def next_probs(first: int | tuple[int, ...]):
+        added = torch.tensor([first if isinstance(first, tuple) else (first,)])  # [1, n]
         one = {k: v[:1] for k, v in enc.items()}
         for key, fill in extra.items():
             if key in one:
-                value = first if fill is None else fill
-                one[key] = torch.cat([one[key], torch.full((1, 1), value, dtype=one[key].dtype)], dim=1)
+                value = added if fill is None else torch.full_like(added, fill)
+                one[key] = torch.cat([one[key], value.to(one[key].dtype)], dim=1)
         with torch.no_grad():
             logits = model(**one).logits[0, -1]
         return torch.softmax(logits.double() / temperature, -1).numpy()
