@@ -251,6 +251,9 @@ class LMTarget:
         # batch 32 took 2.7-3.8% longer than vanilla's with a tree's room and 0.5-0.9% less without it (one process,
         # alternating calls, 12 each; docs/benchmarks.md, issue 31 sixth session)
         self.draft_room = True
+        # set by the loop from the rule: at temperature 0, p is the softmax of the logits instead of the one-hot
+        # argmax (`mmspec.sampling.probs_from_params`), for a relaxed greedy rule (`greedy_reads_softmax`)
+        self.soft_greedy = False
 
     def prefill(self, inputs: Any) -> torch.Tensor:
         room = self.extra_capacity if self.draft_room else self.plain_capacity
@@ -258,7 +261,7 @@ class LMTarget:
         if self.layout is not None:
             logits = self.layout.constrain(logits, torch.zeros(logits.shape[:2], dtype=torch.long,
                                                                device=logits.device))
-        return probs_from_params(logits, self.params)
+        return probs_from_params(logits, self.params, self.soft_greedy)
 
     def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
         runner = self.runner
@@ -278,7 +281,7 @@ class LMTarget:
             if offsets is None:
                 offsets = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
             logits = self.layout.constrain(logits, state.num_generated.unsqueeze(-1) + offsets)
-        return probs_from_params(logits, self.params)
+        return probs_from_params(logits, self.params, self.soft_greedy)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only rows [B'] of the call (the loop drops finished rows)."""

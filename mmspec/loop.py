@@ -265,6 +265,8 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     """
     check(validate in ("first", "always", "never"), f"validate must be first/always/never, got {validate!r}.")
     rule = get_rule(rule)
+    if hasattr(target, "soft_greedy"):  # a relaxed greedy rule reads the softmax of the logits, not the argmax
+        target.soft_greedy = rule.greedy_reads_softmax
     device = torch.device(device)
     stats = SpecStats()
     draft_forwards_before = getattr(drafter, "forwards", 0)

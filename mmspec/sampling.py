@@ -130,7 +130,12 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int =
     return torch.softmax(process_logits(logits, temperature, top_k, top_p), dim=-1)
 
 
-def probs_from_params(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def probs_from_params(logits: torch.Tensor, params: SamplingParams, soft_greedy: bool = False) -> torch.Tensor:
+    """The distribution `params` sample from; `soft_greedy`: at temperature 0, the softmax of the logits (temperature
+    1, no filters) instead of the one-hot argmax, for a relaxed greedy rule that moves mass between tokens
+    (`AcceptanceRule.greedy_reads_softmax`); its argmax is the one-hot's."""
+    if soft_greedy and params.greedy:
+        return torch.softmax(logits.float(), dim=-1)
     return logits_to_probs(logits, params.temperature, params.top_k, params.top_p)
 
 

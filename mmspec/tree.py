@@ -148,9 +148,18 @@ def pool_size(top_k: int, depth: int) -> int:
     return 1 + top_k + (depth - 1) * top_k * top_k
 
 
+def levels_of_eagle_depth(code_depth: int) -> int:
+    """Draft levels of a tree that EAGLE's or LANTERN's code configures with `depth=code_depth`: their `topK_genrate`
+    expands the root, then `depth` more levels, so `depth=4` drafts 5 levels. mmspec's `depth` (here and in every
+    tree drafter) counts draft levels, the longest run one step can accept: EAGLE-2's `depth=5` is 6 here,
+    LANTERN's LlamaGen `depth=4` is 5, SpecVLM's `depth=7` is 8."""
+    return code_depth + 1
+
+
 def expand_eagle2(root_tokens: torch.Tensor, score_children: ScoreChildren, *, top_k: int = 10,
                   depth: int = 5, total_tokens: int = 60) -> DraftTree:
-    """Build EAGLE-2 dynamic draft trees for a batch (deterministic top-k children).
+    """Build EAGLE-2 dynamic draft trees for a batch (deterministic top-k children), `depth` draft levels
+    (`levels_of_eagle_depth`: EAGLE's code's depth + 1).
 
     `score_children` is called once per level with the current frontier (at most `top_k` nodes per row) and
     returns log-probabilities over the vocabulary for each frontier node's next token. Returns a DraftTree of

@@ -37,10 +37,11 @@ from mmspec.feature_drafter import FeatureTreeDrafter, PendingPairs
 from mmspec.llama_drafter import LlamaFeatureDrafter, llama_drafter_config
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams
+from mmspec.tree import levels_of_eagle_depth
 from vlm.target import CachedVLM, VLMInputs
 
-# SpecVLM's EagleVLM tree: EAGLE's depth 7 (8 levels here), top_k 10, total 60
-SPECVLM_TREE = (8, 10, 60)
+# SpecVLM's EagleVLM tree: EAGLE's depth 7 (8 draft levels), top_k 10, total 60
+SPECVLM_TREE = (levels_of_eagle_depth(7), 10, 60)
 
 
 class VLMEagleDrafter(LlamaFeatureDrafter):

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import torch
 
+from mmspec.tree import levels_of_eagle_depth
 from vlm.eagle import VLMEagleDrafter, VLMEagleTreeDrafter
 from vlm.target import VLMInputs
 
-# MSD's tree: EAGLE's depth 5 (6 levels here), top_k 10, total 59
-MSD_TREE = (6, 10, 59)
+# MSD's tree: EAGLE's depth 5 (6 draft levels), top_k 10, total 59
+MSD_TREE = (levels_of_eagle_depth(5), 10, 59)
 
 
 class VLMMSDDrafter(VLMEagleDrafter):

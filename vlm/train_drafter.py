@@ -16,8 +16,9 @@ Stages (a rerun skips finished ones unless --force):
    (EagleVLM): EAGLE's loss `SmoothL1 + --p-weight * soft CE` (`mmspec.feature_drafter.feature_drafter_loss`).
    Uniform feature noise of width --noise * 512 / L for a row of L tokens (EAGLE's code; `--noise-scaling
    fixed` for width --noise), AdamW (0.9, 0.95), the world trainers' schedule, gradients clipped at 0.5.
-   `--kind vispec`: the official two stages (`vlm.vispec`): the first --text-only-fraction of the steps on the
-   sequences without their image (the target runs them with no image), then multimodal steps with the
+   `--kind vispec`: the official two stages (`vlm.vispec`): the first --text-only-fraction of the steps on text
+   alone (the target runs them with no image): a `--text-data FILE` corpus as the official code trains it
+   (`vlm.text_data`), else the training sequences without their image (a deviation), then multimodal steps with the
    L1-of-distributions loss over the plain and the anti-shortcut pass. `--kind msd`: MSD's decoupled inputs and
    its schedule (`vlm.msd.msd_visual_probability`; text steps as vispec's) on the dataset's answers. `--kind
    specvlm`: the elastic compressor and its gate (straight-through Gumbel-softmax) trained with the target as
@@ -53,6 +54,7 @@ from vlm.family import DRAFTER_KINDS, drafter_model
 from vlm.msd import msd_visual_probability
 from vlm.pipeline import SpeculativeVLM
 from vlm.target import VLMInputs, prefill_vlm
+from vlm.text_data import read_text_conversations, text_corpus
 from vlm.world import answer_text, world_vqa_examples
 
 STAGES = ("data", "drafter", "eval")
@@ -78,6 +80,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-only-fraction", type=float, default=0.5,
                         help="vispec: the first fraction of the steps trains on text alone (stage 1; the official "
                              "code runs two trainings of equal length)")
+    parser.add_argument("--text-data", default=None, metavar="FILE",
+                        help="vispec / msd: a JSON Lines text corpus (ShareGPT conversations or prompt / answer rows, "
+                             "`vlm.text_data`) for the text-only stage, as the official code trains it; default: the "
+                             "multimodal sequences with the image removed")
     parser.add_argument("--input-norm", default="auto", choices=("auto", "on", "off"),
                         help="layer 0's input norm: auto = the kind's (off for eagle, vispec, msd as their code; on "
                              "for specvlm, whose EagleVLM adds it)")
@@ -258,7 +264,22 @@ def drafter_state_path(args: argparse.Namespace, work: Path) -> Path:
     return work / f"{args.kind}-{folder_fingerprint(args.target)}-state.pt"
 
 
-def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, work: Path) -> tuple[Any, dict]:
+TEXT_STAGE_KINDS = ("vispec", "msd")  # the kinds whose schedule has a text-only stage (`--text-data`)
+
+
+def text_data_fingerprint(path: str | None) -> str | None:
+    """The --text-data file's path and content hash (a resumed run must train on the same corpus)."""
+    if path is None:
+        return None
+    import hashlib
+
+    return f"{path}:{hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]}"
+
+
+def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, work: Path,
+                  text: dict | None = None) -> tuple[Any, dict]:
+    """Train the drafter (see the module docstring); `text`: the --text-data corpus (`vlm.text_data.text_corpus`)
+    the text-only steps draw from, else they take `data`'s sequences without their image."""
     torch.manual_seed(args.seed)
     lm = vlm.lm
     norm = {} if args.input_norm == "auto" else {"input_norm": args.input_norm == "on"}
@@ -268,9 +289,10 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     state_path = drafter_state_path(args, work)
-    settings = json.dumps({name: getattr(args, name) for name in (
+    settings = json.dumps({**{name: getattr(args, name) for name in (
         "kind", "num_train", "answer_max_tokens", "steps", "batch_size", "lr", "noise", "p_weight",
-        "text_only_fraction", "input_norm", "noise_scaling", "answers", "seed")}, sort_keys=True)
+        "text_only_fraction", "input_norm", "noise_scaling", "answers", "seed")},
+        "text_data": text_data_fingerprint(args.text_data)}, sort_keys=True)
     first, seconds, history = resume_training(state_path, settings, drafter, opt, gen, args.force)
     start = time.perf_counter() - seconds
     bar = tqdm(range(first, args.steps), desc=f"{args.kind} drafter", initial=first, total=args.steps,
@@ -282,12 +304,15 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
             stage = "multimodal" if visual else "text"
         else:
             stage = "text" if step < text_steps else "multimodal"
-        inputs, loss_mask = training_batch(vlm, data, rows, text_only=stage == "text")
+        source = text if stage == "text" and text is not None else data
+        if source is text:
+            rows = torch.randint(0, text["ids"].shape[0], (args.batch_size,), generator=gen)
+        inputs, loss_mask = training_batch(vlm, source, rows, text_only=stage == "text")
         with torch.no_grad():
             prefill_vlm(lm, inputs, extra_capacity=1)  # lm.last_hidden, lm.prompt_embeds [B, T, H]
         noise = feature_noise(lm.last_hidden, inputs.lengths, args.noise, args.noise_scaling, gen)
         loss, *losses = loss_fn(drafter, lm, inputs, loss_mask, noise, args.p_weight, stage,
-                                prompt_lengths=data["prompt_lengths"][rows], generator=gen)
+                                prompt_lengths=source["prompt_lengths"][rows], generator=gen)
         optimizer_step(opt, loss, step, args.steps, args.lr, max_grad_norm=0.5)
         record_training_step(state_path, args.checkpoint_every, step, args.steps, losses, bar, settings, drafter, opt,
                              gen, time.perf_counter() - start, history)
@@ -295,7 +320,8 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
     info = {"kind": args.kind, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
             "noise": args.noise, "noise_scaling": args.noise_scaling, "p_weight": args.p_weight,
             "input_norm": bool(drafter.config.input_norm), "answers": answer_source(args),
-            "text_only_steps": text_steps,
+            "text_only_steps": text_steps, "text_data": args.text_data,
+            "text_data_rows": None if text is None else int(text["ids"].shape[0]),
             "num_train": int(data["ids"].shape[0]), "seconds": time.perf_counter() - start,
             "final_feature_smoothl1": last[0], "final_soft_ce": last[1], "final_top1_agreement": last[2],
             "first_feature_smoothl1": history[0][0] if history else None,
@@ -375,6 +401,11 @@ def run(args: argparse.Namespace) -> int:
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = set(stages) - set(STAGES)
     check(stages and not unknown, f"--stages takes a subset of {','.join(STAGES)}, got {args.stages!r}.")
+    pairs = None
+    if args.text_data is not None:  # (read before the model loads: a bad file is a one-line error at once)
+        check(args.kind in TEXT_STAGE_KINDS, f"--text-data feeds the text-only stage of vispec and msd; a "
+                                             f"{args.kind} drafter trains on multimodal sequences only.")
+        pairs = read_text_conversations(args.text_data)
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else Path(args.target) / "drafters" / args.kind
@@ -385,7 +416,8 @@ def run(args: argparse.Namespace) -> int:
     if "data" in stages or "drafter" in stages:
         data = answer_cache(vlm, args, work)
     if "drafter" in stages and (args.force or not (out / "config.json").is_file()):
-        drafter, info["drafter"] = train_drafter(vlm, data, args, work)
+        text = None if pairs is None else text_corpus(vlm, pairs, args.answer_max_tokens)
+        drafter, info["drafter"] = train_drafter(vlm, data, args, work, text)
         with atomic_output_dir(out) as tmp:
             drafter.save_pretrained(tmp)
             write_info(tmp / "training.json", info)
@@ -396,7 +428,8 @@ def run(args: argparse.Namespace) -> int:
         write_info(out / "training.json", info)
         command = explicit_command("mmspec train vlm-drafter", args, [
             "kind", "target", *(["out"] if args.out else []), "num_train", "answer_max_tokens", "steps", "batch_size",
-            "lr", "noise", "noise_scaling", "p_weight", "answers", "seed", "threads"])
+            "lr", "noise", "noise_scaling", "p_weight", "answers", *(["text_data"] if args.text_data else []), "seed",
+            "threads"])
         if "drafter" in info:
             name, tag = target_card_names(vlm.model.config.model_type)
             card_text = with_metadata(

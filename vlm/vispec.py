@@ -33,11 +33,12 @@ from torch import nn
 
 from mmspec.errors import check
 from mmspec.loop import DecodeState
+from mmspec.tree import levels_of_eagle_depth
 from vlm.eagle import VLMEagleDrafter, VLMEagleTreeDrafter
 from vlm.target import VLMInputs
 
-# ViSpec's tree: EAGLE's depth 3 (4 levels here), top_k 8, total 30
-VISPEC_TREE = (4, 8, 30)
+# ViSpec's tree: EAGLE's depth 3 (4 draft levels), top_k 8, total 30
+VISPEC_TREE = (levels_of_eagle_depth(3), 8, 30)
 
 
 class ImageAdaptor(nn.Module):

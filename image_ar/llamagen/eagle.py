@@ -42,10 +42,11 @@ from mmspec.feature_drafter import FeatureTreeDrafter, PendingPairs
 from mmspec.llama_drafter import TargetBound
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams
+from mmspec.tree import levels_of_eagle_depth
 
-# EAGLE-2 tree defaults for the 64-token world images (LANTERN's LlamaGen setting is top_k 10, depth 4, total 59)
+# LANTERN's LlamaGen tree (`ea_model_llamagen.py`: total_token=59, depth=4, top_k=10, i.e. 5 draft levels)
 DEFAULT_TOP_K = 10
-DEFAULT_DEPTH = 4
+DEFAULT_DEPTH = levels_of_eagle_depth(4)
 DEFAULT_TOTAL_TOKENS = 59
 
 # config fields that must agree with the target the drafter is attached to

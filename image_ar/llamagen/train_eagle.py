@@ -279,7 +279,7 @@ def measure_acceptance(pipe: LlamaGenPipeline, n: int, seed: int) -> dict:
     judge = is_world_pipeline(pipe)
     runs = {"vanilla, temperature 0": ("vanilla", 0.0), "eagle, temperature 0": ("eagle", 0.0),
             "vanilla, default sampling": ("vanilla", 1.0), "eagle, default sampling": ("eagle", 1.0),
-            "lantern, default sampling": ("lantern", 1.0)}
+            "lantern, temperature 0": ("lantern", 0.0), "lantern, default sampling": ("lantern", 1.0)}
     out = {}
     for name, (method, temperature) in runs.items():
         gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(n)]

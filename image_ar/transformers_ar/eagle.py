@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from image_ar.llamagen.eagle import DEFAULT_DEPTH, DEFAULT_TOP_K, DEFAULT_TOTAL_TOKENS
 from mmspec.errors import check
 from mmspec.feature_drafter import FeatureTreeDrafter, PendingPairs
 from mmspec.llama_drafter import LlamaFeatureDrafter, llama_drafter_config
@@ -34,8 +35,8 @@ from mmspec.lm import TokenLayout
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams
 
-# LANTERN's LlamaGen tree (top_k 10, depth 4 levels, total 59), the LlamaGen family's default
-DEFAULT_TREE = {"top_k": 10, "depth": 4, "total_tokens": 59}
+# LANTERN's LlamaGen tree (top_k 10, its code's depth 4 = 5 draft levels, total 59), the LlamaGen family's default
+DEFAULT_TREE = {"top_k": DEFAULT_TOP_K, "depth": DEFAULT_DEPTH, "total_tokens": DEFAULT_TOTAL_TOKENS}
 RETRAIN = "train one for this model with `mmspec train image-ar-drafter --model FOLDER`"
 
 

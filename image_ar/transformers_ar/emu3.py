@@ -1,15 +1,19 @@
 """transformers' `Emu3ForConditionalGeneration` generating an image as the loop's target.
 
 Emu3 generates an image with its plain language model over its whole vocabulary (text and image tokens share
-it). transformers' documented recipe: the processor's `return_for_image_generation=True` appends
-`<|image start|>{H}*{W}<|image token|>` to the prompt; `generate` runs with classifier-free guidance by
-`negative_prompt_ids` (its unbatched CFG: an unconditional context run alongside, the negative prompt or, without
-one, the prompt's last token, followed by the generated tokens; `u + g * (c - u)` on log-softmaxed logits, which
-is the raw-logit combination up to a constant per row, so the same distribution) and a `prefix_allowed_tokens_fn`
-that fixes the layout: H rows of W visual tokens, each row closed by the end-of-line token `<|extra_200|>`, then
-end-of-frame `<|extra_201|>`, end-of-image and EOS. The constraint runs after CFG and before temperature / top-k /
-top-p. `decode_image_tokens(image_tokens=, height=, width=)` drops the last 3 tokens and the end-of-line column and
-decodes the rest with the model's VQ decoder.
+it). The prompt is the processor's `return_for_image_generation=True` form: `<|image start|>{H}*{W}<|image token|>`
+appended. Classifier-free guidance runs an unconditional context alongside (transformers' unbatched CFG, followed by
+the generated tokens; `u + g * (c - u)` on log-softmaxed logits, which is the raw-logit combination up to a constant
+per row, so the same distribution). The official generation script (baaivision/Emu3 `image_generation.py`, as SJD's
+`test_emu3.py`) makes that context from a fixed negative prompt (`EMU3_NEGATIVE_PROMPT`) encoded like the prompt,
+image header included (its processor's `mode='G'`), at CFG 3.0 and top-k 2048: the pipeline's default. transformers'
+`generate` without `negative_prompt_ids` uses each prompt's last token instead, and its documentation's example
+tokenizes a negative prompt without the header: both are options of the pipeline. A `prefix_allowed_tokens_fn` fixes
+the layout: H rows of W visual tokens, each row closed by the end-of-line token `<|extra_200|>`, then end-of-frame
+`<|extra_201|>`, end-of-image and EOS. The constraint runs after CFG and before temperature / top-k / top-p.
+`decode_image_tokens(image_tokens=, height=, width=)` drops the last 3 tokens and the end-of-line column and decodes
+the rest with the model's VQ decoder. (The official script also appends `EMU3_POSITIVE_PROMPT` to its prompt; the
+pipeline leaves the user's prompt as given.)
 
 `Emu3CachedLM` is the language model step as an `mmspec.lm.CachedLM` (its own text model and LM head), `emu3_layout`
 the layout as an `mmspec.lm.TokenLayout` over generated-token indices, `emu3_prefill` the prompt prefill with the
@@ -31,6 +35,11 @@ from mmspec.hf_cache import check_attention_support, run_text_model
 from mmspec.lm import TokenLayout
 
 EOL_TOKEN = "<|extra_200|>"  # closes each row of visual tokens (Emu3's vocabulary_map names it)
+# the official generation script's unconditional context and prompt suffix (baaivision/Emu3 `image_generation.py`)
+EMU3_NEGATIVE_PROMPT = ("lowres, bad anatomy, bad hands, text, error, missing fingers, extra digit, fewer digits, "
+                        "cropped, worst quality, low quality, normal quality, jpeg artifacts, signature, watermark, "
+                        "username, blurry.")
+EMU3_POSITIVE_PROMPT = " masterpiece, film grained, best quality."
 KINDS = ("visual", "eol", "eof", "eoi", "eos", "pad")  # what a generated-token index may be, in layout order
 
 

@@ -6,7 +6,7 @@
     out.images[0]                                               # PIL; out.stats: the run's SpecStats
 
     emu3 = Emu3Pipeline.from_pretrained("Emu3-Gen-hf")
-    emu3("a portrait of a young girl", negative_prompt="lowres", method="gsd").images[0]
+    emu3("a portrait of a young girl", method="gsd").images[0]   # the official negative prompt, CFG 3, top-k 2048
 
 Prompts go through the model's processor as transformers' documented image generation does (Janus: the chat
 template, then `processor(text, generation_mode="image")`; Emu3: `processor(text, return_for_image_generation=True)`);
@@ -30,7 +30,14 @@ from diffusers import DiffusionPipeline
 
 from image_ar.llamagen.methods import MethodContext
 from image_ar.llamagen.rope import grid_size_of
-from image_ar.transformers_ar.emu3 import Emu3CachedLM, emu3_layout, emu3_prefill, emu3_special_ids, layout_length
+from image_ar.transformers_ar.emu3 import (
+    EMU3_NEGATIVE_PROMPT,
+    Emu3CachedLM,
+    emu3_layout,
+    emu3_prefill,
+    emu3_special_ids,
+    layout_length,
+)
 from image_ar.transformers_ar.janus import JanusCachedLM, janus_prefill, janus_special_ids
 from image_ar.transformers_ar.prompts import Prompts
 from image_ar.transformers_ar.support import check_image_generator
@@ -291,8 +298,9 @@ class JanusPipeline(TransformersImagePipeline):
 
 class Emu3Pipeline(TransformersImagePipeline):
     """transformers' `Emu3ForConditionalGeneration` and its `Emu3Processor`: an H x W grid of visual tokens in rows
-    closed by end-of-line tokens (`image_ar.transformers_ar.emu3`), CFG by a negative prompt or the prompt's last
-    token, as transformers' documented recipe."""
+    closed by end-of-line tokens (`image_ar.transformers_ar.emu3`), CFG against the official generation script's
+    negative prompt with the image header by default, or the prompt's last token (`negative_prompt=None`, transformers'
+    `generate` without `negative_prompt_ids`)."""
 
     model_type, model_class = "emu3", "Emu3ForConditionalGeneration"
     fallback_guidance = 3.0  # the SJD paper's Emu3 setting
@@ -350,18 +358,24 @@ class Emu3Pipeline(TransformersImagePipeline):
         height, width = (int(v) for v in enc["image_sizes"][0])
         return Prompts.from_processor(enc["input_ids"], enc["attention_mask"]), (height, width)
 
-    def encode_negative(self, negative_prompt: str | list[str], rows: int) -> Prompts:
-        """Negative prompts (one, or one per prompt) tokenized as transformers' docs do (no image prefix)."""
+    def encode_negative(self, negative_prompt: str | list[str], rows: int, header: bool = True,
+                        ratio: str = "1:1", image_area: int | None = None) -> Prompts:
+        """Negative prompts (one, or one per prompt) as the unconditional context: `header` encodes them as the
+        prompts are, image header included (the official script's `mode='G'`), else as plain text (transformers'
+        documentation example)."""
         negatives = check_prompt_list(negative_prompt, "negative_prompt")
         check(len(negatives) in (1, rows), f"negative_prompt: give one or one per prompt ({rows}), got "
                                            f"{len(negatives)}.")
-        enc = self.processor(text=negatives * (rows if len(negatives) == 1 else 1), padding=True,
-                             return_tensors="pt")
+        negatives = negatives * (rows if len(negatives) == 1 else 1)
+        if header:
+            return self.encode_prompt(negatives, ratio, image_area)[0]
+        enc = self.processor(text=negatives, padding=True, return_tensors="pt")
         return Prompts.from_processor(enc["input_ids"], enc["attention_mask"])
 
     # ------------------------------------------------------------------------------------------- call
     @torch.no_grad()
-    def __call__(self, prompt: str | list[str] | None = None, *, negative_prompt: str | list[str] | None = None,
+    def __call__(self, prompt: str | list[str] | None = None, *,
+                 negative_prompt: str | list[str] | None = EMU3_NEGATIVE_PROMPT, negative_header: bool = True,
                  input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
                  height: int | None = None, width: int | None = None, ratio: str = "1:1",
                  image_area: int | None = None, guidance_scale: float | None = None, temperature: float = 1.0,
@@ -375,10 +389,13 @@ class Emu3Pipeline(TransformersImagePipeline):
 
         ratio / image_area: the image's aspect and pixel area (default 1:1 and the model's generation_config.image_area
         when set, else the processor's 518400, 90 x 90 tokens).
-        negative_prompt: the unconditional context (one, or one per prompt); None = each prompt's last token, as
-        transformers without negative_prompt_ids. guidance_scale: None = the model's generation_config, else 3.0
-        (the SJD paper's Emu3 setting); 1.0 disables CFG. top_k 2048 as transformers' Emu3 example (0 disables);
-        temperature 0 = greedy. method / method_kwargs / budget / generator / callbacks as `JanusPipeline`.
+        negative_prompt: the unconditional context (one, or one per prompt); default the official generation
+        script's `EMU3_NEGATIVE_PROMPT`, encoded with the image header as the script's `mode='G'` does
+        (`negative_header` False: as plain text, transformers' documentation example); None = each prompt's last
+        token, as transformers' `generate` without negative_prompt_ids. guidance_scale: None = the model's
+        generation_config, else 3.0 (the official script's and the SJD paper's Emu3 setting); 1.0 disables CFG.
+        top_k 2048 as the official script (0 disables); temperature 0 = greedy. method / method_kwargs / budget /
+        generator / callbacks as `JanusPipeline`.
         """
         self.check_call(prompt, input_ids, class_labels, method, output_type, num_images_per_prompt)
         if prompt is not None:
@@ -389,7 +406,8 @@ class Emu3Pipeline(TransformersImagePipeline):
             prompts, self.grid = self.processor_prompts(input_ids, attention_mask), (height, width)
         guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
         rows = prompts.input_ids.shape[0]
-        negative = None if negative_prompt is None else self.encode_negative(negative_prompt, rows)
+        negative = None if negative_prompt is None else self.encode_negative(negative_prompt, rows, negative_header,
+                                                                             ratio, image_area)
         prompts = prompts.repeat(num_images_per_prompt)
         negative = None if negative is None else negative.repeat(num_images_per_prompt)
         layout = emu3_layout(self.special, *self.grid, self.lm.vocab_size)
@@ -400,11 +418,12 @@ class Emu3Pipeline(TransformersImagePipeline):
         return self.finish(gen, self.decode, output_type, return_dict)
 
     def scoring_inputs(self, prompts: list[str], guidance_scale: float | None):
-        """(prompts, prefill(guided), scale, layout) as a call with these prompts (no negative prompt, the default
+        """(prompts, prefill(guided), scale, layout) as a call with these prompts (the default negative prompt and
         area) and this scale builds them."""
         encoded, self.grid = self.encode_prompt(prompts)
+        negative = self.encode_negative(EMU3_NEGATIVE_PROMPT, len(prompts))
         guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
-        return (encoded, lambda guided: emu3_prefill(guided), guidance_scale,
+        return (encoded, lambda guided: emu3_prefill(guided, negative), guidance_scale,
                 emu3_layout(self.special, *self.grid, self.lm.vocab_size))
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:

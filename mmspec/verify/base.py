@@ -92,6 +92,9 @@ class AcceptanceRule:
     # a step without drafts samples the token from p with the lossless rule's randomness (the same tokens), so the
     # loop's plain steps take that path whatever the rule's cost on an empty draft
     plain_step_samples_p: bool = False
+    # at temperature 0 the rule reads the target's softmax of its (guided, constrained) logits, not the one-hot argmax
+    # (a relaxed greedy rule such as LANTERN's moves mass between tokens; `mmspec.lm.LMTarget.soft_greedy`)
+    greedy_reads_softmax: bool = False
     # on a one-branch tree of deterministic drafts (`DraftTree.is_chain`) the tree form gives the chain form's
     # tokens from the same numbers (node i's uniform is the chain's draft i - 1's), so `accept` runs the chain form
     chain_form_on_chain_trees: bool = False

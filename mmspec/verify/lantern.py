@@ -24,7 +24,11 @@ acceptance, so the extra mass can reach sum_x moved(x) (measured in docs/verify.
 for drafts without a distribution; trees that try several siblings can move more mass in total; `mmspec bench`
 reports the measured effect (token calibration).
 
-`greedy=True`: accept x iff it is the argmax of its relaxed distribution (p~(x) >= every remaining p(y)).
+`greedy=True` (temperature 0): accept x iff it is the argmax of its relaxed distribution (p~(x) >= every remaining
+p(y)), where p is the target's softmax of its logits (CFG applied; temperature 1, no top-k / top-p), as the
+official greedy verification (`ea_model_llamagen.py`) relaxes it: the loop asks the target for it
+(`greedy_reads_softmax`); the one-hot argmax would leave no mass to move. The token after the accepted drafts is
+the target's argmax.
 
 A table row may list x itself where x has fewer than k neighbours (a vocabulary of text and image tokens: a text
 token has none, Emu3's table lists each text token as its own neighbour): such entries carry no mass.
@@ -118,6 +122,7 @@ class LanternRule(AcceptanceRule):
         self.reject = reject
         self.greedy = greedy
         self.uses_randomness = not greedy
+        self.greedy_reads_softmax = greedy  # (LANTERN's greedy path relaxes the softmax of the logits)
         self.lossless = self.keeps_distribution(delta=delta, lam=lam)
 
     @classmethod

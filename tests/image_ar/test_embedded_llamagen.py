@@ -73,3 +73,27 @@ def test_grouped_acceptance_on_eagle_trees_with_groups_of_one_is_eagle(pipe, mon
     use_sequential_lossless_walk(monkeypatch)
     exact = pipe(class_labels=labels, generator=gens(2, 40), method="eagle", output_type="latent", budget="fixed")
     assert torch.equal(grouped.tokens, exact.tokens)
+
+
+def test_greedy_lantern_relaxes_the_targets_softmax(pipe):
+    """Greedy LANTERN (temperature 0) accepts a draft that is the argmax of its relaxed distribution, the target's
+    softmax of its logits with neighbours' mass moved to it, as LANTERN's official greedy path: at delta 0 it is
+    greedy EAGLE token for token; at delta 0.1 (the default) and 0.4 and with lam 2 it accepts more per step and
+    changes some images (with the one-hot argmax as p it could move no mass and was greedy EAGLE at any delta)."""
+    labels = list(range(8))
+
+    def run(method_kwargs):
+        out = pipe(class_labels=labels, temperature=0.0, method="lantern", method_kwargs=method_kwargs,
+                   output_type="latent", budget="fixed")
+        return out.tokens, out.stats.mean_acceptance_length
+
+    eagle = pipe(class_labels=labels, temperature=0.0, method="eagle", output_type="latent", budget="fixed")
+    exact, exact_accept = run({"delta": 0.0})
+    assert torch.equal(exact, eagle.tokens) and exact_accept == eagle.stats.mean_acceptance_length
+    for relaxed in ({}, {"delta": 0.4}, {"lam": 2.0}):
+        tokens, accept = run(relaxed)
+        assert accept > exact_accept, relaxed
+        assert (tokens != eagle.tokens).any(-1).sum() >= 2, relaxed
+    jacobi = pipe(class_labels=labels, temperature=0.0, method="sjd", method_kwargs={"accept": "lantern", "delta": 0.4},
+                  generator=gens(8, 0), output_type="latent", budget="fixed")  # (its random inits drawn seeded)
+    assert not torch.equal(jacobi.tokens, eagle.tokens)  # (the Jacobi form relaxes the same softmax)

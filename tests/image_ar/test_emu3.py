@@ -1,8 +1,9 @@
 """transformers' Emu3 as a discrete image target (issue 26): a tiny random Emu3ForConditionalGeneration with its own
 processor built offline (`image_ar.transformers_ar.tiny`). Greedy vanilla through mmspec == transformers'
-`generate` with the `prefix_allowed_tokens_fn` of its documentation, with and without a negative prompt, on a
-ragged batch (same tokens, same decoded images); greedy sjd / gsd == greedy vanilla; sampled images keep the
-layout; the folder round trip, the CLI and the one-line refusals."""
+`generate` with the `prefix_allowed_tokens_fn` of its documentation, with the official script's negative prompt and
+image header (the default), the prompts' last tokens, or a plain-text negative prompt, on a ragged batch (same
+tokens, same decoded images); greedy sjd / gsd == greedy vanilla; sampled images keep the layout; the folder round
+trip, the CLI and the one-line refusals."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import pytest
 import torch
 
-from image_ar.transformers_ar.emu3 import emu3_layout, layout_length
+from image_ar.transformers_ar.emu3 import EMU3_NEGATIVE_PROMPT, emu3_layout, layout_length
 from image_ar.transformers_ar.pipeline import Emu3Pipeline
 from image_ar.transformers_ar.tiny import tiny_emu3_pipeline
 from mmspec.cli import main
@@ -51,14 +52,18 @@ def documented_prefix_fn(pipe: Emu3Pipeline, height: int, width: int):
     return allowed
 
 
-def transformers_tokens(pipe: Emu3Pipeline, negative: str | None = None) -> torch.Tensor:
+def transformers_tokens(pipe: Emu3Pipeline, negative: str | None = None, header: bool = True) -> torch.Tensor:
+    """transformers' greedy `generate` with CFG 3 and the documented prefix function; the unconditional context is
+    `negative` encoded as the official script does (`header`: its processor's mode 'G', the image header appended as
+    to the prompt) or as plain text (transformers' documentation), or the prompts' last tokens (None)."""
     enc = pipe.processor(text=PROMPTS, return_for_image_generation=True, image_area=AREA, padding=True,
                          return_tensors="pt")
     assert (enc["attention_mask"] == 0).any()  # ragged: left padding is exercised
     height, width = enc.pop("image_sizes")[0]
     extra = {}
     if negative is not None:
-        neg = pipe.processor(text=[negative] * len(PROMPTS), return_tensors="pt")
+        form = {"return_for_image_generation": True, "image_area": AREA} if header else {}
+        neg = pipe.processor(text=[negative] * len(PROMPTS), return_tensors="pt", **form)
         extra = {"negative_prompt_ids": neg["input_ids"], "negative_prompt_attention_mask": neg["attention_mask"]}
     out = pipe.model.generate(**enc, max_new_tokens=layout_length(height, width), do_sample=False,
                               guidance_scale=3.0, prefix_allowed_tokens_fn=documented_prefix_fn(pipe, height, width),
@@ -66,10 +71,13 @@ def transformers_tokens(pipe: Emu3Pipeline, negative: str | None = None) -> torc
     return out[:, enc["input_ids"].shape[1]:]
 
 
-@pytest.mark.parametrize("negative", [None, "blurry"])
-def test_greedy_vanilla_equals_transformers_documented_generation(pipe, negative):
-    reference = transformers_tokens(pipe, negative)  # [3, 23]
-    out = pipe(PROMPTS, negative_prompt=negative, temperature=0.0, guidance_scale=3.0, output_type="pt")
+@pytest.mark.parametrize("call, negative, header", [({}, EMU3_NEGATIVE_PROMPT, True),  # the default: the official
+                                                     ({"negative_prompt": None}, None, True),
+                                                     ({"negative_prompt": "blurry", "negative_header": False},
+                                                      "blurry", False)])
+def test_greedy_vanilla_equals_transformers_generation(pipe, call, negative, header):
+    reference = transformers_tokens(pipe, negative, header)  # [3, 23]
+    out = pipe(PROMPTS, temperature=0.0, output_type="pt", **call)  # (CFG 3.0: the default)
     assert torch.equal(out.tokens, reference)
     codes = reference[:, :-3].view(3, 4, 5)[..., :4]
     assert len(set(codes.flatten().tolist())) > 6  # varied codes: the comparison can fail
@@ -77,10 +85,11 @@ def test_greedy_vanilla_equals_transformers_documented_generation(pipe, negative
     torch.testing.assert_close(out.images, images, atol=1e-5, rtol=0)
 
 
-def test_the_negative_prompt_and_the_scale_change_the_image(pipe):
-    plain = pipe(PROMPTS, temperature=0.0, output_type="latent").tokens
-    assert not torch.equal(plain, pipe(PROMPTS, negative_prompt="blurry", temperature=0.0, output_type="latent").tokens)
-    assert not torch.equal(plain, pipe(PROMPTS, guidance_scale=1.5, temperature=0.0, output_type="latent").tokens)
+def test_the_negative_prompt_its_header_and_the_scale_change_the_image(pipe):
+    default = pipe(PROMPTS, temperature=0.0, output_type="latent").tokens
+    for call in ({"negative_prompt": None}, {"negative_prompt": "blurry"}, {"negative_header": False},
+                 {"guidance_scale": 1.5}):
+        assert not torch.equal(default, pipe(PROMPTS, temperature=0.0, output_type="latent", **call).tokens), call
 
 
 @pytest.mark.parametrize("method, kwargs", [("sjd", {}), ("sjd", {"window": 6, "init": "repeat_horizon"}),

@@ -63,7 +63,7 @@ def test_greedy_sjd_equals_the_greedy_reference_with_cfg(pipe, kwargs):
     # tiny model whose timings say drafting does not pay (it did once on a loaded machine: budget_0 every step)
     out = pipe(class_labels=LABELS, guidance_scale=2.5, temperature=0, method="sjd", method_kwargs=kwargs,
                output_type="latent", budget="fixed")
-    if kwargs.get("accept") != "lantern":  # greedy LANTERN is lossy; it only has to run
+    if kwargs.get("accept") != "lantern":  # greedy LANTERN relaxes the target's softmax: it may differ
         assert torch.equal(out.tokens, reference_greedy_cfg(pipe.transformer, LABELS, 2.5))
     assert out.stats.num_draft_tokens > 0 and out.stats.num_target_forwards <= 16
 

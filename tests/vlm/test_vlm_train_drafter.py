@@ -297,3 +297,48 @@ def test_train_a_drafter_for_a_qwen2_vl_target(tmp_path, kind):
     info = json.loads((folder / "drafters" / kind / "training.json").read_text())
     assert info["eval"]["greedy_equal_to_vanilla"] is True
     assert SpeculativeVLM.from_pretrained(folder, drafter=kind).drafter is not None
+
+
+def test_the_text_stage_trains_on_a_text_corpus(target_dir, tmp_path):
+    """`--text-data FILE` (ViSpec's / MSD's separate text corpus): the world corpus writer's ShareGPT file trains
+    ViSpec's text stage on its conversations (the prompt formatted without an image, the dataset's reply learnt);
+    the same run without it trains on the multimodal sequences; bad files and kinds without a text stage are one-line
+    errors before the model loads."""
+    from vlm.text_data import main as write_corpus
+    from vlm.text_data import read_text_conversations, text_corpus
+
+    corpus = tmp_path / "text.jsonl"
+    assert write_corpus([str(corpus), "--num", "16"]) == 0
+    pairs = read_text_conversations(corpus)
+    assert len(pairs) == 16 and pairs[0][0].endswith("Answer in detail.")
+    vlm = SpeculativeVLM.from_pretrained(target_dir)
+    data = text_corpus(vlm, pairs, 8)
+    tok = vlm.processor.tokenizer
+    assert not (data["ids"] == vlm.lm.image_token_id).any()
+    first = data["ids"][0, : int(data["lengths"][0])].tolist()
+    assert tok.decode(first[int(data["prompt_lengths"][0]):]).startswith(tok.decode(tok(pairs[0][1],
+                                                                                      add_special_tokens=False)
+                                                                                  ["input_ids"][:3]))
+    out = tmp_path / "vispec"
+    assert train(target_dir, tmp_path / "work", "--kind", "vispec", "--steps", "20", "--lr", "3e-3", "--out", str(out),
+                 "--text-data", str(corpus), "--stages", "data,drafter") == 0
+    info = json.loads((out / "training.json").read_text())["drafter"]
+    assert info["text_data"] == str(corpus) and info["text_data_rows"] == 16 and info["text_only_steps"] == 10
+    (tmp_path / "bad.jsonl").write_text('{"conversations": [{"from": "gpt", "value": "x"}]}\n')
+    (tmp_path / "binary.jsonl").write_bytes(b"\xff\xfe\x00")
+    for extra, message in ((["--kind", "vispec", "--text-data", str(tmp_path / "bad.jsonl")], "line 1: no user turn"),
+                           (["--kind", "vispec", "--text-data", str(tmp_path / "binary.jsonl")], "not UTF-8"),
+                           (["--kind", "vispec", "--text-data", str(tmp_path / "none.jsonl")], "no such file"),
+                           (["--kind", "eagle", "--text-data", str(corpus)], "trains on multimodal sequences only")):
+        with pytest.raises(Exception, match=message) as err:
+            vlm_train_drafter.run(vlm_train_drafter_args(target_dir, tmp_path, extra))
+        assert "\n" not in str(err.value)
+
+
+def vlm_train_drafter_args(target_dir, tmp_path, extra: list[str]):
+    """`mmspec train vlm-drafter` arguments as its parser reads them."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    vlm_train_drafter.add_arguments(parser)
+    return parser.parse_args(["--target", str(target_dir), "--work-dir", str(tmp_path / "work"), *extra])

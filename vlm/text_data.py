@@ -1,0 +1,117 @@
+"""A text corpus for the text-only stage of a VLM drafter's training (`mmspec train vlm-drafter --text-data FILE`).
+
+ViSpec's and MSD's official code train their text-only stage on a separate text corpus run through the target with
+no image (ViSpec: ShareGPT; MSD: its `datapath_t`); without one, mmspec's stage trains on the multimodal sequences
+with the image removed. A corpus file is JSON Lines, one conversation a line, in either layout:
+
+    {"conversations": [{"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}]}   # ShareGPT
+    {"prompt": "...", "answer": "..."}
+
+(ShareGPT's `role` / `content` keys and `user` / `assistant` roles are read too.) A conversation gives its first user
+turn and the reply after it; the prompt is formatted as the target's text-only prompts are (its chat template, else
+LLaVA-1.5's conversation format) and the reply, its dataset answer, is what the drafter learns (as EAGLE and MSD train
+on dataset answers).
+
+    python -m vlm.text_data world-text.jsonl --num 2000     # a corpus from the embedded world: scenes in words
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from mmspec.errors import InputError, check, check_positive_int
+
+USER_ROLES = ("human", "user")
+REPLY_ROLES = ("gpt", "assistant", "model")
+
+
+def conversation_pair(row: dict, where: str) -> tuple[str, str]:
+    """(prompt, reply) of one corpus row (see the module docstring); InputError naming `where` otherwise."""
+    if "prompt" in row and "answer" in row:
+        prompt, reply = row["prompt"], row["answer"]
+    else:
+        turns = row.get("conversations")
+        check(isinstance(turns, list), f"{where}: a row needs 'conversations' (ShareGPT) or 'prompt' and 'answer'.")
+        roles = [str(t.get("from", t.get("role", ""))).lower() if isinstance(t, dict) else "" for t in turns]
+        first = next((i for i, role in enumerate(roles) if role in USER_ROLES), None)
+        check(first is not None and first + 1 < len(turns) and roles[first + 1] in REPLY_ROLES,
+              f"{where}: no user turn followed by a reply ('from' human / gpt or 'role' user / assistant).")
+        prompt, reply = (turns[i].get("value", turns[i].get("content")) for i in (first, first + 1))
+    check(isinstance(prompt, str) and prompt.strip() and isinstance(reply, str) and reply.strip(),
+          f"{where}: the prompt and the reply must be non-empty strings.")
+    return prompt.strip(), reply.strip()
+
+
+def read_text_conversations(path: str | Path) -> list[tuple[str, str]]:
+    """Every (prompt, reply) of a corpus file; InputError (one line) for a missing, unreadable or empty file or a bad
+    line, naming the line."""
+    path = Path(path)
+    check(path.is_file(), f"--text-data {path}: no such file.")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise InputError(f"--text-data {path}: not UTF-8 text; give a JSON Lines file.") from None
+    pairs = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise InputError(f"--text-data {path} line {number}: not JSON ({err.msg}).") from None
+        check(isinstance(row, dict), f"--text-data {path} line {number}: a row must be a JSON object.")
+        pairs.append(conversation_pair(row, f"--text-data {path} line {number}"))
+    check(pairs, f"--text-data {path}: no conversations in the file.")
+    return pairs
+
+
+def text_corpus(vlm, pairs: list[tuple[str, str]], max_tokens: int) -> dict[str, torch.Tensor]:
+    """Right-padded token ids of prompt + reply + eos [n, T] (the reply cut at `max_tokens`), lengths [n] and prompt
+    lengths [n], as `vlm.train_drafter.target_answers` makes the multimodal ones (without images)."""
+    tok = vlm.processor.tokenizer
+    rows, prompt_lengths = [], []
+    for prompt, reply in pairs:
+        ids = tok(vlm.prompt_text(prompt, with_image=False))["input_ids"]
+        answer = tok(reply + tok.eos_token, add_special_tokens=False)["input_ids"][:max_tokens]
+        rows.append(ids + answer)
+        prompt_lengths.append(len(ids))
+    ids = torch.full((len(rows), max(len(r) for r in rows)), tok.pad_token_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+    return {"ids": ids, "lengths": torch.tensor([len(r) for r in rows]), "prompt_lengths": torch.tensor(prompt_lengths)}
+
+
+def world_text_conversations(n: int, seed: int = 0) -> list[dict]:
+    """n ShareGPT-layout conversations from the embedded world's train split: a scene told in words (its caption),
+    one of its questions asking for a detailed answer, and the world's long answer."""
+    from mmspec.data import generate_batch
+
+    check_positive_int("n", n)
+    batch = generate_batch(n, seed, split="train", two_objects=0.4)
+    rows = []
+    for i, (caption, pairs) in enumerate(zip(batch.captions, batch.qa)):
+        qa = pairs[i % len(pairs)]
+        rows.append({"conversations": [{"from": "human", "value": f"{caption}. {qa.question} Answer in detail."},
+                                       {"from": "gpt", "value": qa.long}]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vlm.text_data",
+                                     description="Write a text corpus of the embedded world (ShareGPT layout).")
+    parser.add_argument("out", help="the JSON Lines file to write")
+    parser.add_argument("--num", type=int, default=2000, help="conversations")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    rows = world_text_conversations(args.num, args.seed)
+    Path(args.out).write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    print(f"wrote {len(rows)} conversations to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
