@@ -7,7 +7,7 @@ distributions the target just gave at their positions (a Jacobi fixed-point iter
 given the previous iteration's, partly wrong, prefix). New positions at the end of the window are initialised
 without the model. The drafter needs nothing but the target's distributions, which the loop hands to `observe`:
 
-    drafter = JacobiDrafter(vocab_size=V, window=16, init="random", generator=gen)
+    drafter = JacobiDrafter(vocab_size=V, window=16, init="random")
     out = generate(target, drafter, "lossless", inputs, batch_size=B, max_new_tokens=N, generator=gen)
 
 Bookkeeping (B rows, K = L - 1 drafts, V vocabulary). The verify over [last, d_1..d_K] returns P_0..P_K, where
@@ -34,10 +34,15 @@ without x, which is exact for any x chosen without looking at the rule's randomn
   P_m of the last verify (the q of the last tail draft, or the distribution the bonus was drawn from); before
   the first verify it is the last token itself. Same `row_width` rule.
 
-Lossless: drafts are drawn from the user's generator(s) before the rule draws its randomness, and q is exactly
-the distribution each draft was drawn from (P for the tail, a point mass for initialised positions), so the
-lossless rule keeps the target's distribution exactly. Jacobi drafts only inside `interval` (token indices of
-the generated sequence); outside it the row drafts nothing and the loop makes a vanilla step.
+Randomness is the call's position-keyed noise (`state.noise`, `mmspec.noise`): a random initialisation at token
+index t from its "init" uniform, a fresh sample for index t by the exponential race under its draft noise
+(`KeyedNoise.draft_exponentials`: fresh every step and independent of the rule's for the lossless rule, as SJD
+resamples; the target's own "sample" noise under the coupled rule, where a position whose distribution barely changed
+keeps its token, MC-SJD's Gumbel coupling). Lossless: each
+draft's law given the past is what its q says (P for the tail, a point mass for initialised positions) and does not
+depend on the rule's numbers, so the lossless rule keeps the target's distribution exactly. Jacobi drafts only
+inside `interval` (token indices of the generated sequence); outside it the row drafts nothing and the loop makes a
+vanilla step.
 
 No host synchronisation in `propose` / `observe`: everything is batched over rows with per-row state tensors.
 """
@@ -50,7 +55,8 @@ import torch
 
 from mmspec.errors import InputError, check, check_positive_int
 from mmspec.loop import DecodeState
-from mmspec.sampling import Generators, exponential, race, uniform
+from mmspec.noise import KeyedNoise
+from mmspec.sampling import race
 from mmspec.verify import ChainDraft, VerifyResult
 
 INIT_SCHEMES = ("random", "repeat_horizon", "sample_horizon")
@@ -77,11 +83,9 @@ def check_init(init: Any) -> str:
 
 
 # ------------------------------------------------------------------------------------------ tensor helpers
-def random_tokens(batch: int, k: int, vocab_size: int, generator: Generators,
-                  device: torch.device) -> torch.Tensor:
-    """Uniform tokens [B, K] from the user's generator(s) (row b from generator b when a list is given)."""
-    u = uniform((batch, k), generator, device)  # [B, K] float64 in [0, 1)
-    return (u * vocab_size).long().clamp_max(vocab_size - 1)
+def random_tokens(noise: KeyedNoise, index: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Uniform tokens [B, K] in [0, vocab_size) at token indices [B, K], from the "init" noise."""
+    return (noise.uniforms(index, "init") * vocab_size).long().clamp_max(vocab_size - 1)
 
 
 def draft_counts(num_generated: torch.Tensor, k: int, start: int, end: int | None) -> torch.Tensor:
@@ -175,8 +179,6 @@ class JacobiDrafter:
     init: "random" | "repeat_horizon" | "sample_horizon" for new positions.
     interval: (start, end) token indices (0-based, of the generated sequence) where Jacobi runs: a row drafts
         only when its next token index is >= start, and never a token index >= end; None = everywhere.
-    generator: the user's generator(s) for the fresh samples and the random initialisation (one per row for
-        batch-independent rows); pass the same object as to `generate`.
     greedy: take the argmax of P for the tail instead of sampling (temperature 0: classic Jacobi decoding).
     row_width: image row length for the horizon inits (first-column positions are random); None = no rows.
     init_tokens: [N] the token ids a random initialisation draws from, uniformly (a model whose vocabulary holds
@@ -186,8 +188,8 @@ class JacobiDrafter:
     forwards = 0  # no model of its own
 
     def __init__(self, vocab_size: int, window: int = 16, init: str = "random", *,
-                 interval: tuple[int, int | None] | None = None, generator: Generators = None,
-                 greedy: bool = False, row_width: int | None = None,
+                 interval: tuple[int, int | None] | None = None, greedy: bool = False,
+                 row_width: int | None = None,
                  init_tokens: torch.Tensor | None = None) -> None:
         check_positive_int("vocab_size", vocab_size)
         check(init_tokens is None or (init_tokens.dim() == 1 and init_tokens.numel() >= 1
@@ -201,7 +203,7 @@ class JacobiDrafter:
         self.step_k = self.k  # drafts of the next window (a draft budget may ask for fewer)
         self.init = check_init(init)
         self.start, self.end = check_interval(interval)
-        self.generator, self.greedy, self.row_width = generator, bool(greedy), row_width
+        self.greedy, self.row_width = bool(greedy), row_width
         self.tail_tokens: torch.Tensor | None = None  # [B, K] carried drafts
         self.tail_probs: torch.Tensor | None = None  # [B, K, V] their q (the P they were sampled from)
         self.tail_len: torch.Tensor | None = None  # [B] carried drafts per row
@@ -265,8 +267,10 @@ class JacobiDrafter:
             rows = torch.arange(target_probs.shape[0], device=target_probs.device)
             self.last_mode = torch.where(active, target_probs[rows, 0].argmax(-1), self.last_mode)
             return
-        shape = (target_probs.shape[0], k, self.vocab_size)
-        exps = None if self.greedy else exponential(shape, self.generator, target_probs.device)  # [B, k, V]
+        exps = None  # greedy: the argmax
+        if not self.greedy:  # P_j predicts token index g + j (g = the tokens before this step)
+            index = state.num_generated.unsqueeze(-1) + torch.arange(1, k + 1, device=target_probs.device)  # [B, k]
+            exps = state.noise.draft_exponentials(index, self.vocab_size, state.iteration)  # [B, k, V]
         tokens, probs, length, mode = jacobi_update(target_probs, result.num_accepted,
                                                     draft.resolved_num_draft(), exps)
         self.last_mode = torch.where(active, mode, self.last_mode)
@@ -297,12 +301,12 @@ class JacobiDrafter:
 
     def _init_tokens(self, state: DecodeState, k: int) -> torch.Tensor:
         """[B, k] tokens for new positions (only the slots past each row's tail are used)."""
-        b, device = state.batch_size, state.done.device
+        index = state.num_generated.unsqueeze(-1) + torch.arange(k, device=state.done.device)  # [B, K] draft i at g + i
         if self.init_tokens is None:
-            rand = random_tokens(b, k, self.vocab_size, self.generator, device)  # [B, K], drawn in every mode
+            rand = random_tokens(state.noise, index, self.vocab_size)  # [B, K], drawn in every mode
         else:
-            pool = self.init_tokens.to(device)
-            rand = pool[random_tokens(b, k, pool.numel(), self.generator, device)]  # [B, K] from the pool
+            pool = self.init_tokens.to(state.done.device)
+            rand = pool[random_tokens(state.noise, index, pool.numel())]  # [B, K] from the pool
         if self.init == "random":
             return rand
         if self.init == "repeat_horizon":

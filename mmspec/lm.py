@@ -29,7 +29,7 @@ from mmspec.cache import StaticKVCache
 from mmspec.compile import has_compiled_forward
 from mmspec.errors import check, check_positive_int
 from mmspec.loop import DecodeState, plain_draft
-from mmspec.sampling import SamplingParams, cfg_combine, probs_from_params, sample, split_cfg_batch
+from mmspec.sampling import SamplingParams, cfg_combine, probs_from_params, race, split_cfg_batch
 from mmspec.tree import DraftTree, expand_eagle2, pool_size
 from mmspec.tree_budget import PLAIN_ROOM, PendingRoom, ShapedTreeDrafter, TreeShape
 from mmspec.verify import ChainDraft, Draft, VerifyResult
@@ -370,14 +370,15 @@ class DraftModelDrafter(PendingRoom):
     """Classic speculative decoding: a (small) CachedLM drafts K tokens autoregressively.
 
     `params` is the drafter's own sampling setting; greedy drafters report no distribution (one-hot q). The
-    drafter receives the same inputs as the target (`prefill_fn`, `guidance_scale` as in `LMTarget`).
+    drafter receives the same inputs as the target (`prefill_fn`, `guidance_scale` as in `LMTarget`). Its samples
+    use the call's keyed noise (`state.noise.draft_exponentials`: draft i at token index g + i).
     """
 
-    def __init__(self, model: CachedLM, num_draft_tokens: int, params: SamplingParams, generator=None, *,
+    def __init__(self, model: CachedLM, num_draft_tokens: int, params: SamplingParams, *,
                  guidance_scale: float | torch.Tensor | None = None, prefill_fn: PrefillFn = prefill_prompt):
         check_positive_int("num_draft_tokens", num_draft_tokens)
         self.runner = GuidedRunner(model, guidance_scale, prefill_fn)
-        self.k, self.params, self.generator = num_draft_tokens, params, generator
+        self.k, self.params = num_draft_tokens, params
         self.max_k = num_draft_tokens
 
     @property
@@ -409,7 +410,11 @@ class DraftModelDrafter(PendingRoom):
         tokens, probs = [], []
         for i in range(self.k):
             p = probs_from_params(logits, self.params)  # [B, V] the drafter's q
-            x = logits.argmax(-1) if self.params.greedy else sample(p, self.generator)
+            if self.params.greedy:
+                x = logits.argmax(-1)
+            else:  # draft i decides token index g + i
+                index = (state.num_generated + i).unsqueeze(-1)  # [B, 1]
+                x = race(p, state.noise.draft_exponentials(index, p.shape[-1], state.iteration)[:, 0])
             tokens.append(x)
             probs.append(p)
             if i + 1 < self.k:

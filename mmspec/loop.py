@@ -5,7 +5,7 @@
     while not state.done.all():                     # the one host sync per iteration
         draft  = drafter.propose(state)             # ChainDraft or DraftTree
         p      = target.verify(state, draft)        # ONE target forward over all draft positions
-        result = accept(rule, draft, p, generator)  # per-row accepted length + recovered/bonus token
+        result = accept(rule, draft, p, state.noise, ...)  # per-row accepted length + recovered/bonus token
         target.commit(state, draft, result, active) # KV cache keeps only the accepted path
         drafter.observe(state, draft, result, active, p)
         stats.record(result, active); state.append(result, active)
@@ -31,6 +31,7 @@ import torch
 from mmspec.budget import begin_call, call_drafts, choose_size, drafts_nothing, report_call
 from mmspec.compile import compilations
 from mmspec.errors import check, check_positive_int
+from mmspec.noise import KeyedNoise
 from mmspec.phases import phase, synchronize
 from mmspec.sampling import Generators
 from mmspec.stats import SpecStats
@@ -60,6 +61,8 @@ class DecodeState:
     # once finished rows were dropped (`select_rows`): the call's own index of each row [B], and the call's output
     # and counts [B0, ...] as of the last drop (`full_output`, `full_num_generated` bring them up to date)
     row_ids: torch.Tensor | None = field(init=False, default=None)
+    noise: KeyedNoise | None = field(init=False, default=None)  # the call's position-keyed randomness (rows held;
+    # `new` gives keys 0, `mmspec.loop.generate` the keys drawn from the call's generators)
     _book: tuple[torch.Tensor, torch.Tensor] | None = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -70,11 +73,13 @@ class DecodeState:
     def new(cls, batch_size: int, max_new_tokens: int, device: torch.device | str,
             eos_token_id: int | Sequence[int] | None = None) -> DecodeState:
         check_positive_int("max_new_tokens", max_new_tokens)
-        return cls(output=torch.full((batch_size, max_new_tokens + 1), -1, dtype=torch.long, device=device),
-                   num_generated=torch.zeros(batch_size, dtype=torch.long, device=device),
-                   last_token=torch.zeros(batch_size, dtype=torch.long, device=device),
-                   done=torch.zeros(batch_size, dtype=torch.bool, device=device),
-                   max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        state = cls(output=torch.full((batch_size, max_new_tokens + 1), -1, dtype=torch.long, device=device),
+                    num_generated=torch.zeros(batch_size, dtype=torch.long, device=device),
+                    last_token=torch.zeros(batch_size, dtype=torch.long, device=device),
+                    done=torch.zeros(batch_size, dtype=torch.bool, device=device),
+                    max_new_tokens=max_new_tokens, eos_token_id=eos_token_id)
+        state.noise = KeyedNoise(torch.zeros(batch_size, dtype=torch.long, device=device))
+        return state
 
     @property
     def batch_size(self) -> int:
@@ -90,6 +95,8 @@ class DecodeState:
         computes only the rows still generating). The dropped rows' tokens stay in the call's book."""
         self._write_book()
         self.row_ids = rows if self.row_ids is None else self.row_ids.index_select(0, rows)
+        if self.noise is not None:
+            self.noise = self.noise.select_rows(rows)
         self.output, self.num_generated, self.last_token, self.done = (
             t.index_select(0, rows) for t in (self.output, self.num_generated, self.last_token, self.done))
 
@@ -257,11 +264,15 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     whole call so, without the drafter's `begin`; `end_call(batch, seconds, plain_steps, drafted, begin_seconds)`
     tells it how the call went (seconds from the drafter's begin to the end; the steps vanilla would have taken; the
     begin's own seconds). drop_finished: once at most DROP_AT of the rows held are still generating, the finished
-    ones are dropped (`select_rows` of the state, the target, the drafter while it drafts, the budget, and the
-    per-row generators), so later steps compute only the live rows; the outputs keep the call's row order, and a
-    callback reads the whole call through `state.full_output()` / `full_num_generated()` (`state.row_ids` maps the
-    rows held to the call's). Each row's tokens are those it gets without dropping (rows do not interact; with
-    per-row generators, to the bit).
+    ones are dropped (`select_rows` of the state and its noise, the target, the drafter while it drafts, the
+    budget), so later steps compute only the live rows; the outputs keep the call's row order, and a callback reads
+    the whole call through `state.full_output()` / `full_num_generated()` (`state.row_ids` maps the rows held to the
+    call's). Each row's tokens are those it gets without dropping (rows do not interact).
+
+    Randomness: one key per row is drawn from `generator` (one, a list with one per row, or None) when the call
+    starts, and every number after it is position-keyed (`state.noise`, `mmspec.noise`): a seeded call gives the
+    same tokens whatever the budget's choices, the rows dropped or the machine's load; under a coupled rule
+    (`mmspec.verify.coupled`) the same tokens as vanilla decoding with those generators.
     """
     check(validate in ("first", "always", "never"), f"validate must be first/always/never, got {validate!r}.")
     rule = get_rule(rule)
@@ -274,6 +285,8 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     start = time.perf_counter()
 
     state = DecodeState.new(batch_size, max_new_tokens, device, eos_token_id)
+    state.noise = KeyedNoise.from_generators(generator, batch_size, device)
+    state.noise.coupled = rule.couples_drafts  # (its drafters draw with the target's own noise)
     # a budget may run a whole call as vanilla (its drafting, the drafter's begin included, lost on earlier calls),
     # and vanilla's drafter never drafts; a target that keeps room for draft nodes in its cache then keeps none
     # (`draft_room`: LlamaGen's vanilla at batch 32 took 4.7% longer with a window's room, docs/benchmarks.md)
@@ -286,7 +299,8 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         first_p = target.prefill(inputs)  # [B, 1, V]
     stats.num_target_forwards += 1
     no_draft = plain_draft(batch_size, device)
-    first = accept(rule, no_draft, first_p, generator, validate=validate != "never")
+    first = accept(rule, no_draft, first_p, validate=validate != "never", noise=state.noise,
+                   positions=state.num_generated)
     active = ~state.done
     state.append(first, active)
     plain_for_good = not drafting  # no drafts for the rest of the call: neither the budget nor the drafter is asked
@@ -295,7 +309,6 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     if drafting and budget is not None and hasattr(budget, "begin"):  # times its choices on the live models
         budget.begin(target, drafter, state, rule)
     decode_start = time.perf_counter()
-    rows_generator = generator
     while True:
         active = ~state.done
         if not drop_finished:
@@ -306,8 +319,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
             if live == 0:
                 break
             if drops_rows(live, state.batch_size):
-                rows_generator = drop_finished_rows(state, target, drafter, budget, rows_generator, active,
-                                                    drafts=drafting)
+                drop_finished_rows(state, target, drafter, budget, active, drafts=drafting)
                 active = ~state.done
                 no_draft = plain_draft(state.batch_size, device)
         # (the call's batch size: a budget serves one; it hears the rows held through `select_rows`)
@@ -328,7 +340,8 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         stats.num_target_forwards += 1
         check_now = validate == "always" or (validate == "first" and state.iteration == 0)
         with phase("accept"):
-            result = accept(rule, draft, target_probs, rows_generator, validate=check_now)
+            result = accept(rule, draft, target_probs, validate=check_now, noise=state.noise,
+                            positions=state.num_generated)
         with phase("commit"):
             target.commit(state, draft, result, active)
         with phase("observe"):
@@ -368,12 +381,12 @@ def vanilla_held_rows(tokens: list[int]) -> list[int]:
     return out
 
 
-def drop_finished_rows(state: DecodeState, target: Target, drafter: Drafter, budget: Any, generator: Generators,
-                       active: torch.Tensor, drafts: bool) -> Generators:
-    """Keep only the active [B] rows in the state, the target, the drafter (`drafts`: it was begun in this call) and
-    the budget; returns the generators of the rows kept (a per-row list follows its rows). Invariant: every part
-    that holds per-row state and may run again in this call holds the state's rows, so a begun drafter follows
-    them even in a call settled on plain steps (a budget may still run it, e.g. to time its shapes)."""
+def drop_finished_rows(state: DecodeState, target: Target, drafter: Drafter, budget: Any, active: torch.Tensor,
+                       drafts: bool) -> None:
+    """Keep only the active [B] rows in the state (its keyed noise included), the target, the drafter (`drafts`: it
+    was begun in this call) and the budget. Invariant: every part that holds per-row state and may run again in this
+    call holds the state's rows, so a begun drafter follows them even in a call settled on plain steps (a budget may
+    still run it, e.g. to time its shapes)."""
     rows = active.nonzero().squeeze(-1)  # [B'] (a device read, once per drop)
     state.select_rows(rows)
     target.select_rows(rows)
@@ -381,6 +394,3 @@ def drop_finished_rows(state: DecodeState, target: Target, drafter: Drafter, bud
         drafter.select_rows(rows)
     if hasattr(budget, "select_rows"):
         budget.select_rows(rows)
-    if generator is None or isinstance(generator, torch.Generator):
-        return generator
-    return [generator[i] for i in rows.tolist()]

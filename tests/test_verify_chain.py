@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mmspec.errors import InputError
+from mmspec.noise import KeyedNoise
 from mmspec.testing.distributions import empirical_distribution, tv_distance, tv_tolerance
 from mmspec.verify import ChainDraft, Randomness, accept, get_rule
 from mmspec.verify.chain import verify_chain_greedy, verify_chain_lossless
@@ -228,7 +229,8 @@ def test_a_step_without_drafts_is_the_rules_own_plain_sample(rule_name):
     assert rule.plain_step_samples_p
     empty = ChainDraft(torch.empty(b, 0, dtype=torch.long))
     fast = accept(rule, empty, p, torch.Generator().manual_seed(2))
-    rand = Randomness.draw(b, 0, v, torch.Generator().manual_seed(2), p.device)
+    noise = KeyedNoise.from_generators(torch.Generator().manual_seed(2), b)  # the numbers `accept` draws
+    rand = Randomness.keyed(noise, torch.zeros(b, dtype=torch.long), empty, v)
     own = rule.verify_chain(empty.tokens, p, None, rand, empty.resolved_num_draft())
     assert torch.equal(fast.output_tokens, own.output_tokens) and torch.equal(fast.num_emitted, own.num_emitted)
     assert len(set(fast.output_tokens[:, 0].tolist())) > 5  # sampled, not a constant

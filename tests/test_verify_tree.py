@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from mmspec.errors import InputError
+from mmspec.noise import KeyedNoise
 from mmspec.testing import use_sequential_lossless_walk
 from mmspec.testing.distributions import empirical_distribution, tv_distance, tv_tolerance
 from mmspec.tree import DraftTree, chain_as_tree
@@ -279,7 +280,8 @@ def test_accept_runs_chain_trees_by_the_chain_form_with_the_tree_forms_result(ru
     assert tree.is_chain and not bool(tree.valid.all())
     fast = accept(rule_name, tree, p, torch.Generator().manual_seed(9))
     rule = get_rule(rule_name)
-    rand = Randomness.draw(b, k + 1, V, torch.Generator().manual_seed(9)) if rule.uses_randomness else None
+    noise = KeyedNoise.from_generators(torch.Generator().manual_seed(9), b)  # the numbers `accept` draws
+    rand = Randomness.keyed(noise, torch.zeros(b, dtype=torch.long), tree, V) if rule.uses_randomness else None
     slow = rule.verify_tree(tree, p, rand)
     for name in ("output_tokens", "num_accepted", "accepted_flags", "num_drafted", "accepted_nodes"):
         assert torch.equal(getattr(fast, name), getattr(slow, name)), name

@@ -125,7 +125,7 @@ def draft_model(ctx: MethodContext, num_draft_tokens: int = 4, draft_temperature
           f"({target.config.vocab_size}); they must share the VQ codebook.")
     params = ctx.params if draft_temperature is None else SamplingParams(draft_temperature, ctx.params.top_k,
                                                                          ctx.params.top_p)
-    drafter = DraftModelDrafter(draft, num_draft_tokens, params, ctx.generator, guidance_scale=ctx.guidance_scale,
+    drafter = DraftModelDrafter(draft, num_draft_tokens, params, guidance_scale=ctx.guidance_scale,
                                 prefill_fn=ctx.prefill_fn)
     return drafter, ctx.rule_name()
 

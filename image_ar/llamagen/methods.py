@@ -2,7 +2,7 @@
 (`MethodContext`), its acceptance rule by mode (`acceptance_rule`), the Jacobi drafter of `sjd` / `gsd` and the
 EAGLE-2 tree drafter of `eagle` / `lantern`.
 
-    ctx = MethodContext(pipe, SamplingParams(1.0), guidance_scale=4.0, prefill_fn=..., generator=gens, batch_size=2)
+    ctx = MethodContext(pipe, SamplingParams(1.0), guidance_scale=4.0, prefill_fn=..., batch_size=2)
     rule = acceptance_rule(ctx, "lantern", delta=0.2)          # LanternRule over the VQ codebook's neighbours
     drafter = llamagen_jacobi_drafter(ctx, window=16)           # SJD's window over the VQ vocabulary
 
@@ -69,7 +69,6 @@ class MethodContext:
     params: SamplingParams  # the target's sampling settings
     guidance_scale: float | None  # None = no CFG
     prefill_fn: PrefillFn  # runs the condition for a model: (model, labels/embeddings, extra) -> (cache, logits)
-    generator: torch.Generator | list[torch.Generator] | None
     batch_size: int
     layout: TokenLayout | None = None  # the tokens each generated-token index allows (Emu3), None = all
 
@@ -150,16 +149,16 @@ def llamagen_jacobi_drafter(ctx: MethodContext, window: int = 16, init: str = "r
     """A JacobiDrafter over the pipeline's VQ vocabulary: `window` positions re-sampled from the target every
     forward; init "random" (Lumina-mGPT setting) | "repeat_horizon" (LlamaGen t2i setting) | "sample_horizon";
     interval None (the whole image), "reference" or (start, end) image-token indices (a row drafts only when its
-    next token index is >= start, never a token index >= end). The image row width feeds the horizon inits; the
-    user's generator(s) draw; greedy tails at temperature 0."""
+    next token index is >= start, never a token index >= end). The image row width feeds the horizon inits; its
+    randomness is the call's keyed noise (the loop's, from the user's generators); greedy tails at temperature 0."""
     check_positive_int("window", window)
     check(window <= MAX_WINDOW, f"window must be <= {MAX_WINDOW} (the target's cache keeps room for "
                                 f"{MAX_WINDOW - 1} drafts), got {window}.")
     check_init(init)
     block_size, row_width, vocab_size = ctx.pipeline.image_token_layout()
     start, end = resolve_interval(interval, block_size, window)
-    return JacobiDrafter(vocab_size, window, init, interval=(start, end), generator=ctx.generator,
-                         greedy=ctx.params.greedy, row_width=row_width, init_tokens=ctx.pipeline.image_token_ids())
+    return JacobiDrafter(vocab_size, window, init, interval=(start, end), greedy=ctx.params.greedy,
+                         row_width=row_width, init_tokens=ctx.pipeline.image_token_ids())
 
 
 def eagle_tree_drafter(ctx: MethodContext, method: str, **tree: Any) -> EagleTreeDrafter:

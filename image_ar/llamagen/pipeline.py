@@ -269,7 +269,7 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         check(negative is None or (guided and list(negative.shape[1:]) == list(cond.shape[1:])),
               "negative_prompt(_embeds) needs CFG (guidance_scale != 1) and caption features shaped like the prompt's.")
         ctx = MethodContext(self, params, guidance_scale if guided else None,
-                            condition_prefill(guided, cond_mask, negative, negative_mask), generator, batch)
+                            condition_prefill(guided, cond_mask, negative, negative_mask), batch)
         drafter, rule = FAMILY.get_method(method).build(ctx, method_kwargs, "LlamaGen")
 
         from mmspec.lm import DRAFT_ROOM, LMTarget  # the target: the transformer with CFG, under the sampling params

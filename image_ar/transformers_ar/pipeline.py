@@ -179,7 +179,7 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
         check_generators(generator, batch)
         user_step = self.step_callback(callback, callback_inputs, num_tokens)
         guided = guidance_scale != 1.0
-        ctx = MethodContext(self, params, guidance_scale if guided else None, prefill(guided), generator, batch, layout)
+        ctx = MethodContext(self, params, guidance_scale if guided else None, prefill(guided), batch, layout)
         drafter, rule = FAMILY.get_method(method).build(ctx, method_kwargs, type(self).__name__)
         target = LMTarget(lm, params, max_new_tokens=num_tokens, max_draft_nodes=DRAFT_ROOM,
                           guidance_scale=ctx.guidance_scale, prefill_fn=ctx.prefill_fn, layout=layout)

@@ -159,7 +159,7 @@ def vanilla(run: ToyRun) -> MethodOutput:
 
 def _chain(run: ToyRun, model: ToyTransformer, k: int) -> MethodOutput:
     _check_draft_size("k", k)
-    drafter = DraftModelDrafter(model, k, _params(run.settings), _row_generators(run.batch, run.settings, stream=1))
+    drafter = DraftModelDrafter(model, k, _params(run.settings))
     return decode(run.models, run.batch, run.settings, drafter, draft_nodes=k + 1)
 
 

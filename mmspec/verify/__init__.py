@@ -5,20 +5,24 @@
     result.output_tokens   # [B, K+1] accepted drafts, then the recovered/bonus token, -1 padded
     result.num_accepted    # [B]
 
-Rules (`available_rules()`): `lossless` (chain and tree), `greedy` (chain and tree), `lantern` (chain and
-tree; delta or lambda form), `gsd` (chain). Each is a named mode with parameters; `get_rule(name, **params)`.
+Rules (`available_rules()`): `lossless` (chain and tree), `coupled` (chain and tree: the target's own sample at every
+index, vanilla's for the call's keys), `greedy` (chain and tree), `lantern` (chain and tree; delta or lambda form),
+`gsd` (chain). Each is a named mode with parameters; `get_rule(name, **params)`.
 `accept` validates its inputs once and draws the randomness from the user's generator(s); the rules
 themselves are pure tensor functions (they compile with `torch.compile(fullgraph=True)`).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from mmspec.errors import InputError, check, check_distribution, check_shape
+from mmspec.noise import KeyedNoise
 from mmspec.sampling import Generators
 from mmspec.tree import DraftTree
-from mmspec.verify import gsd, lantern, lossless  # noqa: F401  (register the rules)
+from mmspec.verify import coupled, gsd, lantern, lossless  # noqa: F401  (register the rules)
 from mmspec.verify.base import (
     AcceptanceRule,
     ChainDraft,
@@ -31,13 +35,14 @@ from mmspec.verify.base import (
     rule_class,
     rule_keeps_distribution,
 )
+from mmspec.verify.coupled import CoupledRule
 from mmspec.verify.gsd import GSDRule
 from mmspec.verify.lantern import LanternRule, build_neighbour_table, load_or_build_neighbour_table
 from mmspec.verify.lossless import GreedyRule, LosslessRule
 
 __all__ = [
-    "AcceptanceRule", "ChainDraft", "Draft", "DraftTree", "GSDRule", "GreedyRule", "LanternRule", "LosslessRule",
-    "Randomness", "VerifyResult", "accept", "available_rules", "build_neighbour_table", "get_rule",
+    "AcceptanceRule", "ChainDraft", "CoupledRule", "Draft", "DraftTree", "GSDRule", "GreedyRule", "LanternRule",
+    "LosslessRule", "Randomness", "VerifyResult", "accept", "available_rules", "build_neighbour_table", "get_rule",
     "load_or_build_neighbour_table", "register_rule", "rule_class", "rule_keeps_distribution", "validate_draft",
 ]
 
@@ -86,21 +91,29 @@ PLAIN_STEP_RULE = LosslessRule()  # what a step without drafts runs under rules 
 
 
 def accept(rule: str | AcceptanceRule, draft: Draft, target_probs: torch.Tensor,
-           generator: Generators = None, *, validate: bool = True, **rule_params) -> VerifyResult:
+           generator: Generators = None, *, validate: bool = True, noise: KeyedNoise | None = None,
+           positions: torch.Tensor | None = None, **rule_params) -> VerifyResult:
     """Verify `draft` against the target distributions with `rule` (a name or a rule object).
 
     target_probs: [B, K+1, V] for a ChainDraft (p at each draft position and the bonus position), or
-    [B, N, V] for a DraftTree (p for the token after each node). `generator`: one torch.Generator, a list with
-    one per row, or None. `validate=False` skips the checks (they synchronise with the device).
+    [B, N, V] for a DraftTree (p for the token after each node). Randomness is position-keyed (`mmspec.noise`):
+    `noise` the call's keyed noise and `positions` [B] the token index of the first token this call decides (the
+    loop passes both; None: 0), else keys drawn now from `generator` (one torch.Generator, a list with one per row,
+    or None). `validate=False` skips the checks (they synchronise with the device).
     """
     rule = get_rule(rule, **rule_params)
     if validate:
         validate_draft(rule, draft, target_probs)
-    b, positions, v = target_probs.shape
-    if isinstance(draft, ChainDraft):
-        positions = draft.tokens.shape[1]
-    rand = Randomness.draw(b, positions, v, generator, target_probs.device) if rule.uses_randomness else None
-    if isinstance(draft, ChainDraft) and positions == 0 and rule.uses_randomness and rule.plain_step_samples_p:
+    b, _, v = target_probs.shape
+    rand = None
+    if rule.uses_randomness:
+        if noise is None:
+            noise = KeyedNoise.from_generators(generator, b, target_probs.device)
+        if positions is None:
+            positions = torch.zeros(b, dtype=torch.long, device=target_probs.device)
+        rand = Randomness.keyed(noise, positions, draft, v)
+    plain = isinstance(draft, ChainDraft) and draft.tokens.shape[1] == 0
+    if plain and rule.uses_randomness and rule.plain_step_samples_p:
         rule = PLAIN_STEP_RULE  # no drafts: the token is sampled from p, as the lossless rule does
     if isinstance(draft, ChainDraft):
         return rule.verify_chain(draft.tokens, target_probs, draft.probs, rand, draft.resolved_num_draft())
@@ -116,7 +129,7 @@ def verify_chain_tree(rule: AcceptanceRule, tree: DraftTree, target_probs: torch
     or sibling tables). The result has the tree's layout: `accepted_nodes` [B, D+1] = 0..num_accepted, -1 after."""
     drafted = tree.valid[:, 1:]  # [B, D] a prefix of each row's nodes
     drafts = tree.tokens[:, 1:].masked_fill(~drafted, -1)  # [B, D]
-    chain_rand = None if rand is None else Randomness(rand.uniforms[:, 1:], rand.exponentials)  # node i -> draft i-1
+    chain_rand = None if rand is None else replace(rand, uniforms=rand.uniforms[:, 1:])  # node i -> draft i-1
     result = rule.verify_chain(drafts, target_probs, None, chain_rand, drafted.sum(-1))
     nodes = torch.arange(tree.num_nodes, device=drafts.device)  # [D+1]
     result.accepted_nodes = torch.where(nodes <= result.num_accepted.unsqueeze(-1), nodes, -1)  # [B, D+1]

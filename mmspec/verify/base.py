@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mmspec.errors import InputError, check_distribution
+from mmspec.noise import KeyedNoise
 from mmspec.sampling import Generators, exponential, uniform
 from mmspec.tree import DraftTree
 
@@ -37,11 +38,24 @@ Draft = ChainDraft | DraftTree
 
 @dataclass
 class Randomness:
-    """Pre-drawn randomness for one verify call: one uniform per draft position / tree node, one Exp(1)
-    vector per row for the race that samples the recovered or bonus token (only one of them is used)."""
+    """The randomness of one verify call: one uniform per draft position / tree node, and the Exp(1) vector of the
+    race that samples the token a row emits after its accepted drafts (`exponentials_at`). Either given (`draw`:
+    `exponentials` [B, V], whatever that token's index) or position-keyed (`keyed`: the numbers of each token index,
+    `mmspec.noise`)."""
 
-    uniforms: torch.Tensor  # [B, K] (chain) or [B, N] (tree), float64 in [0, 1)
-    exponentials: torch.Tensor  # [B, V] float64 > 0
+    uniforms: torch.Tensor  # [B, K] (chain) or [B, N] (tree), float64 in (0, 1)
+    exponentials: torch.Tensor | None = None  # [B, V] float64 > 0, or None: keyed by index
+    noise: KeyedNoise | None = None  # the call's keyed noise
+    positions: torch.Tensor | None = None  # [B] token index of the first token this call decides
+    vocab: int = 0
+
+    def exponentials_at(self, num_accepted: torch.Tensor) -> torch.Tensor:
+        """[B, V] Exp(1) of the token after num_accepted [B] accepted drafts: at index positions + num_accepted,
+        the "sample" noise (a plain step's token and vanilla's use the same numbers)."""
+        if self.exponentials is not None:
+            return self.exponentials
+        index = (self.positions + num_accepted).unsqueeze(-1)  # [B, 1]
+        return self.noise.exponentials(index, "sample", self.vocab)[:, 0]
 
     @staticmethod
     def draw(batch: int, positions: int, vocab: int, generator: Generators = None,
@@ -49,6 +63,19 @@ class Randomness:
         """Draw per row: row b's numbers come from generator b when a list is given (batch-independent)."""
         return Randomness(uniform((batch, positions), generator, device),
                           exponential((batch, vocab), generator, device))
+
+    @staticmethod
+    def keyed(noise: KeyedNoise, positions: torch.Tensor, draft: Draft, vocab: int) -> Randomness:
+        """The call's numbers at their token indices: a chain draft j's uniform at index positions + j, a tree node's
+        at positions + its depth - 1 (the node id tells siblings apart), the emitted token's at its own index."""
+        if isinstance(draft, ChainDraft):
+            index = positions.unsqueeze(-1) + torch.arange(draft.tokens.shape[1], device=positions.device)  # [B, K]
+            uniforms = noise.uniforms(index, "accept")
+        else:
+            index = positions.unsqueeze(-1) + draft.depths - 1  # [B, N]
+            nodes = torch.arange(draft.num_nodes, device=positions.device).expand_as(index)
+            uniforms = noise.uniforms(index, "accept", nodes)
+        return Randomness(uniforms, None, noise, positions, vocab)
 
 
 @dataclass
@@ -92,6 +119,9 @@ class AcceptanceRule:
     # a step without drafts samples the token from p with the lossless rule's randomness (the same tokens), so the
     # loop's plain steps take that path whatever the rule's cost on an empty draft
     plain_step_samples_p: bool = False
+    # the rule accepts a draft when it is the target's own sample at its index: drafters then draw with the target's
+    # "sample" noise (`mmspec.noise.KeyedNoise.draft_exponentials`), so a draft is that sample where their laws agree
+    couples_drafts: bool = False
     # at temperature 0 the rule reads the target's softmax of its (guided, constrained) logits, not the one-hot argmax
     # (a relaxed greedy rule such as LANTERN's moves mass between tokens; `mmspec.lm.LMTarget.soft_greedy`)
     greedy_reads_softmax: bool = False

@@ -5,8 +5,9 @@ the cumsum trick, gather the target distribution at the first rejection, sample 
 rule's residual (or the bonus token from p when every draft was accepted) by the exponential race, and lay
 out the outputs padded with -1. A rule only says which drafts it accepts and what its residual is.
 
-Pure functions: randomness comes in as tensors (uniforms [B, K], exponentials [B, V], float64), so they are
-deterministic and compile with `torch.compile(fullgraph=True)`.
+Pure functions: randomness comes in as tensors (uniforms [B, K], exponentials [B, V], float64) or, for the emitted
+token's exponentials, as a pure function of the accepted counts (`Exponentials`: position-keyed noise, the numbers of
+the token's own index), so they are deterministic and compile with `torch.compile(fullgraph=True)`.
 
 Glossary: accepted = drafts kept; recovered = token sampled from the residual at the first rejection; bonus =
 token sampled from p after the last draft when all were accepted. Accepted length (reported) = accepted + 1.
@@ -24,6 +25,13 @@ from mmspec.sampling import race
 AcceptFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
 # residual_fn(p_j [B,V], q_j [B,V]|None, x_j [B]) -> unnormalised weights [B,V] >= 0
 ResidualFn = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor], torch.Tensor]
+# the emitted token's Exp(1) draws: [B, V], or a function of num_accepted [B] giving them (`Randomness.exponentials_at`)
+Exponentials = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]
+
+
+def exponentials_for(exponentials: Exponentials, num_accepted: torch.Tensor) -> torch.Tensor:
+    """[B, V] Exp(1) draws of the token each row emits after num_accepted [B] drafts."""
+    return exponentials if isinstance(exponentials, torch.Tensor) else exponentials(num_accepted)
 
 
 def count_leading(flags: torch.Tensor) -> torch.Tensor:
@@ -68,7 +76,7 @@ def verify_chain(
     target_probs: torch.Tensor,  # [B, K+1, V] p at each draft position plus the bonus position
     draft_probs: torch.Tensor | None,  # [B, K, V] q, or None for one-hot drafts
     uniforms: torch.Tensor,  # [B, K] float64 in [0, 1)
-    exponentials: torch.Tensor,  # [B, V] float64 Exp(1)
+    exponentials: Exponentials,  # [B, V] float64 Exp(1), or a function of num_accepted [B] giving them
     num_draft: torch.Tensor,  # [B] int64 in [0, K]: drafts per row (ragged)
     accept_fn: AcceptFn = lossless_accept,
     residual_fn: ResidualFn = lossless_residual,
@@ -79,7 +87,8 @@ def verify_chain(
     """
     b, k = draft_tokens.shape
     if k == 0:  # a plain step: the token is sampled from p (no residual, nothing to lay out)
-        return plain_step_result(race(target_probs[:, 0], exponentials))
+        none = torch.zeros(b, dtype=torch.long, device=draft_tokens.device)
+        return plain_step_result(race(target_probs[:, 0], exponentials_for(exponentials, none)))
     positions = torch.arange(k, device=draft_tokens.device)  # [K]
     drafted = positions < num_draft.unsqueeze(-1)  # [B, K]
     accepted = accept_fn(draft_tokens, target_probs, draft_probs, uniforms) & drafted  # [B, K]
@@ -95,7 +104,7 @@ def verify_chain(
     # numerically empty residual (p == q up to rounding): rejection had ~0 probability; fall back to p
     empty = weights.sum(-1, keepdim=True) <= 0
     weights = torch.where(empty, p_j, weights)
-    final_token = race(weights, exponentials)  # [B]
+    final_token = race(weights, exponentials_for(exponentials, num_accepted))  # [B]
 
     out_positions = torch.arange(k + 1, device=draft_tokens.device)  # [K+1]
     padded_drafts = torch.cat([draft_tokens, draft_tokens.new_full((b, 1), -1)], dim=1)  # [B, K+1]
@@ -108,7 +117,7 @@ def verify_chain(
 
 def verify_chain_lossless(draft_tokens: torch.Tensor, target_probs: torch.Tensor,
                           draft_probs: torch.Tensor | None, uniforms: torch.Tensor,
-                          exponentials: torch.Tensor,
+                          exponentials: Exponentials,
                           num_draft: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Lossless speculative sampling (Leviathan et al.): the PyTorch twin of the fused Triton kernel."""
     return verify_chain(draft_tokens, target_probs, draft_probs, uniforms, exponentials, num_draft)

@@ -135,7 +135,7 @@ class GSDRule(AcceptanceRule):
             return u * q_group.double() < p_group.double()
 
         out, acc, flags = verify_chain(draft_tokens, target_probs, draft_probs, rand.uniforms,
-                                       rand.exponentials, num_draft, accept_fn, lossless_residual)
+                                       rand.exponentials_at, num_draft, accept_fn, lossless_residual)
         return VerifyResult(out, acc, flags, num_draft)
 
     def verify_tree(self, tree: DraftTree, target_probs: torch.Tensor, rand: Randomness) -> VerifyResult:

@@ -214,7 +214,7 @@ class LanternRule(AcceptanceRule):
             return torch.where(one_hot, self.residual(p_j, None, x_j), self.residual(p_j, q_j, x_j))
 
         out, acc, flags = verify_chain(draft_tokens, target_probs, draft_probs, rand.uniforms,
-                                       rand.exponentials, num_draft, accept_fn, residual_fn)
+                                       rand.exponentials_at, num_draft, accept_fn, residual_fn)
         return VerifyResult(out, acc, flags, num_draft)
 
     def _verify_chain_greedy(self, draft_tokens, target_probs, num_draft) -> VerifyResult:

@@ -12,7 +12,7 @@ import torch
 from mmspec.errors import check, check_finite
 from mmspec.tree import DraftTree
 from mmspec.verify.base import AcceptanceRule, Randomness, VerifyResult, register_rule
-from mmspec.verify.chain import verify_chain_greedy, verify_chain_lossless
+from mmspec.verify.chain import count_leading, lossless_accept, verify_chain_greedy, verify_chain_lossless
 from mmspec.verify.tree_walk import normalise, pick, verify_tree_deterministic, verify_tree_greedy, walk_tree
 
 
@@ -57,11 +57,19 @@ class LosslessRule(AcceptanceRule):
     def verify_chain(self, draft_tokens: torch.Tensor, target_probs: torch.Tensor,
                      draft_probs: torch.Tensor | None, rand: Randomness,
                      num_draft: torch.Tensor) -> VerifyResult:
-        chain_fn = verify_chain_lossless
         if self.kernel == "triton":
-            from mmspec.kernels.rejection import rejection_sample_chain as chain_fn
-        out, acc, flags = chain_fn(draft_tokens, target_probs, draft_probs, rand.uniforms, rand.exponentials,
-                                   num_draft)
+            from mmspec.kernels.rejection import rejection_sample_chain
+
+            exponentials = rand.exponentials  # (the kernel samples the emitted token itself: its index first)
+            if exponentials is None:
+                drafted = torch.arange(draft_tokens.shape[1], device=num_draft.device) < num_draft.unsqueeze(-1)
+                accepted = lossless_accept(draft_tokens, target_probs, draft_probs, rand.uniforms) & drafted
+                exponentials = rand.exponentials_at(count_leading(accepted))
+            out, acc, flags = rejection_sample_chain(draft_tokens, target_probs, draft_probs, rand.uniforms,
+                                                     exponentials, num_draft)
+        else:
+            out, acc, flags = verify_chain_lossless(draft_tokens, target_probs, draft_probs, rand.uniforms,
+                                                    rand.exponentials_at, num_draft)
         return VerifyResult(out, acc, flags, num_draft)
 
     def verify_tree(self, tree: DraftTree, target_probs: torch.Tensor, rand: Randomness) -> VerifyResult:

@@ -146,8 +146,8 @@ def walk_by_rank(tree: DraftTree, target_probs: torch.Tensor, rand: Randomness, 
     rows = torch.arange(b, device=device)
     # stopped at node: all its children rejected (the recovered token) or none there (a leaf: the bonus token)
     final_weights = normalise(p_work[rows, node], target_probs[rows, node])  # [B, V]
-    return assemble_tree_result(tree, paths[rows, node], tree.depths[rows, node],
-                                race(final_weights, rand.exponentials))
+    depth = tree.depths[rows, node]  # [B] drafts accepted
+    return assemble_tree_result(tree, paths[rows, node], depth, race(final_weights, rand.exponentials_at(depth)))
 
 
 def walk_by_depth(tree: DraftTree, target_probs: torch.Tensor, rand: Randomness, accept_fn: NodeAcceptFn,
@@ -204,7 +204,7 @@ def walk_by_depth(tree: DraftTree, target_probs: torch.Tensor, rand: Randomness,
 
     final_weights = torch.where(active.unsqueeze(-1), p_work, final_weights)  # reached max depth: bonus
     final_weights = normalise(final_weights, target_probs[rows, cur])
-    return assemble_tree_result(tree, path, num_accepted, race(final_weights, rand.exponentials))
+    return assemble_tree_result(tree, path, num_accepted, race(final_weights, rand.exponentials_at(num_accepted)))
 
 
 def deepest_matching_node(tree: DraftTree, matches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -255,7 +255,7 @@ def verify_tree_deterministic(tree: DraftTree, target_probs: torch.Tensor, rand:
     sibling token owns nothing, as the walk has removed it). Node n's uniform is `rand.uniforms` at its first child,
     so a one-branch tree uses the numbers a chain of the same drafts uses and gives the same tokens. The accepted
     path is the deepest node whose ancestors all hold their parent's accepted child; its final token is raced from
-    p without its children (recovered) or, at a leaf, from p (bonus), with `rand.exponentials`."""
+    p without its children (recovered) or, at a leaf, from p (bonus), with `rand.exponentials_at`."""
     b, n, v = target_probs.shape
     rows = torch.arange(b, device=target_probs.device)
     is_child = tree.valid & (tree.parents >= 0)  # [B, N] valid drafted nodes
@@ -267,4 +267,5 @@ def verify_tree_deterministic(tree: DraftTree, target_probs: torch.Tensor, rand:
     children = (is_child & (tree.parents == node.unsqueeze(-1))).to(p_node.dtype)  # [B, N]
     drafted = torch.zeros_like(p_node).scatter_add_(1, tree.tokens.clamp_min(0), children) > 0  # [B, V] its children
     weights = normalise(p_node.masked_fill(drafted, 0.0), p_node)
-    return assemble_tree_result(tree, paths[rows, node], tree.depths[rows, node], race(weights, rand.exponentials))
+    depth = tree.depths[rows, node]  # [B] drafts accepted
+    return assemble_tree_result(tree, paths[rows, node], depth, race(weights, rand.exponentials_at(depth)))

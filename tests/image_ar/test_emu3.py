@@ -123,7 +123,7 @@ def test_sampled_images_keep_the_layout_and_jacobi_drafts_image_tokens(pipe):
     from mmspec.loop import DecodeState
     from mmspec.sampling import SamplingParams
 
-    drafter = llamagen_jacobi_drafter(MethodContext(pipe, SamplingParams(1.0), 3.0, None, None, 2), window=8)
+    drafter = llamagen_jacobi_drafter(MethodContext(pipe, SamplingParams(1.0), 3.0, None, 2), window=8)
     state = DecodeState.new(2, 23, "cpu")
     drafter.begin(None, state)
     assert set(drafter.propose(state).tokens.flatten().tolist()) <= set(special.visual)  # SJD's image-token init

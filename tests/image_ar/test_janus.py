@@ -73,7 +73,7 @@ def test_method_tables_come_from_the_models_own_codebook_and_embeddings(pipe):
     from mmspec.sampling import SamplingParams
 
     assert pipe.image_token_layout() == (16, 4, 64)
-    ctx = MethodContext(pipe, SamplingParams(1.0), 5.0, None, None, 1)
+    ctx = MethodContext(pipe, SamplingParams(1.0), 5.0, None, 1)
     gsd = acceptance_rule(ctx, "gsd")
     codes = torch.arange(64)
     expected = pipe.model.model.generation_aligner(pipe.model.model.generation_embeddings(codes))

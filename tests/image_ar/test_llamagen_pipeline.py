@@ -82,7 +82,7 @@ def test_sampled_draft_model_is_reproducible_and_valid(pipe):
     a = pipe(**inputs, method="draft-model", budget="fixed")
     b = pipe(**{**get_dummy_inputs(seed=9, n=3), "output_type": "latent"}, method="draft-model", budget="fixed")
     assert torch.equal(a.tokens, b.tokens)
-    assert a.stats.num_target_forwards < 16  # it did accept drafts
+    assert a.stats.num_accepted_tokens > 0  # it did accept drafts
 
 
 def test_callback_sees_tokens_and_can_stop(pipe):

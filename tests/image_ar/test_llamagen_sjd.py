@@ -97,7 +97,7 @@ def test_sampled_methods_are_reproducible_and_valid(pipe, method, kwargs, rule):
     from image_ar.llamagen.methods import MethodContext
     from mmspec.sampling import SamplingParams
 
-    ctx = MethodContext(pipe, SamplingParams(), 3.0, None, None, 3)
+    ctx = MethodContext(pipe, SamplingParams(), 3.0, None, 3)
     drafter, built = FAMILY.get_method(method).build(ctx, kwargs)
     assert isinstance(drafter, JacobiDrafter) and isinstance(built, rule)
 
@@ -107,7 +107,7 @@ def test_gsd_measures_distances_on_the_target_embeddings_by_default(pipe):
     from image_ar.llamagen.methods import MethodContext
     from mmspec.sampling import SamplingParams
 
-    ctx = MethodContext(pipe, SamplingParams(), 3.0, None, None, 1)
+    ctx = MethodContext(pipe, SamplingParams(), 3.0, None, 1)
     _, default = FAMILY.get_method("gsd").build(ctx)
     assert torch.equal(default.embeddings, pipe.transformer.tok_embeddings.weight.float())
     assert default.group_window == "shifted"

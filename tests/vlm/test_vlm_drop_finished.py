@@ -31,9 +31,9 @@ def drops(monkeypatch):
     seen = []
     original = loop.drop_finished_rows
 
-    def counted(state, target, drafter, budget, generator, active, drafts):
+    def counted(state, target, drafter, budget, active, drafts):
         seen.append(int(active.sum()))
-        return original(state, target, drafter, budget, generator, active, drafts)
+        return original(state, target, drafter, budget, active, drafts)
 
     monkeypatch.setattr(loop, "drop_finished_rows", counted)
     return seen
