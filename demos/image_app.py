@@ -36,10 +36,10 @@ from mmspec.cli.family_io import resolve_class, world_class_names  # noqa: E402
 from mmspec.cli.generate import make_grid, parse_method_args  # noqa: E402
 from mmspec.errors import InputError, check  # noqa: E402
 from mmspec.families import FamilyRecord, available_families, get_family  # noqa: E402
+from mmspec.limits import check_sampling, check_seed  # noqa: E402
 
 PREFERRED_METHOD = {"llamagen": "sjd"}  # shown first where a family has it; else its first speculative method
 MAX_IMAGES = 16
-LIMITS = {"guidance_scale": (0.0, 50.0), "temperature": (0.0, 10.0), "top_p": (0.0, 1.0)}
 TILE = 128  # pixels per displayed image (world images are 32 px: upscaled with nearest neighbours)
 
 
@@ -130,13 +130,7 @@ def sampling_options(family: str, defaults: dict, guidance_scale: float, tempera
                      top_p: float) -> dict:
     """The family's sampling options (its `defaults`) with the page's, validated; top-k 0 and top-p 1 mean 'off';
     a family without top-k / top-p (continuous tokens: defaults None) takes neither."""
-    for name, value in (("guidance_scale", guidance_scale), ("temperature", temperature), ("top_p", top_p)):
-        low, high = LIMITS[name]
-        check(isinstance(value, (int, float)) and low <= value <= high,
-              f"{name.replace('_', ' ')} must be between {low:g} and {high:g}, got {value!r}.")
-    check(isinstance(top_k, (int, float)) and top_k >= 0 and int(top_k) == top_k,
-          f"top-k must be a whole number >= 0 (0 = off), got {top_k!r}.")
-    check(top_p > 0, "top-p must be > 0 (1 = off).")
+    check_sampling(guidance_scale, temperature, top_k, top_p)  # (the command line's limits, `mmspec.limits`)
     options = {**defaults, "guidance_scale": float(guidance_scale), "temperature": float(temperature)}
     if defaults.get("top_k") is None:
         check(top_k == 0 and top_p == 1, f"{family} samples continuous tokens: set top-k to 0 and top-p to 1 (off).")
@@ -188,8 +182,7 @@ def compare(store: ModelStore, family: str, method: str, class_text: str, method
           "pick a class (a name such as 'red circle' or a class id).")
     check(isinstance(num_images, (int, float)) and int(num_images) == num_images and 1 <= num_images <= MAX_IMAGES,
           f"number of images must be a whole number from 1 to {MAX_IMAGES}, got {num_images!r}.")
-    check(isinstance(seed, (int, float)) and int(seed) == seed and 0 <= seed < 2**31,
-          f"seed must be a whole number in [0, 2^31), got {seed!r}.")
+    check_seed("seed", seed)
     method_kwargs = record.get_method(method).check_given(parse_method_text(method_text), family)
     sampling_options(family, record.defaults(), guidance_scale, temperature, top_k, top_p)  # before loading
     check(budget in BUDGETS, f"draft budget must be one of {', '.join(BUDGETS)}, got {budget!r}.")

@@ -16,6 +16,7 @@ page. No network access: analytics off, system fonts, no share link.
 from __future__ import annotations
 
 import argparse
+import contextvars
 import queue
 import sys
 import tempfile
@@ -141,7 +142,8 @@ def answer_stream(store: VLMStore, image_path, question, drafter, max_new_tokens
         finally:
             updates.put(None)
 
-    thread = threading.Thread(target=work, daemon=True)
+    thread = threading.Thread(target=contextvars.copy_context().run, args=(work,), daemon=True)  # the request's
+    # context vars go along (a forced budget of a test, `mmspec.testing.budgets`)
     thread.start()
     rounds: list[tuple[str, str]] = []
     while True:

@@ -106,6 +106,15 @@ class MethodRecord:
     def is_lossless(self, given: Mapping[str, Any] | None = None) -> bool:
         return bool(self.lossless(self.resolved(given)))
 
+    def seed_fixes_output(self, given: Mapping[str, Any] | None, temperature: float) -> bool:
+        """Whether a seed gives the same output whatever draft sizes a budget picks: vanilla, the coupled rule (the
+        target's own sample at every token), or a lossless method at temperature 0 (greedy tokens). Otherwise the
+        sizes, which budget="auto" picks from measured times, change which numbers decide (sampled speculative
+        sampling, a relaxed rule's acceptance), so only budget="fixed" repeats a seed's output."""
+        params = self.resolved(given)
+        return (self.name == "vanilla" or params.get("accept") == "coupled"
+                or (temperature == 0 and self.is_lossless(given)))
+
 
 def constant(value: bool) -> Callable[[Mapping[str, Any]], bool]:
     return lambda params: value

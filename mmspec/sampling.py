@@ -49,6 +49,16 @@ class SamplingParams:
         on one-hot p, without drawing [B, K+1, V] randomness each step), else "lossless"."""
         return "greedy" if self.greedy else "lossless"
 
+    def exact_rule(self, accept: str) -> str:
+        """The rule of an exact acceptance mode: "lossless" (speculative sampling) or "coupled" (the target's own
+        sample at every index: vanilla's tokens for the same generators, `mmspec.verify.coupled`); "greedy" at
+        temperature 0, where both are greedy verification."""
+        check(accept in EXACT_MODES, f"accept must be one of {', '.join(EXACT_MODES)}, got {accept!r}.")
+        return "greedy" if self.greedy else accept
+
+
+EXACT_MODES = ("lossless", "coupled")  # the exact acceptance modes (`SamplingParams.exact_rule`)
+
 
 def validate_sampling_args(temperature: float, top_k: int, top_p: float) -> None:
     check(isinstance(temperature, (int, float)), f"temperature must be a number, got {temperature!r}.")

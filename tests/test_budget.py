@@ -462,7 +462,7 @@ class CountingSkips(JacobiDrafter):
 def test_a_settled_budget_gets_plain_steps_without_asking_it_or_the_drafter():
     v, n = 16, 12
     model = toy_model(seed=0, vocab_size=v)
-    prompt = torch.randint(0, v, (2, 5))
+    prompt = torch.randint(0, v, (2, 5), generator=torch.Generator().manual_seed(1))
     greedy = SamplingParams(temperature=0)
     budget, drafter = SettlingBudget(), CountingSkips(v, 4, "random")
     out = generate(LMTarget(model, greedy, n), drafter, "greedy", prompt, batch_size=2, max_new_tokens=n,
@@ -657,7 +657,7 @@ def test_calls_whose_drafting_lost_are_followed_by_vanilla_calls(monkeypatch):
 
     v, n = 16, 12
     model = toy_model(seed=0, vocab_size=v)
-    prompt = torch.randint(0, v, (2, 5))
+    prompt = torch.randint(0, v, (2, 5), generator=torch.Generator().manual_seed(1))
     greedy = SamplingParams(temperature=0)
     budget = Gated()
     gated = LMTarget(model, greedy, n, max_draft_nodes=30)
@@ -793,7 +793,7 @@ def test_sampling_with_a_changing_draft_size_has_the_exact_sequence_distribution
 def test_greedy_decoding_with_a_budget_equals_greedy_vanilla(drafter):
     v, n = 16, 20
     model = toy_model(seed=0, vocab_size=v)
-    prompt = torch.randint(0, v, (3, 5))
+    prompt = torch.randint(0, v, (3, 5), generator=torch.Generator().manual_seed(1))
     greedy = SamplingParams(temperature=0)
 
     def run(d, budget):
@@ -831,7 +831,7 @@ def test_greedy_tree_decoding_with_changing_shapes_equals_greedy_vanilla(tmp_pat
     monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
     v, n = 16, 24
     model = toy_model(seed=0, vocab_size=v)
-    prompt = torch.randint(0, v, (3, 5))
+    prompt = torch.randint(0, v, (3, 5), generator=torch.Generator().manual_seed(1))
     greedy = SamplingParams(temperature=0)
 
     def run(d, budget):
@@ -848,7 +848,7 @@ def test_counterfactual_accepts_are_what_the_smaller_tree_accepts():
     shape's own tree accepts (the drafter is a deterministic model, the target another)."""
     v, n = 12, 6
     target_model, draft_model = toy_model(seed=0, vocab_size=v), toy_model(seed=1, vocab_size=v)
-    prompt = torch.randint(0, v, (6, 4))
+    prompt = torch.randint(0, v, (6, 4), generator=torch.Generator().manual_seed(2))
     greedy = SamplingParams(temperature=0)
     full = TreeShape(3, 4, 20)
     shapes = tree_menu(full)
@@ -935,7 +935,7 @@ def test_more_plain_steps_in_a_row_than_the_pending_room_keep_greedy_tokens(draf
 
     v, n = 16, PLAIN_ROOM + 40
     model = toy_model(seed=0, vocab_size=v)
-    prompt = torch.randint(0, v, (2, 5))
+    prompt = torch.randint(0, v, (2, 5), generator=torch.Generator().manual_seed(1))
     greedy = SamplingParams(temperature=0)
     make = {"draft-model": lambda: DraftModelDrafter(model, 3, greedy),
             "tree": lambda: TreeModelDrafter(model, top_k=2, depth=3, total_tokens=6)}[drafter]
@@ -975,7 +975,7 @@ def test_batch_steps_match_a_simulation_of_rows_drafting_chains(chain, rate, tok
     gen = torch.Generator().manual_seed(0)
 
     def emitted(shape) -> torch.Tensor:  # tokens a row emits in one step
-        accepted = (torch.rand(*shape, chain) < rate).long().cumprod(-1).sum(-1)
+        accepted = (torch.rand(*shape, chain, generator=gen) < rate).long().cumprod(-1).sum(-1)
         return accepted + 1
 
     sample = emitted((200_000,)).double()
@@ -993,7 +993,7 @@ def test_batch_steps_match_a_simulation_of_rows_drafting_chains(chain, rate, tok
         budget._last = 4
         active = torch.ones(len(rates), dtype=torch.bool)
         for _ in range(steps):
-            accepted = torch.binomial(torch.full((len(rates),), 4.0), torch.tensor(rates)).long()
+            accepted = torch.binomial(torch.full((len(rates),), 4.0), torch.tensor(rates), generator=gen).long()
             budget.observe(result(accepted.tolist(), [4] * len(rates)), active)
         budget.end_call(len(rates), seconds=1.0, plain_steps=10, drafted=True)
         return budget.row_spread()
@@ -1112,7 +1112,7 @@ def test_a_budgets_observe_reads_the_step_in_one_transfer():
     v, full = 12, TreeShape(3, 4, 20)
     target = LMTarget(toy_model(seed=0, vocab_size=v), SamplingParams(temperature=0), 6, max_draft_nodes=20)
     drafter = TreeModelDrafter(toy_model(seed=1, vocab_size=v), top_k=3, depth=4, total_tokens=20)
-    prompt = torch.randint(0, v, (6, 4))
+    prompt = torch.randint(0, v, (6, 4), generator=torch.Generator().manual_seed(2))
     state = DecodeState.new(6, 6, "cpu")
     state.last_token = target.prefill(prompt)[:, 0].argmax(-1)
     drafter.begin(prompt, state)

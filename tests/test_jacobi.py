@@ -49,7 +49,7 @@ def target_model():
 
 @pytest.fixture(scope="module")
 def prompt():
-    return torch.randint(0, 16, (4, 6))
+    return torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(1))
 
 
 # ------------------------------------------------------------------------------------- the bookkeeping
@@ -104,7 +104,6 @@ def test_horizon_inits_use_the_image_rows_and_the_left_distribution():
     state = DecodeState.new(2, 20, "cpu")
     state.last_token = torch.tensor([7, 9])
     state.num_generated = torch.tensor([3, 6])  # next token indices 3.. and 6..
-    gen = torch.Generator().manual_seed(0)
     drafter = JacobiDrafter(10, window=5, init="repeat_horizon", row_width=4)
     drafter.begin(None, state)
     draft = drafter.propose(state)
@@ -128,10 +127,10 @@ def test_the_drafter_tensor_work_compiles_fullgraph():
     """No host synchronisation and no data-dependent Python branch in what propose / observe compute."""
     b, k, v = 3, 4, 6
     gen = torch.Generator().manual_seed(0)
-    tail_tokens, tail_len = torch.randint(0, v, (b, k)), torch.tensor([0, 2, 4])
-    tail_probs = torch.softmax(torch.randn(b, k, v), -1)
+    tail_tokens, tail_len = torch.randint(0, v, (b, k), generator=gen), torch.tensor([0, 2, 4])
+    tail_probs = torch.softmax(torch.randn(b, k, v, generator=gen), -1)
     g, last = torch.tensor([1, 5, 9]), torch.tensor([2, 3, 4])
-    rand = torch.randint(0, v, (b, k))
+    rand = torch.randint(0, v, (b, k), generator=gen)
 
     def propose_work(tail_tokens, tail_probs, tail_len, rand, g, last):
         known = last_tail_token(tail_tokens, tail_len, last)
@@ -141,7 +140,7 @@ def test_the_drafter_tensor_work_compiles_fullgraph():
     args = (tail_tokens, tail_probs, tail_len, rand, g, last)
     for want, got in zip(propose_work(*args), torch.compile(propose_work, fullgraph=True, backend="eager")(*args)):
         assert torch.equal(want, got)
-    p = torch.softmax(torch.randn(b, k + 1, v), -1)
+    p = torch.softmax(torch.randn(b, k + 1, v, generator=gen), -1)
     exps = torch.empty(b, k, v, dtype=torch.float64).exponential_(generator=gen)
     args = (p, torch.tensor([0, 1, 3]), torch.tensor([4, 2, 3]), exps)
     for want, got in zip(jacobi_update(*args), torch.compile(jacobi_update, fullgraph=True, backend="eager")(*args)):
@@ -175,7 +174,7 @@ def test_lossless_rule_at_temperature_zero_and_cfg_equal_the_cfg_reference(targe
     from mmspec.lm import cfg_prompt_pair
     from mmspec.sampling import cfg_combine
 
-    cond = torch.randint(0, 16, (3, 5))
+    cond = torch.randint(0, 16, (3, 5), generator=torch.Generator().manual_seed(2))
     uncond = torch.zeros_like(cond)
     scale, n = 3.0, 16
     with torch.no_grad():
@@ -185,7 +184,7 @@ def test_lossless_rule_at_temperature_zero_and_cfg_equal_the_cfg_reference(targe
             seq_c, seq_u = torch.cat([seq_c, nxt], 1), torch.cat([seq_u, nxt], 1)
     target = LMTarget(target_model, GREEDY, n, guidance_scale=scale, prefill_fn=cfg_prompt_pair)
     out = generate(target, JacobiDrafter(16, 8, "random"), "lossless",
-                   (cond, uncond), batch_size=3, max_new_tokens=n)
+                   (cond, uncond), batch_size=3, max_new_tokens=n, generator=torch.Generator().manual_seed(1))
     assert torch.equal(out.tokens, seq_c[:, cond.shape[1]:])
 
 

@@ -37,7 +37,7 @@ from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, S
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import InputError, check
 from vlm.bench_peers import peer_methods
-from vlm.family import FAMILY, TREE
+from vlm.family import ACCEPT, FAMILY, TREE
 
 OPTIONS = ("model", "top_p", "long_fraction", "drop_finished")
 
@@ -82,7 +82,7 @@ def _runner(record):
         from vlm.pipeline import SpeculativeVLM
 
         given, budget = pop_budget(given, "auto")
-        params = {**TREE, **record.check_given(given, "vlm")}  # vanilla too: its target's cache room
+        params = {**TREE, **ACCEPT, **record.check_given(given, "vlm")}  # vanilla too: its target's cache room
         vlm = models["target"]
         if kind is not None:
             if kind not in models["drafters"]:
@@ -99,7 +99,8 @@ def _runner(record):
         out = vlm.generate([ex.image for ex in examples], [ex.prompt for ex in examples], settings.max_new_tokens,
                            settings.temperature, _options(settings)["top_p"], tree=tree, batch_size=len(batch),
                            generator=torch.Generator().manual_seed(settings.seed), use_drafter=use_drafter,
-                           child_ranking=params.get("child_ranking", "raw"), budget=budget)
+                           child_ranking=params.get("child_ranking", "raw"), budget=budget,
+                           accept=params.get("accept", ACCEPT["accept"]))
         attended = None
         if use_drafter:  # a call the budget ran without the drafter (its drafting lost) attended no image token
             attended = 0.0 if out.stats.extra.get("calls_without_drafter") else vlm.drafter_image_tokens()

@@ -4,9 +4,10 @@
     mmspec vlm --job questions.jsonl --out answers/ [--batch-size 8]          # rows: id, image, prompt
 
 One question prints the answer (streamed as it is verified, with --stream) and the run's figures. A job file
-(.jsonl or .csv; columns id, image, prompt, seed; image paths relative to the job file; a chunk of
---batch-size rows is sampled with the seed of its first row) writes
-`answers.jsonl` (one line per finished row, flushed: a rerun skips the rows it lists) and `stats.json`. The
+(.jsonl or .csv; columns id, image, prompt, seed; image paths relative to the job file; each row sampled with its
+own seed, in fixed chunks of --batch-size rows) writes `answers.jsonl` (one line per finished row, flushed: a rerun
+with the same options resumes where it stopped and gives the answers an uninterrupted run gives; other options are
+refused, naming them) and `stats.json`. The
 model defaults to the embedded world LLaVA (`assets/vlm`, made by `mmspec train vlm`); `--model` takes any
 transformers VLM folder (LLaVA-1.5, Qwen2-VL / Qwen2.5-VL) with its processor (drafters in `DIR/drafters/<kind>`).
 """
@@ -24,10 +25,12 @@ from mmspec.cli.family_io import DTYPES, torch_dtype
 from mmspec.cli.jobs import ManifestWriter, read_job_file
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import InputError, check
+from mmspec.limits import check_sampling, check_seed
+from mmspec.sampling import EXACT_MODES
 from mmspec.stats import SpecStats
 from mmspec.threads import count_parameters, parse_threads, set_threads
 
-JOB_COLUMNS = ("id", "image", "prompt", "seed", "count")
+JOB_COLUMNS = ("id", "image", "prompt", "seed")
 ANSWERS = "answers.jsonl"
 
 
@@ -49,12 +52,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EAGLE-2 tree: depth,top_k,total_tokens, depth in drafted levels (EAGLE's code's "
                              "depth + 1); default: the drafter's paper setting (vispec 4,8,30; msd 6,10,59; eagle "
                              "and specvlm 8,10,60)")
-    parser.add_argument("--budget", default="auto", choices=["fixed", "auto"],
+    parser.add_argument("--budget", default=None, choices=["fixed", "auto"],
                         help="auto (default): pick each step's shape inside --tree (chains, smaller trees, plain "
                              "steps) from this device's timed costs and the acceptance seen so far "
-                             "(docs/budgets.md); fixed: draft the --tree every step")
+                             "(docs/budgets.md); fixed: draft the --tree every step (the default of a job with "
+                             "--accept lossless at temperature > 0, whose answers depend on the shapes drafted)")
+    parser.add_argument("--accept", default=EXACT_MODES[1], choices=EXACT_MODES,
+                        help="coupled (default): the target's own sample at every token, so a seed gives the answer "
+                             "the target alone gives, whatever the drafter or the budget draft; lossless: "
+                             "speculative sampling (docs/verify.md); both greedy at temperature 0")
     parser.add_argument("--batch-size", type=int, default=8, help="rows generated together (job files)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-bad", action="store_true",
+                        help="job files: skip malformed rows and rows whose image cannot be read (listed in "
+                             "stats.json) instead of stopping before any work")
+    parser.add_argument("--seed", type=int, default=0, help="the question's seed, or a job's base seed (rows "
+                                                            "without their own)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", default="auto",
                         help="torch CPU threads: N, or auto (default: one per 20M parameters, at most the usable CPUs)")
@@ -127,6 +139,10 @@ def answer(args: argparse.Namespace) -> int:
     import torch
 
     tree = parse_tree(args.tree)
+    check_seed("--seed", args.seed)
+    check_sampling(temperature=args.temperature, top_p=args.top_p)
+    check(args.batch_size >= 1, f"--batch-size must be >= 1, got {args.batch_size}.")
+    check(args.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}.")
     single = args.image is not None or args.prompt is not None
     check(single != (args.job is not None), "pass either --image and --prompt, or --job (with --out).")
     if single:
@@ -137,7 +153,7 @@ def answer(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         out = vlm.generate([image], [args.prompt], args.max_new_tokens, args.temperature, args.top_p,
                            tree=tree, generator=torch.Generator().manual_seed(args.seed), stream=stream,
-                           budget=args.budget)
+                           budget=args.budget or "auto", accept=args.accept)
         seconds = time.perf_counter() - start
         print("" if args.stream else out.texts[0])
         print(json.dumps(figures(out.stats, seconds, len(out.token_ids[0]))), file=sys.stderr)
@@ -145,7 +161,92 @@ def answer(args: argparse.Namespace) -> int:
     return run_job(args, tree)
 
 
-def run_job(args: argparse.Namespace, tree: tuple[int, int, int]) -> int:
+def job_budget(args: argparse.Namespace) -> str:
+    """A job's budget: "fixed" by default where an answer depends on the shapes drafted (speculative sampling,
+    --accept lossless at temperature > 0), so a resumed job gives an uninterrupted run's answers; else "auto". A
+    given --budget auto there is honoured with a note."""
+    depends = args.accept != "coupled" and args.temperature > 0 and args.drafter != "none"
+    if depends and args.budget == "auto":
+        print("note: with --accept lossless at temperature > 0 an answer depends on the shapes budget auto picks "
+              "from measured times; a resumed job will not give an uninterrupted run's answers (--budget fixed "
+              "does).", file=sys.stderr)
+    if depends and args.budget is None:
+        print("budget: fixed (with --accept lossless at temperature > 0 an answer depends on the shapes drafted; a "
+              "resumed job gives an uninterrupted run's answers). --budget auto to pick shapes anyway.",
+              file=sys.stderr)
+        return "fixed"
+    return args.budget or "auto"
+
+
+def job_settings(args: argparse.Namespace, tree) -> dict:
+    """What an answer depends on besides its row: a resumed job must use the same (`check_same_answers`)."""
+    return {"model": args.model or "embedded default", "drafter": args.drafter, "tree": None if tree is None
+            else list(tree), "budget": args.budget, "accept": args.accept, "max_new_tokens": args.max_new_tokens,
+            "temperature": args.temperature, "top_p": args.top_p, "batch_size": args.batch_size, "dtype": args.dtype,
+            "device": args.device}
+
+
+def done_answers(path: Path) -> dict[str, dict]:
+    """Row id -> record of every complete line of answers.jsonl (a torn last line lists nothing)."""
+    from mmspec.cli.jobs import read_manifest
+
+    if not path.is_file():
+        return {}
+    return {str(r["id"]): r for r in read_manifest(path, keys=("id",))}
+
+
+def check_same_answers(done: dict[str, dict], rows, settings: dict, out: Path) -> None:
+    """InputError naming the first differing input or setting when `out` holds an answer made otherwise."""
+    for row in rows:
+        record = done.get(row.id)
+        if record is None:
+            continue
+        mine = {"image": row.inputs["image"], "prompt": row.inputs["prompt"], "seed": row.seed, **settings}
+        theirs = {"image": record.get("image"), "prompt": record.get("prompt"), "seed": record.get("seed"),
+                  **(record.get("settings") or {})}
+        changed = [k for k in mine if json.loads(json.dumps(mine[k])) != theirs.get(k)]
+        if changed:
+            what = ", ".join(f"{k} ({theirs.get(k)!r} there, {mine[k]!r} now)" for k in changed[:4])
+            raise InputError(f"{out} already holds the answer of row {row.id!r} made with another {what}; rerun "
+                             "with the same job and options to resume, or pick another --out.")
+
+
+def readable_rows(rows, skip_bad: bool) -> tuple[list, list[str]]:
+    """The rows whose image opens (`load_image`), and the others as "id: what is wrong" (InputError naming them
+    unless `skip_bad`): checked before the model loads."""
+    good, bad = [], []
+    for row in rows:
+        try:
+            load_image(row.inputs["image"])
+            good.append(row)
+        except InputError as err:
+            bad.append(f"{row.id}: {err}")
+    if bad and not skip_bad:
+        raise InputError(f"{len(bad)} row(s) of the job have no readable image, e.g. {bad[0]}; fix them, or pass "
+                         "--skip-bad to answer the other rows.")
+    return good, bad
+
+
+def fitting_rows(vlm, rows, max_new_tokens: int, skip_bad: bool) -> tuple[list, list[str]]:
+    """The rows whose prompt (image tokens included) and max_new_tokens fit the target's positions, and the others
+    as "id: what is wrong" (InputError naming the first unless `skip_bad`): checked before any row is answered."""
+    good, bad = [], []
+    for row in rows:
+        inputs = vlm.encode([load_image(row.inputs["image"])], [row.inputs["prompt"]])
+        try:
+            vlm.check_room(inputs, max_new_tokens)
+            good.append(row)
+        except InputError as err:
+            if not skip_bad:
+                raise InputError(f"row {row.id}: {err} Or pass --skip-bad to answer the other rows.") from None
+            bad.append(f"{row.id}: {err}")
+    return good, bad
+
+
+def run_job(args: argparse.Namespace, tree: tuple[int, int, int] | None) -> int:
+    """Answer a job file. Rows are cut into fixed chunks of --batch-size (the same in every run); a chunk with a
+    missing answer is answered whole, each row with the generator of its own seed, so a resumed job's answers are
+    an uninterrupted run's (batched arithmetic rounds by batch shape); the rows already answered are not rewritten."""
     import torch
 
     check(args.out is not None, "--job needs --out (the folder for answers.jsonl).")
@@ -161,39 +262,59 @@ def run_job(args: argparse.Namespace, tree: tuple[int, int, int]) -> int:
             raise ValueError(f"image {path} does not exist")
         return {"image": str(path), "prompt": str(fields["prompt"])}
 
+    args.budget = job_budget(args)
     rows, bad = read_job_file(job, args.seed, parse_inputs, columns=JOB_COLUMNS)
-    if bad:
-        raise InputError(f"job file {job} has {len(bad)} malformed row(s); nothing was answered:\n  "
-                         + "\n  ".join(bad[:20]))
+    if bad and not args.skip_bad:
+        raise InputError(f"job file {job} has {len(bad)} malformed row(s), e.g. {bad[0]}; nothing was answered. Fix "
+                         "them, or pass --skip-bad to answer the other rows.")
+    rows, unreadable = readable_rows(rows, args.skip_bad)
+    bad += unreadable
+    check(rows, f"job file {job} has no usable rows.")
+    settings = job_settings(args, tree)
+    out_existed = Path(args.out).exists()
     out = prepare_output_dir(args.out)
-    done = set()
-    if (out / ANSWERS).is_file():
-        done = {json.loads(line)["id"] for line in (out / ANSWERS).read_text().splitlines() if line.strip()}
-    todo = [row for row in rows if row.id not in done]
+    done = done_answers(out / ANSWERS)
+    try:
+        check_same_answers(done, rows, settings, out)
+    except InputError:
+        if not out_existed:
+            out.rmdir()
+        raise
+    if all(row.id in done for row in rows) and (out / "stats.json").is_file():
+        print(f"nothing to answer: all {len(rows)} rows are in {out / ANSWERS}; stats.json keeps the figures of "
+              "the run that answered them.")
+        return 0
     vlm = load_vlm(args)
+    rows, too_long = fitting_rows(vlm, rows, args.max_new_tokens, args.skip_bad)
+    bad += too_long
+    chunks = [rows[i:i + args.batch_size] for i in range(0, len(rows), args.batch_size)]
+    todo = [c for c in chunks if any(row.id not in done for row in c)]
     writer, stats, start = ManifestWriter(out / ANSWERS), SpecStats(), time.perf_counter()
     made = tokens = 0
     from tqdm.auto import tqdm
 
     try:
-        for first in tqdm(range(0, len(todo), args.batch_size), desc="vlm", unit="batch"):
-            chunk = todo[first:first + args.batch_size]
+        for chunk in tqdm(todo, desc="vlm", unit="batch"):
             images = [load_image(row.inputs["image"]) for row in chunk]
             result = vlm.generate(images, [row.inputs["prompt"] for row in chunk], args.max_new_tokens,
-                                  args.temperature, args.top_p, tree=tree, batch_size=args.batch_size,
-                                  generator=torch.Generator().manual_seed(chunk[0].seed), budget=args.budget)
+                                  args.temperature, args.top_p, tree=tree, batch_size=len(chunk),
+                                  generator=[torch.Generator().manual_seed(row.seed) for row in chunk],
+                                  budget=args.budget, accept=args.accept)
             stats = stats + result.stats
             for row, text, ids in zip(chunk, result.texts, result.token_ids):
+                if row.id in done:
+                    continue
                 writer.append({"id": row.id, "image": row.inputs["image"], "prompt": row.inputs["prompt"],
-                               "answer": text, "num_tokens": len(ids)})
+                               "seed": row.seed, "answer": text, "num_tokens": len(ids), "settings": settings})
                 made, tokens = made + 1, tokens + len(ids)
     finally:
         writer.close()
     seconds = time.perf_counter() - start
     summary = {"job": str(job), "rows": len(rows), "answered_this_run": made,
-               "already_done": len(done & {r.id for r in rows}), "drafter": args.drafter, "tree": list(tree),
-               "temperature": args.temperature, **figures(stats, seconds, tokens)}
+               "already_done": len(set(done) & {r.id for r in rows}), "skipped_bad_rows": bad, **settings,
+               **figures(stats, seconds, tokens)}
     atomic_write_text(out / "stats.json", json.dumps(summary, indent=2))
+    skipped = f"; skipped {len(bad)} bad row(s) (stats.json lists them)" if bad else ""
     print(f"answered {made} of {len(rows)} rows ({summary['already_done']} already done) in {seconds:.1f} s; "
-          f"{out / ANSWERS}, stats.json")
+          f"{out / ANSWERS}, stats.json{skipped}")
     return 0

@@ -2,7 +2,8 @@
 (`mmspec.families`): `vanilla` (the target alone) and one method per drafter kind, whose `run` is the drafter model
 class (loaded from `MODEL/drafters/<kind>` or built for a target with `for_target`; its `loop_drafter` is what the
 loop runs). Every method is lossless (tree verification); their parameters are the EAGLE-2 tree's (top_k, depth,
-total_tokens; None = the drafter's paper tree, `official_tree`) and child_ranking (`VLMEagleTreeDrafter`).
+total_tokens; None = the drafter's paper tree, `official_tree`), child_ranking (`VLMEagleTreeDrafter`) and the exact
+acceptance mode `accept` ("lossless" or "coupled").
 `mmspec vlm`, `mmspec train vlm-drafter`, the bench and the VLM demo read the kinds from here.
 """
 
@@ -19,6 +20,7 @@ from vlm.specvlm import VLMSpecVLMDrafter
 from vlm.vispec import VLMViSpecDrafter
 
 TREE = parameters_of(VLMEagleTreeDrafter)  # top_k, depth, total_tokens, child_ranking
+ACCEPT = {"accept": "coupled"}  # the exact acceptance mode: "coupled" or "lossless" (`SamplingParams.exact_rule`)
 
 
 def load(model_path: str | None, device: str, dtype=None):
@@ -47,7 +49,7 @@ for kind, model, what in (("eagle", VLMEagleDrafter, "EagleVLM drafter"),
                           ("vispec", VLMViSpecDrafter, "ViSpec drafter (compressed image token + global feature)"),
                           ("msd", VLMMSDDrafter, "MSD drafter (raw visual embeddings at image positions)"),
                           ("specvlm", VLMSpecVLMDrafter, "SpecVLM drafter (gated elastic visual compressor)")):
-    FAMILY.add(kind, model, TREE, description=f"{what}, EAGLE-2 dynamic tree, lossless tree verification")
+    FAMILY.add(kind, model, {**TREE, **ACCEPT}, description=f"{what}, EAGLE-2 dynamic tree, lossless tree verification")
 
 DRAFTER_KINDS = tuple(name for name in FAMILY.methods if name != "vanilla")
 

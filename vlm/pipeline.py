@@ -34,7 +34,7 @@ from mmspec.errors import check, check_positive_int
 from mmspec.hf_loading import load_transformers_folder, read_folder_config
 from mmspec.lm import LMTarget, NoDrafter
 from mmspec.loop import generate
-from mmspec.sampling import SamplingParams
+from mmspec.sampling import EXACT_MODES, SamplingParams
 from mmspec.stats import SpecStats
 from vlm.family import DRAFTER_KINDS, drafter_model
 from vlm.hf_generate import (
@@ -177,6 +177,24 @@ class SpeculativeVLM:
                   and isinstance(v, torch.Tensor)}
         return VLMInputs(enc["input_ids"], enc["attention_mask"], enc.get("pixel_values"), extras)
 
+    def max_positions(self) -> int | None:
+        """The positions the target's text model has (`max_position_embeddings`), None where its config names none."""
+        config = getattr(self.model.config, "text_config", None) or self.model.config
+        return getattr(config, "max_position_embeddings", None)
+
+    def check_room(self, inputs: VLMInputs, max_new_tokens: int, first_row: int = 0) -> None:
+        """InputError (one line) when a row's prompt, its image tokens included, plus max_new_tokens exceeds the
+        target's positions: past them a model answers from positions it never learnt."""
+        limit = self.max_positions()
+        if limit is None:
+            return
+        row = int(inputs.lengths.argmax())
+        length = int(inputs.lengths[row])
+        check(length + max_new_tokens <= limit,
+              f"prompt {first_row + row} is {length} tokens (its image's included) and max_new_tokens is "
+              f"{max_new_tokens}: {length + max_new_tokens} positions, but the model has {limit}; shorten the prompt "
+              "or lower max_new_tokens.")
+
     # ------------------------------------------------------------------------------------------- generate
     @torch.no_grad()
     def generate(self, images: Sequence | None = None, prompts: Sequence[str] | None = None,
@@ -184,7 +202,8 @@ class SpeculativeVLM:
                  top_k: int | None = None, tree: tuple[int | None, int | None, int | None] | None = None,
                  batch_size: int = 8, generator: torch.Generator | None = None, use_drafter: bool = True,
                  stream: Callable[[int, str, list[int]], None] | None = None,
-                 child_ranking: str = "raw", budget: str | None = "auto", *, generation_config=None,
+                 child_ranking: str = "raw", budget: str | None = "auto", *, accept: str = "coupled",
+                 generation_config=None,
                  do_sample: bool | None = None, streamer=None, num_speculative_tokens: int | None = None,
                  method: str | None = None, return_dict_in_generate: bool = False, **model_inputs):
         """Two forms. `generate(images, prompts, ...)`: answers for (image, prompt) pairs (an image may be None:
@@ -203,10 +222,14 @@ class SpeculativeVLM:
         (default) lets `mmspec.tree_budget.TreeBudget` pick each step's shape inside `tree` (chains, smaller
         trees or a plain step) from this device's timed costs and the acceptance seen so far, in this call and
         earlier ones of this object (`self.budgets`; the first call per batch size times the shapes, a few
-        seconds, then they are cached on disk); "fixed" drafts `tree` every step (and a seeded sampled call then
-        repeats exactly). Lossless either way (docs/budgets.md)."""
+        seconds, then they are cached on disk); "fixed" drafts `tree` every step. Lossless either way
+        (docs/budgets.md). `accept`: the exact acceptance mode, "coupled" (the default: the target's own sample at
+        every index, so the answers `use_drafter=False` gives with the same generator(s), whatever the drafter or the
+        budget draft; `mmspec.verify.coupled`) or "lossless" (speculative sampling); greedy verification at
+        temperature 0 either way."""
         check_positive_int("batch_size", batch_size)
         check_budget_mode(budget)
+        check(accept in EXACT_MODES, f"accept must be one of {', '.join(EXACT_MODES)}, got {accept!r}.")
         tree = self.speculative_tree(tree, num_speculative_tokens, method)
         if "input_ids" in model_inputs:
             check(images is None and prompts is None, "give either the processor's outputs (input_ids=...) or "
@@ -214,7 +237,7 @@ class SpeculativeVLM:
             return self._generate_from_model_inputs(
                 model_inputs, dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                                    top_p=top_p, top_k=top_k), generation_config, tree, generator, use_drafter,
-                streamer, child_ranking, budget, return_dict_in_generate)
+                streamer, child_ranking, budget, return_dict_in_generate, accept)
         check(not model_inputs, f"unknown argument(s) {', '.join(sorted(model_inputs))}; model inputs go with "
                                 "input_ids (generate(**processor(images=..., text=...))).")
         check(generation_config is None and do_sample is None and streamer is None and not return_dict_in_generate,
@@ -230,11 +253,14 @@ class SpeculativeVLM:
                                 1.0 if top_p is None else top_p)
         eos = self.processor.tokenizer.eos_token_id
         out = VLMOutput([], [], [], SpecStats())
+        batches = []  # every batch encoded and checked before any is generated
         for start in range(0, len(prompts), batch_size):
             rows = range(start, min(start + batch_size, len(prompts)))
-            inputs = self.encode([images[i] for i in rows], [prompts[i] for i in rows])
+            batches.append((start, self.encode([images[i] for i in rows], [prompts[i] for i in rows])))
+            self.check_room(batches[-1][1], max_new_tokens, start)
+        for start, inputs in batches:
             part = self._generate_batch(inputs, params, max_new_tokens, tree, generator, use_drafter, eos,
-                                        stream, start, child_ranking, budget)
+                                        stream, start, child_ranking, budget, accept)
             for field_name in ("texts", "token_ids", "rounds"):
                 getattr(out, field_name).extend(getattr(part, field_name))
             out.stats = out.stats + part.stats
@@ -259,7 +285,7 @@ class SpeculativeVLM:
 
     def _generate_from_model_inputs(self, model_inputs: dict, settings: dict, generation_config, tree, generator,
                                     use_drafter: bool, streamer, child_ranking: str, budget: str | None,
-                                    return_dict: bool):
+                                    return_dict: bool, accept: str = "coupled"):
         """`generate(**processor_outputs)` (see `vlm.hf_generate`)."""
         inputs = dict(model_inputs)
         ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
@@ -276,13 +302,14 @@ class SpeculativeVLM:
         tok = self.processor.tokenizer
         eos = tok.eos_token_id if eos is None else eos
         batch = right_padded(ids, mask, pixels, inputs)
+        self.check_room(batch, max_new_tokens)
         bridge = None
         if streamer is not None:
             check(ids.shape[0] == 1, f"transformers' streamers take one row; got a batch of {ids.shape[0]}.")
             bridge = StreamerBridge(streamer, batch.input_ids[:, : int(batch.lengths[0])])
         try:
             part = self._generate_batch(batch, params, max_new_tokens, tree, generator, use_drafter, eos, bridge, 0,
-                                        child_ranking, budget)
+                                        child_ranking, budget, accept)
         finally:
             if bridge is not None:
                 bridge.end()
@@ -294,7 +321,7 @@ class SpeculativeVLM:
 
     def _generate_batch(self, inputs: VLMInputs, params: SamplingParams, max_new_tokens: int, tree, generator,
                         use_drafter: bool, eos: int | list[int] | None, stream, first_row: int,
-                        child_ranking: str = "raw", budget: str | None = "auto") -> VLMOutput:
+                        child_ranking: str = "raw", budget: str | None = "auto", accept: str = "coupled") -> VLMOutput:
         depth, top_k, total = tree
         b = inputs.input_ids.shape[0]
         if use_drafter and self.drafter is not None:
@@ -329,7 +356,7 @@ class SpeculativeVLM:
             else:
                 take(state.full_output().tolist(), state.full_num_generated().tolist())
 
-        rule = params.lossless_rule
+        rule = params.exact_rule(accept)
         draft_budget = make_budget(budget, target, drafter, rule, inputs, b, self.lm.device, self.budgets)
         result = generate(target, drafter, rule, inputs, batch_size=b, max_new_tokens=max_new_tokens,
                           generator=generator, eos_token_id=eos, device=self.lm.device, callback=record,

@@ -32,6 +32,7 @@ from mmspec.bench.image_family import (
     class_inputs,
     image_options,
     image_quality,
+    reproduces_vanilla,
     run_image_method,
     token_calibration,
     token_exactness,
@@ -66,7 +67,7 @@ def _runner(record, family: str = "llamagen"):
 
 def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list, settings: BenchSettings) -> dict:
     return image_quality(outputs, vanilla, settings, _options(settings)["fid_reference"],
-                         exactness=method.is_lossless(params) and settings.greedy)
+                         exactness=reproduces_vanilla(method, params, settings))
 
 
 def calibration(pipe, samples: Sequence[Sample], outputs: list, settings: BenchSettings) -> dict:
@@ -104,7 +105,7 @@ def caption_inputs(settings: BenchSettings) -> list[Sample]:
 def caption_quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list,
                     settings: BenchSettings) -> dict:
     """The judge's agreement with each caption attribute and with all of them, world-FID against the real images of
-    the same captions (2+ images), token exactness vs vanilla for lossless methods at temperature 0."""
+    the same captions (2+ images), token exactness vs vanilla where it must be 1 (`reproduces_vanilla`)."""
     from mmspec.metrics import attribute_agreement, world_fid
     from mmspec.metrics.train_judge import scene_targets
 
@@ -116,7 +117,7 @@ def caption_quality(method: Method, params: Mapping[str, Any], outputs: list, va
                                **{f"{k}_agreement": v for k, v in agreement["attributes"].items()}}
     if len(outputs) >= 2:
         figures["world_fid"] = world_fid(images, scenes.float_images()[rows]).fid
-    if method.is_lossless(params) and settings.greedy:
+    if reproduces_vanilla(method, params, settings):
         figures["exactness"] = token_exactness(outputs, vanilla)
     return figures
 

@@ -36,7 +36,9 @@ from mmspec.verify import GSDRule, LanternRule, rule_keeps_distribution
 DEFAULTS = {"guidance_scale": 4.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 TREE = (EagleTreeDrafter,)  # top_k, depth, total_tokens
 TREE_SKIP = ("guidance_scale",)
-ACCEPT = ({"accept": "lossless"}, LanternRule, GSDRule, GSD_TABLE)  # `accept` and every mode's rule parameters
+# `accept` and every mode's rule parameters; the exact default is "coupled": a seed gives vanilla's image whatever
+# is drafted (docs/verify.md; its acceptance is within 5% of speculative sampling's, measured there)
+ACCEPT = ({"accept": "coupled"}, LanternRule, GSDRule, GSD_TABLE)
 
 
 def load(model_path: str | None, device: str, dtype=None):
@@ -98,7 +100,7 @@ def rule_lossless(mode: str | None = None):
     that rule with the parameters."""
 
     def lossless(params: Mapping[str, Any]) -> bool:
-        name = mode or params.get("accept", "lossless")
+        name = mode or params.get("accept", "coupled")
         if name not in ACCEPT_RULES:  # an unknown mode: building the method says so
             return False
         rule = ACCEPT_RULES[name]
@@ -114,9 +116,11 @@ def vanilla(ctx: MethodContext) -> tuple:
 
 
 @FAMILY.method()
-def draft_model(ctx: MethodContext, num_draft_tokens: int = 4, draft_temperature: float | None = None) -> tuple:
+def draft_model(ctx: MethodContext, num_draft_tokens: int = 4, draft_temperature: float | None = None,
+                accept: str = "coupled") -> tuple:
     """Classic speculative sampling with the pipeline's small draft_transformer (same VQ vocabulary, same CFG and
-    sampling settings, its own temperature if given); lossless."""
+    sampling settings, its own temperature if given); lossless (accept "coupled", vanilla's tokens for the same
+    generators, or "lossless", speculative sampling)."""
     draft = ctx.pipeline.draft_transformer
     check(draft is not None, "method 'draft-model' needs a pipeline with a draft_transformer component.")
     target = ctx.pipeline.transformer
@@ -127,7 +131,7 @@ def draft_model(ctx: MethodContext, num_draft_tokens: int = 4, draft_temperature
                                                                          ctx.params.top_p)
     drafter = DraftModelDrafter(draft, num_draft_tokens, params, guidance_scale=ctx.guidance_scale,
                                 prefill_fn=ctx.prefill_fn)
-    return drafter, ctx.rule_name()
+    return drafter, ctx.params.exact_rule(accept)
 
 
 @FAMILY.method(params=(llamagen_jacobi_drafter, *ACCEPT), skip=SUPPLIED, lossless=rule_lossless())

@@ -30,7 +30,8 @@ from mmspec.verify import AcceptanceRule, GSDRule, LanternRule
 # LMTarget (as the pipeline builds it) keeps room for DRAFT_ROOM draft entries after the last token
 MAX_WINDOW = DRAFT_ROOM + 1
 # acceptance modes a method's `accept` may name, and the parameters the pipeline supplies to their rules itself
-ACCEPT_RULES: dict[str, type[AcceptanceRule] | None] = {"lossless": None, "lantern": LanternRule, "gsd": GSDRule}
+ACCEPT_RULES: dict[str, type[AcceptanceRule] | None] = {"lossless": None, "coupled": None, "lantern": LanternRule,
+                                                         "gsd": GSDRule}
 SUPPLIED = ("neighbours", "greedy")
 GSD_EMBEDDINGS = ("target", "codebook", None)
 # the GSD embedding table is named, not passed: "target" by default (as the official GSD code)
@@ -108,9 +109,10 @@ def accept_params(mode: str) -> dict[str, Any]:
     return {**parameters_of(rule, skip=SUPPLIED), **(GSD_TABLE if rule is GSDRule else {})}
 
 
-def acceptance_rule(ctx: MethodContext, accept: str = "lossless", **given: Any) -> AcceptanceRule | str:
+def acceptance_rule(ctx: MethodContext, accept: str = "coupled", **given: Any) -> AcceptanceRule | str:
     """The acceptance rule of a method: `accept` names the mode, `given` the parameters of its rule that a caller
-    set (the rule's defaults apply to the rest). lossless is exact (greedy at temperature 0); lantern is LANTERN
+    set (the rule's defaults apply to the rest). lossless (speculative sampling) and coupled (the target's own sample
+    at every index: vanilla's tokens for the same generators) are exact (greedy at temperature 0); lantern is LANTERN
     over the VQ codebook's neighbours (its greedy variant at temperature 0); gsd is GSD's grouped rule (at
     temperature 0 p is one-hot and it reduces to greedy verification)."""
     if accept not in ACCEPT_RULES:
@@ -119,8 +121,8 @@ def acceptance_rule(ctx: MethodContext, accept: str = "lossless", **given: Any) 
     unknown = sorted(set(given) - set(takes))
     if unknown:
         raise InputError(f"accept={accept!r} takes {', '.join(takes) or 'no parameters'}; got {', '.join(unknown)}.")
-    if accept == "lossless":
-        return ctx.rule_name()
+    if ACCEPT_RULES[accept] is None:  # an exact mode
+        return ctx.params.exact_rule(accept)
     if accept == "lantern":
         k = min(int(given.pop("k", takes["k"])), ctx.pipeline.image_token_layout()[2] - 1)
         return LanternRule(ctx.neighbour_table(k), k=k, greedy=ctx.params.greedy, **given)

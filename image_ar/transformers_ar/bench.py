@@ -21,6 +21,7 @@ from image_ar.llamagen.bench import caption_inputs
 from image_ar.transformers_ar.family import EMU3, EMU3_DEFAULTS, JANUS, JANUS_DEFAULTS
 from mmspec.bench.image_family import (
     image_options,
+    reproduces_vanilla,
     run_image_method,
     token_calibration,
     token_exactness,
@@ -70,7 +71,7 @@ def _runner(family: str):
 
 
 def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list, settings: BenchSettings) -> dict:
-    if method.is_lossless(params) and settings.greedy:
+    if reproduces_vanilla(method, params, settings):
         return {"exactness": token_exactness(outputs, vanilla)}
     return {}
 

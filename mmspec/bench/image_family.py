@@ -99,6 +99,12 @@ def image_quality(outputs: Sequence[dict], vanilla: Sequence[dict], settings: Be
     return figures
 
 
+def reproduces_vanilla(method: Any, params: Mapping[str, Any], settings: BenchSettings) -> bool:
+    """Whether a method's tokens must equal vanilla's for the same samples: a lossless method at temperature 0, or
+    the coupled acceptance mode at any temperature (vanilla's own sample, `mmspec.verify.coupled`)."""
+    return method.is_lossless(params) and (settings.greedy or params.get("accept") == "coupled")
+
+
 def token_exactness(outputs: Sequence[dict], vanilla: Sequence[dict]) -> float:
     """The share of outputs whose tokens equal vanilla's for the same sample."""
     same = [torch.equal(a["tokens"], b["tokens"]) for a, b in zip(outputs, vanilla)]

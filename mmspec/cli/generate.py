@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -46,6 +47,7 @@ from mmspec.cli.jobs import (
 from mmspec.compile import AUTO, COMPILE_CHOICES, COMPILE_MODES, compile_pipeline
 from mmspec.errors import InputError, check
 from mmspec.families import FamilyRecord, available_families, get_family
+from mmspec.limits import check_count, check_sampling, check_seed
 from mmspec.stats import SpecStats
 from mmspec.threads import count_parameters, parse_threads, set_threads
 
@@ -186,11 +188,15 @@ def prompt_slug(prompt: str) -> str:
 def command_prompts(args: argparse.Namespace) -> list[str]:
     """The captions of --prompt and --prompts (one a line, blank lines skipped)."""
     prompts = list(args.prompt or [])
+    check(all(p.strip() for p in prompts), "--prompt is empty; give it a caption, e.g. --prompt \"a red circle\".")
     if args.prompts is not None:
-        prompts += [line.strip() for line in Path(args.prompts).read_text(encoding="utf-8").splitlines()
-                    if line.strip()]
-    check(prompts and all(p.strip() for p in prompts), "no captions: give --prompt TEXT or a --prompts file with "
-                                                       "one caption a line.")
+        try:
+            text = Path(args.prompts).read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise InputError(f"--prompts {args.prompts} is not UTF-8 text; save it as UTF-8, one caption a "
+                             "line.") from None
+        prompts += [line.strip() for line in text.splitlines() if line.strip()]
+    check(prompts, "no captions: give --prompt TEXT or a --prompts file with one caption a line.")
     return prompts
 
 
@@ -294,8 +300,11 @@ def _process_state(device: str):
 
 def run(args: argparse.Namespace) -> int:
 
+    # every check of the command line before any model loads or any folder is made
     check(args.max_batch >= 1, f"--max-batch must be >= 1, got {args.max_batch}.")
-    check(args.num_images >= 1, f"--num-images must be >= 1, got {args.num_images}.")  # before any model loads
+    check_count("--num-images", args.num_images)
+    check_seed("--seed", args.seed)
+    check_sampling(args.guidance_scale, args.temperature, args.top_k, args.top_p)
     parse_threads(args.threads)
     given = [name for name, value in (("--job", args.job), ("--classes", args.classes), ("--prompt", args.prompt),
                                       ("--prompts", args.prompts)) if value is not None]
@@ -307,6 +316,8 @@ def run(args: argparse.Namespace) -> int:
                                             "caption a line.")
     if args.model is not None:
         check(Path(args.model).exists(), f"--model {args.model} does not exist; pass a pipeline folder.")
+    # captions are read before the family's code loads (seconds): an empty or unreadable one is told at once
+    captions = command_prompts(args) if args.prompt is not None or args.prompts is not None else None
     args.family = args.family or default_family()
     family = get_family(args.family)
     if family.generate is None:  # (the list imports every family's record: only on this error)
@@ -318,7 +329,9 @@ def run(args: argparse.Namespace) -> int:
     check(text or (args.prompt is None and args.prompts is None),
           f"family {args.family!r} is class-conditional: pass --classes, not --prompt / --prompts.")
     # the captions of a command-line text-to-image run, read once: an empty list fails here, before any model loads
-    args.captions = command_prompts(args) if text and args.job is None else None
+    args.captions = captions if text and args.job is None else None
+    check(not text or args.job is not None or args.captions, "no captions: give --prompt TEXT or a --prompts file "
+                                                            "with one caption a line.")
     method = family.get_method(args.method)
     method_kwargs = method.check_given(parse_method_args(args.method_arg), args.family)
     state = _process_state(args.device)
@@ -376,6 +389,8 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
         check("budget" in inspect.signature(type(pipe).__call__).parameters,
               f"--budget: the {args.family} pipeline has no draft budget; drop --budget.")
         options["budget"] = args.budget
+    reproducible_budget(options, family.get_method(args.method), default_budget(pipe), args.budget is not None,
+                        rank == 0)
 
     items = work_items(rows)
     if rank == 0:  # leftovers of an earlier, interrupted run: per-process figures, half-written images
@@ -385,7 +400,9 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
         remove_stale_temporaries(out)
     settings = {"family": args.family, "model": args.model or "embedded default",
                 **{k: options[k] for k in ("method", "method_kwargs", "guidance_scale", "temperature", "top_k",
-                                           "top_p")}}
+                                           "top_p")},
+                "budget": options.get("budget", default_budget(pipe)), "dtype": args.dtype,
+                "device": torch.device(device).type, "max_batch": args.max_batch}
     done = done_records(out)
     check_same_job(done, items, settings, out)
     # fixed chunks of the job (the same in every run with this --max-batch); only those with missing images
@@ -421,9 +438,38 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
     return _finish(args, out, rows, items, bad, done, options, seconds)
 
 
+def reproducible_budget(options: dict, method, default: str | None, given: bool, say: bool) -> None:
+    """A job's budget: where a seed's images depend on the draft sizes (`MethodRecord.seed_fixes_output`: sampled
+    speculative sampling, relaxed rules), the default is "fixed", so a resumed job gives an uninterrupted run's
+    images; a given --budget auto is honoured with a note that resumes then differ. Sets options["budget"]."""
+    budget = options.get("budget", default)
+    if budget != "auto" or method.seed_fixes_output(options["method_kwargs"], options["temperature"]):
+        return
+    why = (f"{method.name}'s sampled images depend on the draft sizes, which budget auto picks from measured "
+           "times")
+    if given:
+        if say:
+            print(f"note: {why}; a resumed job will not give an uninterrupted run's images (--budget fixed does).",
+                  file=sys.stderr)
+        return
+    options["budget"] = "fixed"
+    if say:
+        print(f"budget: fixed ({why}; a resumed job gives an uninterrupted run's images). --budget auto to pick "
+              "sizes anyway.", file=sys.stderr)
+
+
+def default_budget(pipe) -> str | None:
+    """The draft budget a pipeline's call uses when none is given ("auto" where it takes one), None without one."""
+    import inspect
+
+    parameter = inspect.signature(type(pipe).__call__).parameters.get("budget")
+    return None if parameter is None else parameter.default
+
+
 def _finish(args: argparse.Namespace, out: Path, rows: list[JobRow], items: list[WorkItem], bad: list[str],
             done: set, options: dict, seconds: float) -> int:
-    """Main process: merge the manifests, write stats.json (and grid.png for small runs), print a summary."""
+    """Main process: merge the manifests, write stats.json (and grid.png for small runs), print a summary. A rerun
+    that made nothing keeps the stats.json of the run that made the images."""
     records = merge_manifests(out, [it.key for it in items])
     per_rank = []
     for path in sorted(out.glob(".stats.rank*.json")):
@@ -433,6 +479,10 @@ def _finish(args: argparse.Namespace, out: Path, rows: list[JobRow], items: list
     for part in per_rank:
         stats = stats + SpecStats.from_dict(part["stats"])
     made = sum(p["made"] for p in per_rank)
+    if made == 0 and (out / "stats.json").is_file() and all(it.key in done for it in items):
+        print(f"nothing to make: all {len(items)} images of this job are in {out / 'images'} (manifest.jsonl); "
+              "stats.json keeps the figures of the run that made them.")
+        return 0
     if len(items) <= GRID_LIMIT:
         import PIL.Image
 

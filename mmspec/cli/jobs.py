@@ -6,7 +6,7 @@ A job file is JSONL (one object per line) or CSV (a header line, then one row pe
     class   a class id or a world class name (class-conditional families)
     prompt  a caption (text-to-image families)
     count   optional; images of the row (default 1)
-    seed    optional; the row's seed (default: derived from --seed and the line number)
+    seed    optional; the row's seed, in [0, 2^53) (default: derived from --seed and the line number)
 
 Every image is one *work item* (row, index) with its own generator, seeded from (row seed, index): an image does
 not depend on the batch or the process it is made in, so a resumed or sharded run writes the same bytes.
@@ -31,11 +31,12 @@ import torch
 
 from mmspec.bench.files import atomic_write_text
 from mmspec.errors import InputError
+from mmspec.limits import MAX_IMAGES_PER_ROW, SEED_LIMIT
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
 MANIFEST = "manifest.jsonl"
 COLUMNS = ("id", "class", "prompt", "count", "seed")
-MAX_COUNT = 100_000
+MAX_COUNT = MAX_IMAGES_PER_ROW
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class WorkItem:
 
 def row_seed(base_seed: int, position: int) -> int:
     """The default seed of the row at `position` (0-based) of a job run with --seed base_seed."""
-    return (base_seed * 1_000_003 + position) % 2**63
+    return (base_seed * 1_000_003 + position) % SEED_LIMIT
 
 
 def _raw_rows(path: Path) -> Iterable[tuple[int, dict | str]]:
@@ -131,7 +132,7 @@ def read_job_file(path: str | os.PathLike, base_seed: int, parse_inputs: Callabl
             if row_id in seen:
                 raise ValueError(f"id {row_id!r} appears twice")
             count = _int_field(fields, "count", 1, 1, MAX_COUNT)
-            seed = _int_field(fields, "seed", row_seed(base_seed, position), 0, 2**63 - 1)
+            seed = _int_field(fields, "seed", row_seed(base_seed, position), 0, SEED_LIMIT - 1)
             inputs = parse_inputs(fields)
         except (ValueError, InputError) as err:
             bad.append(f"line {line}: {err}")
@@ -151,15 +152,15 @@ def manifest_files(out: Path) -> list[Path]:
     return sorted(p for p in out.glob("manifest*.jsonl") if p.is_file())
 
 
-def read_manifest(path: Path) -> list[dict]:
-    """The records of one manifest file; a torn last line (a killed process) is ignored."""
+def read_manifest(path: Path, keys: tuple[str, ...] = ("id", "index")) -> list[dict]:
+    """The records of one manifest file (objects with `keys`); a torn last line (a killed process) is ignored."""
     records = []
     for raw in path.read_text(encoding="utf-8").splitlines():
         try:
             record = json.loads(raw)
         except json.JSONDecodeError:
             continue
-        if isinstance(record, dict) and "id" in record and "index" in record:
+        if isinstance(record, dict) and all(key in record for key in keys):
             records.append(record)
     return records
 
@@ -177,29 +178,51 @@ def check_same_job(done: dict[tuple[str, int], dict], items: list[WorkItem], set
         record = done.get(item.key)
         if record is None:
             continue
-        mine = {"inputs": item.row.inputs, "seed": item.row.seed, "settings": settings}
-        theirs = {k: record.get(k) for k in mine}
-        if json.loads(json.dumps(mine)) != theirs:
-            changed = ", ".join(k for k in mine if json.loads(json.dumps(mine[k])) != theirs[k])
-            raise InputError(f"{out} already holds image {item.row.id!r} #{item.index} made with a different "
-                             f"{changed}; rerun with the same job and options to resume, or pick another --out.")
+        mine = json.loads(json.dumps({"inputs": item.row.inputs, "seed": item.row.seed, **settings}))
+        theirs = {"inputs": record.get("inputs"), "seed": record.get("seed"), **(record.get("settings") or {})}
+        changed = [k for k in sorted(set(mine) | set(theirs)) if mine.get(k) != theirs.get(k)]
+        if changed:
+            what = ", ".join(f"{k} ({theirs.get(k)!r} there, {mine.get(k)!r} now)" for k in changed[:4])
+            raise InputError(f"{out} already holds image {item.row.id!r} #{item.index} made with another {what}; "
+                             "rerun with the same job and options to resume, or pick another --out.")
+
+
+def drop_torn_tail(path: Path) -> bool:
+    """Cut a manifest file back to its last complete line: a record that a killed process left half written (no
+    final newline) lists nothing (`read_manifest` skips it, so its image is made again), and a record appended after
+    it would join its line and be lost too. Returns whether it cut."""
+    if not path.is_file():
+        return False
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return False
+    with open(path, "r+b") as handle:
+        handle.truncate(data.rfind(b"\n") + 1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    return True
 
 
 class ManifestWriter:
     """Appends one JSON line per finished image, flushed and fsynced (a crash loses at most the line being
-    written, never a listed image)."""
+    written, never a listed image); a torn last line left by a killed run is cut first (`drop_torn_tail`). The file
+    is opened at the first record, so a run that fails before making anything leaves none."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
+        self._file = None
 
     def append(self, record: dict) -> None:
+        if self._file is None:
+            drop_torn_tail(self.path)
+            self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed by close())
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         os.fsync(self._file.fileno())
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
 
 def merge_manifests(out: Path, order: list[tuple[str, int]]) -> list[dict]:

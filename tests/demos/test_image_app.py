@@ -25,7 +25,7 @@ def store() -> ModelStore:
 
 
 def test_greedy_speculative_equals_greedy_vanilla_side_by_side(store):
-    result = compare(store, "llamagen", "sjd", "red circle", "", 2, 4.0, 0.0, 0, 1.0, 3)
+    result = compare(store, "llamagen", "sjd", "red circle", "", 2, 4.0, 0.0, 0, 1.0, 3, budget="fixed")
     stats = result["stats"]
     assert np.array_equal(np.asarray(result["vanilla"]), np.asarray(result["method"]))  # SJD is lossless
     assert result["vanilla"].size == (2 * 128, 128)  # two 32 px images, shown at 128 px

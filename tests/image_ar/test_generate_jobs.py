@@ -73,8 +73,9 @@ def test_rerun_skips_done_images_and_csv_gives_the_same_bytes(model_dir, referen
     out = tmp_path / "out"
     generate(model_dir, out, write_job(tmp_path / "job.jsonl", JOB), "--max-batch", "3")
     before = {p: p.stat().st_mtime_ns for p in (out / "images").iterdir()}
+    stats = (out / "stats.json").read_text()
     assert generate(model_dir, out, tmp_path / "job.jsonl", "--max-batch", "3") == 0
-    assert json.loads((out / "stats.json").read_text())["made_this_run"] == 0
+    assert (out / "stats.json").read_text() == stats  # the figures of the run that made the images stay
     assert {p: p.stat().st_mtime_ns for p in (out / "images").iterdir()} == before
     csv = tmp_path / "job.csv"
     csv.write_text("id,class,count,seed\na,1,3,5\nrow2,0,2,\nc,3,,\nd,2,2,9\n")
@@ -87,9 +88,14 @@ def test_resuming_into_a_folder_of_another_job_is_refused(model_dir, reference, 
     job = write_job(tmp_path / "job.jsonl", JOB[:1])
     assert generate(model_dir, out, job) == 0
     assert generate(model_dir, out, job, "--temperature", "0") == 2
-    assert "made with a different settings" in capsys.readouterr().err
+    assert "made with another temperature (1.0 there, 0.0 now)" in capsys.readouterr().err
+    for option, named in ((["--budget", "fixed"], "budget ('auto' there, 'fixed' now)"),
+                          (["--max-batch", "3"], "max_batch (16 there, 3 now)"),
+                          (["--dtype", "bfloat16"], "dtype ('float32' there, 'bfloat16' now)")):
+        assert generate(model_dir, out, job, *option) == 2
+        assert named in capsys.readouterr().err
     assert generate(model_dir, out, write_job(tmp_path / "other.jsonl", [{**JOB[0], "seed": 6}])) == 2
-    assert "made with a different seed" in capsys.readouterr().err
+    assert "made with another seed (5 there, 6 now)" in capsys.readouterr().err
 
 
 def test_a_row_alone_makes_the_images_it_makes_in_the_job(model_dir, reference, tmp_path):
@@ -120,28 +126,45 @@ def test_interrupted_run_resumes_to_the_same_bytes(model_dir, reference, tmp_pat
     assert images(tmp_path / "out") == images(reference)
 
 
-def test_killed_process_resumes_to_the_same_bytes(model_dir, reference, tmp_path):
-    job = write_job(tmp_path / "job.jsonl", JOB)
-    out = tmp_path / "out"
+def run_and_stop(model_dir, job, out, stop: signal.Signals, *extra: str) -> None:
+    """Start the job in another process (each batch slowed by 0.3 s), send it `stop` once two images are listed."""
     slow = ("import time\nfrom image_ar.llamagen.family import FAMILY as g\nreal = g.generate\n"
             "def slow(*a):\n    time.sleep(0.3)\n    return real(*a)\n"
             "g.generate = slow\nfrom mmspec.cli import main\n"
             f"main(['generate', '--model', {str(model_dir)!r}, '--job', {str(job)!r}, '--out', {str(out)!r}, "
-            "'--quiet', '--max-batch', '3'])")
-    proc = subprocess.Popen([sys.executable, "-c", slow], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            f"'--quiet', '--max-batch', '3', *{list(extra)!r}])")
+    proc = subprocess.Popen([sys.executable, "-c", slow], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
         shard = out / "manifest.jsonl"
         if shard.is_file() and len(shard.read_text().splitlines()) >= 2:
             break
         time.sleep(0.05)
-    assert proc.poll() is None, "the run finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
+    assert proc.poll() is None, "the run finished before it could be stopped"
+    proc.send_signal(stop)
     proc.wait()
     assert 2 <= len((out / "manifest.jsonl").read_text().splitlines()) < 8
-    assert generate(model_dir, out, job, "--max-batch", "3") == 0
+
+
+@pytest.mark.parametrize("method, stop", [("vanilla", signal.SIGKILL), ("sjd", signal.SIGKILL),
+                                          ("draft-model", signal.SIGTERM), ("sjd", signal.SIGINT),
+                                          ("gsd", signal.SIGKILL)])
+def test_killed_process_resumes_to_the_same_bytes(model_dir, reference, tmp_path, method, stop):
+    """Default settings (budget auto; the coupled rule for lossless methods, whose images are vanilla's; the fixed
+    budget a relaxed rule's job takes by default): a run stopped by kill -9, SIGTERM or Ctrl-C and resumed makes an
+    uninterrupted run's bytes."""
+    job = write_job(tmp_path / "job.jsonl", JOB)
+    method_args = ("--method", method)
+    want = reference
+    if method == "gsd":  # (its images are its own: relaxed acceptance)
+        want = tmp_path / "whole"
+        assert generate(model_dir, want, job, "--max-batch", "3", *method_args) == 0
+    out = tmp_path / "out"
+    run_and_stop(model_dir, job, out, stop, *method_args)
+    assert generate(model_dir, out, job, "--max-batch", "3", *method_args) == 0
     assert [(r["id"], r["index"]) for r in manifest(out)] == KEYS
-    assert images(out) == images(reference)
+    assert images(out) == images(want)
     assert not list((out / "images").glob(".*.tmp"))
 
 
@@ -223,3 +246,34 @@ def test_out_of_memory_batches_are_retried_smaller_without_losing_rows(model_dir
     assert stats["oom_backoffs"] == 2 and stats["made_this_run"] == 8  # 8 -> 4 -> 2
     assert [(r["id"], r["index"]) for r in manifest(tmp_path / "out")] == KEYS
     assert images(tmp_path / "out") == images(tmp_path / "batches-of-2")  # the halves are the chunks of 2
+
+
+def test_a_torn_last_manifest_line_is_cut_and_its_image_made_again(model_dir, reference, tmp_path, capsys):
+    """A killed process can leave half a record at the manifest's end: the resumed run cuts it (a record appended
+    after it would join its line and be lost too), makes that image again, and lists every image once."""
+    job = write_job(tmp_path / "job.jsonl", JOB)
+    out = tmp_path / "out"
+    assert generate(model_dir, out, job, "--max-batch", "3") == 0
+    lines = (out / "manifest.jsonl").read_text().splitlines(keepends=True)
+    torn = "".join(lines[:5]) + lines[5][: len(lines[5]) // 2]  # 5 whole records, then half of the sixth
+    (out / "manifest.jsonl").write_text(torn)
+    (out / "stats.json").unlink()  # (as a killed run leaves it)
+    assert generate(model_dir, out, job, "--max-batch", "3") == 0
+    assert "made 3 of 8 images" in capsys.readouterr().out  # the torn record's chunk: images 4-6 (3 made again)
+    assert [(r["id"], r["index"]) for r in manifest(out)] == KEYS
+    assert images(out) == images(reference)
+    assert json.loads((out / "stats.json").read_text())["manifest_records"] == 8
+
+
+@pytest.mark.parametrize("method", ["sjd", "draft-model"])
+def test_default_settings_give_vanillas_images_whatever_the_run(model_dir, reference, tmp_path, method):
+    """Sampled lossless methods on their default settings (the coupled rule, `budget="auto"`) make vanilla's images
+    for the job's seeds: the same bytes whatever the draft budget chose, so an interrupted and resumed run, or a
+    second run, gives them too."""
+    job = write_job(tmp_path / "job.jsonl", JOB)
+    for run in ("first", "second"):
+        out = tmp_path / f"{method}-{run}"
+        assert generate(model_dir, out, job, "--max-batch", "3", "--method", method) == 0
+        assert images(out) == images(reference), run
+        stats = json.loads((out / "stats.json").read_text())["stats"]
+        assert stats["num_accepted_tokens"] > 0  # (it did draft, and keep drafts)

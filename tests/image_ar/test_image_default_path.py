@@ -7,6 +7,8 @@ code and transformers' `generate` in the families' own tests)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from llamagen_dummies import get_dummy_components, get_dummy_t2i_components
@@ -29,9 +31,13 @@ def llamagen():
 
 
 def llamagen_t2i():
-    return LlamaGenPipeline(**get_dummy_t2i_components()), {"prompt": ["a red circle", "the small green square on a "
-                                                                       "blue background", "a cross"],
-                                                            "guidance_scale": 4.0}
+    components = get_dummy_t2i_components()
+    draft = components["draft_transformer"] = copy.deepcopy(components["transformer"])  # a draft model that agrees
+    with torch.no_grad():  # with the target in part (the dummy's own small draft agrees on nothing): drafts accepted
+        noise = torch.randn(draft.output.weight.shape, generator=torch.Generator().manual_seed(2))
+        draft.output.weight.add_(0.3 * noise)
+    return LlamaGenPipeline(**components), {"prompt": ["a red circle", "the small green square on a blue background",
+                                                       "a cross"], "guidance_scale": 4.0}
 
 
 def transformers_ar(make):
@@ -97,3 +103,34 @@ def test_forced_budget_decisions_keep_llamagen_sampled_law(method, tmp_path, mon
         return next_probs
 
     assert_fits_law_not_control(pairs, law, 0.8, min_dof=10)
+
+
+def row_generators(seeds) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(seed) for seed in seeds]
+
+
+@pytest.mark.parametrize("family,method", CASES)
+def test_sampled_default_path_gives_vanilla_images_for_the_same_seeds(family, method, tmp_path, monkeypatch):
+    """At temperature 1 the default acceptance rule ("coupled") keeps the target's own sample at every token: under
+    every forced budget decision each image is vanilla's for its seed, token for token, and a row generated alone
+    is its row of the batch (whatever is drafted, whatever the budget picks, whatever the batch)."""
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    pipe, inputs = FAMILIES[family][0]()
+    pipe.set_progress_bar_config(disable=True)
+    inputs = {**inputs, "temperature": 1.0, "top_k": 0, "output_type": "latent"}
+    seeds = (11, 12, 13)
+    vanilla = pipe(**inputs, generator=row_generators(seeds))
+    assert len({tuple(row) for row in vanilla.tokens.tolist()}) > 1  # sampled: the rows differ
+    with forced_budget(*SCRIPTS):
+        for script in SCRIPTS:
+            out = pipe(**inputs, method=method, generator=row_generators(seeds))
+            assert torch.equal(out.tokens, vanilla.tokens), script
+    assert out.stats.extra.get("calls_without_drafter") == 1
+    accepted = pipe(**inputs, method=method, generator=row_generators(seeds), budget="fixed").stats
+    greedy = pipe(**{**inputs, "temperature": 0.0}, method=method, budget="fixed").stats
+    # drafts were accepted, not only the target's own tokens kept (the dummy t2i's untrained EAGLE drafter agrees
+    # with its target on no token, greedy included)
+    assert accepted.num_accepted_tokens > 0 or greedy.num_accepted_tokens == 0
+    condition = "class_labels" if "class_labels" in inputs else "prompt"
+    alone = pipe(**{**inputs, condition: inputs[condition][1:2]}, method=method, generator=row_generators(seeds[1:2]))
+    assert torch.equal(alone.tokens[0], vanilla.tokens[1])

@@ -65,7 +65,10 @@ def test_argument_errors_come_before_any_model_loads(model_dir, tmp_path, capsys
     record = get_family("llamagen")
     loads = []
     monkeypatch.setattr(record, "load", lambda *a, **k: loads.append(a))
-    for args, message in ((("--num-images", "-1"), "--num-images must be >= 1"),
+    for args, message in ((("--num-images", "-1"), "--num-images must be a whole number from 1 to 100000"),
+                          (("--num-images", "1000000000"), "--num-images must be a whole number from 1 to 100000"),
+                          (("--seed", "-1"), "--seed"), (("--temperature", "-1"), "temperature"),
+                          (("--prompt", ""), "--prompt"),
                           (("--job", str(tmp_path / "none.jsonl")), "is not a file")):
         assert main(["generate", "--family", "llamagen", "--model", str(model_dir), *args,
                      "--out", str(tmp_path / "out")]) == 2
@@ -132,7 +135,7 @@ def test_method_parameters_are_read_from_the_constructors_they_forward_to():
         return inspect.signature(cls).parameters[name].default
 
     eagle, lantern = FAMILY.methods["eagle"].params, FAMILY.methods["lantern"].params
-    assert eagle["depth"] == default(EagleTreeDrafter, "depth") and eagle["accept"] == "lossless"
+    assert eagle["depth"] == default(EagleTreeDrafter, "depth") and eagle["accept"] == "coupled"
     assert eagle["group_size"] == default(GSDRule, "group_size") and eagle["embeddings"] == "target"
     assert lantern["top_k"] == default(EagleTreeDrafter, "top_k") and lantern["delta"] == default(LanternRule, "delta")
     assert "neighbours" not in lantern and "greedy" not in lantern and "guidance_scale" not in lantern

@@ -115,3 +115,36 @@ def test_forced_budget_decisions_keep_the_sampled_law(tmp_path, monkeypatch):
     pairs = prefix_pairs(rows, range(1, 6))
     assert_fits_law_not_control(pairs, lambda t: appended_token_law(vlm.model, enc, temperature * t), 0.8,
                                 min_dof=4)
+
+
+SAMPLED_CASES = [("llava", "llama", kind) for kind in DRAFTER_KINDS] + [
+    (family, backbone, "eagle") for family, backbone in TARGETS if (family, backbone) != ("llava", "llama")]
+
+
+@pytest.mark.parametrize("family,backbone,kind", SAMPLED_CASES)
+def test_sampled_default_path_gives_the_targets_own_answers(family, backbone, kind, tmp_path, monkeypatch):
+    """At temperature 1 the default acceptance rule ("coupled") keeps the target's own sample at every token: under
+    every forced budget decision the answers are the target alone's (`use_drafter=False`) for the same per-row
+    generators, and a row answered alone (with the drafter) is its row of the batch."""
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    vlm = tiny_vlm(family, backbone=backbone, peak=4.0)
+    enc = tiny_processor_batch(vlm, n=3, seed=2)
+    torch.manual_seed(1)
+    vlm.drafter = drafter_model(kind).for_target(vlm.lm).eval()
+    sampled = dict(max_new_tokens=24, do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+
+    def gens(seeds=(21, 22, 23)):
+        return [torch.Generator().manual_seed(seed) for seed in seeds]
+
+    alone = vlm.generate(**enc, **sampled, generator=gens(), use_drafter=False)
+    with forced_budget(*SCRIPTS):
+        for script in SCRIPTS:
+            assert torch.equal(vlm.generate(**enc, **sampled, generator=gens()), alone), script
+    assert vlm.last_stats.extra.get("calls_without_drafter") == 1
+    vlm.generate(**enc, **sampled, generator=gens(), budget="fixed")
+    assert vlm.last_stats.num_drafts > 0
+    one = {k: v[1:2] for k, v in enc.items()} if family != "qwen2_vl" else None
+    if one is not None:  # (Qwen2-VL's pixel rows are not one per question)
+        row = vlm.generate(**one, **sampled, generator=gens((22,)))
+        answer = alone[1, enc["input_ids"].shape[1]:]
+        assert torch.equal(row[0, one["input_ids"].shape[1]:], answer[: row.shape[1] - one["input_ids"].shape[1]])

@@ -90,6 +90,13 @@ def assert_tree_logits_match_llava(model, rows: list[list[int]], pixels: torch.T
                 torch.testing.assert_close(logits[b, node], ref, atol=1e-5, rtol=1e-5)
 
 
+def stop_ids(vlm) -> set[int]:
+    """The ids that end an answer: the tokenizer's eos and the model's generation_config's."""
+    ids = vlm.model.generation_config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
+    return ids | {vlm.processor.tokenizer.eos_token_id} - {None}
+
+
 def appended_token_law(model, enc: dict, temperature: float):
     """next_probs(first) for `pooled_chi_square`: the model's own softmax at `temperature` of the token after row 0
     of a processor's outputs `enc` plus `first` (one token, or a tuple of tokens: a prefix from `prefix_pairs`);
