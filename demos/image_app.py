@@ -36,7 +36,7 @@ from mmspec.cli.family_io import resolve_class, world_class_names  # noqa: E402
 from mmspec.cli.generate import make_grid, parse_method_args  # noqa: E402
 from mmspec.errors import InputError, check  # noqa: E402
 from mmspec.families import FamilyRecord, available_families, get_family  # noqa: E402
-from mmspec.limits import check_sampling, check_seed  # noqa: E402
+from mmspec.limits import check_count, check_sampling, check_seed  # noqa: E402
 
 PREFERRED_METHOD = {"llamagen": "sjd"}  # shown first where a family has it; else its first speculative method
 MAX_IMAGES = 16
@@ -180,8 +180,7 @@ def compare(store: ModelStore, family: str, method: str, class_text: str, method
     check(class_text is not None and str(class_text).strip(),
           "write a caption (e.g. 'a small red circle in the center on a black background')." if text else
           "pick a class (a name such as 'red circle' or a class id).")
-    check(isinstance(num_images, (int, float)) and int(num_images) == num_images and 1 <= num_images <= MAX_IMAGES,
-          f"number of images must be a whole number from 1 to {MAX_IMAGES}, got {num_images!r}.")
+    check_count("number of images", num_images, MAX_IMAGES, hint="")  # (a page shows few; `mmspec generate`: 100000)
     check_seed("seed", seed)
     method_kwargs = record.get_method(method).check_given(parse_method_text(method_text), family)
     sampling_options(family, record.defaults(), guidance_scale, temperature, top_k, top_p)  # before loading

@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from demos.common import launch  # noqa: E402
 from mmspec.data.artifacts import ASSETS_DIR  # noqa: E402
 from mmspec.errors import InputError, check  # noqa: E402
+from mmspec.limits import check_sampling, check_seed  # noqa: E402
 
 MAX_NEW_TOKENS = 256
 EXAMPLE_QUESTIONS = ["What color is the object? Answer in detail.", "Describe the image. Answer in detail.",
@@ -99,9 +100,7 @@ def check_request(image_path, question: str, max_new_tokens, temperature, top_p,
                                    ("tree size", total, 0, 256)):
         check(isinstance(value, (int, float)) and int(value) == value and low <= value <= high,
               f"{name} must be a whole number from {low} to {high}, got {value!r}.")
-    check(isinstance(temperature, (int, float)) and 0 <= temperature <= 5,
-          f"temperature must be between 0 and 5, got {temperature!r}.")
-    check(isinstance(top_p, (int, float)) and 0 < top_p <= 1, f"top-p must be in (0, 1], got {top_p!r}.")
+    check_sampling(temperature=temperature, top_p=top_p)  # (the command line's limits, `mmspec.limits`)
     return image
 
 
@@ -122,6 +121,7 @@ def answer_stream(store: VLMStore, image_path, question, drafter, max_new_tokens
     from vlm.pipeline import piece_text
 
     image = check_request(image_path, question, max_new_tokens, temperature, top_p, depth, top_k, total)
+    check_seed("seed", seed)
     vlm = store.get(drafter)
     tok = vlm.processor.tokenizer
     updates: queue.Queue = queue.Queue()

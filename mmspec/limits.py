@@ -27,10 +27,11 @@ def check_seed(name: str, value) -> int:
     return int(value)
 
 
-def check_count(name: str, value, limit: int = MAX_IMAGES_PER_ROW) -> int:
+def check_count(name: str, value, limit: int = MAX_IMAGES_PER_ROW,
+                hint: str = "; split a bigger run into job rows") -> int:
     """InputError unless `value` is a whole number in [1, limit]; returns it as an int."""
     check(is_integer(value) and 1 <= value <= limit, f"{name} must be a whole number from 1 to {limit}, "
-                                                     f"got {value!r}; split a bigger run into job rows.")
+                                                     f"got {value!r}{hint}.")
     return int(value)
 
 

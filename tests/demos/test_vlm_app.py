@@ -63,7 +63,8 @@ def test_streamed_answer_equals_the_target_alone(store):
     ({"image_path": None}, "upload an image"),
     ({"question": "   "}, "type a question"),
     ({"max_new_tokens": 10**6}, "max new tokens"),
-    ({"temperature": -2}, "temperature"),
+    ({"temperature": -2}, "temperature"), ({"temperature": 11}, "temperature must be between 0 and 10"),
+    ({"top_p": 0}, "top-p must be > 0"), ({"seed": -1}, r"seed must be a whole number in \[0, 2\^53\)"),
     ({"drafter": "medusa"}, "unknown drafter"),
 ])
 def test_bad_requests_are_messages(store, tmp_path, change, message):
