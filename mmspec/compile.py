@@ -41,11 +41,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mmspec.errors import check
+
+if TYPE_CHECKING:  # torch loads where a model is compiled: the command line reads the modes without it
+    import torch
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 AUTO = "auto"  # compile where a measured verdict says it pays (`auto_compile_mode`)
@@ -78,6 +79,8 @@ def uses_cuda_graphs(mode: str, device: torch.device) -> bool:
 
 
 def _raise_recompile_limit() -> None:
+    import torch
+
     config = torch._dynamo.config
     for name in ("recompile_limit", "cache_size_limit"):  # the newer name first
         if hasattr(config, name):
@@ -98,6 +101,8 @@ class CachePool:
         key = (args, tuple(sorted(kwargs.items())))
         cache = self.caches.get(key)
         if cache is None:
+            import torch
+
             cache = self.caches[key] = self.new_cache(*args, **kwargs)
             for buffer in list(getattr(cache, "k", [])) + list(getattr(cache, "v", [])):
                 torch._dynamo.mark_static_address(buffer)
@@ -111,6 +116,8 @@ def compile_cached_lm(model: torch.nn.Module, mode: str = "default") -> torch.nn
     check_compile_mode(mode)
     check(callable(getattr(model, "forward_cached", None)) and callable(getattr(model, "new_cache", None)),
           f"{type(model).__name__} is not a cached model (it needs forward_cached and new_cache).")
+    import torch
+
     uncompile_cached_lm(model)
     _raise_recompile_limit()
     eager_forward, eager_new_cache = model.forward_cached, model.new_cache

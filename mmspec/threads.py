@@ -19,8 +19,6 @@ import math
 import os
 from pathlib import Path
 
-import torch
-
 from mmspec.errors import check
 
 PARAMETERS_PER_THREAD = 20_000_000
@@ -63,6 +61,8 @@ def auto_threads(parameters: int | None) -> int:
 
 def count_parameters(*models) -> int:
     """Parameters of the torch modules given (pipelines: their components that are modules)."""
+    import torch  # (here, not at the top: the command line parses --threads before torch loads)
+
     total = 0
     for model in models:
         modules = [model] if isinstance(model, torch.nn.Module) else [
@@ -81,6 +81,8 @@ def parse_threads(value: str | int | None) -> int | None:
 
 def set_threads(threads: int | None, parameters: int | None = None) -> int:
     """Set torch's intra-op threads (None: `auto_threads(parameters)`); returns what it set."""
+    import torch
+
     threads = auto_threads(parameters) if threads is None else threads
     torch.set_num_threads(threads)
     return threads

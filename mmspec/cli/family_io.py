@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from mmspec.diffusers_folder import pipeline_class_name
 from mmspec.errors import InputError, check
 
 DTYPES = ("float32", "bfloat16", "float16")  # --dtype choices of mmspec generate and mmspec vlm
@@ -48,6 +47,8 @@ def load_pipeline_folder(pipeline_cls: type | tuple[type, ...], model_path: str 
         hint = (f"the embedded default is made by `{made_by}`" if model_path is None
                 else f"pass a folder written by {names}.save_pretrained or `{converted_by}`")
         raise InputError(f"no {family} pipeline at {path} (model_index.json missing); {hint}.")
+    from mmspec.diffusers_folder import pipeline_class_name  # (torch: only once a model is asked for)
+
     try:
         kind = pipeline_class_name(json.loads(index.read_text()).get("_class_name"))
     except (json.JSONDecodeError, AttributeError):

@@ -75,14 +75,18 @@ def test_generate_errors_are_clear(folders, tmp_path, capsys):
     assert "method 'vanilla' drafts nothing: drop --budget" in capsys.readouterr().err
 
 
-def test_generate_budget_reaches_cspd(folders, tmp_path):
-    """--budget is CSpD's window budget: fixed drafts gamma every window (no budget counts), auto (the default)
-    counts the windows it chose."""
+def test_generate_budget_reaches_cspd(folders, tmp_path, capsys):
+    """--budget is CSpD's window budget: fixed drafts gamma every window (no budget counts), auto counts the windows
+    it chose. A job's default is fixed (CSpD's sampled images depend on the draft sizes), said in one line."""
     cspd_dir, _ = folders
+    assert generate(cspd_dir, tmp_path / "default", "--method", "cspd") == 0
+    assert "budget: fixed" in capsys.readouterr().err
     assert generate(cspd_dir, tmp_path / "fixed", "--method", "cspd", "--budget", "fixed") == 0
-    assert generate(cspd_dir, tmp_path / "auto", "--method", "cspd") == 0
-    extras = [json.loads((tmp_path / name / "stats.json").read_text())["stats"]["extra"] for name in ("fixed", "auto")]
-    assert not any(k.startswith("budget_") for k in extras[0]) and any(k.startswith("budget_") for k in extras[1])
+    assert generate(cspd_dir, tmp_path / "auto", "--method", "cspd", "--budget", "auto") == 0
+    names = ("default", "fixed", "auto")
+    extras = [json.loads((tmp_path / name / "stats.json").read_text())["stats"]["extra"] for name in names]
+    counted = [any(k.startswith("budget_") for k in extra) for extra in extras]
+    assert counted == [False, False, True]
 
 
 def test_bench_family_mar(folders):

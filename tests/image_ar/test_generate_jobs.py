@@ -2,7 +2,7 @@
 manifest written after each image, resume after an interruption (in-process and a killed process) with
 byte-identical outputs, 2-process sharding (torchrun, accelerate's PartialState; every row exactly once),
 malformed job files, and the out-of-memory back-off. Runs compared byte for byte use the same --max-batch (3):
-the job is cut into the same chunks, see `mmspec.cli.generate.Runner`."""
+the job is cut into the same chunks, see `mmspec.cli.image_job.Runner`."""
 
 import json
 import os
