@@ -98,20 +98,33 @@ def parse_tree(text: str | None) -> tuple[int, int, int] | None:
     return depth, top_k, total
 
 
-def load_vlm(args: argparse.Namespace):
-    from vlm.pipeline import SpeculativeVLM
-
+def model_folder(args: argparse.Namespace) -> Path:
+    """The target folder: --model, or the embedded world LLaVA (InputError when it has not been made)."""
     folder = Path(args.model) if args.model else ASSETS_DIR / "vlm"
     if args.model is None and not (folder / "config.json").is_file():
         raise InputError(f"no embedded VLM at {folder}; make it with `mmspec train vlm` (and a drafter with "
                          "`mmspec train vlm-drafter --kind eagle`), or pass --model DIR.")
-    drafter = None if args.drafter == "none" else args.drafter
-    if args.drafter == "auto":
-        from vlm.family import drafter_kinds_in
+    return folder
 
-        found = drafter_kinds_in(folder)
-        drafter = found[0] if found else None
-        print(f"drafter: {drafter or 'none (the target alone)'}", file=sys.stderr)
+
+def resolve_drafter(args: argparse.Namespace) -> None:
+    """--drafter auto -> the first kind found in the target folder's drafters/, else "none", said in one line (a
+    job records the kind it used, so a drafter added later does not change a resumed job)."""
+    if args.drafter != "auto":
+        return
+    from vlm.family import drafter_kinds_in
+
+    found = drafter_kinds_in(model_folder(args))
+    args.drafter = found[0] if found else "none"
+    print(f"drafter: {found[0] if found else 'none (the target alone)'}", file=sys.stderr)
+
+
+def load_vlm(args: argparse.Namespace):
+    from vlm.pipeline import SpeculativeVLM
+
+    folder = model_folder(args)
+    resolve_drafter(args)
+    drafter = None if args.drafter == "none" else args.drafter
     threads = parse_threads(args.threads)  # checked before the model loads
     vlm = SpeculativeVLM.from_pretrained(folder, drafter, device=args.device, dtype=torch_dtype(args.dtype))
     set_threads(threads, count_parameters(*(m for m in (vlm.model, vlm.drafter) if m is not None)))
@@ -262,6 +275,7 @@ def run_job(args: argparse.Namespace, tree: tuple[int, int, int] | None) -> int:
             raise ValueError(f"image {path} does not exist")
         return {"image": str(path), "prompt": str(fields["prompt"])}
 
+    resolve_drafter(args)
     args.budget = job_budget(args)
     rows, bad = read_job_file(job, args.seed, parse_inputs, columns=JOB_COLUMNS)
     if bad and not args.skip_bad:

@@ -98,6 +98,20 @@ def test_a_resume_with_other_options_is_refused_naming_them(folder, tmp_path, ca
         assert f"another {named}" in err and len(err.splitlines()) == 1
 
 
+def test_a_job_records_the_drafter_auto_picked(folder, tmp_path, capsys):
+    """--drafter auto (the default) records the kind it found, so a resume that would find another is refused."""
+    job = write_job(folder, "few.jsonl", scenes(2))
+    out = tmp_path / "out"
+    assert run_job(folder, job, out) == 0
+    assert "drafter: eagle" in capsys.readouterr().err
+    assert {json.loads(line)["settings"]["drafter"] for line in (out / "answers.jsonl").read_text().splitlines()} \
+        == {"eagle"}
+    assert run_job(folder, job, out, "--drafter", "eagle") == 0  # the same job: nothing left to answer
+    assert "nothing to answer" in capsys.readouterr().out
+    assert run_job(folder, job, out, "--drafter", "none") == 2
+    assert "another drafter ('eagle' there, 'none' now)" in capsys.readouterr().err
+
+
 def test_a_lossless_sampled_job_drafts_its_fixed_tree_unless_told(folder, tmp_path, capsys):
     """accept=lossless at temperature > 0: the answers depend on the shapes drafted, so the job's default budget is
     fixed (said in one line) and a given --budget auto is honoured with a note."""
