@@ -127,24 +127,26 @@ def test_interrupted_run_resumes_to_the_same_bytes(model_dir, reference, tmp_pat
 
 
 def run_and_stop(model_dir, job, out, stop: signal.Signals, *extra: str) -> None:
-    """Start the job in another process (each batch slowed by 0.3 s), send it `stop` once two images are listed."""
-    slow = ("import time\nfrom image_ar.llamagen.family import FAMILY as g\nreal = g.generate\n"
-            "def slow(*a):\n    time.sleep(0.3)\n    return real(*a)\n"
-            "g.generate = slow\nfrom mmspec.cli import main\n"
-            f"main(['generate', '--model', {str(model_dir)!r}, '--job', {str(job)!r}, '--out', {str(out)!r}, "
-            f"'--quiet', '--max-batch', '3', *{list(extra)!r}])")
+    """Start the job in another process and send it `stop` while it holds its second batch (3 images listed,
+    the next 3 made but not written): the process waits there for the signal, so no timing decides where it is
+    stopped."""
+    holding = out.parent / f"holding-{out.name}"
+    slow = ("import pathlib, time\nfrom image_ar.llamagen.family import FAMILY as g\nreal = g.generate\n"
+            "calls = []\n"
+            "def held(*a):\n    made = real(*a)\n    calls.append(1)\n    if len(calls) == 2:\n"
+            f"        pathlib.Path({str(holding)!r}).touch()\n        time.sleep(300)\n    return made\n"
+            "g.generate = held\nfrom mmspec.cli import main\n"
+            f"raise SystemExit(main(['generate', '--model', {str(model_dir)!r}, '--job', {str(job)!r}, '--out', "
+            f"{str(out)!r}, '--quiet', '--max-batch', '3', *{list(extra)!r}]))")
     proc = subprocess.Popen([sys.executable, "-c", slow], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stderr=subprocess.DEVNULL)
-    deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
-        shard = out / "manifest.jsonl"
-        if shard.is_file() and len(shard.read_text().splitlines()) >= 2:
-            break
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None and not holding.exists():
         time.sleep(0.05)
-    assert proc.poll() is None, "the run finished before it could be stopped"
+    assert proc.poll() is None and holding.exists(), "the run ended before its second batch"
     proc.send_signal(stop)
-    proc.wait()
-    assert 2 <= len((out / "manifest.jsonl").read_text().splitlines()) < 8
+    assert proc.wait(timeout=120) == (130 if stop == signal.SIGINT else -stop)  # Ctrl-C: mmspec's exit 130
+    assert len((out / "manifest.jsonl").read_text().splitlines()) == 3
 
 
 @pytest.mark.parametrize("method, stop", [("vanilla", signal.SIGKILL), ("sjd", signal.SIGKILL),
