@@ -131,7 +131,9 @@ def run_and_stop(model_dir, job, out, stop: signal.Signals, *extra: str) -> None
     the next 3 made but not written): the process waits there for the signal, so no timing decides where it is
     stopped."""
     holding = out.parent / f"holding-{out.name}"
-    slow = ("import pathlib, time\nfrom image_ar.llamagen.family import FAMILY as g\nreal = g.generate\n"
+    # Ctrl-C's handler as in a terminal (a process started in the background inherits SIGINT ignored)
+    slow = ("import pathlib, signal, time\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+            "from image_ar.llamagen.family import FAMILY as g\nreal = g.generate\n"
             "calls = []\n"
             "def held(*a):\n    made = real(*a)\n    calls.append(1)\n    if len(calls) == 2:\n"
             f"        pathlib.Path({str(holding)!r}).touch()\n        time.sleep(300)\n    return made\n"
@@ -140,12 +142,17 @@ def run_and_stop(model_dir, job, out, stop: signal.Signals, *extra: str) -> None
             f"{str(out)!r}, '--quiet', '--max-batch', '3', *{list(extra)!r}]))")
     proc = subprocess.Popen([sys.executable, "-c", slow], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None and not holding.exists():
-        time.sleep(0.05)
-    assert proc.poll() is None and holding.exists(), "the run ended before its second batch"
-    proc.send_signal(stop)
-    assert proc.wait(timeout=120) == (130 if stop == signal.SIGINT else -stop)  # Ctrl-C: mmspec's exit 130
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None and not holding.exists():
+            time.sleep(0.05)
+        assert proc.poll() is None and holding.exists(), "the run ended before its second batch"
+        proc.send_signal(stop)
+        assert proc.wait(timeout=120) == (130 if stop == signal.SIGINT else -stop)  # Ctrl-C: mmspec's exit 130
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     assert len((out / "manifest.jsonl").read_text().splitlines()) == 3
 
 
