@@ -8,7 +8,9 @@ settings and, for families whose pipeline takes
 one, the draft budget (docs/budgets.md: "default" is the pipeline's own, "auto" for LlamaGen and CSpD: each step's
 size from this device's measured costs; "fixed" drafts the method's size every step); both runs use the same seeds. The
 app shows the two image grids, wall times, the speed-up, step compression (vanilla's target forwards / the
-method's), the mean acceptance length and a per-position acceptance plot. Families, methods and their loaders are
+method's), the mean acceptance length, what the draft budget did (the steps drafted and the sizes it chose; when it
+chose plain steps on most steps, a line saying so and that "fixed" drafts every step) and a per-position acceptance
+plot. Families, methods and their loaders are
 the family records `mmspec generate` reads (`mmspec.families`, those with a generate hook); pipelines are
 loaded lazily once per family; their tqdm bars
 feed the page's progress bar (`gr.Progress(track_tqdm=True)`). Requests wait in a queue that runs
@@ -30,10 +32,11 @@ if __package__ in (None, ""):  # `python demos/image_app.py` from a checkout
 import gradio as gr  # noqa: E402
 import torch  # noqa: E402
 
-from demos.common import launch  # noqa: E402
+from demos.common import BUDGET_INFO, BUDGETS, budget_figures, launch  # noqa: E402
 from mmspec.bench.plots import per_position_figure  # noqa: E402
 from mmspec.cli.family_io import resolve_class, world_class_names  # noqa: E402
-from mmspec.cli.generate import make_grid, parse_method_args  # noqa: E402
+from mmspec.cli.generate import parse_method_args  # noqa: E402
+from mmspec.cli.image_job import make_grid  # noqa: E402
 from mmspec.errors import InputError, check  # noqa: E402
 from mmspec.families import FamilyRecord, available_families, get_family  # noqa: E402
 from mmspec.limits import check_count, check_sampling, check_seed  # noqa: E402
@@ -82,7 +85,6 @@ class ModelStore:
         return self.defaults(family)["guidance_scale"]
 
 
-BUDGETS = ("default", "fixed", "auto")  # "default": the family pipeline's own default
 EXAMPLE_CAPTIONS = ("a small red circle in the center on a black background",
                     "a large yellow cross in the upper left on a white background",
                     "a medium green square at the bottom on a purple background")
@@ -211,22 +213,28 @@ def compare(store: ModelStore, family: str, method: str, class_text: str, method
         "draft_acceptance_rate": round(spec_stats.draft_acceptance_rate, 3) if drafted else None,
         "per_position_acceptance_rate": [round(r, 3) for r in spec_stats.per_position_acceptance_rate],
         "extra": dict(spec_stats.extra),
+        **budget_figures(spec_stats, method),
     }
+    empty = ("no drafted tokens: the draft budget chose plain steps" if stats["budget_note"] and not drafted
+             else "no method drafted tokens")
     figure = per_position_figure([{"method": method, "per_position_acceptance_rate":
                                    stats["per_position_acceptance_rate"]}],
-                                 f"{family} / {method}: per-position acceptance ({len(labels)} images)")
+                                 f"{family} / {method}: per-position acceptance ({len(labels)} images)", empty)
     return {"vanilla": display_grid(base), "method": display_grid(spec), "stats": stats, "figure": figure}
 
 
 def summary_markdown(stats: dict) -> str:
+    """The page's summary: times, speed-up, step compression, acceptance, then what the draft budget did (why the
+    method barely drafted, where that is the case)."""
     def fmt(value, suffix=""):
         return "n/a" if value is None else f"{value}{suffix}"
 
+    budget = stats.get("budget_note") or stats.get("draft_budget")
     return (f"**{stats['method']}**: {stats['method_seconds']:.2f} s vs vanilla {stats['vanilla_seconds']:.2f} s "
             f"(speed-up {fmt(stats['speedup'], 'x')}) · step compression {fmt(stats['step_compression'], 'x')} "
             f"({stats['vanilla_target_forwards']} → {stats['method_target_forwards']} target forwards) · "
             f"mean acceptance length {fmt(stats['mean_acceptance_length'])} · draft acceptance rate "
-            f"{fmt(stats['draft_acceptance_rate'])}")
+            f"{fmt(stats['draft_acceptance_rate'])}" + (f"\n\n{budget}" if budget else ""))
 
 
 def build_app(store: ModelStore | None = None, family: str = "llamagen", concurrency: int = 1,
@@ -285,7 +293,8 @@ def build_app(store: ModelStore | None = None, family: str = "llamagen", concurr
             top_k = gr.Number(value=0, precision=0, label="top-k (0 = off)")
             top_p = gr.Number(value=1.0, label="top-p (1 = off)")
             seed = gr.Number(value=0, precision=0, label="seed")
-            budget = gr.Dropdown(list(BUDGETS), value="default", label="draft budget")
+            budget = gr.Dropdown(list(BUDGETS), value="default", label="draft budget",
+                                 info=BUDGET_INFO)
         button = gr.Button("Generate", variant="primary")
         with gr.Row():
             vanilla_image = gr.Image(label="vanilla (same seeds)", type="pil", format="png", elem_id="vanilla-image")

@@ -5,10 +5,13 @@ round that produced each piece.
     python demos/vlm_app.py --model /data/llava-1.5-7b-mmspec --device cuda
 
 Upload an image (or pick one of the world's example scenes), ask a question, choose a drafter (the kinds found
-in MODEL/drafters, or none for the target alone) and the sampling settings. Each draft-verify round commits the
+in MODEL/drafters, or none for the target alone), the draft budget ("default": the pipeline's own, "auto": each
+step's tree shape, or a plain step, from this device's measured costs; "fixed": the drafter's tree every step) and
+the sampling settings. Each draft-verify round commits the
 drafts the target accepted (highlighted, alternating colours per round) and one token of the target's own (the
 correction or bonus token, plain). The stats give the answer's tokens, rounds, mean acceptance length, target
-forwards and tokens/s. The model is loaded once, on first use; requests queue and run one at a time. Bad input
+forwards, tokens/s and what the draft budget did (the steps drafted, the shapes chosen, and a note when it chose
+plain steps on most steps). The model is loaded once, on first use; requests queue and run one at a time. Bad input
 (no image, a file that is not an image, an empty question, absurd settings) comes back as a message in the
 page. No network access: analytics off, system fonts, no share link.
 """
@@ -30,7 +33,7 @@ if __package__ in (None, ""):  # `python demos/vlm_app.py` from a checkout
 import gradio as gr  # noqa: E402
 import torch  # noqa: E402
 
-from demos.common import launch  # noqa: E402
+from demos.common import BUDGET_INFO, BUDGETS, budget_figures, launch  # noqa: E402
 from mmspec.data.artifacts import ASSETS_DIR  # noqa: E402
 from mmspec.errors import InputError, check  # noqa: E402
 from mmspec.limits import check_sampling, check_seed  # noqa: E402
@@ -115,13 +118,20 @@ def highlighted(rounds: list[tuple[str, str]]) -> list[tuple[str, str | None]]:
     return segments
 
 
+def budget_option(budget: str) -> dict:
+    """The pipeline's `budget` argument for a page choice (one of BUDGETS): {} for "default" (the pipeline's own)."""
+    check(budget in BUDGETS, f"draft budget must be one of {', '.join(BUDGETS)}, got {budget!r}.")
+    return {} if budget == "default" else {"budget": budget}
+
+
 def answer_stream(store: VLMStore, image_path, question, drafter, max_new_tokens, temperature, top_p, depth, top_k,
-                  total, seed=0):
-    """Yields (segments, stats) as the answer grows; raises InputError for bad input."""
+                  total, seed=0, budget="default"):
+    """Yields (segments, stats) as the answer grows; `budget` one of BUDGETS; raises InputError for bad input."""
     from vlm.pipeline import piece_text
 
     image = check_request(image_path, question, max_new_tokens, temperature, top_p, depth, top_k, total)
     check_seed("seed", seed)
+    options = budget_option(budget)
     vlm = store.get(drafter)
     tok = vlm.processor.tokenizer
     updates: queue.Queue = queue.Queue()
@@ -135,7 +145,8 @@ def answer_stream(store: VLMStore, image_path, question, drafter, max_new_tokens
             start = time.perf_counter()
             result["out"] = vlm.generate([image], [question.strip()], int(max_new_tokens), float(temperature),
                                          float(top_p), tree=tuple(int(v) or None for v in (depth, top_k, total)),
-                                         generator=torch.Generator().manual_seed(int(seed)), stream=on_round)
+                                         generator=torch.Generator().manual_seed(int(seed)), stream=on_round,
+                                         **options)
             result["seconds"] = time.perf_counter() - start
         except Exception as err:  # handed to the request's thread
             result["error"] = err
@@ -164,7 +175,7 @@ def answer_stream(store: VLMStore, image_path, question, drafter, max_new_tokens
         "target_forwards": stats.num_target_forwards,
         "mean_acceptance_length": round(stats.mean_acceptance_length, 3) if stats.num_drafts else None,
         "draft_acceptance_rate": round(stats.draft_acceptance_rate, 3) if stats.num_drafts else None,
-        "answer": out.texts[0]}
+        "budget": budget, **budget_figures(stats, drafter), "answer": out.texts[0]}
 
 
 def build_app(store: VLMStore | None = None, concurrency: int = 1, max_queue: int = 16) -> gr.Blocks:
@@ -172,11 +183,11 @@ def build_app(store: VLMStore | None = None, concurrency: int = 1, max_queue: in
     drafters = store.drafters()
 
     def run(image_path, question, drafter, max_new_tokens, temperature, top_p, depth, top_k, total,
-            progress=gr.Progress()):  # noqa: B008  (gradio finds the tracker by this default)
+            budget="default", progress=gr.Progress()):  # noqa: B008  (gradio finds the tracker by this default)
         progress(0, desc="loading the model" if drafter not in store._vlms else "answering")
         try:
             yield from answer_stream(store, image_path, question, drafter, max_new_tokens, temperature, top_p,
-                                     depth, top_k, total)
+                                     depth, top_k, total, budget=budget)
         except InputError as err:
             raise gr.Error(str(err), print_exception=False) from None
 
@@ -188,6 +199,7 @@ def build_app(store: VLMStore | None = None, concurrency: int = 1, max_queue: in
                 image = gr.Image(type="filepath", label="image", elem_id="vlm-image", height=256)
                 question = gr.Textbox(label="question", value=EXAMPLE_QUESTIONS[0], elem_id="vlm-question")
                 drafter = gr.Dropdown(drafters, value=drafters[0], label="drafter")
+                budget = gr.Dropdown(list(BUDGETS), value="default", label="draft budget", info=BUDGET_INFO)
                 with gr.Accordion("settings", open=False):
                     max_new_tokens = gr.Slider(1, MAX_NEW_TOKENS, value=96, step=1, label="max new tokens")
                     temperature = gr.Number(value=0.0, label="temperature (0 = greedy)")
@@ -202,8 +214,8 @@ def build_app(store: VLMStore | None = None, concurrency: int = 1, max_queue: in
                 stats = gr.JSON(label="stats", elem_id="vlm-stats")
         gr.Examples([[path, q] for path, q in zip(example_images(), EXAMPLE_QUESTIONS * 2)], [image, question],
                     label="world scenes")
-        button.click(run, [image, question, drafter, max_new_tokens, temperature, top_p, depth, top_k, total],
-                     [answer, stats], api_name="answer")
+        button.click(run, [image, question, drafter, max_new_tokens, temperature, top_p, depth, top_k, total,
+                           budget], [answer, stats], api_name="answer")
     return app.queue(default_concurrency_limit=concurrency, max_size=max_queue)
 
 

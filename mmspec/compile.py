@@ -21,7 +21,7 @@ The compiled forward computes the same function; on a CPU it is checked token fo
 
 Where compiling pays is measured, not assumed: `mmspec profile --family F --compile MODE` times each model's
 forwards eager and compiled at the same batch sizes and widths (`measure_compile`) and caches the verdict per model,
-device, dtype, threads and mode (`mmspec.cost`). `compile="auto"` (`mmspec generate`'s default, `compile_pipeline`,
+device, dtype, threads and mode (`mmspec.profiling`). `compile="auto"` (`mmspec generate`'s default, `compile_pipeline`,
 `LlamaGenPipeline.compile_forwards`) compiles a model only where such a verdict says its compiled forwards took at
 most AUTO_COMPILE_RATIO of the eager ones (the geometric mean over the measured cells), in the best such mode, and
 leaves it eager otherwise, or where nothing was measured (so "auto" never pays a compilation to find out). Given the
@@ -237,14 +237,14 @@ def compile_pays_for_job(verdict: dict, job: JobSize) -> tuple[bool, float, floa
 # ------------------------------------------------------------------------------------------ measured verdicts
 def verdict_key(model: torch.nn.Module, device: torch.device | str, mode: str) -> str:
     """The cache key of a model's compile verdict in `mode` (per device, dtype, threads and torch: `profile_key`)."""
-    from mmspec.cost import profile_key
+    from mmspec.profiling import profile_key
 
     return profile_key(model, device, f"compile-verdict|{mode}")
 
 
 def read_verdict(model: torch.nn.Module, device: torch.device | str, mode: str) -> dict | None:
     """The model's cached compile verdict in `mode` (`measure_compile`'s dict), or None where none was measured."""
-    from mmspec.cost import read_cached_json
+    from mmspec.profiling import read_cached_json
 
     return read_cached_json(verdict_key(model, device, mode))
 
@@ -267,11 +267,11 @@ def measure_compile(model: torch.nn.Module, make_run: Callable[[], Callable[[int
                     batch_sizes: Sequence[int], widths: Sequence[int], mode: str, repeats: int = 5,
                     device: torch.device | str = "cpu", progress: Callable[[str], None] | None = None) -> dict:
     """A compile verdict: `model`'s forwards timed eager, then compiled in `mode` (`make_run()` makes a fresh
-    `run_forward(batch, width)` for each, `mmspec.cost.measure_forward_times`), at the same cells. Returns
+    `run_forward(batch, width)` for each, `mmspec.profiling.measure_forward_times`), at the same cells. Returns
     {"mode", "batch_sizes", "widths", "eager", "compiled" (seconds [B][W]), "compile_seconds" (the first compiled
     call of each cell, summed: what a run pays once per shape), "ratio" (the geometric mean of compiled / eager over
     the cells)}. The model is left eager."""
-    from mmspec.cost import measure_forward_times
+    from mmspec.profiling import measure_forward_times
 
     check_compile_mode(mode)
     say = progress or (lambda text: None)

@@ -131,7 +131,7 @@ class FamilyRecord:
     caller sets none, where `pipeline()` returns the loaded pipeline for a family whose model carries its own
     defaults (MAR), loading it only then, or None when the caller will not load it (the family then returns its
     static defaults); bench() -> `mmspec.bench.Family`; profile(pipe) -> {name: (model, run_forward(batch, width))}
-    for the models whose forward costs `mmspec profile` measures (`mmspec.cost`). Hooks a family does not have stay
+    for the models whose forward costs `mmspec profile` measures (`mmspec.profiling`). Hooks a family does not have stay
     None."""
 
     name: str

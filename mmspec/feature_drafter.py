@@ -43,11 +43,10 @@ import torch
 from mmspec.cache import StaticKVCache
 from mmspec.compile import has_compiled_forward
 from mmspec.errors import InputError, check, check_positive_int
-from mmspec.lm import CandidatePool, GuidedRunner, PendingTokens, TokenLayout
+from mmspec.lm import CandidatePool, GuidedRunner, PendingTokens, ShapedTreeDrafter, TokenLayout
 from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams, process_logits
-from mmspec.tree import DraftTree, chain_as_tree, expand_eagle2, pool_size
-from mmspec.tree_budget import ShapedTreeDrafter, TreeShape, max_chain_depth
+from mmspec.tree import DraftTree, TreeShape, chain_as_tree, expand_eagle2, max_chain_depth, pool_size
 from mmspec.verify import VerifyResult
 
 
@@ -225,13 +224,9 @@ class FeatureTreeDrafter(ShapedTreeDrafter):
         chains do not allocate and zero it (the world LLaVA's drafter cache at batch 8: 989 slots with it, 295
         without; in the decode loop a begin that made the larger cache took 2.5 ms more a call, 15.0 ms against 12.5,
         when the prompt pass still ran the whole layer). A compiled drafter (static shapes) gets the full shape's
-        pool at once; a drafter set to a tree and not steered by a budget (`steered_by_budget`: one that sets each
-        step's shape, and so the pool's room, itself) its pool."""
+        pool at once."""
         chains = pool_size(1, max_chain_depth(self.full_shape))  # a chain of depth d: d + 1 slots from its root
-        if has_compiled_forward(self.model):
-            room = self.max_pool
-        else:
-            room = chains if self.steered_by_budget else max(chains, pool_size(self.top_k, self.depth))
+        room = self.max_pool if has_compiled_forward(self.model) else chains
         self.room_base = base
         self.runner.cache = self.model.new_cache(rows, base + room)
         return self.runner.cache

@@ -186,6 +186,9 @@ class JacobiDrafter:
     """
 
     forwards = 0  # no model of its own
+    # a window's acceptance depends on its size (its tail converges over the steps it stays in the window): a draft
+    # budget values each size by what its own steps emitted and keeps a choice for a few steps (`mmspec.budget`)
+    valued_per_size = True
 
     def __init__(self, vocab_size: int, window: int = 16, init: str = "random", *,
                  interval: tuple[int, int | None] | None = None, greedy: bool = False,
@@ -221,21 +224,9 @@ class JacobiDrafter:
         .. and the configured one: few sizes, since each must run a few steps to show what it accepts)."""
         return sorted({0, self.k, *(2 ** i - 1 for i in range(1, self.k.bit_length() + 1) if 2 ** i - 1 <= self.k)})
 
-    @property
-    def budget_options(self) -> dict:
-        """How `mmspec.budget.AutoBudget` steers a window: a window's acceptance depends on its size (its tail
-        converges over the steps it stays in the window), so each size is valued by what its own steps emitted
-        once the window has been refilled since the change (`count_once_refilled`), kept for 5 such steps,
-        re-measured at the full size now and then."""
-        return {"per_size": True, "dwell": 5, "count_once_refilled": True, "warmup": 8, "refresh_every": 64}
-
     def set_draft_size(self, k: int) -> None:
         check(0 < k <= self.k, f"draft size must be in [1, {self.k}], got {k}.")
         self.step_k = k
-
-    def draft_seconds(self, table) -> Any:
-        """No model of its own: drafting costs no forward (its bookkeeping is small next to a verify)."""
-        return lambda b, k: 0.0
 
     def begin(self, inputs: Any, state: DecodeState) -> None:
         b, k, device = state.batch_size, self.k, state.done.device

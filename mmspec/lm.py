@@ -30,8 +30,7 @@ from mmspec.compile import has_compiled_forward
 from mmspec.errors import check, check_positive_int
 from mmspec.loop import DecodeState, plain_draft
 from mmspec.sampling import SamplingParams, cfg_combine, probs_from_params, race, split_cfg_batch
-from mmspec.tree import DraftTree, expand_eagle2, pool_size
-from mmspec.tree_budget import PLAIN_ROOM, PendingRoom, ShapedTreeDrafter, TreeShape
+from mmspec.tree import DraftTree, TreeShape, expand_eagle2, max_chain_depth, pool_size
 from mmspec.verify import ChainDraft, Draft, VerifyResult
 
 
@@ -366,6 +365,51 @@ def feed_pending(runner: GuidedRunner, pending: PendingTokens,
     return logits[rows, last], slots[rows, last]
 
 
+PLAIN_ROOM = 64  # pending tokens a drafter keeps for plain steps before it runs them
+
+
+class PendingRoom:
+    """Plain steps' tokens wait with a drafter's pending tokens instead of running its model every step. The drafter
+    has `runner`, `pending` (a `PendingTokens`) and `run_pending()`, which runs the first `pending_columns` pending
+    tokens (not committed); `pending_columns` is a host-side bound on every row's pending count (no device sync)."""
+
+    pending_columns: int = 1
+
+    def room_for_plain_token(self, active: torch.Tensor) -> None:
+        """Before a plain step's token joins the pending tokens: when the room is full, run and commit the pending
+        tokens of every active row, leaving none pending."""
+        pending = self.pending
+        if self.pending_columns >= pending.tokens.shape[1]:
+            self.run_pending()
+            self.runner.commit_chain(pending.count * active)
+            pending.count = torch.where(active, 0, pending.count)
+            self.pending_columns = 0
+        self.pending_columns += 1
+
+
+class ShapedTreeDrafter(PendingRoom):
+    """A tree drafter a draft budget can steer: its `full_shape` (set at construction), `set_draft_size(shape)` and
+    the pending tokens of plain steps (`PendingRoom`). The drafter has `top_k`, `depth`, `total`, `runner`,
+    `pending` (room for `pending_width()` tokens) and `run_pending()`."""
+
+    full_shape: TreeShape
+
+    def pending_width(self) -> int:
+        """Pending tokens a row can hold: the longest accepted path (the deepest chain) plus the final token, plus
+        PLAIN_ROOM plain steps' tokens (run together at the next proposal, or when the room is full)."""
+        return max_chain_depth(self.full_shape) + 1 + PLAIN_ROOM
+
+    def set_draft_size(self, shape: TreeShape) -> None:
+        """Draft `shape` from the next proposal on (a tree inside the full shape, or a chain up to
+        `max_chain_depth`; either fits in the full shape's node count)."""
+        full = self.full_shape
+        deepest = max_chain_depth(full) if getattr(shape, "top_k", 0) == 1 else full.depth
+        check(isinstance(shape, TreeShape) and 1 <= shape.depth <= deepest and 1 <= shape.top_k <= full.top_k
+              and 2 <= shape.total <= min(full.total, pool_size(shape.top_k, shape.depth)),
+              f"a draft shape must fit in the drafter's {full}, got {shape}.")
+        self.top_k, self.depth, self.total = shape.top_k, shape.depth, shape.total
+
+
 class DraftModelDrafter(PendingRoom):
     """Classic speculative decoding: a (small) CachedLM drafts K tokens autoregressively.
 
@@ -389,12 +433,6 @@ class DraftModelDrafter(PendingRoom):
     def set_draft_size(self, k: int) -> None:
         check(0 < k <= self.max_k, f"draft size must be in [1, {self.max_k}], got {k}.")
         self.k = k
-
-    def draft_seconds(self, table) -> Callable[[int, int], float]:
-        """(batch, k) -> seconds of k drafts: one forward over the pending tokens (2) then k - 1 one-token forwards;
-        a plain step runs nothing (its token pends). table(runner, widths) gives the drafter's measured times."""
-        times = table(self.runner, [1, 2])
-        return lambda b, k: times.seconds_at(b, 2) + (k - 1) * times.seconds_at(b, 1) if k else 0.0
 
     @property
     def forwards(self) -> int:
@@ -485,7 +523,7 @@ class TreeModelDrafter(ShapedTreeDrafter):
     """EAGLE-2 dynamic draft trees scored by a CachedLM (deterministic top-k children).
 
     Each level runs the model once on the frontier, with tree attention over the candidate pool. A draft budget
-    (`mmspec.tree_budget.TreeBudget`) may draft smaller shapes or plain steps.
+    (`mmspec.budget`) may draft smaller shapes or plain steps.
     """
 
     def __init__(self, model: CachedLM, top_k: int = 4, depth: int = 4, total_tokens: int = 16, *,

@@ -28,8 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from mmspec.budget import begin_call, call_drafts, choose_size, drafts_nothing, report_call
-from mmspec.compile import compilations
+from mmspec.budget import Budget, BudgetCall
 from mmspec.errors import check, check_positive_int
 from mmspec.noise import KeyedNoise
 from mmspec.phases import phase, synchronize
@@ -252,22 +251,18 @@ def cap_draft(draft: Draft, room: torch.Tensor) -> Draft:
 def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, inputs: Any, *, batch_size: int,
              max_new_tokens: int, generator: Generators = None, eos_token_id: int | Sequence[int] | None = None,
              device: torch.device | str = "cpu", callback: StepCallback | None = None,
-             validate: str = "first", budget: Any = None, drop_finished: bool = False) -> GenerationOutput:
+             validate: str = "first", budget: Budget | None = None, drop_finished: bool = False) -> GenerationOutput:
     """Generate up to `max_new_tokens` per row with speculative decoding (vanilla with `NoDrafter`).
 
     validate: "first" checks the rule's inputs on the first iteration only (cheap), "always" on every one,
-    "never" skips the checks. budget: a draft budget (`mmspec.budget.AutoBudget` for chains and windows,
-    `mmspec.tree_budget.TreeBudget` for trees) that picks each step's draft size (`drafter.set_draft_size(k)`; 0 = a
-    plain step, after which `drafter.skip(...)` replaces `observe`); None = the drafter's own size every step. A
-    budget whose `settled()` says so after a plain step gets plain steps for the rest of the call, without asking it
-    or the drafter again (vanilla's cost where no drafting pays); one whose `drafts_this_call()` says no runs the
-    whole call so, without the drafter's `begin`; `end_call(batch, seconds, plain_steps, drafted, begin_seconds)`
-    tells it how the call went (seconds from the drafter's begin to the end; the steps vanilla would have taken; the
-    begin's own seconds). drop_finished: once at most DROP_AT of the rows held are still generating, the finished
-    ones are dropped (`select_rows` of the state and its noise, the target, the drafter while it drafts, the
-    budget), so later steps compute only the live rows; the outputs keep the call's row order, and a callback reads
-    the whole call through `state.full_output()` / `full_num_generated()` (`state.row_ids` maps the rows held to the
-    call's). Each row's tokens are those it gets without dropping (rows do not interact).
+    "never" skips the checks. budget: a draft budget (`mmspec.budget.make_budget`) that may run the call without
+    the drafter and picks each step's draft size (`drafter.set_draft_size(k)`; 0 = a plain step, after which
+    `drafter.skip(...)` replaces `observe`); None = the drafter's own size every step. drop_finished: once at most
+    DROP_AT of the rows held are still generating, the finished ones are dropped (`select_rows` of the state and its
+    noise, the target, the drafter while it drafts), so later steps compute only the live rows; the outputs keep
+    the call's row order, and a callback reads the whole call through `state.full_output()` /
+    `full_num_generated()` (`state.row_ids` maps the rows held to the call's). Each row's tokens are those it gets
+    without dropping (rows do not interact).
 
     Randomness: one key per row is drawn from `generator` (one, a list with one per row, or None) when the call
     starts, and every number after it is position-keyed (`state.noise`, `mmspec.noise`): a seeded call gives the
@@ -287,14 +282,12 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     state = DecodeState.new(batch_size, max_new_tokens, device, eos_token_id)
     state.noise = KeyedNoise.from_generators(generator, batch_size, device)
     state.noise.coupled = rule.couples_drafts  # (its drafters draw with the target's own noise)
-    # a budget may run a whole call as vanilla (its drafting, the drafter's begin included, lost on earlier calls),
-    # and vanilla's drafter never drafts; a target that keeps room for draft nodes in its cache then keeps none
-    # (`draft_room`: LlamaGen's vanilla at batch 32 took 4.7% longer with a window's room, docs/benchmarks.md)
-    drafting = call_drafts(budget)
+    # a call the budget runs without the drafter (or vanilla's drafter) keeps no room for draft nodes in a target
+    # that keeps room (`draft_room`: LlamaGen's vanilla at batch 32 took 4.7% longer with a window's room)
+    steering = BudgetCall(budget, stats)
+    drafting = steering.begin(target, drafter, state, rule)
     if hasattr(target, "draft_room"):
         target.draft_room = drafting and not drafts_nothing(drafter)
-    drop_finished = (drop_finished and batch_size > 1 and hasattr(target, "select_rows")
-                     and (not drafting or hasattr(drafter, "select_rows")))
     with phase("prefill"):
         first_p = target.prefill(inputs)  # [B, 1, V]
     stats.num_target_forwards += 1
@@ -303,12 +296,10 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
                    positions=state.num_generated)
     active = ~state.done
     state.append(first, active)
-    plain_for_good = not drafting  # no drafts for the rest of the call: neither the budget nor the drafter is asked
-    compiled_before = compilations()
-    begin_seconds = begin_call(budget, drafter, inputs, state, device) if drafting else 0.0
-    if drafting and budget is not None and hasattr(budget, "begin"):  # times its choices on the live models
-        budget.begin(target, drafter, state, rule)
-    decode_start = time.perf_counter()
+    drop_finished = (drop_finished and batch_size > 1 and hasattr(target, "select_rows")
+                     and (not drafting or hasattr(drafter, "select_rows")))
+    if drafting:
+        drafter.begin(inputs, state)
     while True:
         active = ~state.done
         if not drop_finished:
@@ -319,13 +310,11 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
             if live == 0:
                 break
             if drops_rows(live, state.batch_size):
-                drop_finished_rows(state, target, drafter, budget, active, drafts=drafting)
+                drop_finished_rows(state, target, drafter, active, drafts=drafting)
                 active = ~state.done
                 no_draft = plain_draft(state.batch_size, device)
-        # (the call's batch size: a budget serves one; it hears the rows held through `select_rows`)
-        size, plain_for_good = choose_size(budget, batch_size, plain_for_good,
-                                           lambda active=active: (state.max_new_tokens - state.num_generated) * active)
-        # never draft past the end: a row with r tokens left may accept at most r - 1 drafts
+        size = steering.choose(state.batch_size,
+                               lambda active=active: (state.max_new_tokens - state.num_generated) * active)
         with phase("draft"):
             if size == 0:  # a plain step: the drafter is not asked
                 draft = no_draft
@@ -333,7 +322,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
                 if size is not None:
                     drafter.set_draft_size(size)
                 draft = drafter.propose(state)
-                if not is_plain(draft):  # (a plain draft has nothing to cap: not even `room` is computed)
+                if not is_plain(draft):  # never draft past the end: a row with r tokens left accepts <= r - 1
                     draft = cap_draft(draft, state.max_new_tokens - state.num_generated - 1)
         with phase("verify"):
             target_probs = target.verify(state, draft)
@@ -347,12 +336,9 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         with phase("observe"):
             if size != 0:
                 drafter.observe(state, draft, result, active, target_probs)
-            elif not plain_for_good:
+            elif drafting and not steering.plain_for_good:
                 drafter.skip(state, result, active, target_probs)
-        if budget is not None:
-            if not plain_for_good:
-                budget.observe(result, active, draft)
-            stats.add_extra(f"budget_{size}", 1)  # steps at each draft size (the bench's histogram)
+        steering.observe(size, result, active, draft)
         stats.record(result, active, rows=state.row_ids)
         state.append(result, active, all_active=state.batch_size == 1)  # one row: active, or the loop had ended
         state.iteration += 1
@@ -360,37 +346,27 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
             break
 
     synchronize(device)
-    if hasattr(budget, "end_call"):
-        tokens = (state.full_num_generated() - 1).clamp_min(0).tolist()  # [B0] each row's tokens after the first
-        report_call(budget, stats, batch_size, begin_seconds + time.perf_counter() - decode_start, max(tokens),
-                    drafting, compiled_before, begin_seconds, vanilla_held_rows(tokens) if drop_finished else None)
+    steering.end()
     stats.wall_time = time.perf_counter() - start
     stats.num_draft_forwards = getattr(drafter, "forwards", 0) - draft_forwards_before
     return GenerationOutput(tokens=state.full_tokens(), num_generated=state.full_num_generated(), stats=stats)
 
 
-def vanilla_held_rows(tokens: list[int]) -> list[int]:
-    """The rows a vanilla call that drops its finished rows (`drop_finished`) holds at each of its steps, for rows
-    that emit `tokens` [B] tokens after the first: row b generates in steps 0 .. tokens[b] - 1."""
-    held, out = len(tokens), []
-    for step in range(max(tokens, default=0)):
-        live = sum(t > step for t in tokens)
-        if drops_rows(live, held):
-            held = live
-        out.append(held)
-    return out
+def drafts_nothing(drafter: Drafter) -> bool:
+    """Whether the drafter can only take plain steps (its `draft_sizes` are 0 alone: vanilla's `NoDrafter`): its
+    calls keep no room for drafts."""
+    sizes = getattr(drafter, "draft_sizes", None)
+    return sizes is not None and max(sizes) == 0
 
 
-def drop_finished_rows(state: DecodeState, target: Target, drafter: Drafter, budget: Any, active: torch.Tensor,
+def drop_finished_rows(state: DecodeState, target: Target, drafter: Drafter, active: torch.Tensor,
                        drafts: bool) -> None:
-    """Keep only the active [B] rows in the state (its keyed noise included), the target, the drafter (`drafts`: it
-    was begun in this call) and the budget. Invariant: every part that holds per-row state and may run again in this
-    call holds the state's rows, so a begun drafter follows them even in a call settled on plain steps (a budget may
-    still run it, e.g. to time its shapes)."""
+    """Keep only the active [B] rows in the state (its keyed noise included), the target and the drafter (`drafts`:
+    it was begun in this call). Invariant: every part that holds per-row state and may run again in this call holds
+    the state's rows, so a begun drafter follows them even in a call settled on plain steps (a budget may still run
+    it, e.g. to time its options at the rows held)."""
     rows = active.nonzero().squeeze(-1)  # [B'] (a device read, once per drop)
     state.select_rows(rows)
     target.select_rows(rows)
     if drafts:  # (a call without the drafter never began it: it holds nothing of this call)
         drafter.select_rows(rows)
-    if hasattr(budget, "select_rows"):
-        budget.select_rows(rows)

@@ -1,17 +1,27 @@
 """Speculative-decoding statistics with vLLM's metric names, mergeable across batches, JSON-serialisable.
 
 `SpecStats.record(result, active)` keeps each step's result tensors (no tensor work in the loop); they are folded
-into the counters in one batched pass when first read, by `to_dict()` / the properties. Definitions (per row and
-verify call = one "draft"):
+into the counters in one batched pass when first read, by `to_dict()` / the properties. Definitions (one verify call
+of one row = one row-iteration; vLLM's, which count a "draft" only where tokens were drafted):
 
 - num_target_forwards (NFE): target forward passes (prefill included).
-- num_drafts: row-iterations that verified a draft; num_draft_tokens: positions that could be accepted;
-  num_accepted_tokens: drafts accepted; num_emitted_tokens: accepted + recovered/bonus tokens.
-- mean_acceptance_length = num_emitted_tokens / num_drafts (includes the bonus token, vLLM / EAGLE convention;
-  ViSpec's tau excludes it).
+- num_verify_rows: row-iterations verified = num_drafts + num_plain_steps.
+- num_drafts: row-iterations that verified >= 1 draft token; num_plain_steps: row-iterations that verified none
+  (a plain step: a draft budget's choice, a draft capped at the end of a row, every step of vanilla decoding).
+- num_draft_tokens: positions that could be accepted; num_accepted_tokens: drafts accepted; num_emitted_tokens:
+  accepted + recovered/bonus tokens, plain steps included.
+- mean_acceptance_length = 1 + num_accepted_tokens / num_drafts (includes the bonus token, vLLM / EAGLE
+  convention; ViSpec's tau excludes it): over drafting row-iterations only; 1.0 when rows were verified but none
+  drafted (vanilla), 0.0 when nothing was recorded. Computed as the tokens the drafting row-iterations emitted /
+  num_drafts, the same for every discrete rule, and true for CSpD's windows, which emit the whole window (no bonus)
+  when every draft is accepted. `tokens_per_verify_row`: emitted tokens per row-iteration over all of them, plain
+  steps included.
 - draft_acceptance_rate = num_accepted_tokens / num_draft_tokens.
 - per_position_acceptance_rate[i] = drafts accepted at position i / drafts that had a position i.
-- acceptance_histogram[n] = row-iterations that accepted exactly n drafts.
+- acceptance_histogram[n] = drafting row-iterations that accepted exactly n drafts (plain steps are not counted).
+- extra: method- and budget-specific counters: `budget_<size>` the steps a draft budget ran at each draft size or
+  tree shape (`budget_0`: the plain steps it chose), `calls_without_drafter` the calls it ran wholly without the
+  drafter (`budget_notice` turns them into one line for the user).
 """
 
 from __future__ import annotations
@@ -90,8 +100,10 @@ class SpecStats:
             flags = torch.stack([result.accepted_flags for result, _ in group])  # [S, B, K]
             active = torch.stack([active for _, active in group])  # [S, B]
             a = active.long()
+            drafting = a * (drafted > 0)  # [S, B] 1 where an active row verified >= 1 draft token
             counts = {
-                "num_drafts": (a * (drafted > 0)).sum(),
+                "num_drafts": drafting.sum(),
+                "num_plain_steps": (a - drafting).sum(),
                 "num_draft_tokens": (drafted * a).sum(),
                 "num_accepted_tokens": (acc * a).sum(),
                 "num_emitted_tokens": (emitted * a).sum(),
@@ -104,7 +116,7 @@ class SpecStats:
             accepted_pos = (flags & had_position).long().sum((0, 1))  # [K]
             drafted_pos = had_position.long().sum((0, 1))
             hist = torch.zeros(k + 1, dtype=torch.long, device=acc.device).scatter_add_(
-                0, acc.clamp_max(k).flatten(), a.flatten())  # [K+1]
+                0, acc.clamp_max(k).flatten(), drafting.flatten())  # [K+1] drafting row-iterations only
             self._accepted_pos = _add_grown(self._accepted_pos, accepted_pos)
             self._drafted_pos = _add_grown(self._drafted_pos, drafted_pos)
             self._hist = _add_grown(self._hist, hist)
@@ -120,7 +132,18 @@ class SpecStats:
 
     @property
     def num_drafts(self) -> int:
+        """Row-iterations that verified >= 1 draft token."""
         return self._count("num_drafts")
+
+    @property
+    def num_plain_steps(self) -> int:
+        """Row-iterations that verified no draft token (plain steps; every step of vanilla decoding)."""
+        return self._count("num_plain_steps")
+
+    @property
+    def num_verify_rows(self) -> int:
+        """Row-iterations verified: num_drafts + num_plain_steps."""
+        return self._count("num_verify_rows")
 
     @property
     def num_draft_tokens(self) -> int:
@@ -136,8 +159,19 @@ class SpecStats:
 
     @property
     def mean_acceptance_length(self) -> float:
-        """Emitted tokens per row-iteration, bonus included (1.0 for vanilla decoding)."""
-        rows = self._count("num_verify_rows")
+        """Tokens emitted per drafting row-iteration (the bonus token included, plain steps left out: vLLM's), which
+        is 1 + accepted tokens / num_drafts for every discrete rule; 1.0 when rows were verified but none drafted
+        (vanilla), 0.0 when nothing was recorded. A plain step emits one token, so its tokens are taken out."""
+        drafts = self.num_drafts
+        if drafts:
+            return (self.num_emitted_tokens - self.num_plain_steps) / drafts
+        return 1.0 if self.num_verify_rows else 0.0
+
+    @property
+    def tokens_per_verify_row(self) -> float:
+        """Emitted tokens per verified row-iteration, plain steps included (1.0 for vanilla; 0.0 when nothing was
+        recorded): what each row's verify step yielded on average, whatever the budget drafted."""
+        rows = self.num_verify_rows
         return self.num_emitted_tokens / rows if rows else 0.0
 
     @property
@@ -155,8 +189,9 @@ class SpecStats:
 
     @property
     def acceptance_histogram(self) -> list[int]:
+        """[n] = drafting row-iterations that accepted exactly n drafts; [] when none drafted."""
         self._fold()
-        return [] if self._hist is None else self._hist.tolist()
+        return [] if self._hist is None or not int(self._hist.sum()) else self._hist.tolist()
 
     def accept_lengths_per_row(self) -> list[list[int]]:
         """Spec-Bench's `accept_lengths`: per row, the emitted tokens of each verify call it took part in (the rows
@@ -185,16 +220,18 @@ class SpecStats:
             "num_target_forwards": self.num_target_forwards,
             "num_draft_forwards": self.num_draft_forwards,
             "num_drafts": self.num_drafts,
+            "num_plain_steps": self.num_plain_steps,
             "num_draft_tokens": self.num_draft_tokens,
             "num_accepted_tokens": self.num_accepted_tokens,
             "num_emitted_tokens": self.num_emitted_tokens,
             "mean_acceptance_length": self.mean_acceptance_length,
+            "tokens_per_verify_row": self.tokens_per_verify_row,
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "per_position_acceptance_rate": self.per_position_acceptance_rate,
             "acceptance_histogram": self.acceptance_histogram,
             "wall_time": self.wall_time,
             "extra": dict(self.extra),
-            "num_verify_rows": self._count("num_verify_rows"),
+            "num_verify_rows": self.num_verify_rows,
             "accepted_per_position": [] if self._accepted_pos is None else self._accepted_pos.tolist(),
             "drafted_per_position": [] if self._drafted_pos is None else self._drafted_pos.tolist(),
         }
@@ -204,18 +241,25 @@ class SpecStats:
 
     @classmethod
     def from_dict(cls, data: dict) -> SpecStats:
-        """The inverse of `to_dict` (also reads the underscored count names of files written before 2026-11-24)."""
+        """The inverse of `to_dict`. Also reads older files: the underscored count names of files written before
+        2026-11-24, and files without `num_plain_steps` (derived as num_verify_rows - num_drafts; their histogram
+        counted plain steps at 0 accepted, taken out here)."""
         data = {OLD_NAMES.get(k, k): v for k, v in data.items()}
         out = cls(num_target_forwards=data["num_target_forwards"], num_draft_forwards=data["num_draft_forwards"],
                   wall_time=data["wall_time"], extra=dict(data.get("extra", {})))
         out._counts = {k: data[k] for k in ("num_drafts", "num_draft_tokens", "num_accepted_tokens",
                                             "num_emitted_tokens")}
         out._counts["num_verify_rows"] = data.get("num_verify_rows", data["num_drafts"])
+        plain = data.get("num_plain_steps")
+        out._counts["num_plain_steps"] = out._counts["num_verify_rows"] - data["num_drafts"] if plain is None else plain
         if data.get("drafted_per_position"):
             out._accepted_pos = torch.tensor(data["accepted_per_position"])
             out._drafted_pos = torch.tensor(data["drafted_per_position"])
-        if data.get("acceptance_histogram"):
-            out._hist = torch.tensor(data["acceptance_histogram"])
+        hist = list(data.get("acceptance_histogram") or [])
+        if hist and plain is None:  # an older file: its bin 0 held the plain steps too
+            hist[0] = max(0, hist[0] - out._counts["num_plain_steps"])
+        if hist:
+            out._hist = torch.tensor(hist)
         return out
 
     def __add__(self, other: SpecStats) -> SpecStats:
@@ -224,7 +268,7 @@ class SpecStats:
         a, b = self.to_dict(), other.to_dict()
         merged = {k: a[k] + b[k] for k in ("num_target_forwards", "num_draft_forwards", "num_drafts",
                                            "num_draft_tokens", "num_accepted_tokens", "num_emitted_tokens",
-                                           "wall_time", "num_verify_rows")}
+                                           "wall_time", "num_verify_rows", "num_plain_steps")}
         for key in ("accepted_per_position", "drafted_per_position", "acceptance_histogram"):
             n = max(len(a[key]), len(b[key]))
             merged[key] = [x + y for x, y in zip(a[key] + [0] * (n - len(a[key])), b[key] + [0] * (n - len(b[key])))]
@@ -232,3 +276,47 @@ class SpecStats:
         out = SpecStats.from_dict(merged)
         out._row_parts = self._parts_of_rows() + other._parts_of_rows()
         return out
+
+
+# ------------------------------------------------------------------------------------------ the budget, for users
+def budget_ran(stats: SpecStats) -> bool:
+    """Whether a draft budget chose the run's steps: it counts them in `extra` (`budget_<size>`,
+    `calls_without_drafter`); a run without one (vanilla, `budget="fixed"`) has neither."""
+    return any(key.startswith("budget_") or key == "calls_without_drafter" for key in stats.extra)
+
+
+def budget_notice(stats: SpecStats, method: str, hint: str = "--budget fixed") -> str | None:
+    """One line for the user when a draft budget kept `method` from drafting on most of its verify steps (drafting
+    row-iterations fewer than half of those verified) by choosing plain steps or running calls without the drafter:
+    the counts, why, and how to draft every step (`hint`: "--budget fixed" on a command line, 'budget="fixed"' in
+    library use). None otherwise: a run that drafted on at least half its steps, a run without a draft budget
+    (vanilla, a fixed budget), or plain steps the budget did not choose."""
+    rows, drafts = stats.num_verify_rows, stats.num_drafts
+    without = int(stats.extra.get("calls_without_drafter", 0))
+    chose_plain = stats.extra.get("budget_0", 0) > 0 or without > 0
+    if not budget_ran(stats) or not chose_plain or 2 * drafts >= rows:
+        return None
+    calls = f" and ran {without} call{'' if without == 1 else 's'} wholly without the drafter" if without else ""
+    return (f"note: {method} drafted on {drafts} of {rows} verify steps (counted per row): the draft budget chose "
+            f"{stats.num_plain_steps} plain steps{calls}, as on this device drafting was predicted slower than plain "
+            f"steps; {hint} drafts every step.")
+
+
+def budget_sizes(stats: SpecStats) -> dict[str, int]:
+    """The draft sizes (tree shapes) a draft budget chose and its steps at each, most used first ("plain" for
+    `budget_0`); empty without a budget."""
+    sizes = {key[len("budget_"):]: int(value) for key, value in stats.extra.items() if key.startswith("budget_")}
+    named = {("plain" if size == "0" else size): count for size, count in sizes.items()}
+    return dict(sorted(named.items(), key=lambda item: -item[1]))
+
+
+def budget_summary(stats: SpecStats) -> str | None:
+    """A short line of what a draft budget did: the verify steps drafted, the sizes it chose (steps at each) and the
+    calls it ran without the drafter; None for a run without a budget."""
+    if not budget_ran(stats):
+        return None
+    sizes = ", ".join(f"{size} ×{count}" for size, count in budget_sizes(stats).items()) or "none"
+    without = int(stats.extra.get("calls_without_drafter", 0))
+    calls = f"; {without} call{'' if without == 1 else 's'} without the drafter" if without else ""
+    return (f"draft budget: drafted on {stats.num_drafts} of {stats.num_verify_rows} verify steps (counted per row); "
+            f"sizes chosen (steps): {sizes}{calls}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -146,6 +147,51 @@ ScoreChildren = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.
 def pool_size(top_k: int, depth: int) -> int:
     """Nodes EAGLE-2 expansion creates (root included): 1 + top_k + (depth - 1) top_k^2."""
     return 1 + top_k + (depth - 1) * top_k * top_k
+
+
+class TreeShape(NamedTuple):
+    """A draft shape: top_k children per expanded node, `depth` drafted levels, `total` nodes with the root (a chain
+    of d drafts: top_k 1, total d + 1; `PLAIN`: no drafts). A named tuple: a budget keys dicts by shapes."""
+
+    top_k: int
+    depth: int
+    total: int
+
+    def __str__(self) -> str:
+        if self.total == 1:
+            return "0"
+        return f"chain{self.depth}" if self.top_k == 1 else f"tree{self.top_k}x{self.depth}n{self.total}"
+
+    @property
+    def is_chain(self) -> bool:
+        return self.top_k == 1
+
+    def contains(self, other: TreeShape) -> bool:
+        """Whether a step drafted with this shape shows what `other` would have accepted (EAGLE-2 keeps the nodes of
+        highest score, so a smaller tree of the same top_k is the leading part of a larger one; a chain is the path
+        of first children)."""
+        if other.total == 1:
+            return True
+        if other.top_k == 1:
+            return other.depth <= self.depth
+        return other.top_k == self.top_k and other.depth <= self.depth and other.total <= self.total
+
+
+PLAIN = TreeShape(0, 0, 1)  # no drafts: a plain one-token step
+MAX_CHAIN_DEPTH = 16  # the deepest chain a budget may draft, whatever the drafter's own tree depth
+
+
+def chain(depth: int) -> TreeShape:
+    """The shape of a chain of `depth` drafts (`PLAIN` for 0)."""
+    return PLAIN if depth == 0 else TreeShape(1, depth, depth + 1)
+
+
+def max_chain_depth(full: TreeShape) -> int:
+    """The deepest chain a drafter of shape `full` may draft: MAX_CHAIN_DEPTH within its node count (its own depth
+    if that is deeper). A paper tree's depth says what fits a wide tree, not how far a greedy chain stays accepted:
+    ViSpec's (depth 4, 30 nodes) capped at twice its depth drafted chains of 8 at 1.43x of vanilla where chains of
+    16 ran at 1.60x (docs/benchmarks.md)."""
+    return max(full.depth, min(MAX_CHAIN_DEPTH, full.total - 1))
 
 
 def levels_of_eagle_depth(code_depth: int) -> int:

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -134,11 +135,12 @@ def test_cli_prints_the_table(tmp_path, capsys):
     assert not list(out.glob("*.png"))
 
 
-def test_gate_log_shows_each_call_gate_verdict(tmp_path, caplog, capsys):
-    """`--gate-log` turns the call gate's DEBUG lines on (stderr): each configuration's batch as it starts, a drafted
-    call not judged, a call without the drafter with vanilla's step, a drafted call judged against it, and after
-    each drafted call the sizes' estimates."""
-    from mmspec.budget import AutoBudget
+def test_gate_log_shows_what_each_budget_did(tmp_path, caplog, capsys):
+    """`--gate-log` turns the budgets' DEBUG lines on (stderr): each configuration's batch as it starts and, after
+    each drafted call, the options chosen with their step seconds and expected tokens, and the gate's calls."""
+    from mmspec.budget import BudgetConfig, ThroughputBudget
+    from mmspec.loop import DecodeState
+    from mmspec.tree import chain
 
     loggers = [logging.getLogger(name) for name in ("mmspec.budget", "mmspec.bench.runner")]
     argv = ["bench", "--methods", "self-draft", "--num-samples", "2", "--max-new-tokens", "4", "--repeats", "1",
@@ -149,18 +151,14 @@ def test_gate_log_shows_each_call_gate_verdict(tmp_path, caplog, capsys):
         assert "mmspec.bench.runner: self-draft at batch size 1" in capsys.readouterr().err
         for logger in loggers:
             assert logger.level == logging.DEBUG and any(getattr(h, "gate_verdicts", False) for h in logger.handlers)
-        budget = AutoBudget(range(3), verify_seconds=lambda b, n: 1.0, timing=True)
-        budget.choose(1)
+        budget = ThroughputBudget([chain(k) for k in range(3)], [0, 1, 2], BudgetConfig(warmup=1, timing=False),
+                                  costs=[1.0, 1.5, 2.0])
         with caplog.at_level(logging.DEBUG, logger="mmspec.budget"):
-            budget.end_call(1, seconds=9.0, plain_steps=10, drafted=True)
-            budget.end_call(1, seconds=5.0, plain_steps=10, drafted=False)
-            budget.end_call(1, seconds=4.0, plain_steps=10, drafted=True)
-        lines = [r.getMessage() for r in caplog.records if r.name == "mmspec.budget"]
-        assert "not judged" in lines[0] and "a call without the drafter, 500.00 ms a plain step" in lines[2]
-        assert "plain steps of 500.00 ms (1.25x; pooled 1.25x; steps at 1.00x their usual): won" in lines[3]
-        # the sizes' line: the plain step measured by the vanilla call, the size chosen once at its table time
-        assert lines[1].startswith("batch 1: sizes: 0: 0x 1000.00 ms (table 1000.00)")
-        assert lines[4].startswith("batch 1: sizes: 0: 0x 500.00 ms (table 1000.00) 1.00 tok, 2: 1x")
+            budget.begin(None, None, DecodeState.new(1, 4, "cpu"), "lossless")
+            budget.choose(1, lambda: None), budget.choose(1, lambda: None)
+            budget.end()
+        (line,) = [r.getMessage() for r in caplog.records if r.name == "mmspec.budget"]
+        assert line.startswith("budget: 0 x1 (1000.00 ms, 1.00 tok), chain2 x1 (2000.00 ms, 1.75 tok); calls")
     finally:
         for logger in loggers:
             logger.setLevel(logging.NOTSET)
@@ -214,13 +212,14 @@ class FakeFamily:
         self.builds = 0
         self.fail: tuple[str, int] | None = None  # (method, batch size) that raises RuntimeError
         self.draw = False  # outputs drawn from the global torch generator instead of the sample ids
+        self.stats: dict[str, Callable[[], SpecStats]] = {}  # method -> its batches' stats (default: forwards only)
 
     def method(self, name: str) -> Method:
         def run(models, batch, settings, params):
             self.calls.append((name, tuple(s.question_id for s in batch)))
             if self.fail == (name, len(batch)):
                 raise RuntimeError("index 9 is out of bounds | boom")
-            stats = SpecStats(num_target_forwards=settings.max_new_tokens)
+            stats = self.stats[name]() if name in self.stats else SpecStats(num_target_forwards=settings.max_new_tokens)
             tokens = [torch.randint(0, 1000, (settings.max_new_tokens,)) if self.draw  # [n] each
                       else torch.full((settings.max_new_tokens,), s.question_id) for s in batch]
             return MethodOutput(outputs=tokens, new_tokens=[settings.max_new_tokens] * len(batch), stats=stats)
@@ -305,6 +304,37 @@ def test_a_failing_configuration_is_reported_and_the_others_go_on(fake, tmp_path
     assert rows_by_method(summary, 2)["a"]["failed"].startswith("RuntimeError")
     assert rows_by_method(summary, 1)["a"]["speedup"]["median"] > 0
     assert summary["failures"] == ["batch size 2, a: RuntimeError: index 9 is out of bounds | boom"]
+
+
+def mostly_plain_batch() -> SpecStats:
+    """A batch whose draft budget chose 1 chain of 2 (both accepted) and 3 plain steps, one row."""
+    from mmspec.verify import VerifyResult
+
+    stats = SpecStats(num_target_forwards=5)
+    for drafted in (2, 0, 0, 0):
+        accepted = torch.tensor([drafted])
+        stats.record(VerifyResult(torch.zeros(1, drafted + 1, dtype=torch.long), accepted,
+                                  torch.ones(1, drafted, dtype=torch.bool), accepted))
+        stats.add_extra(f"budget_{drafted}", 1)
+    stats.add_extra("calls_without_drafter", 0)
+    return stats
+
+
+def test_a_method_the_budget_kept_from_drafting_gets_one_line(fake, tmp_path, capsys):
+    """One stderr line (and a line in summary.md) per method and batch size whose draft budget chose plain steps on
+    most of its steps; none for the others."""
+    fake.stats["a"] = mostly_plain_batch
+    out = tmp_path / "plain"
+    argv = ["bench", "--family", "fake", "--methods", "a,b", "--batch-sizes", "1", "--num-samples", "2",
+            "--max-new-tokens", "2", "--repeats", "1", "--warmup", "0", "--no-plots", "--quiet", "--out", str(out)]
+    assert main(argv) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and notes[0].startswith("note: a (batch size 1, 1 pass) drafted on 2 of 8 verify steps")
+    assert "6 plain steps" in notes[0] and "budget=fixed" in notes[0]
+    rows = rows_by_method(json.loads((out / "summary.json").read_text()), 1)
+    assert rows["a"]["budget_notice"] == notes[0] and rows["b"]["budget_notice"] is None
+    assert rows["a"]["mean_acceptance_length"] == 3.0 and rows["a"]["acceptance_histogram"] == [0, 0, 2]
+    assert f"- {notes[0]}" in (out / "summary.md").read_text()
 
 
 def test_method_parameters_are_parsed_and_checked(fake):

@@ -1,4 +1,4 @@
-"""`mmspec.cost`: forward-time tables (interpolation, measuring, the JSON cache) and `mmspec profile` on a family
+"""`mmspec.profiling`: forward-time tables (interpolation, measuring, the JSON cache) and `mmspec profile` on a family
 record's profile hook."""
 
 import json
@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from mmspec.cli import main
-from mmspec.cost import ForwardTimes, cached_profile, lm_forward_runner, measure_forward_times, profile_key
 from mmspec.errors import InputError
 from mmspec.families import FamilyRecord, register_family, unregister_family
+from mmspec.profile_runners import lm_forward_runner
+from mmspec.profiling import ForwardTimes, cached_profile, measure_forward_times, profile_key
 from mmspec.testing.toy import toy_model
 
 
@@ -76,11 +77,11 @@ def test_tables_are_cached_per_key_and_measured_again_on_request(tmp_path, monke
 def test_a_new_costs_revision_times_the_tables_again(monkeypatch):
     """A change to mmspec that makes forwards cheaper or dearer bumps COSTS_REVISION: tables timed before it are
     not read again."""
-    import mmspec.cost
+    import mmspec.profiling
 
     model = toy_model(seed=0)
     before = profile_key(model, "cpu")
-    monkeypatch.setattr(mmspec.cost, "COSTS_REVISION", "a later revision")
+    monkeypatch.setattr(mmspec.profiling, "COSTS_REVISION", "a later revision")
     assert profile_key(model, "cpu") != before
 
 
@@ -99,7 +100,7 @@ def test_the_key_ignores_where_a_model_was_loaded_from_and_config_bookkeeping(tm
                                   max_position_embeddings=64)
     drafter.save_pretrained(tmp_path / "a")
     drafter.save_pretrained(tmp_path / "b")
-    code = ("import sys, torch; from mmspec.cost import profile_key; from mmspec.llama_drafter import "
+    code = ("import sys, torch; from mmspec.profiling import profile_key; from mmspec.llama_drafter import "
             "LlamaFeatureDrafter; torch.set_num_threads(int(sys.argv[2]));  # threads are in the key: this process's\n"
             "print(profile_key(LlamaFeatureDrafter.from_pretrained(sys.argv[1]), 'cpu'))")
     seed = "2" if os.environ.get("PYTHONHASHSEED") == "1" else "1"  # another string hashing than this process's

@@ -238,7 +238,7 @@ def test_dropping_finished_rows_under_cfg_keeps_every_row(target_model):
     original = loop.drop_finished_rows
 
     def counted(*args, **kwargs):
-        drops.append(int(args[4].sum()))
+        drops.append(int(args[3].sum()))
         return original(*args, **kwargs)
 
     loop.drop_finished_rows = counted

@@ -13,8 +13,7 @@ from mmspec.sampling import SamplingParams
 from mmspec.testing.budgets import CyclingBudget
 from mmspec.testing.distributions import empirical_distribution, tv_distance, tv_tolerance
 from mmspec.testing.toy import toy_model
-from mmspec.tree import chain_as_tree
-from mmspec.tree_budget import TreeShape
+from mmspec.tree import TreeShape, chain_as_tree
 from mmspec.verify import ChainDraft, Randomness, get_rule
 
 PARAMS = SamplingParams(temperature=1.0, top_k=8)

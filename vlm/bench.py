@@ -1,6 +1,6 @@
 """The `vlm` bench family: long answers about held-out world scenes from a LLaVA target, alone (`vanilla`) or with
 a drafter from MODEL/drafters/<kind> (`eagle`: EagleVLM, `vispec`: ViSpec, `msd`: MSD, `specvlm`: SpecVLM;
-params depth, top_k, total_tokens, child_ranking, budget (`auto`, the default, or `fixed`: `mmspec.tree_budget`);
+params depth, top_k, total_tokens, child_ranking, budget (`auto`, the default, or `fixed`: `mmspec.budget`);
 the tree defaults to each drafter's paper setting, depth in drafted levels: EAGLE's code's depth + 1, see `vlm.eagle`).
 
     mmspec bench --family vlm --methods vanilla,eagle,vispec,eagle:depth=6:top_k=8:total_tokens=40
@@ -81,7 +81,7 @@ def _runner(record):
     def run(models: dict, batch: Sequence[Sample], settings: BenchSettings, given: Mapping[str, Any]) -> MethodOutput:
         from vlm.pipeline import SpeculativeVLM
 
-        given, budget = pop_budget(given, "auto")
+        given, budget = pop_budget(given, None)
         params = {**TREE, **ACCEPT, **record.check_given(given, "vlm")}  # vanilla too: its target's cache room
         vlm = models["target"]
         if kind is not None:

@@ -27,7 +27,7 @@ from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import InputError, check
 from mmspec.limits import check_sampling, check_seed
 from mmspec.sampling import EXACT_MODES
-from mmspec.stats import SpecStats
+from mmspec.stats import SpecStats, budget_notice
 from mmspec.threads import count_parameters, parse_threads, set_threads
 
 JOB_COLUMNS = ("id", "image", "prompt", "seed")
@@ -170,8 +170,16 @@ def answer(args: argparse.Namespace) -> int:
         seconds = time.perf_counter() - start
         print("" if args.stream else out.texts[0])
         print(json.dumps(figures(out.stats, seconds, len(out.token_ids[0]))), file=sys.stderr)
+        say_budget_notice(out.stats, args.drafter)
         return 0
     return run_job(args, tree)
+
+
+def say_budget_notice(stats: SpecStats, drafter: str) -> None:
+    """Print on stderr the line saying the draft budget kept the drafter from drafting on most steps, if it did."""
+    note = budget_notice(stats, drafter)
+    if note:
+        print(note, file=sys.stderr)
 
 
 def job_budget(args: argparse.Namespace) -> str:
@@ -331,4 +339,5 @@ def run_job(args: argparse.Namespace, tree: tuple[int, int, int] | None) -> int:
     skipped = f"; skipped {len(bad)} bad row(s) (stats.json lists them)" if bad else ""
     print(f"answered {made} of {len(rows)} rows ({summary['already_done']} already done) in {seconds:.1f} s; "
           f"{out / ANSWERS}, stats.json{skipped}")
+    say_budget_notice(stats, args.drafter)
     return 0

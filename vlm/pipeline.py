@@ -202,7 +202,7 @@ class SpeculativeVLM:
                  top_k: int | None = None, tree: tuple[int | None, int | None, int | None] | None = None,
                  batch_size: int = 8, generator: torch.Generator | None = None, use_drafter: bool = True,
                  stream: Callable[[int, str, list[int]], None] | None = None,
-                 child_ranking: str = "raw", budget: str | None = "auto", *, accept: str = "coupled",
+                 child_ranking: str = "raw", budget: str | None = None, *, accept: str = "coupled",
                  generation_config=None,
                  do_sample: bool | None = None, streamer=None, num_speculative_tokens: int | None = None,
                  method: str | None = None, return_dict_in_generate: bool = False, **model_inputs):
@@ -219,10 +219,10 @@ class SpeculativeVLM:
         `num_speculative_tokens=K` (vLLM's name) = a chain of K drafts, (K, 1, K + 1); `method` (vLLM's name)
         must be the loaded drafter's kind. `child_ranking` "raw" (EAGLE's) or "processed"
         (`mmspec.feature_drafter`); `use_drafter=False` decodes with the target alone (vanilla). `budget`: "auto"
-        (default) lets `mmspec.tree_budget.TreeBudget` pick each step's shape inside `tree` (chains, smaller
-        trees or a plain step) from this device's timed costs and the acceptance seen so far, in this call and
-        earlier ones of this object (`self.budgets`; the first call per batch size times the shapes, a few
-        seconds, then they are cached on disk); "fixed" drafts `tree` every step. Lossless either way
+        (the default, None, for these lossless rules) lets `mmspec.budget` pick each step's shape inside `tree`
+        (chains, smaller trees or a plain step) from this device's timed costs and the acceptance seen so far, in
+        this call and earlier ones of this object (`self.budgets`; the first call per batch size times the shapes, a
+        few seconds, then they are cached on disk); "fixed" drafts `tree` every step. Lossless either way
         (docs/budgets.md). `accept`: the exact acceptance mode, "coupled" (the default: the target's own sample at
         every index, so the answers `use_drafter=False` gives with the same generator(s), whatever the drafter or the
         budget draft; `mmspec.verify.coupled`) or "lossless" (speculative sampling); greedy verification at
@@ -321,7 +321,7 @@ class SpeculativeVLM:
 
     def _generate_batch(self, inputs: VLMInputs, params: SamplingParams, max_new_tokens: int, tree, generator,
                         use_drafter: bool, eos: int | list[int] | None, stream, first_row: int,
-                        child_ranking: str = "raw", budget: str | None = "auto", accept: str = "coupled") -> VLMOutput:
+                        child_ranking: str = "raw", budget: str | None = None, accept: str = "coupled") -> VLMOutput:
         depth, top_k, total = tree
         b = inputs.input_ids.shape[0]
         if use_drafter and self.drafter is not None:
@@ -357,7 +357,7 @@ class SpeculativeVLM:
                 take(state.full_output().tolist(), state.full_num_generated().tolist())
 
         rule = params.exact_rule(accept)
-        draft_budget = make_budget(budget, target, drafter, rule, inputs, b, self.lm.device, self.budgets)
+        draft_budget = make_budget(budget, target, drafter, rule, b, self.budgets)
         result = generate(target, drafter, rule, inputs, batch_size=b, max_new_tokens=max_new_tokens,
                           generator=generator, eos_token_id=eos, device=self.lm.device, callback=record,
                           budget=draft_budget, drop_finished=self.drop_finished)

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mmspec.cost import RunForward, feature_pairs_step, lm_forward_runner, runner_per_batch
 from mmspec.lm import GuidedRunner, LMTarget
 from mmspec.loop import DecodeState
+from mmspec.profile_runners import lm_forward_runner
+from mmspec.profiling import RunForward, feature_pairs_step, runner_per_batch
 from mmspec.sampling import SamplingParams
 from vlm.target import VLMInputs, prefill_vlm
 

@@ -48,7 +48,7 @@ from mmspec.errors import check, check_positive_int
 from mmspec.feature_drafter import distribution_l1_loss, feature_drafter_loss, feature_smoothl1
 from mmspec.hf_loading import folder_fingerprint
 from mmspec.model_card import with_metadata
-from mmspec.tree_budget import MAX_CHAIN_DEPTH
+from mmspec.tree import MAX_CHAIN_DEPTH
 from mmspec.world_training import card_head, optimizer_step, record_training_step, resume_training, write_info
 from vlm.family import DRAFTER_KINDS, drafter_model
 from vlm.msd import msd_visual_probability

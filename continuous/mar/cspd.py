@@ -25,9 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
-import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -48,16 +47,18 @@ from continuous.mar.pipeline import (
     sample_at,
     scatter_tokens,
 )
-from mmspec.budget import PROFILE_WIDTHS, AutoBudget, call_drafts, check_budget_mode, choose_size, report_call
-from mmspec.compile import compilations
-from mmspec.cost import ForwardTimes, cached_profile, measure_forward_times, profile_key
+from mmspec.budget import BudgetCall, BudgetConfig, ThroughputBudget, budget_config, check_budget_mode
 from mmspec.diffusers_folder import MMSpecPipelineMixin
 from mmspec.errors import check, check_positive_int
 from mmspec.phases import phase
+from mmspec.profiling import ForwardTimes, cached_profile, measure_forward_times, profile_key
 from mmspec.sampling import Generators
 from mmspec.stats import SpecStats
+from mmspec.tree import chain
 from mmspec.verify import VerifyResult
 from mmspec.verify.cspd import ContinuousRandomness, ContinuousVerifyResult, CSpDRule, GaussianPath
+
+log = logging.getLogger("mmspec.budget")
 
 
 def gaussian_path(traj: Trajectory, batch: int, temperature: float) -> GaussianPath:
@@ -127,12 +128,12 @@ def plain_view(batch: int, device: torch.device) -> VerifyResult:
 
 def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRun, gamma: int, prefill_ratio: float,
               rule: CSpDRule, generator: Generators = None, on_progress: Progress | None = None,
-              budget: AutoBudget | None = None) -> tuple[torch.Tensor, SpecStats]:
+              budget: ThroughputBudget | None = None) -> tuple[torch.Tensor, SpecStats]:
     """CSpD over one batch (see the module docstring): pre-filling by the target, then draft -> verify -> accept ->
     commit windows of `gamma` tokens until every row has its L tokens. Returns tokens [B, L, C] and the stats
     (target / draft forwards, acceptance per window position; extra: residual_samples, residual_fallbacks).
     budget: picks each step's window (`cspd_budget`: k drafts of a chain = a window of k + 1, 0 = a plain target
-    step), and through its call gate may run the whole call as plain steps (`mmspec.budget.call_drafts`; extra
+    step), and through its call gate may run the whole call as plain steps (`mmspec.budget.BudgetCall`; extra
     `calls_without_drafter`); None = `gamma` every step."""
     seq, channels, device = target.seq_len, target.token_channels, target.device
     b = run.labels.shape[0]
@@ -150,17 +151,11 @@ def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRu
             stats.num_target_forwards += 1
             if on_progress is not None and not on_progress(int(done.min()), tokens):
                 return tokens, stats
-    # the call gate: after calls whose drafting lost to plain steps, whole calls run as vanilla MAR (`call_drafts`);
-    # a budget that settles on plain steps is not asked again in this call (as in `mmspec.loop.generate`)
-    drafting = call_drafts(budget)
-    plain_for_good = not drafting
-    if drafting and budget is not None and hasattr(budget, "begin"):
-        budget.begin()
-    decode_start, compiled_before, prefilled = time.perf_counter(), compilations(), int(done.max())
+    steering = BudgetCall(budget, stats)  # the budget's side, as in `mmspec.loop.generate`
+    steering.begin(target, draft, None, rule)
     while bool((done < seq).any()):  # the one host sync per window
         active = done < seq
-        drafts, plain_for_good = choose_size(budget, b, plain_for_good,
-                                             lambda done=done, active=active: (seq - done) * active)
+        drafts = steering.choose(b, lambda done=done, active=active: (seq - done) * active)
         size = gamma if drafts is None else drafts + 1  # the window (1 = a plain step under a budget)
         if budget is not None and size == 1:
             with phase("verify"):
@@ -168,10 +163,8 @@ def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRu
             done = done + active.long()
             stats.num_target_forwards += 1
             result = plain_view(b, device)
-            if not plain_for_good:
-                budget.observe(result, active)
+            steering.observe(0, result, active, None)
             stats.record(result, active)
-            stats.add_extra("budget_0", 1)
             if on_progress is not None and not on_progress(int(done.min()), tokens):
                 break
             continue
@@ -194,42 +187,41 @@ def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRu
             keep = torch.arange(size, device=device) < result.num_emitted.unsqueeze(1)  # [B, K]
             tokens, known = scatter_tokens(tokens, known, positions, result.output_tokens.to(tokens.dtype), keep)
             done = done + result.num_emitted
-        if budget is not None:
-            budget.observe(chain_view(result, window), active)
-            stats.add_extra(f"budget_{size - 1}", 1)
+        steering.observe(size - 1, chain_view(result, window), active, None)
         stats.record(result, active)
         stats.add_extra("residual_samples", int(result.residual.sum()))
         stats.add_extra("residual_fallbacks", int(result.fallback.sum()))
         if on_progress is not None and not on_progress(int(done.min()), tokens):
             break
-    if hasattr(budget, "end_call"):
-        report_call(budget, stats, b, time.perf_counter() - decode_start, int(done.max()) - prefilled, drafting,
-                    compiled_before)
+    steering.end()
     return tokens, stats
 
 
 def cspd_budget(target: MARModel, draft: MARModel, run: MARRun, gamma: int, keep: dict | None = None,
-                rule_name: str = "") -> AutoBudget:
-    """The window budget of a call: `mmspec.budget.AutoBudget` over chains of 0..gamma - 1 drafts (a window of
-    k + 1 tokens; 0 = a plain target step), from the measured seconds of a target step over n window positions
-    and of the draft's one-token steps (k + 1 of them per window; `window_costs`), then each size's own step
-    times. Kept in `keep` between calls of the same batch size and settings (acceptance and times carry over)."""
+                rule_name: str = "", config: BudgetConfig | None = None) -> ThroughputBudget:
+    """The window budget of a call (`mmspec.budget.ThroughputBudget`) over chains of 0..gamma - 1 drafts (a window
+    of k + 1 tokens; 0 = a plain target step), from the measured seconds of a target step over n window positions
+    and of the draft's one-token steps (k + 1 of them per window; `window_costs`), then each size's own step times.
+    Kept in `keep` between calls of the same batch size and settings (acceptance and times carry over)."""
     b = run.labels.shape[0]
     key = ("cspd", gamma, b, run.num_sampling_steps, float(run.temperature), str(run.cfg_schedule),
-           float(run.guidance_scale), rule_name)
+           float(run.guidance_scale), rule_name, config)
     if keep is not None and key in keep:
         return keep[key]
-    verify, draft_step = window_costs(target, draft, run, sorted({w for w in PROFILE_WIDTHS if w <= gamma} | {gamma}))
-    budget = AutoBudget(range(gamma), lambda batch, n: verify.seconds_at(b, n),
-                        lambda batch, k: (k + 1) * draft_step if k else 0.0, timing=True)
+    verify, draft_step = window_costs(target, draft, run, sorted({w for w in WINDOW_WIDTHS if w <= gamma} | {gamma}))
+    costs = [verify.seconds_at(b, k + 1) + ((k + 1) * draft_step if k else 0.0) for k in range(gamma)]
+    budget = ThroughputBudget([chain(k) for k in range(gamma)], list(range(gamma)), config, costs=costs)
     if keep is not None:
         keep[key] = budget
     return budget
 
 
+WINDOW_WIDTHS = (1, 2, 3, 5, 9, 17, 33, 65)  # window widths timed for a budget (interpolated between)
+
+
 def window_costs(target: MARModel, draft: MARModel, run: MARRun, widths: list[int]) -> tuple[ForwardTimes, float]:
     """(median seconds of a target forward and its head over n window positions, per width; of one draft step) at
-    the run's batch size, sampling steps and CFG; measured once, cached (`mmspec.cost`)."""
+    the run's batch size, sampling steps and CFG; measured once, cached (`mmspec.profiling`)."""
     b = run.labels.shape[0]
 
     def timer(model: MARModel):
@@ -241,8 +233,8 @@ def window_costs(target: MARModel, draft: MARModel, run: MARRun, widths: list[in
     def measure(model: MARModel, at: list[int]) -> ForwardTimes:  # only when a table is not cached yet
         if not announced:
             announced.append(True)
-            print("mmspec: timing CSpD windows on this device for budget='auto' (once per model pair, batch size "
-                  "and device; cached)", file=sys.stderr, flush=True)
+            log.info("mmspec: timing CSpD windows on this device for budget='auto' (once per model pair, batch size "
+                     "and device; cached)")
         return measure_forward_times(timer(model), [b], at, repeats=3, warmup=1, device=target.device)
 
     extra = f"cspd-window|B={b}|steps={run.num_sampling_steps}|cfg={run.guidance_scale}|canvas=half"
@@ -304,7 +296,7 @@ class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
                  return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
                  callback_on_step_end_tensor_inputs: list[str] | None = None,
-                 num_inference_steps: int | None = None, budget: str = "auto"):
+                 num_inference_steps: int | None = None, budget: str | None = None):
         """Generate images with CSpD. gamma: window size (with budget="auto", the largest window); prefill_ratio:
         share of tokens the target makes alone first; align: trajectory alignment; rule: the acceptance rule (default
         the paper's `CSpDRule()`; `CSpDRule.reference_code()` for the public code's variants). Other arguments as
@@ -314,13 +306,13 @@ class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         tokens verified in every row, {"tokens": [N, L, C]}) after each pre-filling step and window
         (`callback_on_step_end_tensor_inputs`: ["tokens"]; a function or a diffusers `PipelineCallback`;
         `pipe._interrupt = True` stops after the current window and decodes the tokens verified so far).
-        num_inference_steps: diffusers' name for num_sampling_steps (the diffusion head's steps). budget: "auto"
-        (default) picks each step's window, 1 (a plain target step) to gamma, from this device's measured costs
-        and the tokens windows have given so far (`cspd_budget`; the first call per model pair, batch size and
-        device times the windows, then they are cached), so CSpD is never much slower than the target alone;
-        "fixed" drafts gamma every step (the paper's loop). out.stats.extra counts the windows chosen
-        (`budget_k`: k drafts after the first window token, a window of k + 1; `budget_0` plain). With "auto" a
-        call depends on the measured times, so seeded calls repeat bit for bit only with "fixed"."""
+        num_inference_steps: diffusers' name for num_sampling_steps (the diffusion head's steps). budget: None
+        (default) or "fixed" drafts gamma every step, the paper's loop (CSpD's rule is relaxed: its output law
+        depends on the windows drafted, so the default does not depend on the machine's timings); "auto" picks each
+        step's window, 1 (a plain target step) to gamma, from this device's measured costs and the tokens windows
+        have given so far (`cspd_budget`), and a seeded call then depends on the measured times. out.stats.extra
+        counts the windows chosen (`budget_k`: k drafts after the first window token, a window of k + 1;
+        `budget_0` plain)."""
         check_budget_mode(budget)
         user_step = self.step_callback(callback_on_step_end, callback_on_step_end_tensor_inputs,
                                        self.target.seq_len)
@@ -347,8 +339,9 @@ class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                 return user_step(next(steps), verified, {"tokens": tokens})
 
             rule = rule or CSpDRule()
-            window_budget = None if budget in (None, "fixed") or gamma == 1 else cspd_budget(
-                target, self.draft, run, gamma, self.budgets, repr(vars(rule)))
+            config = budget_config(budget, rule)
+            window_budget = None if config is None or gamma == 1 else cspd_budget(
+                target, self.draft, run, gamma, self.budgets, repr(vars(rule)), config)
             tokens, stats = cspd_loop(target, self.draft, run, draft_noise, gamma, prefill_ratio, rule, generator,
                                       on_progress, window_budget)
         return finish_run(self, target, self.vae, tokens, output_type, return_dict, stats)

@@ -72,7 +72,7 @@ def profile(pipe) -> dict:
 
     from continuous.mar.cspd import window_forward
     from continuous.mar.pipeline import prepare_run
-    from mmspec.cost import runner_per_batch
+    from mmspec.profiling import runner_per_batch
 
     target = target_model(pipe)
     models = {"target": target, "draft": getattr(pipe, "draft", None)}

@@ -13,9 +13,9 @@ world-FID (against held-out real world images; compare figures with equal sample
 versus vanilla for lossless methods at temperature 0, and at temperature > 0 how closely each method's tokens
 follow the target's distribution (`pit_ks` and friends, `mmspec.metrics.calibration`, scored by
 `image_ar.llamagen.scoring.target_probs`). `max_new_tokens` does not apply: an image is always
-`block_size` tokens. Family options: see `mmspec.bench.image_family`, plus `budget` (`auto`, the default:
-`mmspec.budget` picks each step's draft size, or `fixed`: the configured size) for every method, or per method:
-`eagle:budget=fixed`.
+`block_size` tokens. Family options: see `mmspec.bench.image_family`, plus `budget` (`auto`: `mmspec.budget` picks
+each step's draft size, the default of lossless methods; `fixed`: the configured size, the default of relaxed ones;
+`auto-no-<part>`: the model without one part) for every method, or per method: `eagle:budget=fixed`.
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def build(settings: BenchSettings):
 def _runner(record, family: str = "llamagen"):
     def run(pipe, batch: Sequence[Sample], settings: BenchSettings, given: Mapping[str, Any]) -> MethodOutput:
         o = _options(settings, family)
-        given, budget = pop_budget(given, o["budget"] or "auto")
+        given, budget = pop_budget(given, o["budget"])
         conditions = ({"prompt": [s.data for s in batch]} if family == "llamagen-t2i" else
                       {"class_labels": [int(s.data) for s in batch]})
         return run_image_method(pipe, conditions, batch, settings, o, record.name, given, budget)

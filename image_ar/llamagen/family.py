@@ -65,9 +65,9 @@ def bench():
 def profile(pipe) -> dict:
     """The target and the draft model as the loop runs them: the class condition prefilled, CFG at the pipeline's
     default scale (one 2B batch), then W new tokens scored per forward; the EAGLE drafter as its trees run it: W new
-    (token, feature) pairs after half an image's pairs (`mmspec.cost.feature_forward_runner`)."""
+    (token, feature) pairs after half an image's pairs (`mmspec.profiling.feature_forward_runner`)."""
     from image_ar.llamagen.pipeline import condition_prefill
-    from mmspec.cost import feature_forward_runner, lm_forward_runner
+    from mmspec.profile_runners import feature_forward_runner, lm_forward_runner
 
     def labels(batch: int) -> torch.Tensor:
         return torch.arange(batch, device=pipe.transformer.device) % pipe.transformer.config.num_classes

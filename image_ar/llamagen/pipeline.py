@@ -121,7 +121,7 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                               eagle_drafter=eagle_drafter, text_encoder=text_encoder, tokenizer=tokenizer)
         self.register_to_config(clean_caption=bool(clean_caption))
         self.lantern_tables: dict[int, torch.Tensor] = {}  # LANTERN's neighbour tables of the VQ codebook, per k
-        self.budgets: dict = {}  # budget="auto" on tree drafters: what each budget learnt, kept between calls
+        self.budgets: dict = {}  # budget="auto": what each budget learnt, kept between calls
 
     def compile_forwards(self, mode: str | None = "default",
                          call_batch_sizes: Sequence[int] | None = None) -> LlamaGenPipeline:
@@ -217,7 +217,7 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                  prompt_embeds: torch.Tensor | None = None, prompt_embeds_mask: torch.Tensor | None = None,
                  guidance_scale: float | None = None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
                  num_images_per_prompt: int = 1, generator: torch.Generator | list[torch.Generator] | None = None,
-                 method: str = "vanilla", method_kwargs: dict[str, Any] | None = None, budget: str | None = "auto",
+                 method: str = "vanilla", method_kwargs: dict[str, Any] | None = None, budget: str | None = None,
                  output_type: str = "pil", return_dict: bool = True,
                  callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
                  callback_on_step_end_tensor_inputs: list[str] | None = None,
@@ -236,13 +236,15 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         the batch it was generated in). callback_on_step_end(pipe, step, num_tokens, {"tokens": [N, T]}) runs
         after every loop iteration (read-only; a function or a diffusers `PipelineCallback`; setting
         `pipe._interrupt = True` or returning {"stop": True} ends the call early, e.g. a UI's cancel button).
-        budget: "auto" (default) picks each step's draft size (0 = a plain step; a smaller tree or a chain for the
-        EAGLE methods) from this device's measured step costs and the acceptance seen so far (`mmspec.budget`,
-        `mmspec.tree_budget`; the first call per model, device and batch size times the costs, then they are
-        cached; what a budget learnt stays in `pipe.budgets` between calls), so no method is much slower than
-        vanilla where drafting does not pay (a large batch, a CPU); "fixed" drafts the method's configured size
-        every step (the papers' loops). Lossless methods stay lossless either way; with "auto" the choices follow
-        measured times, so a seeded sampled call repeats bit for bit only with "fixed".
+        budget: "auto" picks each step's draft size (0 = a plain step; a smaller tree or a chain for the EAGLE
+        methods) from this device's measured step costs and the acceptance seen so far (`mmspec.budget`; the first
+        call per model, device and batch size times the costs, then they are cached; what a budget learnt stays in
+        `pipe.budgets` between calls), so no method is much slower than vanilla where drafting does not pay (a large
+        batch, a CPU); "fixed" drafts the method's configured size every step (the papers' loops); None (default)
+        is "auto" for lossless methods and "fixed" for relaxed ones (LANTERN, GSD: their output law depends on the
+        drafts, so a seeded call must not depend on the machine's timings). Lossless methods stay lossless either
+        way, and under the coupled rule (the default of sampled lossless methods) a seeded call gives the same
+        tokens whatever the budget drafts.
         """
         guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
         check(isinstance(guidance_scale, (int, float)), f"guidance_scale must be a number, got {guidance_scale!r}.")
@@ -282,7 +284,7 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         for model in (self.transformer, self.draft_transformer):  # positions are bounded here; no per-call sync
             if model is not None:
                 model.check_positions = False
-        draft_budget = make_budget(budget, target, drafter, rule, cond, batch, cond.device, self.budgets)
+        draft_budget = make_budget(budget, target, drafter, rule, batch, self.budgets)
 
         gen = self.with_token_progress(block, user_step, lambda on_step: generate(
             target, drafter, rule, cond, batch_size=batch, max_new_tokens=block, generator=generator,

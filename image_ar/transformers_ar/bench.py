@@ -61,7 +61,7 @@ def _runner(family: str):
     def runner(record):
         def run(pipe, batch: Sequence[Sample], settings: BenchSettings, given: Mapping[str, Any]) -> MethodOutput:
             o = _options(settings, family)
-            given, budget = pop_budget(given, o["budget"] or "auto")
+            given, budget = pop_budget(given, o["budget"])
             return run_image_method(pipe, {"prompt": [s.data for s in batch]}, batch, settings, o, record.name,
                                     given, budget)
 

@@ -119,7 +119,7 @@ class Emu3CachedLM:
         return self.model.config
 
     def parameters(self):
-        """The model's parameters (what `mmspec.cost` keys its timings by)."""
+        """The model's parameters (what `mmspec.profiling` keys its timings by)."""
         return self.model.parameters()
 
     def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:

@@ -94,7 +94,7 @@ class JanusCachedLM:
         return self.model.config
 
     def parameters(self):
-        """The model's parameters (what `mmspec.cost` keys its timings by)."""
+        """The model's parameters (what `mmspec.profiling` keys its timings by)."""
         return self.model.parameters()
 
     @property

@@ -183,7 +183,7 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
         drafter, rule = FAMILY.get_method(method).build(ctx, method_kwargs, type(self).__name__)
         target = LMTarget(lm, params, max_new_tokens=num_tokens, max_draft_nodes=DRAFT_ROOM,
                           guidance_scale=ctx.guidance_scale, prefill_fn=ctx.prefill_fn, layout=layout)
-        draft_budget = make_budget(budget, target, drafter, rule, prompts, batch, self.device, self.budgets)
+        draft_budget = make_budget(budget, target, drafter, rule, batch, self.budgets)
         return self.with_token_progress(num_tokens, user_step, lambda on_step: generate(
             target, drafter, rule, prompts, batch_size=batch, max_new_tokens=num_tokens, generator=generator,
             device=self.device, callback=on_step, budget=draft_budget))
@@ -262,7 +262,7 @@ class JanusPipeline(TransformersImagePipeline):
                  attention_mask: torch.Tensor | None = None, guidance_scale: float | None = None,
                  temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, num_images_per_prompt: int = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, method: str = "vanilla",
-                 method_kwargs: dict[str, Any] | None = None, budget: str | None = "auto", output_type: str = "pil",
+                 method_kwargs: dict[str, Any] | None = None, budget: str | None = None, output_type: str = "pil",
                  return_dict: bool = True, chat_template: bool = True,
                  callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
                  callback_on_step_end_tensor_inputs: list[str] | None = None, class_labels: Any = None):
@@ -272,7 +272,7 @@ class JanusPipeline(TransformersImagePipeline):
         guidance_scale: CFG scale on the raw logits (None: the model's generation_config, else 5 as transformers;
         1.0 disables the unconditional rows). temperature 0 = greedy; top_k 0 / top_p 1.0 disable those filters
         (applied after CFG, as transformers). method: "vanilla", "sjd" or "gsd" (method_kwargs: their parameters,
-        e.g. {"window": 16, "accept": "lantern"}); budget "auto" | "fixed" as `LlamaGenPipeline`. generator: one,
+        e.g. {"window": 16, "accept": "lantern"}); budget None | "auto" | "fixed" as `LlamaGenPipeline`. generator: one,
         or one per image. callback_on_step_end(pipe, step, num_tokens, {"tokens": [N, T]}) after every step.
         """
         self.check_call(prompt, input_ids, class_labels, method, output_type, num_images_per_prompt)
@@ -381,7 +381,7 @@ class Emu3Pipeline(TransformersImagePipeline):
                  image_area: int | None = None, guidance_scale: float | None = None, temperature: float = 1.0,
                  top_k: int = 2048, top_p: float = 1.0, num_images_per_prompt: int = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, method: str = "vanilla",
-                 method_kwargs: dict[str, Any] | None = None, budget: str | None = "auto", output_type: str = "pil",
+                 method_kwargs: dict[str, Any] | None = None, budget: str | None = None, output_type: str = "pil",
                  return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
                  callback_on_step_end_tensor_inputs: list[str] | None = None, class_labels: Any = None):
         """Generate images from prompts (one string or a list; or input_ids + attention_mask from the processor's

@@ -24,7 +24,7 @@ from mmspec.bench.configs import parse_method_list
 from mmspec.bench.files import prepare_output_dir
 from mmspec.bench.output import RESULTS_FILE, SUMMARY_JSON, SUMMARY_MD, write_outputs
 from mmspec.bench.registry import BenchSettings, get_family
-from mmspec.bench.report import tables_markdown
+from mmspec.bench.report import budget_notices, tables_markdown
 from mmspec.bench.runner import INTERLEAVE_MODES, BenchResult, check_run_args, run_bench
 from mmspec.errors import InputError, check_positive_int
 from mmspec.families import available_families
@@ -72,8 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(the same on every device: the launch overhead a GPU step pays); counting slows every "
                              "op, so take timings from another run")
     parser.add_argument("--gate-log", action="store_true",
-                        help="print the budgets' call gate verdicts on stderr: each call's time against vanilla's "
-                             "plain steps, won / lost, calls without the drafter (the mmspec.budget logger at DEBUG)")
+                        help="print what each draft budget did on stderr after every call: the options chosen, their "
+                             "step seconds and expected tokens, the calls with and without the drafter (the "
+                             "mmspec.budget logger at DEBUG)")
     parser.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     parser.add_argument("--out", required=True, help="output directory (created if missing)")
     parser.add_argument("--quiet", action="store_true",
@@ -81,8 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def show_gate_verdicts() -> None:
-    """The call gate's DEBUG lines (`mmspec.budget.MeasuredSteps.end_call`: each call's verdict and the sizes'
-    estimates behind it) on stderr, each configuration's batch named as it starts (`mmspec.bench.runner`)."""
+    """The draft budgets' DEBUG lines (`mmspec.budget.ThroughputBudget.end`: after each call, the options chosen and
+    the estimates behind them) on stderr, each configuration's batch named as it starts (`mmspec.bench.runner`)."""
     for name in ("mmspec.budget", "mmspec.bench.runner"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.DEBUG)
@@ -182,6 +183,8 @@ def run(args: argparse.Namespace) -> int:
         print(tables_markdown(summary))
     print(f"wrote {out / RESULTS_FILE}, {out / SUMMARY_MD}, {out / SUMMARY_JSON}"
           + ("" if args.no_plots else " and plots") + f" ({len(result.records)} records)")
+    for note in budget_notices(summary):  # one line per method and batch size the budget kept from drafting
+        print(note, file=sys.stderr)
     failures = result.failure_list()
     for line in failures:
         print(f"mmspec bench: FAILED at {line}", file=sys.stderr)

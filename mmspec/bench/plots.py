@@ -74,9 +74,10 @@ def plot_speedup_vs_quality(rows: Sequence[Mapping[str, Any]], quality_key: str 
     return _save(fig, path)
 
 
-def per_position_figure(rows: Sequence[Mapping[str, Any]], title: str):
+def per_position_figure(rows: Sequence[Mapping[str, Any]], title: str, empty: str = "no method drafted tokens"):
     """A matplotlib figure of the per-position acceptance rate, one line per drafting method (rows: dicts with
-    "method" and "per_position_acceptance_rate"); the caller closes or saves it."""
+    "method" and "per_position_acceptance_rate"; `empty`: the text shown when no method drafted); the caller closes
+    or saves it."""
     fig, ax = plt.subplots(figsize=(6, 4), layout="constrained")
     drawn = 0
     for r in rows:
@@ -87,7 +88,7 @@ def per_position_figure(rows: Sequence[Mapping[str, Any]], title: str):
     if drawn:
         ax.legend(fontsize=7)
     else:
-        ax.text(0.5, 0.5, "no method drafted tokens", ha="center", transform=ax.transAxes)
+        ax.text(0.5, 0.5, empty, ha="center", wrap=True, transform=ax.transAxes)
     ax.set_ylim(0, 1.05)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("draft position (1 = first drafted token; trees: depth)")

@@ -138,15 +138,15 @@ FamilyFactory = Callable[[], Family]
 def methods_of(record: Any, runner: Callable[[Any], MethodFn], budget: bool = False) -> dict[str, Method]:
     """Bench methods from a family record's methods (`mmspec.families.MethodRecord`): runner(method record) makes
     each one's `run`; parameters, defaults, losslessness and descriptions come from the record. `budget`: every
-    method but vanilla also takes the bench parameter `budget` (`fixed` or `auto`, `mmspec.budget`; None = the
-    family's default), which the runner pops before building the method (`pop_budget`)."""
+    method but vanilla also takes the bench parameter `budget` (`fixed`, `auto`, `auto-no-<part>`: `mmspec.budget`;
+    None = the method's default), which the runner pops before building the method (`pop_budget`)."""
     extra = {"budget": None} if budget else {}
     return {name: Method(runner(m), lossless=m.is_lossless, description=m.description,
                          params={**m.params, **(extra if name != "vanilla" else {})})
             for name, m in record.methods.items()}
 
 
-def pop_budget(given: Mapping[str, Any], default: str | None = "fixed") -> tuple[dict[str, Any], str | None]:
+def pop_budget(given: Mapping[str, Any], default: str | None = None) -> tuple[dict[str, Any], str | None]:
     """(the method's own parameters, the draft budget) from a bench method's parameters (see `methods_of`)."""
     from mmspec.budget import check_budget_mode
 

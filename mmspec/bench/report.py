@@ -5,12 +5,15 @@ Definitions (per batch size; a "pass" is one configuration over every sample, se
 - target forwards: sum over the pass's batches of the batch's target forwards (NFE, prefill included).
 - step compression: vanilla's target forwards / the method's, in the same pass (median over passes; None
   when the method reports no target forwards).
-- mean acceptance length: emitted tokens per row and verify call, bonus included (vanilla: 1.0).
+- mean acceptance length: tokens emitted per drafting row-iteration (a row's verify call with >= 1 draft token;
+  plain steps left out), bonus included: 1 + accepted / drafting row-iterations (vLLM's; vanilla: 1.0).
 - draft acceptance rate: accepted / drafted tokens (None when nothing was drafted).
 - speed-up: vanilla's wall time / the method's wall time in the same pass; min, median and max over passes.
 - tokens/s: new tokens of the pass / its wall time (median over passes).
 - peak memory: the largest per-batch peak over every pass (see `mmspec.bench.memory` for what it measures).
 - quality: the family's figures, numbers averaged over passes (text figures shown as they are).
+- budget_steps: the draft sizes a draft budget chose, steps per pass; budget_notice: one line when the budget kept
+  the method from drafting on most of its steps (`mmspec.stats.budget_notice`, printed on stderr), else None.
 - phases (with --phase-times): the share of the recorded passes' wall time spent in each loop phase
   (`mmspec.phases.PHASES`), "other" for the rest (the pipeline around the loop: conditioning, the drafter's own
   prefill, decoding images, loop bookkeeping), and milliseconds per call of `verify` (one target forward over the
@@ -33,7 +36,7 @@ from typing import Any
 from mmspec.bench.configs import MethodConfig
 from mmspec.bench.runner import BenchResult, RunResult
 from mmspec.phases import OUTSIDE, PHASES, PhaseTimes
-from mmspec.stats import SpecStats
+from mmspec.stats import SpecStats, budget_notice
 
 MIB = 1024 * 1024
 INTERLEAVED = {"batch": "per batch (batch i of every method before batch i+1)",
@@ -114,7 +117,16 @@ def summarize_config(config: MethodConfig, runs: Sequence[RunResult],
         "quality": merge_quality([r.quality for r in runs]),
         "phases": phase_summary(runs),
         "budget_steps": budget_steps(stats, len(runs)),
+        "budget_notice": config_budget_notice(config, stats, runs),
     }
+
+
+def config_budget_notice(config: MethodConfig, stats: SpecStats, runs: Sequence[RunResult]) -> str | None:
+    """`budget_notice` of one configuration at one batch size (its passes' merged counts), the hint naming the
+    bench's own way to draft every step (the method parameter `budget=fixed`)."""
+    passes = f"{len(runs)} pass{'' if len(runs) == 1 else 'es'}"
+    hint = f"--methods {config.method}:budget=fixed" if "budget" in config.params else "budget=fixed"
+    return budget_notice(stats, f"{config.label} (batch size {runs[0].batch_size}, {passes})", hint)
 
 
 def budget_steps(stats: SpecStats, passes: int) -> dict[str, float]:
@@ -243,12 +255,21 @@ def _with_phases(rows: Sequence[Mapping[str, Any]]) -> str:
     text = markdown_table(rows)
     if budgets:
         text += f"\nDraft budgets (`budget=auto`): the size chosen per step:\n\n{budgets}"
+        notes = [row["budget_notice"] for row in rows if row.get("budget_notice")]
+        text += "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")
     if phases and not ops:  # with --phase-ops every op is hooked: its timings are not worth a table
         text += f"\nWhere the time goes (share of wall time per loop phase):\n\n{phases}"
     if ops:
         text += ("\nTensor operations per target forward by loop phase (host syncs: per target forward, all "
                  f"phases; counted with --phase-ops, so this run's timings are slowed):\n\n{ops}")
     return text
+
+
+def budget_notices(summary: Mapping[str, Any]) -> list[str]:
+    """Every row's budget notice (`summarize_config`), batch size by batch size: one line per method and batch size
+    where the draft budget kept the method from drafting on most of its steps."""
+    return [row["budget_notice"] for table in summary["batch_sizes"] for row in table["methods"]
+            if row.get("budget_notice")]
 
 
 def tables_markdown(summary: Mapping[str, Any]) -> str:
@@ -280,7 +301,8 @@ def summary_markdown(summary: Mapping[str, Any], plots: Mapping[int, Sequence[st
              f"{env.get('cpu_count')} CPUs, {env['torch_threads']} torch threads; {env['platform']}",
              f"- memory: {memory}",
              "- speed-up and step compression are vanilla / method within the same pass; mean acceptance length "
-             "includes the bonus token. See docs/benchmarks.md.", ""]
+             "is the tokens emitted per drafting step (the bonus token included, plain steps left out). See "
+             "docs/benchmarks.md.", ""]
     body = []
     for table in summary["batch_sizes"]:
         b = table["batch_size"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -61,6 +62,20 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+def show_library_notes() -> None:
+    """The library's INFO messages (logger "mmspec": e.g. a draft budget timing its options on a first call) on
+    stderr, as the command line's own notes; the library itself is silent unless its user configures logging."""
+    logger = logging.getLogger("mmspec")
+    if not any(getattr(h, "mmspec_cli", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.setLevel(logging.INFO)
+        handler.mmspec_cli = True
+        logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(argv)
@@ -69,6 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if module_name is None:
         parser.print_help()
         return 0 if not argv else 2
+    show_library_notes()
     try:
         return int(_load(module_name).run(args) or 0)
     except MMSpecError as err:

@@ -118,16 +118,6 @@ def parse_method_args(items: list[str]) -> dict:
             out[key.strip()] = value
     return out
 
-def make_grid(images: list, columns: int):
-    import PIL.Image
-
-    w, h = images[0].size
-    rows = (len(images) + columns - 1) // columns
-    grid = PIL.Image.new("RGB", (columns * w, rows * h))
-    for i, image in enumerate(images):
-        grid.paste(image, ((i % columns) * w, (i // columns) * h))
-    return grid
-
 def command_prompts(args: argparse.Namespace) -> list[str]:
     """The captions of --prompt and --prompts (one a line, blank lines skipped)."""
     prompts = list(args.prompt or [])

@@ -16,7 +16,6 @@ import torch
 
 from mmspec.bench.files import atomic_write, atomic_write_text, prepare_output_dir, remove_stale_temporaries
 from mmspec.cli.family_io import class_slug, resolve_class, torch_dtype
-from mmspec.cli.generate import make_grid
 from mmspec.cli.jobs import (
     MANIFEST,
     JobRow,
@@ -32,7 +31,7 @@ from mmspec.cli.jobs import (
 from mmspec.compile import compile_pipeline
 from mmspec.errors import InputError, check
 from mmspec.families import FamilyRecord
-from mmspec.stats import SpecStats
+from mmspec.stats import SpecStats, budget_notice
 from mmspec.threads import count_parameters, parse_threads, set_threads
 
 GRID_LIMIT = 256  # images; larger runs get no grid.png
@@ -220,13 +219,10 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
                if getattr(args, k) is not None}
     options = {**family.defaults(pipe), **options, "method": args.method, "method_kwargs": method_kwargs}
     if args.budget is not None:
-        import inspect
-
-        check("budget" in inspect.signature(type(pipe).__call__).parameters,
-              f"--budget: the {args.family} pipeline has no draft budget; drop --budget.")
+        check(takes_budget(pipe), f"--budget: the {args.family} pipeline has no draft budget; drop --budget.")
         options["budget"] = args.budget
-    reproducible_budget(options, family.get_method(args.method), default_budget(pipe), args.budget is not None,
-                        rank == 0)
+    budget = reproducible_budget(options, family.get_method(args.method), takes_budget(pipe),
+                                 args.budget is not None, rank == 0)
 
     items = work_items(rows)
     if rank == 0:  # leftovers of an earlier, interrupted run: per-process figures, half-written images
@@ -237,7 +233,7 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
     settings = {"family": args.family, "model": args.model or "embedded default",
                 **{k: options[k] for k in ("method", "method_kwargs", "guidance_scale", "temperature", "top_k",
                                            "top_p")},
-                "budget": options.get("budget", default_budget(pipe)), "dtype": args.dtype,
+                "budget": budget, "dtype": args.dtype,
                 "device": torch.device(device).type, "max_batch": args.max_batch}
     done = done_records(out)
     check_same_job(done, items, settings, out)
@@ -274,32 +270,36 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
     return _finish(args, out, rows, items, bad, done, options, seconds)
 
 
-def reproducible_budget(options: dict, method, default: str | None, given: bool, say: bool) -> None:
-    """A job's budget: where a seed's images depend on the draft sizes (`MethodRecord.seed_fixes_output`: sampled
-    speculative sampling, relaxed rules), the default is "fixed", so a resumed job gives an uninterrupted run's
-    images; a given --budget auto is honoured with a note that resumes then differ. Sets options["budget"]."""
-    budget = options.get("budget", default)
+def reproducible_budget(options: dict, method, takes_budget: bool, given: bool, say: bool) -> str | None:
+    """The budget a job runs (recorded with it; None for a pipeline without one): the method's default ("auto" for
+    a lossless rule, "fixed" for a relaxed one) unless given. Where a seed's images depend on the draft sizes
+    (`MethodRecord.seed_fixes_output`: sampled speculative sampling) a default "auto" becomes "fixed", so a resumed
+    job gives an uninterrupted run's images (sets options["budget"]); a given --budget auto is honoured with a note
+    that resumes then differ."""
+    if not takes_budget:
+        return None
+    budget = options.get("budget") or ("auto" if method.is_lossless(options["method_kwargs"]) else "fixed")
     if budget != "auto" or method.seed_fixes_output(options["method_kwargs"], options["temperature"]):
-        return
+        return budget
     why = (f"{method.name}'s sampled images depend on the draft sizes, which budget auto picks from measured "
            "times")
     if given:
         if say:
             print(f"note: {why}; a resumed job will not give an uninterrupted run's images (--budget fixed does).",
                   file=sys.stderr)
-        return
+        return budget
     options["budget"] = "fixed"
     if say:
         print(f"budget: fixed ({why}; a resumed job gives an uninterrupted run's images). --budget auto to pick "
               "sizes anyway.", file=sys.stderr)
+    return "fixed"
 
 
-def default_budget(pipe) -> str | None:
-    """The draft budget a pipeline's call uses when none is given ("auto" where it takes one), None without one."""
+def takes_budget(pipe) -> bool:
+    """Whether a pipeline's call takes a draft budget."""
     import inspect
 
-    parameter = inspect.signature(type(pipe).__call__).parameters.get("budget")
-    return None if parameter is None else parameter.default
+    return "budget" in inspect.signature(type(pipe).__call__).parameters
 
 
 def _finish(args: argparse.Namespace, out: Path, rows: list[JobRow], items: list[WorkItem], bad: list[str],
@@ -345,4 +345,19 @@ def _finish(args: argparse.Namespace, out: Path, rows: list[JobRow], items: list
     skipped = f"; skipped {len(bad)} malformed row(s)" if bad else ""
     print(f"made {made} of {len(items)} images in {out / 'images'} ({summary['already_done']} already done, "
           f"{made / seconds if seconds > 0 else 0:.2f} img/s){skipped}; manifest.jsonl, stats.json; {counts}")
+    note = budget_notice(stats, args.method)
+    if note:
+        print(note, file=sys.stderr)
     return 0
+
+
+def make_grid(images: list, columns: int):
+    """The images pasted into a grid of `columns` columns (row by row)."""
+    import PIL.Image
+
+    w, h = images[0].size
+    rows = (len(images) + columns - 1) // columns
+    grid = PIL.Image.new("RGB", (columns * w, rows * h))
+    for i, image in enumerate(images):
+        grid.paste(image, ((i % columns) * w, (i // columns) * h))
+    return grid

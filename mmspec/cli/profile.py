@@ -1,5 +1,5 @@
 """`mmspec profile`: measure what one forward of a family's models costs on this device, for B rows of W new tokens
-each, and cache the tables (`mmspec.cost`) that draft budgets read.
+each, and cache the tables (`mmspec.profiling`) that draft budgets read.
 
     mmspec profile --family llamagen --batch-sizes 1,8,32 --widths 1,2,4,8,16,32,64 --threads 2
 
@@ -57,8 +57,8 @@ def format_table(name: str, times) -> str:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from mmspec.cost import cached_profile, measure_forward_times, profile_key
     from mmspec.errors import check_device
+    from mmspec.profiling import cached_profile, measure_forward_times, profile_key
 
     batch_sizes, widths = parse_sizes(args.batch_sizes, "batch-sizes"), parse_sizes(args.widths, "widths")
     device = check_device(args.device)
@@ -92,7 +92,7 @@ def measured_verdict(family, pipe, name: str, model, args: argparse.Namespace, b
     """The model's compile verdict in `args.compile` at these cells (`mmspec.compile.measure_compile`), cached under
     its `verdict_key` (the latest measurement is the one `compile=auto` reads)."""
     from mmspec.compile import measure_compile, verdict_key
-    from mmspec.cost import cached_json, read_cached_json
+    from mmspec.profiling import cached_json, read_cached_json
 
     key = verdict_key(model, device, args.compile)
     cached = read_cached_json(key)

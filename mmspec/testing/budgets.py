@@ -24,16 +24,22 @@ STEP_NAMES = ("full", "small", "chain", "plain")
 
 
 class CyclingBudget:
-    """Chooses sizes[0], sizes[1], .. in a cycle; learns nothing."""
+    """A `mmspec.budget.Budget` that chooses sizes[0], sizes[1], .. in a cycle; learns nothing."""
 
     def __init__(self, sizes: Sequence[Any]) -> None:
         self.sizes, self.step = list(sizes), 0
 
-    def choose(self, batch: int) -> Any:
+    def begin(self, target: Any, drafter: Any, state: Any, rule: Any) -> bool:
+        return True
+
+    def choose(self, rows_held: int, tokens_left: Any) -> Any:
         self.step += 1
         return self.sizes[(self.step - 1) % len(self.sizes)]
 
-    def observe(self, result, active, draft=None) -> None:
+    def observe(self, result: Any, active: Any, draft: Any) -> None:
+        pass
+
+    def end(self) -> None:
         pass
 
 
@@ -53,20 +59,22 @@ class CallScript:
 
 
 def named_size(budget: Any, name: str) -> Any:
-    """The size `name` (see the module docstring) in `budget`'s menu: a `TreeShape` of a tree budget, an int of a
-    chain or window budget; 0 for "plain"."""
+    """The size `name` (see the module docstring) in `budget`'s menu (a `ThroughputBudget`): a `TreeShape` of a tree
+    drafter, an int of a chain or window drafter; 0 for "plain"."""
     if name == "plain":
         return 0
-    if hasattr(budget, "full"):  # a tree budget
-        chains = sorted((s for s in budget.shapes if s.top_k == 1), key=lambda s: s.depth)
-        trees = sorted((s for s in budget.shapes if s.top_k > 1 and s != budget.full), key=lambda s: s.total)
-        if name == "full":
-            return budget.full
-        if name == "small":
-            return trees[0] if trees else chains[0]
-        return next((s for s in chains if s.depth >= max(1, budget.full.depth // 3)), chains[-1])
-    drafting = [k for k in budget.sizes if k > 0]
-    return {"full": drafting[-1], "small": drafting[0], "chain": drafting[len(drafting) // 2]}[name]
+    options, keys = budget.options, budget.keys
+    if name == "full":
+        return budget.full_key
+    chains = [i for i, o in enumerate(options) if o.is_chain]
+    trees = sorted((i for i, o in enumerate(options) if o.top_k > 1 and keys[i] != budget.full_key),
+                   key=lambda i: options[i].total)
+    if name == "small":
+        return keys[trees[0]] if trees else keys[chains[0]]
+    if not hasattr(budget.full_key, "depth"):  # a chain or window drafter: its middle size
+        return keys[chains[len(chains) // 2]]
+    deep = [i for i in chains if options[i].depth >= max(1, budget.full_key.depth // 3)]
+    return keys[deep[0] if deep else chains[-1]]
 
 
 class ScriptedBudget:
@@ -81,29 +89,31 @@ class ScriptedBudget:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.budget, name)
 
-    def drafts_this_call(self) -> bool:
-        if hasattr(self.budget, "drafts_this_call"):
-            self.budget.drafts_this_call()  # (its bookkeeping; the verdict is the script's)
+    def begin(self, target: Any, drafter: Any, state: Any, rule: Any) -> bool:
+        self.budget.gate.skip = 0  # (the real budget drafts; the verdict is the script's)
+        self.budget.begin(target, drafter, state, rule)
+        self.steps = 0
         return self.script.drafts
 
-    def choose(self, batch: int) -> Any:
-        self.budget.choose(batch)
-        script = self.script
-        settling = script.settle_after is not None and self.steps >= script.settle_after
-        name = "plain" if settling else script.steps[self.steps % len(script.steps)]
-        size = named_size(self.budget, name)
-        if hasattr(self.budget, "full"):  # the shape it learns from is the one drafted
-            from mmspec.tree_budget import PLAIN
+    def choose(self, rows_held: int, tokens_left: Any) -> Any:
+        from mmspec.budget import SETTLE
 
-            self.budget._last = PLAIN if size == 0 else size
-        else:
-            self.budget._last = size
+        self.budget.choose(rows_held, tokens_left)
+        script = self.script
+        if script.settle_after is not None and self.steps >= script.settle_after:
+            self.choices.append(0)
+            return SETTLE
+        size = named_size(self.budget, script.steps[self.steps % len(script.steps)])
+        self.budget._last = self.budget.keys.index(size)  # the option it learns from is the one drafted
         self.steps += 1
         self.choices.append(size)
         return size
 
-    def settled(self) -> bool:
-        return self.script.settle_after is not None and self.steps > self.script.settle_after
+    def observe(self, result: Any, active: Any, draft: Any) -> None:
+        self.budget.observe(result, active, draft)
+
+    def end(self) -> None:
+        self.budget.end()
 
 
 @contextlib.contextmanager

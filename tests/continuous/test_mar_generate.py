@@ -77,10 +77,13 @@ def test_generate_errors_are_clear(folders, tmp_path, capsys):
 
 def test_generate_budget_reaches_cspd(folders, tmp_path, capsys):
     """--budget is CSpD's window budget: fixed drafts gamma every window (no budget counts), auto counts the windows
-    it chose. A job's default is fixed (CSpD's sampled images depend on the draft sizes), said in one line."""
+    it chose. The default is fixed (CSpD's rule is relaxed: its images depend on the draft sizes), and the job
+    records it."""
     cspd_dir, _ = folders
     assert generate(cspd_dir, tmp_path / "default", "--method", "cspd") == 0
-    assert "budget: fixed" in capsys.readouterr().err
+    assert "budget" not in capsys.readouterr().err
+    assert json.loads((tmp_path / "default" / "manifest.jsonl").read_text().splitlines()[0])["settings"]["budget"] == \
+        "fixed"
     assert generate(cspd_dir, tmp_path / "fixed", "--method", "cspd", "--budget", "fixed") == 0
     assert generate(cspd_dir, tmp_path / "auto", "--method", "cspd", "--budget", "auto") == 0
     names = ("default", "fixed", "auto")

@@ -15,8 +15,17 @@ gr = pytest.importorskip("gradio", reason="the demo extra (pip install -e '.[dem
 
 from demo_helpers import headless_page, serve  # noqa: E402
 
-from demos.image_app import ModelStore, build_app, compare, main, method_example, parse_method_text  # noqa: E402
+from demos.image_app import (  # noqa: E402
+    ModelStore,
+    build_app,
+    compare,
+    main,
+    method_example,
+    parse_method_text,
+    summary_markdown,
+)
 from mmspec.errors import InputError  # noqa: E402
+from mmspec.testing.budgets import CallScript, forced_budget  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +44,37 @@ def test_greedy_speculative_equals_greedy_vanilla_side_by_side(store):
     assert stats["mean_acceptance_length"] > 1.0
     assert len(stats["per_position_acceptance_rate"]) >= 1
     assert result["figure"].axes[0].lines  # the per-position curve is drawn
+    assert stats["budget_note"] is None and stats["draft_budget"] is None  # "fixed": no draft budget chose steps
+    assert stats["drafted_steps"] > 0 and "draft budget" not in summary_markdown(stats)
+
+
+def test_a_budget_that_chose_plain_steps_says_so(store, tmp_path, monkeypatch):
+    """The draft budget (forced, whatever the machine's speed) chooses a plain step every step: the page says the
+    method drafted on none of its steps, why, and that "fixed" drafts every step, where it shows step compression
+    1.0x and no acceptance figures."""
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    with forced_budget(CallScript(steps=("plain",))):
+        result = compare(store, "llamagen", "sjd", "red circle", "", 2, 4.0, 0.0, 0, 1.0, 3, budget="auto")
+    stats = result["stats"]
+    assert stats["step_compression"] == 1.0 and stats["mean_acceptance_length"] is None
+    assert stats["drafted_steps"] == 0 and stats["verify_steps"] > 0
+    assert stats["budget_note"].startswith(f"note: sjd drafted on 0 of {stats['verify_steps']} verify steps")
+    assert f"chose {stats['verify_steps']} plain steps" in stats["budget_note"]
+    assert 'the draft budget "fixed" drafts every step' in stats["budget_note"]
+    assert stats["budget_note"] in summary_markdown(stats)
+    assert stats["draft_budget"].endswith(f"sizes chosen (steps): plain ×{stats['method_target_forwards'] - 1}")
+    texts = [t.get_text() for t in result["figure"].axes[0].texts]
+    assert texts == ["no drafted tokens: the draft budget chose plain steps"]
+
+
+def test_the_summary_shows_what_the_budget_did_when_it_drafted():
+    stats = {"method": "sjd", "method_seconds": 1.0, "vanilla_seconds": 1.5, "speedup": 1.5, "step_compression": 2.0,
+             "vanilla_target_forwards": 64, "method_target_forwards": 32, "mean_acceptance_length": 2.5,
+             "draft_acceptance_rate": 0.5, "budget_note": None,
+             "draft_budget": "draft budget: drafted on 30 of 31 verify steps (counted per row); sizes chosen (steps): "
+                             "4 ×30, plain ×1"}
+    assert summary_markdown(stats).endswith("\n\n" + stats["draft_budget"])
+    assert "\n" not in summary_markdown({**stats, "draft_budget": None})
 
 
 def test_sampling_run_and_var_code(store):

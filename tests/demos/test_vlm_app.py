@@ -57,6 +57,23 @@ def test_streamed_answer_equals_the_target_alone(store):
     assert all(label in (None, "draft (odd round)", "draft (even round)") for _, label in segments)
     assert stats["mean_acceptance_length"] is not None and vanilla["mean_acceptance_length"] is None
     assert store.drafters() == ["eagle", "none"]
+    assert vanilla["draft_budget"] is None and vanilla["budget_note"] is None  # no drafter: no draft budget
+
+
+def test_the_draft_budget_choice_reaches_the_pipeline_and_what_it_did_is_shown(store, tmp_path, monkeypatch):
+    """"fixed" drafts every step (no budget counters, no note); "auto" with the budget forced to choose plain steps
+    (whatever the machine's speed) gives the target's answer and a note saying so and how to draft."""
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    image = example_images(1)[0]
+    _, fixed = final(answer_stream(store, image, "What color is the object?", "eagle", **SETTINGS, budget="fixed"))
+    assert fixed["budget"] == "fixed" and fixed["draft_budget"] is None and fixed["budget_note"] is None
+    assert fixed["drafted_steps"] > 0
+    with forced_budget(CallScript(steps=("plain",))):
+        _, plain = final(answer_stream(store, image, "What color is the object?", "eagle", **SETTINGS, budget="auto"))
+    assert plain["answer"] == fixed["answer"] and plain["drafted_steps"] == 0
+    assert plain["budget_note"].startswith(f"note: eagle drafted on 0 of {plain['verify_steps']} verify steps")
+    assert 'the draft budget "fixed" drafts every step' in plain["budget_note"]
+    assert plain["draft_budget"].startswith("draft budget: drafted on 0 of")
 
 
 @pytest.mark.parametrize("change, message", [
@@ -65,7 +82,7 @@ def test_streamed_answer_equals_the_target_alone(store):
     ({"max_new_tokens": 10**6}, "max new tokens"),
     ({"temperature": -2}, "temperature"), ({"temperature": 11}, "temperature must be between 0 and 10"),
     ({"top_p": 0}, "top-p must be > 0"), ({"seed": -1}, r"seed must be a whole number in \[0, 2\^53\)"),
-    ({"drafter": "medusa"}, "unknown drafter"),
+    ({"drafter": "medusa"}, "unknown drafter"), ({"budget": "sometimes"}, "draft budget must be one of"),
 ])
 def test_bad_requests_are_messages(store, tmp_path, change, message):
     args = {"image_path": example_images(1)[0], "question": "What shape?", "drafter": "eagle", **SETTINGS, **change}
@@ -97,6 +114,9 @@ def test_served_app_with_gradio_client(served, tmp_path):
     assert stats["new_tokens"] >= 1 and stats["drafter"] == "eagle"
     text = "".join(item["token"] for item in segments) if isinstance(segments, list) else str(segments)
     assert text.strip() == stats["answer"]
+    _, fixed = client.predict(handle_file(image), "What color is the object?", "eagle", 12, 0.0, 1.0, 3, 3, 8, "fixed",
+                              api_name="/answer")
+    assert fixed["budget"] == "fixed" and fixed["answer"] == stats["answer"] and fixed["budget_note"] is None
     with pytest.raises(Exception, match="type a question"):
         client.predict(handle_file(image), "", "eagle", 12, 0.0, 1.0, 3, 3, 8, api_name="/answer")
 

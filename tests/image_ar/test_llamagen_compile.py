@@ -136,7 +136,7 @@ def test_bench_compile_option_is_checked_before_any_work(tmp_path, capsys):
 
 # ------------------------------------------------------------------------------------------ compile="auto"
 def write_verdict(model, mode: str, ratio: float) -> None:
-    from mmspec.cost import cached_json
+    from mmspec.profiling import cached_json
 
     cached_json(mmspec.compile.verdict_key(model, "cpu", mode), lambda: {"mode": mode, "ratio": ratio}, refresh=True)
 
@@ -188,7 +188,7 @@ def test_compile_pays_for_a_job_that_saves_more_than_the_compilation_costs():
 
 
 def test_auto_leaves_a_short_job_eager_and_compiles_a_long_one(capsys):
-    from mmspec.cost import cached_json
+    from mmspec.profiling import cached_json
 
     pipe = dummy_pipeline()
     tokens = pipe.image_token_layout()[0]

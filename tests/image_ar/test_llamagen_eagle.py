@@ -298,7 +298,7 @@ def test_training_command_rejects_bad_input(tmp_path):
 
 def test_tree_shapes_changing_every_step_keep_greedy_tokens(trained, monkeypatch, tmp_path):
     from image_ar.llamagen import pipeline as pipeline_module
-    from mmspec.tree_budget import TreeShape
+    from mmspec.tree import TreeShape
 
     want = reference_greedy_cfg(trained.transformer, LABELS, SCALE)
     shapes = [0, 0, 0, 0, 0, 0, TreeShape(1, 3, 4), TreeShape(10, 2, 8), 0, TreeShape(10, 4, 59), 0, 0]

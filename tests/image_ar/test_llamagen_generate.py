@@ -41,6 +41,24 @@ def test_images_do_not_depend_on_batch_size(model_dir, tmp_path):
         assert (tmp_path / "a" / "images" / name).read_bytes() == (tmp_path / "b" / "images" / name).read_bytes()
 
 
+def test_a_budget_that_chose_plain_steps_says_so_in_one_line(model_dir, tmp_path, capsys, monkeypatch):
+    """With the draft budget forced to choose plain steps (whatever the machine's speed), stderr gets one line saying
+    so, why and how to draft every step; --budget fixed drafts every step and says nothing."""
+    from mmspec.testing.budgets import CallScript, forced_budget
+
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path / "cache"))
+    args = ("--classes", "0", "--num-images", "2", "--method", "sjd", "--temperature", "0")
+    with forced_budget(CallScript(steps=("plain",))):
+        assert run_generate(model_dir, tmp_path / "auto", *args, "--budget", "auto") == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and notes[0].startswith("note: sjd drafted on 0 of ")
+    assert "plain steps" in notes[0] and "--budget fixed drafts every step" in notes[0]
+    stats = json.loads((tmp_path / "auto" / "stats.json").read_text())["stats"]
+    assert stats["num_drafts"] == 0 and stats["num_plain_steps"] == stats["num_verify_rows"] > 0
+    assert run_generate(model_dir, tmp_path / "fixed", *args, "--budget", "fixed") == 0
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_bad_requests_are_clear_errors(model_dir, tmp_path, capsys):
     assert run_generate(model_dir, tmp_path, "--classes", "9") == 2
     assert "outside [0, 4)" in capsys.readouterr().err
@@ -221,7 +239,7 @@ def test_generate_auto_compiles_only_where_the_job_earns_the_compilation_back(mo
     import torch
 
     import mmspec.compile
-    from mmspec.cost import cached_json
+    from mmspec.profiling import cached_json
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # the verdict's key holds the thread count the run uses (--threads 1)

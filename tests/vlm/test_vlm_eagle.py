@@ -101,12 +101,9 @@ def test_cached_drafter_equals_its_training_forward():
 
 def test_a_call_drafting_chains_allocates_no_candidate_pool():
     """The drafter cache holds the pending pairs and a chain of the deepest depth a budget may draft; a tree's
-    candidate pool is added when a tree is drafted (and the drafter set to a tree at `begin` gets it at once, unless
-    a budget steers it: then each drafted tree makes its pool's room)."""
-    from mmspec.budget import make_budget
+    candidate pool is added when a tree is drafted, whatever the drafter was set to at `begin`."""
     from mmspec.loop import DecodeState
-    from mmspec.tree import pool_size
-    from mmspec.tree_budget import TreeShape, max_chain_depth
+    from mmspec.tree import TreeShape, max_chain_depth, pool_size
 
     model = tiny_llava(seed=5)
     lm = LlavaCachedLM(model)
@@ -128,8 +125,6 @@ def test_a_call_drafting_chains_allocates_no_candidate_pool():
     assert tree.propose(state).num_nodes == 4
     tree.set_draft_size(tree.full_shape)
     assert tree.propose(state).num_nodes == 16 and tree.runner.cache.capacity == tree.room_base + pool_size(4, 4)
-    begin()  # set to the tree: its pool at once
-    assert tree.runner.cache.capacity == tree.room_base + pool_size(4, 4)
-    make_budget("auto", target, tree, "greedy", batch(rows, pixels), 2, "cpu")  # steered: the budget sets its shapes
-    begin()  # set to the tree, but a budget makes each step's pool room: chains' room
-    assert tree.steered_by_budget and tree.runner.cache.capacity == tree.room_base + chain_room
+    state = begin()  # set to the tree: chains' room until it drafts one
+    assert tree.runner.cache.capacity == tree.room_base + chain_room
+    assert tree.propose(state).num_nodes == 16 and tree.runner.cache.capacity == tree.room_base + pool_size(4, 4)

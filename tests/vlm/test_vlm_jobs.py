@@ -86,6 +86,25 @@ def test_a_sampled_job_on_the_default_options_resumes_to_the_targets_own_answers
     assert (whole / "stats.json").read_text() == before
 
 
+def test_a_budget_that_chose_plain_steps_says_so_in_one_line(folder, tmp_path, capsys, monkeypatch):
+    """A question and a job whose draft budget is forced to choose plain steps (whatever the machine's speed) print
+    one line on stderr saying so, why and how to draft every step; --budget fixed prints none."""
+    from mmspec.testing.budgets import CallScript, forced_budget
+
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path / "cache"))
+    question = ["vlm", "--model", str(folder / "model"), "--drafter", "eagle", "--image", str(folder / "scene0.png"),
+                "--prompt", QUESTION, "--max-new-tokens", "8", "--threads", "1"]
+    job = write_job(folder, "two.jsonl", scenes(2))
+    with forced_budget(CallScript(steps=("plain",))):
+        assert main([*question, "--budget", "auto"]) == 0
+        assert run_job(folder, job, tmp_path / "job", "--drafter", "eagle", "--budget", "auto") == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 2 and all(n.startswith("note: eagle drafted on 0 of ") for n in notes), notes
+    assert all("plain steps" in n and "--budget fixed drafts every step" in n for n in notes)
+    assert main([*question, "--budget", "fixed"]) == 0
+    assert "note:" not in capsys.readouterr().err
+
+
 def test_a_resume_with_other_options_is_refused_naming_them(folder, tmp_path, capsys):
     job = write_job(folder, "few.jsonl", scenes(2))
     out = tmp_path / "out"

@@ -1,0 +1,50 @@
+"""Every constant of the draft budget, one frozen config; each value says why it is what it is.
+
+    BudgetConfig()                        # the defaults every pipeline uses
+    BudgetConfig(warmup=0, timing=False)  # a budget that decides from the table and acceptance alone (tests)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mmspec.errors import check
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    # -- acceptance model
+    decay: float = 0.9  # weight of a step's verdicts after each later step: acceptance drifts along an image or
+    # answer (an image's first rows draft worse than its middle), and ten steps of a batch are enough to follow it
+    prior_rows: float = 2.0  # pseudo-rows at the pooled rate behind each position's rate: one verdict of a deep
+    # position decides nothing
+    # -- cost model
+    step_samples: int = 9  # a step's measured seconds are the median of its last this many: a step the machine
+    # paused reads 2-5x its usual time, which a mean would carry for several steps
+    timing_repeats: int = 3  # timed repeats of each option when its table is measured (median; after one warm-up)
+    level_base: int = 4  # rows held are priced at powers of this (1, 4, 16, 64 ..): on a CPU a chain of 9 costs 6.4
+    # plain steps at batch 32 and 4.4 at 8, so the sizes worth drafting change as finished rows leave a batch
+    # -- policy
+    tree_depths: tuple[int, ...] = (2, 3, 4, 6, 8, 12, 16)  # tree depths offered below a drafter's own: a few, since
+    tree_totals: tuple[int, ...] = (4, 8, 16, 24, 32, 48, 64, 96, 128)  # each shape is timed once per device
+    warmup: int = 4  # a budget's first choices draft the exploration option: one step's acceptance decides nothing
+    refresh_every: int = 16  # then again at choices 16, 32, 64, ..: options not chosen learn nothing otherwise
+    explore_cost: float = 3.0  # the exploration option costs at most this many plain steps (the full tree where
+    # drafting is cheap, a chain where a wide verify costs several steps)
+    hold: int = 5  # drafters valued per size (Jacobi windows) keep a choice this many steps: a window's tail
+    # converges over the steps it stays in the window, and its first steps after a change under-read it
+    settle_after: int = 8  # this many plain choices in a row end the call's drafting (the loop stops asking the
+    # budget and the drafter: vanilla's cost for the rest of a call where no drafting pays)
+    # -- call gate
+    call_backoff: int = 4  # calls run without the drafter after a call whose choices by estimate never drafted
+    # (its drafter's prompt pass bought nothing); doubled after each such call, reset after one that drafted
+    # -- switches (True in every pipeline; off to isolate a part in tests and A/B runs)
+    timing: bool = True  # correct the table by the call's own step times (the load, the loop's own work)
+    batch_tail: bool = True  # at batch > 1 compare options by the time until the last row is done
+    gate: bool = True  # run whole calls without the drafter after a call that never drafted by estimate
+
+    def __post_init__(self) -> None:
+        check(0.0 < self.decay <= 1.0, f"decay must be in (0, 1], got {self.decay}.")
+        check(self.explore_cost >= 1.0, f"explore_cost must be >= 1 (plain steps), got {self.explore_cost}.")
+        for name in ("step_samples", "timing_repeats", "level_base", "hold", "settle_after", "call_backoff"):
+            check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}.")

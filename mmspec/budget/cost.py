@@ -1,0 +1,124 @@
+"""The cost model: the seconds of one loop step under each option of a budget's menu, at the rows held.
+
+- The table: each option's step timed on the live call (`time_options`: the drafter's `propose` per (top_k, depth),
+  the target's verify plus the acceptance rule per node count, chains and trees apart), once per model pair,
+  device, dtype, threads, rows held (a power of `level_base`), prefix length bucket and rule, then read from the
+  cache (`mmspec.profiling.cached_json`). Or given (CSpD's windows, tests).
+- The correction (`timing`): an option that ran at these rows held costs the median of its own last steps (from one
+  choice to the next: drafting, verify, acceptance and the drafter's bookkeeping, as the loop ran them, under the
+  machine's load); the others cost their table seconds times the median ratio measured / table of those that ran.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from mmspec.budget.config import BudgetConfig
+from mmspec.phases import synchronize
+from mmspec.profiling import cached_json, profile_key
+from mmspec.tree import PLAIN, TreeShape
+from mmspec.verify import ChainDraft, accept
+
+log = logging.getLogger("mmspec.budget")
+
+
+class StepCosts:
+    """Each option's step seconds [S] at the current level of rows held (see the module docstring)."""
+
+    def __init__(self, options: Sequence[TreeShape], config: BudgetConfig) -> None:
+        self.options, self.config = list(options), config
+        self.tables: dict[int, list[float]] = {}  # level -> [S] table seconds
+        self.steps: dict[int, dict[int, deque]] = {}  # level -> option index -> its last measured seconds
+        self.level = 0
+
+    def at_level(self, level: int, measure: Callable[[], list[float]] | None) -> None:
+        """Price steps for `level` rows held from now on (`measure()` its table when it has none yet)."""
+        if level not in self.tables and measure is not None:
+            self.tables[level] = measure()
+        self.level = level
+
+    def note(self, option: int, seconds: float) -> None:
+        """A step of option index `option` took `seconds`."""
+        steps = self.steps.setdefault(self.level, {})
+        steps.setdefault(option, deque(maxlen=self.config.step_samples)).append(seconds)
+
+    def seconds(self) -> torch.Tensor:
+        """[S] each option's step seconds at this level: measured, or its table's read like the measured ones'."""
+        table = self.tables.get(self.level) or next(iter(self.tables.values()))
+        measured = {s: statistics.median(d) for s, d in self.steps.get(self.level, {}).items()}
+        ratio = statistics.median([m / max(table[s], 1e-12) for s, m in measured.items()]) if measured else 1.0
+        return torch.tensor([measured.get(s, table[s] * ratio) for s in range(len(table))], dtype=torch.float64)
+
+
+def time_options(target: Any, drafter: Any, state: Any, rule: Any, options: Sequence[TreeShape],
+                 keys: Sequence[Any], repeats: int, full_key: Any) -> list[float]:
+    """[S] the median seconds of a step under each option on the live call (nothing committed): drafting
+    (`drafter.set_draft_size(key)`, `propose`) plus the target's verify and the acceptance rule on that draft."""
+    log.info("mmspec: timing draft options for budget='auto' on this device (once per model pair, rows held and "
+             "device; cached)")
+    device = state.output.device
+    generator = torch.Generator(device=device).manual_seed(0)
+    drafts, draft_seconds, step_seconds = {}, {}, {}
+    for option, key in zip(options, keys):
+        if option == PLAIN:
+            drafts[option] = ChainDraft(torch.empty(state.batch_size, 0, dtype=torch.long, device=device))
+            continue
+        drafter.set_draft_size(key)
+        draft_seconds[(option.top_k, option.depth)] = median_seconds(lambda: drafter.propose(state), repeats, device)
+        drafts[option] = drafter.propose(state)
+    for option, draft in drafts.items():
+        step = (option.is_chain, option.total)  # a chain's verify takes the causal mask, cheaper than a tree's
+        if step not in step_seconds:
+            step_seconds[step] = median_seconds(
+                lambda d=draft: accept(rule, d, target.verify(state, d), generator, validate=False), repeats, device)
+    drafter.set_draft_size(full_key)
+    return [draft_seconds.get((o.top_k, o.depth), 0.0) + step_seconds[(o.is_chain, o.total)] for o in options]
+
+
+def median_seconds(run: Callable[[], Any], repeats: int, device: torch.device) -> float:
+    """The median seconds of `run()` over `repeats` calls after one warm-up call."""
+    run()
+    samples = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        run()
+        synchronize(device)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def options_key(target: Any, drafter: Any, state: Any, rule: Any, options: Sequence[TreeShape], level: int) -> str:
+    """The cache key of a table: the models, device, dtype and threads (`profile_key`), the rows held, the prompts'
+    length bucket, the rule, the sampling setting, CFG and the options."""
+    runner = target.runner
+    prefix = int(runner.lengths.max())
+    target_model = module_of(runner.model)
+    drafter_model = module_of(getattr(getattr(drafter, "runner", None), "model", None))
+    drafter_part = (profile_key(drafter_model, "cpu") if isinstance(drafter_model, torch.nn.Module)
+                    else str(getattr(drafter, "config", dict)()))
+    extra = (f"budget-v4|B={level}|prefix<={1 << max(prefix - 1, 0).bit_length()}|{getattr(rule, 'name', rule)}|"
+             f"{target.params}|cfg={runner.guidance_scale is not None}|{type(drafter).__name__}|{drafter_part}|"
+             f"{[str(o) for o in options]}")
+    return profile_key(target_model, state.output.device, extra)
+
+
+def module_of(model: Any) -> Any:
+    """The torch module behind a runner's model (a wrapper's `.model`), or None."""
+    return model if model is None or isinstance(model, torch.nn.Module) else getattr(model, "model", None)
+
+
+def cached_option_seconds(target: Any, drafter: Any, state: Any, rule: Any, options: Sequence[TreeShape],
+                          keys: Sequence[Any], level: int, repeats: int, full_key: Any) -> list[float]:
+    """`time_options` at `level` rows held, cached."""
+    key = options_key(target, drafter, state, rule, options, level)
+    value = cached_json(key, lambda: {"seconds": time_options(target, drafter, state, rule, options, keys, repeats,
+                                                              full_key)})
+    return list(value["seconds"])

@@ -1,0 +1,187 @@
+"""The policy: before every step, the option with the most expected tokens per second, a plain step always one.
+
+    option* = argmax_o E[X | o] / seconds(o)                       (vLLM's adaptive K: E_acc(K) / ITL(K))
+    at batch > 1: argmax_o r / (seconds(o) * E[steps until the last of n rows has r more tokens | o])
+
+E[X | o] and its variance come from `AcceptanceModel`, seconds(o) from `StepCosts`; plain steps win ties. The first
+`warmup` choices, and refreshes at choices `refresh_every`, 2 x, 4 x .., draft the exploration option (the option
+that shows the most trees, then the deepest, among those costing at most `explore_cost` plain steps; a refresh
+while chains are chosen drafts the deepest chain, the only way to learn the positions past them). `settle_after`
+plain choices in a row return SETTLE: plain steps for the rest of the call. Drafters valued per size hold a choice
+for `hold` steps.
+
+Lossless: an option is chosen from past verdicts and measured costs only, before the step drafts anything, so the
+draft length is a stopping time of the draft-side process and the output law is the target's (reference
+budgets.md; tested by a distribution test).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from mmspec.budget.acceptance import AcceptanceModel, batch_steps_of
+from mmspec.budget.config import BudgetConfig
+from mmspec.budget.cost import StepCosts, cached_option_seconds
+from mmspec.budget.gate import CallGate
+from mmspec.compile import compilations
+from mmspec.tree import PLAIN, TreeShape
+
+log = logging.getLogger("mmspec.budget")
+
+SETTLE = -1  # `choose`'s answer for a plain step and every step after it in this call
+
+
+class ThroughputBudget:
+    """The draft budget (the `mmspec.budget.Budget` protocol) over a menu of options: `options` [S] TreeShapes
+    (PLAIN first), `keys` [S] what `drafter.set_draft_size` takes for each (an int for chain and window drafters).
+    costs: [S] step seconds for every rows held (None: timed on the live call, `time_options`)."""
+
+    def __init__(self, options: Sequence[TreeShape], keys: Sequence[Any], config: BudgetConfig | None = None, *,
+                 costs: Sequence[float] | None = None, per_size: bool = False, full_key: Any = None) -> None:
+        self.options, self.keys, self.config = list(options), list(keys), config or BudgetConfig()
+        assert self.options[0] == PLAIN and len(self.keys) == len(self.options)
+        self.full_key = self.keys[-1] if full_key is None else full_key
+        self.acceptance = AcceptanceModel(self.options, self.config, per_size)
+        self.costs = StepCosts(self.options, self.config)
+        self.given = costs is not None
+        if costs is not None:
+            self.costs.tables[0] = list(costs)
+        self.gate = CallGate(self.config)
+        self.per_size = per_size
+        self.chosen: dict[str, int] = {}  # choices per option over the budget's life
+        self.choices, self.refresh_at, self.refreshes = 0, self.config.refresh_every, 0
+        self._live: tuple | None = None
+        self._call_rows = 1
+        self._last: int | None = None
+        self._chosen_at: float | None = None
+        self._compiled_at = 0
+        self._explore_left = self._held = self._plain_run = self._call_choices = 0
+        self._estimated = [0, 0]  # this call's choices by estimate, and how many of them drafted
+
+    # ------------------------------------------------------------------------------------------- protocol
+    def begin(self, target: Any, drafter: Any, state: Any, rule: Any) -> bool:
+        """A call starts (after its prefill): whether it drafts (the call gate)."""
+        drafts = self.gate.drafts_this_call()
+        self._live = (target, drafter, state, rule) if drafts else None
+        self._call_rows = state.batch_size if state is not None else 1
+        self._last, self._chosen_at, self._held, self._plain_run, self._call_choices = None, None, 0, 0, 0
+        self._estimated = [0, 0]
+        self._explore_left = self.config.warmup if drafts and self.gate.retrying else 0
+        self.gate.retrying = False if drafts else self.gate.retrying
+        return drafts
+
+    def choose(self, rows_held: int, tokens_left: Callable[[], torch.Tensor]) -> Any:
+        """The next step's option key (0: a plain step; SETTLE: plain steps for the rest of the call). rows_held:
+        the rows the loop holds; tokens_left() [rows_held] the tokens each may still emit (0: finished)."""
+        self._price_rows(rows_held)
+        self._time_last_step()
+        index = self._pick(rows_held, tokens_left)
+        self._last = index
+        self.choices += 1
+        self._call_choices += 1
+        self.chosen[str(self.options[index])] = self.chosen.get(str(self.options[index]), 0) + 1
+        if index == 0 and self._plain_run >= self.config.settle_after:
+            return SETTLE
+        return self.keys[index]
+
+    def observe(self, result: Any, active: torch.Tensor, draft: Any) -> None:
+        """Learn the verdicts of the step just chosen."""
+        if self._last is not None and not (self.per_size and self._held == 1 and self._call_choices > 1):
+            self.acceptance.observe(self.options[self._last], draft, result, active)
+
+    def end(self) -> None:
+        """The call ended: the call gate's verdict (its choices by estimate) and a DEBUG line."""
+        if self._live is not None:
+            self.gate.end_call(*self._estimated)
+            if log.isEnabledFor(logging.DEBUG) and self.costs.tables:
+                log.debug("budget: %s", self.describe())
+        self._live = None
+
+    # -------------------------------------------------------------------------------------------- choice
+    def _pick(self, rows_held: int, tokens_left: Callable[[], torch.Tensor]) -> int:
+        config = self.config
+        refresh = config.refresh_every > 0 and self.choices == self.refresh_at
+        if refresh:
+            self.refreshes += 1
+            self.refresh_at += config.refresh_every * 2 ** self.refreshes
+        if refresh and self._last is not None and self.options[self._last].is_chain:
+            return max((i for i, o in enumerate(self.options) if o.is_chain), key=lambda i: self.options[i].depth)
+        if self.choices < config.warmup or self._explore_left > 0 or refresh:
+            self._explore_left = max(self._explore_left - 1, 0)
+            return self.explore_option()
+        if self.per_size and self._last is not None and 0 < self._held < config.hold:
+            self._held += 1
+            return self._last
+        speed = self.speeds(rows_held, tokens_left)  # [S]
+        best = int(speed.argmax())
+        best = best if speed[best] > speed[0] else 0  # plain steps win ties
+        self._estimated[0] += 1
+        self._estimated[1] += int(best != 0)
+        self._plain_run = self._plain_run + 1 if best == 0 else 0
+        self._held = 1 if best != self._last else self._held + 1
+        return best
+
+    def speeds(self, rows_held: int = 1, tokens_left: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+        """[S] each option's expected tokens per second (per row; at batch > 1 with the batch tail, the longest row's
+        tokens left over the expected time until every row is done)."""
+        mean, var = self.acceptance.moments()  # [S], [S]
+        seconds = self.costs.seconds().clamp_min(1e-12)  # [S]
+        if self.config.batch_tail and rows_held > 1 and tokens_left is not None:
+            left = tokens_left()  # [B]
+            longest, rows = torch.stack([left.max(), (left > 0).sum()]).tolist()
+            if rows > 1 and longest > 0:
+                return longest / (seconds * batch_steps_of(longest, rows, mean, var))
+        return mean / seconds
+
+    def explore_option(self) -> int:
+        """Of the drafting options costing at most `explore_cost` plain steps (else the cheapest), the one that
+        shows the most trees, then the deepest, then the cheapest."""
+        seconds = self.costs.seconds().tolist()
+        drafting = range(1, len(self.options))
+        affordable = ([i for i in drafting if seconds[i] <= self.config.explore_cost * seconds[0]]
+                      or [min(drafting, key=lambda i: seconds[i])])
+        trees = [o for o in self.options if o.top_k > 1]
+        return max(affordable, key=lambda i: (sum(self.options[i].contains(t) for t in trees),
+                                              self.options[i].depth, -seconds[i]))
+
+    # --------------------------------------------------------------------------------------------- costs
+    def _price_rows(self, rows_held: int) -> None:
+        """Price steps for the level of `rows_held` (a power of `level_base`, at most the call's batch): its table
+        is timed on the live call the first time."""
+        if self.given:
+            self.costs.at_level(0, None)
+            return
+        target, drafter, state, rule = self._live
+        level = 1
+        while level < rows_held:
+            level *= self.config.level_base
+        level = min(level, self._call_rows)
+        if level == self.costs.level:
+            return
+        self.costs.at_level(level, lambda: cached_option_seconds(target, drafter, state, rule, self.options,
+                                                                 self.keys, level, self.config.timing_repeats,
+                                                                 self.full_key))
+        self._chosen_at = None  # the step across a change of rows (a drop, a timing) is not timed
+
+    def _time_last_step(self) -> None:
+        """Note the seconds of the step chosen last (from that choice to this one; the loop syncs in between),
+        unless it was the call's first (it follows the prefill: slower than its like) or torch.compile compiled
+        during it."""
+        now, compiled = time.perf_counter(), compilations()
+        if (self.config.timing and self._chosen_at is not None and compiled == self._compiled_at
+                and self._call_choices > 1):
+            self.costs.note(self._last, now - self._chosen_at)
+        self._chosen_at, self._compiled_at = now, compiled
+
+    def describe(self) -> str:
+        """One line: each option chosen so far, its count, seconds and expected tokens."""
+        mean, _ = self.acceptance.moments()
+        seconds = self.costs.seconds()
+        parts = [f"{name} x{count} ({1e3 * float(seconds[i]):.2f} ms, {float(mean[i]):.2f} tok)"
+                 for i, o in enumerate(self.options) if (count := self.chosen.get(name := str(o)))]
+        return ", ".join(parts) + f"; calls {self.gate.calls}"
