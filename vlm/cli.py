@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mmspec.bench.files import atomic_write_text, prepare_output_dir
 from mmspec.cli.family_io import DTYPES, torch_dtype
-from mmspec.cli.jobs import ManifestWriter, read_job_file
+from mmspec.cli.jobs import ManifestWriter, job_budget, read_job_file
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import InputError, check
 from mmspec.limits import check_sampling, check_seed
@@ -182,23 +182,6 @@ def say_budget_notice(stats: SpecStats, drafter: str) -> None:
         print(note, file=sys.stderr)
 
 
-def job_budget(args: argparse.Namespace) -> str:
-    """A job's budget: "fixed" by default where an answer depends on the shapes drafted (speculative sampling,
-    --accept lossless at temperature > 0), so a resumed job gives an uninterrupted run's answers; else "auto". A
-    given --budget auto there is honoured with a note."""
-    depends = args.accept != "coupled" and args.temperature > 0 and args.drafter != "none"
-    if depends and args.budget == "auto":
-        print("note: with --accept lossless at temperature > 0 an answer depends on the shapes budget auto picks "
-              "from measured times; a resumed job will not give an uninterrupted run's answers (--budget fixed "
-              "does).", file=sys.stderr)
-    if depends and args.budget is None:
-        print("budget: fixed (with --accept lossless at temperature > 0 an answer depends on the shapes drafted; a "
-              "resumed job gives an uninterrupted run's answers). --budget auto to pick shapes anyway.",
-              file=sys.stderr)
-        return "fixed"
-    return args.budget or "auto"
-
-
 def job_settings(args: argparse.Namespace, tree) -> dict:
     """What an answer depends on besides its row: a resumed job must use the same (`check_same_answers`)."""
     return {"model": args.model or "embedded default", "drafter": args.drafter, "tree": None if tree is None
@@ -284,7 +267,8 @@ def run_job(args: argparse.Namespace, tree: tuple[int, int, int] | None) -> int:
         return {"image": str(path), "prompt": str(fields["prompt"])}
 
     resolve_drafter(args)
-    args.budget = job_budget(args)
+    args.budget = job_budget(args.budget, "auto", args.accept != "coupled" and args.temperature > 0
+                             and args.drafter != "none", "answers", True)
     rows, bad = read_job_file(job, args.seed, parse_inputs, columns=JOB_COLUMNS)
     if bad and not args.skip_bad:
         raise InputError(f"job file {job} has {len(bad)} malformed row(s), e.g. {bad[0]}; nothing was answered. Fix "

@@ -32,8 +32,7 @@ from mmspec.verify import get_rule
 BUDGET_MODES = ("auto", "fixed")
 # "auto-no-<part>": the model with one part switched off, for A/B runs (`--methods sjd:budget=auto-no-gate`)
 PARTS = {"timing": {"timing": False}, "tail": {"batch_tail": False}, "gate": {"gate": False},
-         "explore": {"warmup": 0, "refresh_every": 0}, "settle": {"settle_after": 10 ** 9}, "hold": {"hold": 1},
-         "levels": {"level_base": 10 ** 9}}
+         "explore": {"warmup": 0, "refresh_every": 0}, "settle": {"settle_after": 10 ** 9}, "hold": {"hold": 1}}
 
 
 class Budget(Protocol):
@@ -163,7 +162,7 @@ def make_budget(mode: str | BudgetConfig | None, target: Any, drafter: Any, rule
 
 
 # a function every budget `make_budget` returns passes through (None: none): how a test forces a budget's decisions
-# while its bookkeeping (timing, levels of rows held, estimates) runs as usual (`mmspec.testing.budgets`)
+# while its bookkeeping (timing, estimates) runs as usual (`mmspec.testing.budgets`)
 BUDGET_WRAPPER: ContextVar[Callable[[Any], Any] | None] = ContextVar("mmspec_budget_wrapper", default=None)
 
 __all__ = ["BUDGET_MODES", "BUDGET_WRAPPER", "PARTS", "SETTLE", "Budget", "BudgetCall", "BudgetConfig",

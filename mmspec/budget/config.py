@@ -22,8 +22,6 @@ class BudgetConfig:
     step_samples: int = 9  # a step's measured seconds are the median of its last this many: a step the machine
     # paused reads 2-5x its usual time, which a mean would carry for several steps
     timing_repeats: int = 3  # timed repeats of each option when its table is measured (median; after one warm-up)
-    level_base: int = 4  # rows held are priced at powers of this (1, 4, 16, 64 ..): on a CPU a chain of 9 costs 6.4
-    # plain steps at batch 32 and 4.4 at 8, so the sizes worth drafting change as finished rows leave a batch
     # -- policy
     tree_depths: tuple[int, ...] = (2, 3, 4, 6, 8, 12, 16)  # tree depths offered below a drafter's own: a few, since
     tree_totals: tuple[int, ...] = (4, 8, 16, 24, 32, 48, 64, 96, 128)  # each shape is timed once per device
@@ -46,5 +44,5 @@ class BudgetConfig:
     def __post_init__(self) -> None:
         check(0.0 < self.decay <= 1.0, f"decay must be in (0, 1], got {self.decay}.")
         check(self.explore_cost >= 1.0, f"explore_cost must be >= 1 (plain steps), got {self.explore_cost}.")
-        for name in ("step_samples", "timing_repeats", "level_base", "hold", "settle_after", "call_backoff"):
+        for name in ("step_samples", "timing_repeats", "hold", "settle_after", "call_backoff"):
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}.")

@@ -2,11 +2,12 @@
 
 - The table: each option's step timed on the live call (`time_options`: the drafter's `propose` per (top_k, depth),
   the target's verify plus the acceptance rule per node count, chains and trees apart), once per model pair,
-  device, dtype, threads, rows held (a power of `level_base`), prefix length bucket and rule, then read from the
-  cache (`mmspec.profiling.cached_json`). Or given (CSpD's windows, tests).
-- The correction (`timing`): an option that ran at these rows held costs the median of its own last steps (from one
-  choice to the next: drafting, verify, acceptance and the drafter's bookkeeping, as the loop ran them, under the
-  machine's load); the others cost their table seconds times the median ratio measured / table of those that ran.
+  device, dtype, threads, batch size, prefix length bucket and rule, then read from the cache
+  (`mmspec.profiling.cached_json`). Or given (CSpD's windows, tests).
+- The correction (`timing`): an option that ran costs the median of its own last steps (from one choice to the next:
+  drafting, verify, acceptance and the drafter's bookkeeping, as the loop ran them, under the machine's load, with
+  the rows the loop held); the others cost their table seconds times the median ratio measured / table of those that
+  ran. (Tables per level of rows held after the loop drops finished rows did not pay: docs/budgets.md.)
 """
 
 from __future__ import annotations
@@ -30,29 +31,21 @@ log = logging.getLogger("mmspec.budget")
 
 
 class StepCosts:
-    """Each option's step seconds [S] at the current level of rows held (see the module docstring)."""
+    """Each option's step seconds [S] (see the module docstring)."""
 
     def __init__(self, options: Sequence[TreeShape], config: BudgetConfig) -> None:
         self.options, self.config = list(options), config
-        self.tables: dict[int, list[float]] = {}  # level -> [S] table seconds
-        self.steps: dict[int, dict[int, deque]] = {}  # level -> option index -> its last measured seconds
-        self.level = 0
-
-    def at_level(self, level: int, measure: Callable[[], list[float]] | None) -> None:
-        """Price steps for `level` rows held from now on (`measure()` its table when it has none yet)."""
-        if level not in self.tables and measure is not None:
-            self.tables[level] = measure()
-        self.level = level
+        self.table: list[float] | None = None  # [S] table seconds at the budget's batch size
+        self.steps: dict[int, deque] = {}  # option index -> its last measured seconds
 
     def note(self, option: int, seconds: float) -> None:
         """A step of option index `option` took `seconds`."""
-        steps = self.steps.setdefault(self.level, {})
-        steps.setdefault(option, deque(maxlen=self.config.step_samples)).append(seconds)
+        self.steps.setdefault(option, deque(maxlen=self.config.step_samples)).append(seconds)
 
     def seconds(self) -> torch.Tensor:
-        """[S] each option's step seconds at this level: measured, or its table's read like the measured ones'."""
-        table = self.tables.get(self.level) or next(iter(self.tables.values()))
-        measured = {s: statistics.median(d) for s, d in self.steps.get(self.level, {}).items()}
+        """[S] each option's step seconds: measured, or its table's read like the measured ones'."""
+        table = self.table or [1.0] * len(self.options)
+        measured = {s: statistics.median(d) for s, d in self.steps.items()}
         ratio = statistics.median([m / max(table[s], 1e-12) for s, m in measured.items()]) if measured else 1.0
         return torch.tensor([measured.get(s, table[s] * ratio) for s in range(len(table))], dtype=torch.float64)
 
@@ -95,8 +88,8 @@ def median_seconds(run: Callable[[], Any], repeats: int, device: torch.device) -
     return statistics.median(samples)
 
 
-def options_key(target: Any, drafter: Any, state: Any, rule: Any, options: Sequence[TreeShape], level: int) -> str:
-    """The cache key of a table: the models, device, dtype and threads (`profile_key`), the rows held, the prompts'
+def options_key(target: Any, drafter: Any, state: Any, rule: Any, options: Sequence[TreeShape], batch: int) -> str:
+    """The cache key of a table: the models, device, dtype and threads (`profile_key`), the batch size, the prompts'
     length bucket, the rule, the sampling setting, CFG and the options."""
     runner = target.runner
     prefix = int(runner.lengths.max())
@@ -104,7 +97,7 @@ def options_key(target: Any, drafter: Any, state: Any, rule: Any, options: Seque
     drafter_model = module_of(getattr(getattr(drafter, "runner", None), "model", None))
     drafter_part = (profile_key(drafter_model, "cpu") if isinstance(drafter_model, torch.nn.Module)
                     else str(getattr(drafter, "config", dict)()))
-    extra = (f"budget-v4|B={level}|prefix<={1 << max(prefix - 1, 0).bit_length()}|{getattr(rule, 'name', rule)}|"
+    extra = (f"budget-v4|B={batch}|prefix<={1 << max(prefix - 1, 0).bit_length()}|{getattr(rule, 'name', rule)}|"
              f"{target.params}|cfg={runner.guidance_scale is not None}|{type(drafter).__name__}|{drafter_part}|"
              f"{[str(o) for o in options]}")
     return profile_key(target_model, state.output.device, extra)
@@ -116,9 +109,9 @@ def module_of(model: Any) -> Any:
 
 
 def cached_option_seconds(target: Any, drafter: Any, state: Any, rule: Any, options: Sequence[TreeShape],
-                          keys: Sequence[Any], level: int, repeats: int, full_key: Any) -> list[float]:
-    """`time_options` at `level` rows held, cached."""
-    key = options_key(target, drafter, state, rule, options, level)
+                          keys: Sequence[Any], repeats: int, full_key: Any) -> list[float]:
+    """`time_options` at the call's batch size, cached."""
+    key = options_key(target, drafter, state, rule, options, state.batch_size)
     value = cached_json(key, lambda: {"seconds": time_options(target, drafter, state, rule, options, keys, repeats,
                                                               full_key)})
     return list(value["seconds"])

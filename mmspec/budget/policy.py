@@ -48,16 +48,16 @@ class ThroughputBudget:
         self.full_key = self.keys[-1] if full_key is None else full_key
         self.acceptance = AcceptanceModel(self.options, self.config, per_size)
         self.costs = StepCosts(self.options, self.config)
-        self.given = costs is not None
         if costs is not None:
-            self.costs.tables[0] = list(costs)
+            self.costs.table = list(costs)
         self.gate = CallGate(self.config)
         self.per_size = per_size
         self.chosen: dict[str, int] = {}  # choices per option over the budget's life
         self.choices, self.refresh_at, self.refreshes = 0, self.config.refresh_every, 0
         self._live: tuple | None = None
-        self._call_rows = 1
+        self._rows_held = 0
         self._last: int | None = None
+        self._before: int | None = None  # the option of the step before
         self._chosen_at: float | None = None
         self._compiled_at = 0
         self._explore_left = self._held = self._plain_run = self._call_choices = 0
@@ -68,8 +68,8 @@ class ThroughputBudget:
         """A call starts (after its prefill): whether it drafts (the call gate)."""
         drafts = self.gate.drafts_this_call()
         self._live = (target, drafter, state, rule) if drafts else None
-        self._call_rows = state.batch_size if state is not None else 1
-        self._last, self._chosen_at, self._held, self._plain_run, self._call_choices = None, None, 0, 0, 0
+        self._last, self._before, self._chosen_at = None, None, None
+        self._held = self._plain_run = self._call_choices = 0
         self._estimated = [0, 0]
         self._explore_left = self.config.warmup if drafts and self.gate.retrying else 0
         self.gate.retrying = False if drafts else self.gate.retrying
@@ -81,7 +81,7 @@ class ThroughputBudget:
         self._price_rows(rows_held)
         self._time_last_step()
         index = self._pick(rows_held, tokens_left)
-        self._last = index
+        self._before, self._last = self._last, index
         self.choices += 1
         self._call_choices += 1
         self.chosen[str(self.options[index])] = self.chosen.get(str(self.options[index]), 0) + 1
@@ -91,21 +91,26 @@ class ThroughputBudget:
 
     def observe(self, result: Any, active: torch.Tensor, draft: Any) -> None:
         """Learn the verdicts of the step just chosen."""
-        if self._last is not None and not (self.per_size and self._held == 1 and self._call_choices > 1):
-            self.acceptance.observe(self.options[self._last], draft, result, active)
+        if self._last is None or (self.per_size and self._before != self._last):
+            return  # (a window's first step at a new size: its tail is not filled yet, it under-reads the size)
+        self.acceptance.observe(self.options[self._last], draft, result, active)
 
     def end(self) -> None:
         """The call ended: the call gate's verdict (its choices by estimate) and a DEBUG line."""
         if self._live is not None:
             self.gate.end_call(*self._estimated)
-            if log.isEnabledFor(logging.DEBUG) and self.costs.tables:
+            if log.isEnabledFor(logging.DEBUG) and self.costs.table is not None:
                 log.debug("budget: %s", self.describe())
         self._live = None
 
     # -------------------------------------------------------------------------------------------- choice
     def _pick(self, rows_held: int, tokens_left: Callable[[], torch.Tensor]) -> int:
         config = self.config
-        refresh = config.refresh_every > 0 and self.choices == self.refresh_at
+        if self.per_size and self._last is not None and 0 < self._held < config.hold:
+            self._held += 1  # a window is kept `hold` steps, explorations too: its first step under-reads it
+            return self._last
+        self._held = 1
+        refresh = config.refresh_every > 0 and self.choices >= self.refresh_at
         if refresh:
             self.refreshes += 1
             self.refresh_at += config.refresh_every * 2 ** self.refreshes
@@ -114,16 +119,12 @@ class ThroughputBudget:
         if self.choices < config.warmup or self._explore_left > 0 or refresh:
             self._explore_left = max(self._explore_left - 1, 0)
             return self.explore_option()
-        if self.per_size and self._last is not None and 0 < self._held < config.hold:
-            self._held += 1
-            return self._last
         speed = self.speeds(rows_held, tokens_left)  # [S]
         best = int(speed.argmax())
         best = best if speed[best] > speed[0] else 0  # plain steps win ties
         self._estimated[0] += 1
         self._estimated[1] += int(best != 0)
         self._plain_run = self._plain_run + 1 if best == 0 else 0
-        self._held = 1 if best != self._last else self._held + 1
         return best
 
     def speeds(self, rows_held: int = 1, tokens_left: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
@@ -151,22 +152,15 @@ class ThroughputBudget:
 
     # --------------------------------------------------------------------------------------------- costs
     def _price_rows(self, rows_held: int) -> None:
-        """Price steps for the level of `rows_held` (a power of `level_base`, at most the call's batch): its table
-        is timed on the live call the first time."""
-        if self.given:
-            self.costs.at_level(0, None)
-            return
-        target, drafter, state, rule = self._live
-        level = 1
-        while level < rows_held:
-            level *= self.config.level_base
-        level = min(level, self._call_rows)
-        if level == self.costs.level:
-            return
-        self.costs.at_level(level, lambda: cached_option_seconds(target, drafter, state, rule, self.options,
-                                                                 self.keys, level, self.config.timing_repeats,
-                                                                 self.full_key))
-        self._chosen_at = None  # the step across a change of rows (a drop, a timing) is not timed
+        """Time the options on the live call at its first choice (or read their cached table); the step across a
+        change of the rows held (a drop of finished rows) is not timed."""
+        if self.costs.table is None and self._live is not None:
+            target, drafter, state, rule = self._live
+            self.costs.table = cached_option_seconds(target, drafter, state, rule, self.options, self.keys,
+                                                     self.config.timing_repeats, self.full_key)
+            self._chosen_at = None  # (the timing is not the step's)
+        if rows_held != self._rows_held:
+            self._rows_held, self._chosen_at = rows_held, None
 
     def _time_last_step(self) -> None:
         """Note the seconds of the step chosen last (from that choice to this one; the loop syncs in between),

@@ -23,6 +23,7 @@ from mmspec.cli.jobs import (
     WorkItem,
     check_same_job,
     done_records,
+    job_budget,
     merge_manifests,
     read_job_file,
     row_seed,
@@ -221,9 +222,14 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
     if args.budget is not None:
         check(takes_budget(pipe), f"--budget: the {args.family} pipeline has no draft budget; drop --budget.")
         options["budget"] = args.budget
-    budget = reproducible_budget(options, family.get_method(args.method), takes_budget(pipe),
-                                 args.budget is not None, rank == 0)
-
+    budget = None
+    if takes_budget(pipe):
+        method = family.get_method(args.method)
+        default = "auto" if method.is_lossless(method_kwargs) else "fixed"  # (`mmspec.budget.default_mode`)
+        budget = job_budget(args.budget, default, not method.seed_fixes_output(method_kwargs, options["temperature"]),
+                            "images", rank == 0)
+        if args.budget is not None or budget != default:
+            options["budget"] = budget
     items = work_items(rows)
     if rank == 0:  # leftovers of an earlier, interrupted run: per-process figures, half-written images
         for stale in out.glob(".stats.rank*.json"):
@@ -268,31 +274,6 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
     if rank != 0:
         return 0
     return _finish(args, out, rows, items, bad, done, options, seconds)
-
-
-def reproducible_budget(options: dict, method, takes_budget: bool, given: bool, say: bool) -> str | None:
-    """The budget a job runs (recorded with it; None for a pipeline without one): the method's default ("auto" for
-    a lossless rule, "fixed" for a relaxed one) unless given. Where a seed's images depend on the draft sizes
-    (`MethodRecord.seed_fixes_output`: sampled speculative sampling) a default "auto" becomes "fixed", so a resumed
-    job gives an uninterrupted run's images (sets options["budget"]); a given --budget auto is honoured with a note
-    that resumes then differ."""
-    if not takes_budget:
-        return None
-    budget = options.get("budget") or ("auto" if method.is_lossless(options["method_kwargs"]) else "fixed")
-    if budget != "auto" or method.seed_fixes_output(options["method_kwargs"], options["temperature"]):
-        return budget
-    why = (f"{method.name}'s sampled images depend on the draft sizes, which budget auto picks from measured "
-           "times")
-    if given:
-        if say:
-            print(f"note: {why}; a resumed job will not give an uninterrupted run's images (--budget fixed does).",
-                  file=sys.stderr)
-        return budget
-    options["budget"] = "fixed"
-    if say:
-        print(f"budget: fixed ({why}; a resumed job gives an uninterrupted run's images). --budget auto to pick "
-              "sizes anyway.", file=sys.stderr)
-    return "fixed"
 
 
 def takes_budget(pipe) -> bool:

@@ -23,6 +23,7 @@ import csv
 import json
 import os
 import re
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,3 +240,23 @@ def merge_manifests(out: Path, order: list[tuple[str, int]]) -> list[dict]:
         if path.name != MANIFEST:
             path.unlink()
     return [records[k] for k in keys]
+
+
+def job_budget(given: str | None, default: str, output_depends: bool, outputs: str, say: bool) -> str:
+    """The draft budget a job runs (it records it): `given` (--budget), else the method's `default`, except that a
+    default "auto" becomes "fixed" where a seed's `outputs` depend on the draft sizes (`output_depends`: speculative
+    sampling at temperature > 0), so a resumed job gives an uninterrupted run's outputs; a given "auto" there is
+    honoured with a note (`say`: print the notes, on stderr)."""
+    budget = given or default
+    if budget != "auto" or not output_depends:
+        return budget
+    why = f"a seed's {outputs} depend on the draft sizes, which budget auto picks from measured times"
+    if given:
+        if say:
+            print(f"note: {why}; a resumed job will not give an uninterrupted run's {outputs} (--budget fixed does).",
+                  file=sys.stderr)
+        return budget
+    if say:
+        print(f"budget: fixed ({why}; a resumed job gives an uninterrupted run's {outputs}). --budget auto to pick "
+              "sizes anyway.", file=sys.stderr)
+    return "fixed"

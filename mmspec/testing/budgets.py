@@ -1,8 +1,8 @@
 """Draft budgets for tests: `CyclingBudget` walks through fixed sizes; `forced_budget` makes the real budgets of a
 pipeline's default path (`budget="auto"`) take scripted decisions, so a test exercises every decision the loop can
 be given (drafting each size, plain steps, settling on plain steps for the rest of a call, a call without the
-drafter) whatever the machine's speed, while the budget's own bookkeeping runs as usual (its timing of shapes, its
-levels of rows held after a drop, its estimates and call gate).
+drafter) whatever the machine's speed, while the budget's own bookkeeping runs as usual (its timing of options, its
+estimates and call gate).
 
     with forced_budget(CallScript(steps=("full", "plain", "chain")), CallScript(settle_after=2),
                        CallScript(drafts=False)):
@@ -79,8 +79,8 @@ def named_size(budget: Any, name: str) -> Any:
 
 class ScriptedBudget:
     """A real budget (`budget`) whose decisions follow `script`; everything else is the real budget's (attribute
-    access falls through to it). Each choice first asks the real budget, so it times, prices the rows it holds and
-    counts as it would, then the scripted size is the one drafted (and the one the real budget learns from)."""
+    access falls through to it). Each choice first asks the real budget, so it times and counts as it would, then
+    the scripted size is the one drafted (and the one the real budget learns from)."""
 
     def __init__(self, budget: Any, script: CallScript) -> None:
         self.budget, self.script, self.steps = budget, script, 0
