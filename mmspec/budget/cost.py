@@ -54,7 +54,7 @@ def time_options(target: Any, drafter: Any, state: Any, rule: Any, options: Sequ
                  keys: Sequence[Any], repeats: int, full_key: Any) -> list[float]:
     """[S] the median seconds of a step under each option on the live call (nothing committed): drafting
     (`drafter.set_draft_size(key)`, `propose`) plus the target's verify and the acceptance rule on that draft."""
-    log.info("mmspec: timing draft options for budget='auto' on this device (once per model pair, rows held and "
+    log.info("mmspec: timing draft options for budget='auto' on this device (once per model pair, batch size and "
              "device; cached)")
     device = state.output.device
     generator = torch.Generator(device=device).manual_seed(0)
