@@ -336,7 +336,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         with phase("observe"):
             if size != 0:
                 drafter.observe(state, draft, result, active, target_probs)
-            elif drafting and not steering.plain_for_good:
+            elif not steering.plain_for_good:  # (a call without the drafter is plain for good)
                 drafter.skip(state, result, active, target_probs)
         steering.observe(size, result, active, draft)
         stats.record(result, active, rows=state.row_ids)

@@ -108,13 +108,13 @@ def budget_config(mode: str | BudgetConfig | None, rule: Any) -> BudgetConfig | 
     if mode is not None and mode.startswith("auto-no-"):
         return BudgetConfig(**PARTS[mode.removeprefix("auto-no-")])
     rule = get_rule(rule) if isinstance(rule, str) else rule
-    return BudgetConfig() if (mode or default_mode(rule)) == "auto" else None
+    return BudgetConfig() if (mode or default_mode(getattr(rule, "lossless", False))) == "auto" else None
 
 
-def default_mode(rule: Any) -> str:
+def default_mode(lossless: bool) -> str:
     """The method's default budget: "auto" for a lossless rule, "fixed" for a relaxed one (see the module
     docstring)."""
-    return "auto" if getattr(rule, "lossless", False) else "fixed"
+    return "auto" if lossless else "fixed"
 
 
 def menu_of(drafter: Any, config: BudgetConfig) -> tuple[list[TreeShape], list[Any], Any] | None:

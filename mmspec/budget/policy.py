@@ -39,7 +39,7 @@ SETTLE = -1  # `choose`'s answer for a plain step and every step after it in thi
 class ThroughputBudget:
     """The draft budget (the `mmspec.budget.Budget` protocol) over a menu of options: `options` [S] TreeShapes
     (PLAIN first), `keys` [S] what `drafter.set_draft_size` takes for each (an int for chain and window drafters).
-    costs: [S] step seconds for every rows held (None: timed on the live call, `time_options`)."""
+    costs: [S] step seconds (None: timed on the live call at its first choice, `time_options`)."""
 
     def __init__(self, options: Sequence[TreeShape], keys: Sequence[Any], config: BudgetConfig | None = None, *,
                  costs: Sequence[float] | None = None, per_size: bool = False, full_key: Any = None) -> None:
@@ -65,14 +65,15 @@ class ThroughputBudget:
 
     # ------------------------------------------------------------------------------------------- protocol
     def begin(self, target: Any, drafter: Any, state: Any, rule: Any) -> bool:
-        """A call starts (after its prefill): whether it drafts (the call gate)."""
+        """A call starts (before its prefill): whether it drafts (the call gate)."""
         drafts = self.gate.drafts_this_call()
         self._live = (target, drafter, state, rule) if drafts else None
         self._last, self._before, self._chosen_at = None, None, None
         self._held = self._plain_run = self._call_choices = 0
         self._estimated = [0, 0]
         self._explore_left = self.config.warmup if drafts and self.gate.retrying else 0
-        self.gate.retrying = False if drafts else self.gate.retrying
+        if drafts:
+            self.gate.retrying = False
         return drafts
 
     def choose(self, rows_held: int, tokens_left: Callable[[], torch.Tensor]) -> Any:

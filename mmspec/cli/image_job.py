@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mmspec.bench.files import atomic_write, atomic_write_text, prepare_output_dir, remove_stale_temporaries
+from mmspec.budget import default_mode
 from mmspec.cli.family_io import class_slug, resolve_class, torch_dtype
 from mmspec.cli.jobs import (
     MANIFEST,
@@ -225,7 +226,7 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
     budget = None
     if takes_budget(pipe):
         method = family.get_method(args.method)
-        default = "auto" if method.is_lossless(method_kwargs) else "fixed"  # (`mmspec.budget.default_mode`)
+        default = default_mode(method.is_lossless(method_kwargs))
         budget = job_budget(args.budget, default, not method.seed_fixes_output(method_kwargs, options["temperature"]),
                             "images", rank == 0)
         if args.budget is not None or budget != default:
