@@ -246,9 +246,8 @@ class LMTarget:
         self.extra_capacity = max_new_tokens + max_draft_nodes + 1
         self.plain_capacity = max_new_tokens + 2  # what a target without drafts keeps (max_draft_nodes = 1)
         # set by the loop before each prefill: False when the call drafts nothing (its budget's gate ran it without
-        # the drafter), so the cache keeps no room for draft nodes: the world LLaVA's calls without the drafter at
-        # batch 32 took 2.7-3.8% longer than vanilla's with a tree's room and 0.5-0.9% less without it (one process,
-        # alternating calls, 12 each; docs/benchmarks.md, issue 31 sixth session)
+        # the drafter), so the cache keeps no room for draft nodes (the world LLaVA at batch 32 on a 2-core CPU,
+        # 2026-11-28: such calls ran 2.7-3.8% slower than vanilla's with a tree's room, 0.5-0.9% faster without)
         self.draft_room = True
         # set by the loop from the rule: at temperature 0, p is the softmax of the logits instead of the one-hot
         # argmax (`mmspec.sampling.probs_from_params`), for a relaxed greedy rule (`greedy_reads_softmax`)

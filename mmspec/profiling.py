@@ -1,7 +1,7 @@
 """What a forward costs on this device: measured tables of seconds per forward of a cached model, for B rows of n new
 tokens each after a prefix, so a draft budget can weigh drafting k tokens (the drafter's steps plus a verify of
-k + 1 positions) against a plain one-token step (../shared/reference/budgets.md: speed-up = E[tokens per step] /
-(T_draft + T_verify(B, n)); on this 2-core CPU a 64-token verify costs 1.7-4x a one-token step, on a GPU about one
+k + 1 positions) against a plain one-token step (tokens/s = E[tokens per step] / (T_draft + T_verify(B, n)), the cost
+model of docs/budgets.md; on this 2-core CPU a 64-token verify costs 1.7-4x a one-token step, on a GPU about one
 step until it is compute-bound: measure, never assume).
 
     times = measure_forward_times(run, batch_sizes=(1, 8), widths=(1, 2, 4, 8, 16))   # run(batch, width) = 1 fwd

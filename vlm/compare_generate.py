@@ -1,7 +1,7 @@
 """The VLM drafters (budget auto and fixed) and mmspec's vanilla loop against transformers' own greedy `generate`
 on the same world LLaVA, batch 1, 16 held-out long-answer questions, in one process with interleaved passes (one
 warm-up, two recorded): prints each configuration's median seconds per pass, its ratio to `generate` and whether
-its tokens equal `generate`'s (docs/benchmarks.md, "Draft budgets on the VLM drafters").
+its tokens equal `generate`'s (2026-11-24, 2 threads: SpecVLM's auto budget 1.51x of `generate`, EagleVLM's 1.47x).
 
     python -m vlm.compare_generate            # about 3 minutes on 2 CPU cores
 """

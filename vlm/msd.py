@@ -1,5 +1,5 @@
-"""MSD: an EAGLE drafter with decoupled inputs for text and image positions (from the MSD paper and
-reference/vlm.md).
+"""MSD: an EAGLE drafter with decoupled inputs for text and image positions (from the MSD paper, arXiv 2505.14260;
+Lyn-Lucy/MSD).
 
     text position:   x_t = fc([e_t ; f_{t-1}])     (EAGLE's fusion of the token embedding and the target feature)
     image position:  x_t = v_t                     (the raw projected visual embedding: no target feature, no fc)

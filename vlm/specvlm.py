@@ -1,5 +1,5 @@
 """SpecVLM: EagleVLM with an elastic visual compressor chosen per input by a question-aware gate, trained by online
-logit distillation (from the SpecVLM paper and reference/vlm.md).
+logit distillation (from the SpecVLM paper, arXiv 2509.11815).
 
 The compressor offers five primitives over a row's image run (T input embeddings, the target's projected vision
 features), each giving a different number of tokens:

@@ -1,8 +1,8 @@
 """ViSpec: a vision-aware EAGLE drafter. A vision adaptor compresses each image run into num_q - 1 tokens for the
 drafter's sequence and one global image vector that is fused into the text features.
 
-The model (`VLMViSpecDrafter`, an EagleVLM drafter plus two modules, from the official code at d0240c8, see
-reference/vlm.md "Official code, audited"; the module names are the official checkpoint's):
+The model (`VLMViSpecDrafter`, an EagleVLM drafter plus two modules, from the official code, KangJialiang/ViSpec
+`vispec/model/cnets_ours.py` at d0240c8 (arXiv 2509.15235); the module names are the official checkpoint's):
 
 - `imadpt` (`ImageAdaptor`): learned queries q [num_q, heads, head_dim] ~ N(0, head_dim^-1/2) attend, in ONE
   cross-attention without RoPE and without a query projection, to the image run's input embeddings (the target's

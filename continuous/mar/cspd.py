@@ -248,10 +248,8 @@ def window_forward(model: MARModel, run: MARRun) -> Callable[[int], None]:
     on a half-known canvas (the later half of the run's order known, the window the first `width` of the order), at
     the run's batch, sampling steps and guidance: what a CSpD window of that width costs the model (nothing is
     kept). Half known, as a generation's canvas is on average: MAR's encoder reads the known tokens, so an empty
-    canvas under-reads a step (the world MAR at batch 32, 50 sampling steps: a one-token window 255 ms empty, 293 ms
-    half known, 315 ms nine-tenths known, vanilla's steps 343 ms), and the call gate's lower bound of vanilla's step
-    comes from this table before a call without the drafter has measured it: a first CSpD call at 2x vanilla's
-    speed then missed the clear win that skips the reference call (docs/benchmarks.md, the ninth session)."""
+    canvas under-reads a step (the world MAR at batch 32, 50 sampling steps, 2026-11-28: a one-token window 255 ms
+    empty, 293 ms half known, 315 ms nine-tenths known, vanilla's steps 343 ms)."""
     b, seq = run.labels.shape[0], model.seq_len
     tokens = torch.zeros(b, seq, model.token_channels, device=model.device, dtype=model.dtype)  # [B, L, C]
     known = torch.zeros(b, seq, dtype=torch.bool, device=model.device)  # [B, L]

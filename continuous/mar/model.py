@@ -2,10 +2,10 @@
 MAE-style encoder and decoder of timm `Block`s, buffer tokens holding the class embedding, and the `DiffLoss`
 diffusion head that samples each token from the decoder's output at its position.
 
-Facts from ../shared/reference/continuous.md (MAR). Parameter names follow the official module tree
-(`z_proj`, `z_proj_ln`, `class_emb`, `fake_latent`, `encoder_pos_embed_learned`, `encoder_blocks.{i}.attn.qkv`,
-`decoder_embed`, `mask_token`, `decoder_pos_embed_learned`, `diffusion_pos_embed_learned`, `diffloss.net...`), so
-the official `checkpoint-last.pth` loads by name. `timestep_spacing` is the sampler's step placement ("linspace",
+Facts: MAR (arXiv 2406.11838; LTH14/mar `models/mar.py`). Parameter names follow the official module tree (`z_proj`,
+`z_proj_ln`, `class_emb`, `fake_latent`, `encoder_pos_embed_learned`, `encoder_blocks.{i}.attn.qkv`, `decoder_embed`,
+`mask_token`, `decoder_pos_embed_learned`, `diffusion_pos_embed_learned`, `diffloss.net...`), so the official
+`checkpoint-last.pth` loads by name. `timestep_spacing` is the sampler's step placement ("linspace",
 the official default, or "leading"; see `continuous.mar.diffusion.respaced_timesteps`). `default_guidance_scale` and
 `default_cfg_schedule` are the sampling settings a pipeline call uses when it leaves them unset (official: 3.0,
 "linear"; the world models ship 2.0, "constant": docs/mar.md). Sizes: base 12/12 x 768

@@ -1,12 +1,12 @@
 """`CoDePipeline`: collaborative decoding for VAR (CoDe). A LARGE drafter generates the first `draft_steps` scales
 (low-frequency structure), a SMALL refiner generates the rest (high-frequency detail).
 
-Facts from ../shared/reference/image_ar.md (CoDe). The hand-over is not the KV cache: the refiner re-encodes the
-drafted prefix (the class token map and the next-scale inputs of every drafted scale) in ONE block-causal prefill
-pass, then continues with its own cache; the drafter's cache is freed at the hand-over, which is where the memory
-saving comes from. Default split N = 8 of the official 10 scales (the large model up to 10x10, 255 tokens); for
-other schedules the default is S - 2 (the refiner makes the last two scales). Training-free mode = two
-independently trained models sharing one VQVAE.
+Facts: CoDe (arXiv 2411.17787; czg1225/CoDe `models/var.py`). The hand-over is not the KV cache: the refiner re-encodes
+the drafted prefix (the class token map and the next-scale inputs of every drafted scale) in ONE block-causal prefill
+pass, then continues with its own cache; the drafter's cache is freed at the hand-over, which is where the memory saving
+comes from. Default split N = 8 of the official 10 scales (the large model up to 10x10, 255 tokens); for other schedules
+the default is S - 2 (the refiner makes the last two scales). Training-free mode = two independently trained models
+sharing one VQVAE.
 
     pipe = CoDePipeline(drafter=large, refiner=small, vqvae=vqvae)
     out = pipe(class_labels=[3, 7], draft_steps=8, guidance_scale=4.0, top_k=600, top_p=0.95, generator=gens)

@@ -1,7 +1,8 @@
 """VAR's residual multi-scale quantiser (the `quantize` of its VQVAE) with the shared Phi convolutions.
 
-Facts from ../shared/reference/image_ar.md (VAR). Encoding a feature map f [B, Cvae, H, W] (H = W = the last patch
-size) walks the scales from small to large, keeping the running reconstruction f_hat and the residual f - f_hat:
+Facts: VAR (arXiv 2404.02905; FoundationVision/VAR `models/quant.py`). Encoding a feature map f [B, Cvae, H, W]
+(H = W = the last patch size) walks the scales from small to large, keeping the running reconstruction f_hat and the
+residual f - f_hat:
 
     z_si   = area-downsample(f - f_hat, pn_si)      (the last scale uses the residual itself)
     idx_si = nearest code of each z_si position (L2; cosine with `using_znorm`)

@@ -2,7 +2,7 @@
 
     mmspec train var-code --pipeline assets/var --out runs/var-code --draft-steps 5
 
-Facts from ../shared/reference/image_ar.md (CoDe). Starting from a CoDe pipeline folder (two independently trained
+Facts: CoDe (arXiv 2411.17787). Starting from a CoDe pipeline folder (two independently trained
 models sharing a VQVAE, the training-free mode), three stages, each teacher-forced on the code pyramids of world
 images encoded by the pipeline's VQVAE:
 1. `large`: the large model (drafter) fine-tuned with cross-entropy on the positions of the scales it makes in

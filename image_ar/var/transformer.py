@@ -1,10 +1,10 @@
 """The VAR transformer (next-scale prediction) as a diffusers model: AdaLN blocks, L2-normalised Q/K with a
 learnable per-head scale, block-causal attention over scales, per-scale KV caching in `mmspec.cache`.
 
-Facts from ../shared/reference/image_ar.md (VAR). A depth-d model has width 64 d and d heads unless the config
-says otherwise; `patch_nums` is the scale schedule (official: 1, 2, 3, 4, 5, 6, 8, 10, 13, 16 = 680 tokens; any
-increasing schedule works, e.g. (1, 2, 4, 8) for a 32x32 world image with a 4x VQVAE). Parameter names follow
-the official `var_d*.pth` state dicts (`blocks.{i}.attn.mat_qkv`, `q_bias`, `v_bias`, `scale_mul_1H11`,
+Facts: VAR (arXiv 2404.02905; FoundationVision/VAR `models/var.py`). A depth-d model has width 64 d and d heads unless
+the config says otherwise; `patch_nums` is the scale schedule (official: 1, 2, 3, 4, 5, 6, 8, 10, 13, 16 = 680 tokens;
+any increasing schedule works, e.g. (1, 2, 4, 8) for a 32x32 world image with a 4x VQVAE). Parameter names follow the
+official `var_d*.pth` state dicts (`blocks.{i}.attn.mat_qkv`, `q_bias`, `v_bias`, `scale_mul_1H11`,
 `blocks.{i}.ada_lin.1`, `head_nm.ada_lin.1`, `pos_1LC`, `lvl_embed`, ...), so a converter only drops the official
 buffers (`attn_bias_for_masking`, `lvl_1L`, `zero_k_bias`), which are recomputed here.
 

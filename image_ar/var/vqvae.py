@@ -1,11 +1,11 @@
 """VAR's multi-scale VQVAE as a diffusers model: the LDM-style convolutional encoder/decoder, 3x3 quant convs,
 and the residual multi-scale quantiser (`image_ar/var/quantizer.py`).
 
-Facts from ../shared/reference/image_ar.md (VAR): vocab 4096, Cvae = z_channels 32, ch 160, ch_mult
-(1, 1, 2, 2, 4) (16x downsampling), 2 residual blocks per level, self-attention at the lowest resolution and in
-the middle. The encoder and decoder are the same LDM/taming modules as LlamaGen's tokenizer
-(`image_ar.conv_autoencoder`, one implementation); the official VAR state dict names them differently
-(`encoder.down.{i}.block.{j}`, a fused `attn.qkv` conv, `mid.block_1`), which its converter maps.
+Facts: VAR (arXiv 2404.02905; FoundationVision/VAR `models/vqvae.py`): vocab 4096, Cvae = z_channels 32, ch 160, ch_mult
+(1, 1, 2, 2, 4) (16x downsampling), 2 residual blocks per level, self-attention at the lowest resolution and in the
+middle. The encoder and decoder are the same LDM/taming modules as LlamaGen's tokenizer (`image_ar.conv_autoencoder`,
+one implementation); the official VAR state dict names them differently (`encoder.down.{i}.block.{j}`, a fused
+`attn.qkv` conv, `mid.block_1`), which its converter maps.
 
     images [B, 3, H, W] in [-1, 1] -> encoder -> quant_conv -> f [B, Cvae, pn_last, pn_last]
     f -> quantize.encode -> code pyramid [[B, pn_0^2], ..., [B, pn_last^2]]

@@ -1,4 +1,4 @@
-"""How much to draft each step: the draft budget (docs/budgets.md; facts: ../shared/reference/budgets.md).
+"""How much to draft each step: the draft budget (docs/budgets.md).
 
 One small model in four parts: `cost` (each option's step seconds, a profiled table corrected by the call's own
 steps), `acceptance` (per-position rates, per tree shape counts, the batch tail), `policy` (the option with the most

@@ -7,7 +7,10 @@ accepted drafts of a row:
   take the deepest reached one's rate. P(X > i) = prod_{j<=i} a_j, E[X] = 1 + sum_i P(X > i) (vLLM's E_acc).
 - trees: the drafts each row would have accepted under every smaller shape the step's tree contains
   (`counterfactual_accepts`: EAGLE-2 keeps the nodes of highest score, so a smaller tree is the leading part of a
-  larger one), decayed; a tree never shown emits 1, as a plain step does, until it is explored.
+  larger one), decayed; a tree never shown emits 1, as a plain step does, until it is explored. Its path of first
+  children counts for the chain positions; exact under greedy verification, and when sampling an under-estimate (a
+  chain's drafts share the target's noise under `coupled`: the world LlamaGen's chain accepts 0.53 at position 1
+  where its tree's first child is the target's draw 0.27 of the time).
 - per size (`valued_per_size` drafters: Jacobi windows, whose acceptance depends on the window): an option that has
   run is valued by its own steps alone.
 `batch_steps_of` turns (mean, variance) into the expected steps until the last of a batch's rows is done.
@@ -42,6 +45,8 @@ class AcceptanceModel:
         # per option drafted: the options a step of it shows [S] (the plain step shows none; per size: itself)
         self.shows = {o: torch.tensor([(o == p if per_size else o.contains(p)) and p != PLAIN for p in self.options])
                       for o in self.options}
+        self.is_chain = torch.tensor([o.is_chain for o in self.options])  # [S]
+        self.depths = torch.tensor([o.depth for o in self.options])  # [S] (0: the plain step)
 
     def observe(self, shape: TreeShape, draft: Draft, result: VerifyResult, active: torch.Tensor) -> None:
         """Count a step drafted with `shape`: its rows' verdicts by chain position and under every option it shows."""
@@ -78,17 +83,17 @@ class AcceptanceModel:
     def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(E[X], Var[X]) [S] of the tokens a row emits per step under each option."""
         firsts, seconds = chain_moments(self.position_rates())
-        mean = torch.ones(len(self.options), dtype=torch.float64)  # [S]
-        var = torch.zeros(len(self.options), dtype=torch.float64)  # [S]
-        for s, option in enumerate(self.options):
-            rows = float(self.rows[s])
-            if option == PLAIN:
-                continue
-            if option.is_chain and not (self.per_size and rows > 0):
-                mean[s], var[s] = firsts[option.depth - 1], seconds[option.depth - 1] - firsts[option.depth - 1] ** 2
-            elif rows > 0:
-                m = float(self.sums[s]) / rows
-                mean[s], var[s] = 1.0 + m, max(float(self.squares[s]) / rows - m * m, 0.0)
+        first = torch.tensor([1.0, *firsts], dtype=torch.float64)  # [D+1] E[X] of a chain of depth d
+        second = torch.tensor([1.0, *seconds], dtype=torch.float64)  # [D+1] E[X^2]
+        ran = self.rows > 0  # [S]
+        drafting = self.depths > 0  # [S]
+        by_position = self.is_chain & drafting & ~(ran & self.per_size)  # [S] chains, unless valued by their own
+        by_own = ~by_position & drafting & ran  # [S] (an option never shown: 1 token, as a plain step)
+        d = self.depths.clamp_max(len(firsts))  # [S]
+        m = self.sums / self.rows.clamp_min(1e-12)  # [S]
+        mean = torch.where(by_position, first[d], torch.where(by_own, 1.0 + m, 1.0))
+        var = torch.where(by_position, second[d] - first[d] ** 2,
+                          torch.where(by_own, (self.squares / self.rows.clamp_min(1e-12) - m * m).clamp_min(0.0), 0.0))
         return mean, var
 
 

@@ -11,8 +11,8 @@ plain choices in a row return SETTLE: plain steps for the rest of the call. Draf
 for `hold` steps.
 
 Lossless: an option is chosen from past verdicts and measured costs only, before the step drafts anything, so the
-draft length is a stopping time of the draft-side process and the output law is the target's (reference
-budgets.md; tested by a distribution test).
+draft length is a stopping time of the draft-side process and the output law is the target's (docs/budgets.md;
+tested by a distribution test).
 """
 
 from __future__ import annotations

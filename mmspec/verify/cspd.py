@@ -1,8 +1,8 @@
 """CSpD's continuous acceptance rule (continuous speculative decoding for diffusion-head AR models), batched.
 
 Draft (q) and target (p) heads denoise each window token from the SAME x_T with the SAME per-step noise
-(trajectory alignment); the Gaussian exponents of the steps before the last cancel, which leaves (paper, reference
-verify.md section 6), per token with diagonal covariances:
+(trajectory alignment); the Gaussian exponents of the steps before the last cancel, which leaves (the CSpD
+paper, arXiv 2411.11925), per token with diagonal covariances:
 ```
 log r = F + log N(x0; mu_p, Sigma_p) - log N(x0; mu_q, Sigma_q)       (last step's Gaussians)
 F     = sum over the other steps of 0.5 (log |Sigma_q| - log |Sigma_p|)   (the variance-ratio "step factor")

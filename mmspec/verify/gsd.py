@@ -1,4 +1,4 @@
-"""GSD grouped acceptance for visual AR models (lossy, training-free, on Jacobi drafts). verify.md section 4.
+"""GSD grouped acceptance for visual AR models (lossy, training-free, on Jacobi drafts). docs/verify.md, `gsd`.
 
 The accepted token is the draft x itself, but acceptance is judged on a group around it: the g tokens nearest
 to x by target-probability rank, kept only where their probability is within p_thr of p(x) and (when an

@@ -1,4 +1,4 @@
-"""LANTERN relaxed acceptance for visual AR models (lossy, with a total-variation bound). verify.md section 3.
+"""LANTERN relaxed acceptance for visual AR models (lossy, with a total-variation bound). docs/verify.md, `lantern`.
 
 Image tokens whose codebook latents are close are interchangeable enough that a draft x may borrow the
 probability of its nearest latent neighbours N[x] (sorted by distance, x itself excluded):

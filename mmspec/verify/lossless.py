@@ -1,8 +1,8 @@
 """The exact rules: lossless speculative sampling (chain and tree) and greedy verification.
 
 `lossless` keeps the target distribution exactly: chain drafts with a draft distribution q or one-hot drafts
-(verify.md section 1), trees with deterministic top-k children or children sampled without replacement
-(section 2). `greedy` accepts drafts equal to the target's argmax, for temperature 0.
+(docs/verify.md, `lossless`), trees with deterministic top-k children or children sampled without replacement
+(same section). `greedy` accepts drafts equal to the target's argmax, for temperature 0.
 """
 
 from __future__ import annotations
