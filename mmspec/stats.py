@@ -289,12 +289,17 @@ def budget_notice(stats: SpecStats, method: str, hint: str = "--budget fixed") -
     """One line for the user when a draft budget kept `method` from drafting on most of its verify steps (drafting
     row-iterations fewer than half of those verified) by choosing plain steps or running calls without the drafter:
     the counts, why, and how to draft every step (`hint`: "--budget fixed" on a command line, 'budget="fixed"' in
-    library use). None otherwise: a run that drafted on at least half its steps, a run without a draft budget
-    (vanilla, a fixed budget), or plain steps the budget did not choose."""
+    library use). Else, with or without a budget, one line when the method drafted but accepted none of its drafts
+    (every drafting step paid for nothing: the drafter does not match the target under the rule). None otherwise."""
     rows, drafts = stats.num_verify_rows, stats.num_drafts
     without = int(stats.extra.get("calls_without_drafter", 0))
     chose_plain = stats.extra.get("budget_0", 0) > 0 or without > 0
     if not budget_ran(stats) or not chose_plain or 2 * drafts >= rows:
+        if drafts > 0 and stats.num_accepted_tokens == 0:
+            return (f"note: {method} accepted none of the {stats.num_draft_tokens} tokens it drafted on {drafts} of "
+                    f"{rows} verify steps: each of those steps cost more than a plain one and saved nothing (the "
+                    f"drafts do not match the target under this acceptance rule); {hint.replace('fixed', 'auto')} "
+                    f"runs plain steps where drafting does not pay.")
         return None
     calls = f" and ran {without} call{'' if without == 1 else 's'} wholly without the drafter" if without else ""
     return (f"note: {method} drafted on {drafts} of {rows} verify steps (counted per row): the draft budget chose "

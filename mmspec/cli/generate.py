@@ -81,8 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a method parameter, repeatable (e.g. --method-arg num_draft_tokens=4)")
     parser.add_argument("--budget", default=None, choices=["fixed", "auto"],
                         help="draft budget of a speculative method (families whose pipeline takes one: llamagen, "
-                             "mar's cspd): auto (the pipelines' default: each step's size from this device's "
-                             "measured costs, docs/budgets.md) or fixed (the configured size every step)")
+                             "mar's cspd): auto (each step's size from this device's measured costs, "
+                             "docs/budgets.md; the default of lossless methods) or fixed (the configured size every "
+                             "step; the default of relaxed methods: lantern, gsd, cspd)")
     parser.add_argument("--model", default=None, help="pipeline folder (default: the embedded asset)")
     parser.add_argument("--seed", type=int, default=0, help="base seed of rows without their own seed")
     parser.add_argument("--max-batch", "--batch-size", dest="max_batch", type=int, default=16,
