@@ -285,17 +285,21 @@ def budget_ran(stats: SpecStats) -> bool:
     return any(key.startswith("budget_") or key == "calls_without_drafter" for key in stats.extra)
 
 
+NOTICE_MIN_DRAFTS = 8  # drafting steps before "accepted none" is said: a short answer's one or two say little
+
+
 def budget_notice(stats: SpecStats, method: str, hint: str = "--budget fixed") -> str | None:
     """One line for the user when a draft budget kept `method` from drafting on most of its verify steps (drafting
     row-iterations fewer than half of those verified) by choosing plain steps or running calls without the drafter:
     the counts, why, and how to draft every step (`hint`: "--budget fixed" on a command line, 'budget="fixed"' in
     library use). Else, with or without a budget, one line when the method drafted but accepted none of its drafts
-    (every drafting step paid for nothing: the drafter does not match the target under the rule). None otherwise."""
+    (on at least `NOTICE_MIN_DRAFTS` drafting steps: each paid for nothing, the drafter does not match the target
+    under the rule). None otherwise."""
     rows, drafts = stats.num_verify_rows, stats.num_drafts
     without = int(stats.extra.get("calls_without_drafter", 0))
     chose_plain = stats.extra.get("budget_0", 0) > 0 or without > 0
     if not budget_ran(stats) or not chose_plain or 2 * drafts >= rows:
-        if drafts > 0 and stats.num_accepted_tokens == 0:
+        if drafts >= NOTICE_MIN_DRAFTS and stats.num_accepted_tokens == 0:
             return (f"note: {method} accepted none of the {stats.num_draft_tokens} tokens it drafted on {drafts} of "
                     f"{rows} verify steps: each of those steps cost more than a plain one and saved nothing (the "
                     f"drafts do not match the target under this acceptance rule); {hint.replace('fixed', 'auto')} "

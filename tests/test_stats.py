@@ -130,12 +130,14 @@ def test_a_run_that_accepted_no_draft_says_so_with_or_without_a_budget():
     """Drafting every step and accepting nothing (MAR's CSpD with the paper's criterion and the world's draft) costs
     more than plain decoding: one line says so; one accepted draft is enough to say nothing."""
     rejected = SpecStats()
-    for _ in range(5):
+    for _ in range(7):
         rejected.record(result([0], [4], 4))
+    assert budget_notice(rejected, "cspd") is None  # 7 drafting steps: too few to say
+    rejected.record(result([0], [4], 4))
     line = budget_notice(rejected, "cspd")
-    assert line.startswith("note: cspd accepted none of the 20 tokens it drafted on 5 of 5 verify steps")
+    assert line.startswith("note: cspd accepted none of the 32 tokens it drafted on 8 of 8 verify steps")
     assert "--budget auto" in line and "\n" not in line
-    rejected.add_extra("budget_4", 5)  # the same under a budget that drafted every step
+    rejected.add_extra("budget_4", 8)  # the same under a budget that drafted every step
     assert budget_notice(rejected, "cspd", hint='budget="fixed"').endswith('budget="auto" runs plain steps where '
                                                                            "drafting does not pay.")
     rejected.record(result([1], [4], 4))

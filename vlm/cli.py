@@ -169,8 +169,8 @@ def answer(args: argparse.Namespace) -> int:
                            budget=args.budget or "auto", accept=args.accept)
         seconds = time.perf_counter() - start
         print("" if args.stream else out.texts[0])
-        print(json.dumps(figures(out.stats, seconds, len(out.token_ids[0]))), file=sys.stderr)
         say_budget_notice(out.stats, args.drafter)
+        print(json.dumps(figures(out.stats, seconds, len(out.token_ids[0]))), file=sys.stderr)  # the last line
         return 0
     return run_job(args, tree)
 
