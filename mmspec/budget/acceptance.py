@@ -90,10 +90,11 @@ class AcceptanceModel:
         by_position = self.is_chain & drafting & ~(ran & self.per_size)  # [S] chains, unless valued by their own
         by_own = ~by_position & drafting & ran  # [S] (an option never shown: 1 token, as a plain step)
         d = self.depths.clamp_max(len(firsts))  # [S]
-        m = self.sums / self.rows.clamp_min(1e-12)  # [S]
+        rows = self.rows.clamp_min(1e-12)  # [S]
+        m = self.sums / rows  # [S]
         mean = torch.where(by_position, first[d], torch.where(by_own, 1.0 + m, 1.0))
         var = torch.where(by_position, second[d] - first[d] ** 2,
-                          torch.where(by_own, (self.squares / self.rows.clamp_min(1e-12) - m * m).clamp_min(0.0), 0.0))
+                          torch.where(by_own, (self.squares / rows - m * m).clamp_min(0.0), 0.0))
         return mean, var
 
 
