@@ -16,7 +16,9 @@ rows, so later steps compute only the rows still generating; the outputs keep th
 Vanilla decoding is the same loop with `NoDrafter` (zero-length drafts: every iteration emits the bonus token),
 so a benchmark compares methods through one code path. Targets and drafters are small adapters around a model
 (see `mmspec.lm` for causal LMs with a static KV cache); the loop knows nothing about images or text. Its phases
-(prefill, draft, verify, accept, commit, observe) are timed inside `mmspec.phases.record_phases()`.
+(prefill, draft, verify, accept, commit, observe) are timed inside `mmspec.phases.record_phases()`. Inside the
+bench's acceptance-controlled calls (`mmspec.forced`, never a pipeline call) each draft's tokens are rewritten after
+`propose` to follow a profile; nothing else changes.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch
 
 from mmspec.budget import Budget, BudgetCall
 from mmspec.errors import check, check_positive_int
+from mmspec.forced import current_call
 from mmspec.noise import KeyedNoise
 from mmspec.phases import phase, synchronize
 from mmspec.sampling import Generators
@@ -285,6 +288,7 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     # a call the budget runs without the drafter (or vanilla's drafter) keeps no room for draft nodes in a target
     # that keeps room (`draft_room`: LlamaGen's vanilla at batch 32 took 4.7% longer with a window's room)
     steering = BudgetCall(budget, stats)
+    forced = current_call()  # None unless the bench forces acceptance (`mmspec.forced`)
     drafting = steering.begin(target, drafter, state, rule)
     if hasattr(target, "draft_room"):
         target.draft_room = drafting and not drafts_nothing(drafter)
@@ -324,6 +328,8 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
                 draft = drafter.propose(state)
                 if not is_plain(draft):  # never draft past the end: a row with r tokens left accepts <= r - 1
                     draft = cap_draft(draft, state.max_new_tokens - state.num_generated - 1)
+                if forced is not None:
+                    draft = forced.rewrite(draft, state.num_generated, state.row_ids)
         with phase("verify"):
             target_probs = target.verify(state, draft)
         stats.num_target_forwards += 1
@@ -347,6 +353,8 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
 
     synchronize(device)
     steering.end()
+    if forced is not None:
+        forced.finish(state.full_tokens())
     stats.wall_time = time.perf_counter() - start
     stats.num_draft_forwards = getattr(drafter, "forwards", 0) - draft_forwards_before
     return GenerationOutput(tokens=state.full_tokens(), num_generated=state.full_num_generated(), stats=stats)

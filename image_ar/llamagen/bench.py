@@ -16,6 +16,13 @@ follow the target's distribution (`pit_ks` and friends, `mmspec.metrics.calibrat
 `block_size` tokens. Family options: see `mmspec.bench.image_family`, plus `budget` (`auto`: `mmspec.budget` picks
 each step's draft size, the default of lossless methods; `fixed`: the configured size, the default of relaxed ones;
 `auto-no-<part>`: the model without one part) for every method, or per method: `eagle:budget=fixed`.
+
+Official sizes (`llamagen` only): `size=B|L|XL|XXL|3B` builds that official configuration with random weights
+(`image_ar.llamagen.official`: the GPT, the VQ-16 tokenizer, an EAGLE head at its width and, for draft-model, a
+`draft_size` GPT, default B) in `dtype` (float32, bfloat16, float16; default float32) at `image_size` 256 or 384.
+Random weights accept nothing worth timing: run such a bench with `--force-acceptance` (`mmspec.forced`). Its
+quality figures are token exactness only (the judge and world-FID read world images). `decode=false` (any model)
+skips decoding the images (tokens only: the time of the generation alone).
 """
 
 from __future__ import annotations
@@ -39,19 +46,39 @@ from mmspec.bench.image_family import (
 )
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of, pop_budget
 from mmspec.budget import check_budget_mode
+from mmspec.cli.family_io import torch_dtype
 from mmspec.compile import compile_pipeline
+from mmspec.errors import check
+
+OFFICIAL = ("size", "draft_size", "image_size")  # an official size with random weights (`official.py`)
 
 
 def _options(settings: BenchSettings, family: str = "llamagen") -> dict[str, Any]:
     # guidance None: each model's own default (LlamaGenPipeline.default_guidance_scale)
-    options = image_options(settings, family, {**DEFAULTS, "guidance_scale": None}, extra=("budget",))
+    options = image_options(settings, family, {**DEFAULTS, "guidance_scale": None},
+                            extra=("budget", "decode", "dtype", *(OFFICIAL if family == "llamagen" else ())))
     check_budget_mode(options["budget"], "--family-option budget")
+    check(options["decode"] in (None, "true", "false"),
+          f"--family-option decode must be true or false, got {options['decode']!r}.")
+    check(options["size"] is None or options["model"] is None,
+          "--family-option size builds an official size with random weights; it cannot go with model=PATH.")
+    for key in ("draft_size", "image_size"):
+        check(options.get(key) is None or options.get("size") is not None,
+              f"--family-option {key} applies to an official size: give size=B|L|XL|XXL|3B as well.")
     return options
 
 
 def build(settings: BenchSettings):
     o = _options(settings)
-    return compile_pipeline(load(o["model"], settings.device), o["compile"])
+    dtype = torch_dtype(o["dtype"])
+    if o["size"] is not None:
+        from image_ar.llamagen.official import random_pipeline
+
+        pipe = random_pipeline(o["size"], settings.device, dtype or torch.float32, draft_size=o["draft_size"] or "B",
+                               image_size=int(o["image_size"] or 256), seed=settings.seed)
+    else:
+        pipe = load(o["model"], settings.device, dtype)
+    return compile_pipeline(pipe, o["compile"])
 
 
 def _runner(record, family: str = "llamagen"):
@@ -60,18 +87,25 @@ def _runner(record, family: str = "llamagen"):
         given, budget = pop_budget(given, o["budget"])
         conditions = ({"prompt": [s.data for s in batch]} if family == "llamagen-t2i" else
                       {"class_labels": [int(s.data) for s in batch]})
-        return run_image_method(pipe, conditions, batch, settings, o, record.name, given, budget)
+        return run_image_method(pipe, conditions, batch, settings, o, record.name, given, budget,
+                                output_type="latent" if o["decode"] == "false" else "pt")
 
     return run
 
 
 def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list, settings: BenchSettings) -> dict:
+    o = _options(settings)
+    if o["size"] is not None or o["decode"] == "false":  # random weights or no images: the tokens only
+        exact = reproduces_vanilla(method, params, settings)
+        return {"exactness": token_exactness(outputs, vanilla)} if exact else {}
     return image_quality(outputs, vanilla, settings, _options(settings)["fid_reference"],
                          exactness=reproduces_vanilla(method, params, settings))
 
 
 def calibration(pipe, samples: Sequence[Sample], outputs: list, settings: BenchSettings) -> dict:
     o = _options(settings, "llamagen-t2i" if pipe.transformer.config.model_type == "t2i" else "llamagen")
+    if o.get("size") is not None:  # random weights: no distribution worth checking
+        return {}
     return token_calibration(lambda labels, tokens: target_probs(
         pipe, labels, tokens, guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],
         top_p=o["top_p"]), outputs, settings)
@@ -109,6 +143,9 @@ def caption_quality(method: Method, params: Mapping[str, Any], outputs: list, va
     from mmspec.metrics import attribute_agreement, world_fid
     from mmspec.metrics.train_judge import scene_targets
 
+    if _options(settings, "llamagen-t2i")["decode"] == "false":  # no images: the tokens only
+        exact = reproduces_vanilla(method, params, settings)
+        return {"exactness": token_exactness(outputs, vanilla)} if exact else {}
     scenes = held_out_scenes(settings.num_samples)
     rows = torch.tensor([int(o["index"]) for o in outputs])
     images = torch.stack([o["image"] for o in outputs])
@@ -126,7 +163,7 @@ def build_t2i(settings: BenchSettings):
     from image_ar.llamagen.family_t2i import load as load_t2i
 
     o = _options(settings, "llamagen-t2i")
-    return compile_pipeline(load_t2i(o["model"], settings.device), o["compile"])
+    return compile_pipeline(load_t2i(o["model"], settings.device, torch_dtype(o["dtype"])), o["compile"])
 
 
 def llamagen_t2i_family() -> Family:

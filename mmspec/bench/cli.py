@@ -28,6 +28,7 @@ from mmspec.bench.report import budget_notices, tables_markdown
 from mmspec.bench.runner import INTERLEAVE_MODES, BenchResult, check_run_args, run_bench
 from mmspec.errors import InputError, check_positive_int
 from mmspec.families import available_families
+from mmspec.forced import PROFILE_FORMS, parse_forcing
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also count the tensor operations and host syncs per target forward in each loop phase "
                              "(the same on every device: the launch overhead a GPU step pays); counting slows every "
                              "op, so take timings from another run")
+    parser.add_argument("--force-acceptance", default=None, metavar="PROFILE",
+                        help="time every method at a set acceptance instead of its drafter's (for models with random "
+                             "weights, e.g. official sizes): drafts copy vanilla's tokens at the profile's "
+                             "per-position rates (mmspec.forced); PROFILE: " + "; ".join(PROFILE_FORMS) + ". Implies "
+                             "--phase-times (the report adds each method's ideal speed-up and system efficiency)")
     parser.add_argument("--gate-log", action="store_true",
                         help="print what each draft budget did on stderr after every call: the options chosen, their "
                              "step seconds and expected tokens, the calls with and without the drafter (the "
@@ -136,6 +142,8 @@ def canonical_command(args: argparse.Namespace, methods: str, batch_sizes: Seque
         parts.append("--phase-times")
     if getattr(args, "phase_ops", False):
         parts.append("--phase-ops")
+    if getattr(args, "force_acceptance", None) is not None:
+        parts += ["--force-acceptance", args.force_acceptance]
     if args.no_plots:
         parts.append("--no-plots")
     return shlex.join(parts + ["--out", str(args.out)])
@@ -159,8 +167,11 @@ def run(args: argparse.Namespace) -> int:
             importlib.import_module(module)
         except ImportError as err:
             raise InputError(f"--import {module!r} failed: {err}") from err
+    forcing = None if args.force_acceptance is None else parse_forcing(args.force_acceptance)
     family = get_family(args.family)
     configs = parse_method_list(args.methods, family, settings)
+    if forcing is not None:
+        forcing.check_methods([(c.label, c.method) for c in configs])
     command = canonical_command(args, ",".join(c.label for c in configs), batch_sizes, device)
     written: dict = {}  # the latest summary; files are rewritten (atomically) after every batch size
 
@@ -175,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
         result = run_bench(family, configs, batch_sizes=batch_sizes, repeats=args.repeats, warmup=args.warmup,
                            settings=settings, progress=not args.quiet, command=command,
                            on_batch_size_done=write_partial, tensor_memory=args.memory == "tensors",
-                           phase_times=args.phase_times, phase_ops=args.phase_ops, interleave=args.interleave)
+                           phase_times=args.phase_times, phase_ops=args.phase_ops, interleave=args.interleave,
+                           forcing=forcing)
     finally:
         torch.set_num_threads(threads_before)
     summary = written["summary"]

@@ -63,14 +63,16 @@ def image_outputs(images: torch.Tensor, tokens: torch.Tensor, batch: Sequence[Sa
 
 
 def run_image_method(pipe: Any, conditions: Mapping[str, Any], batch: Sequence[Sample], settings: BenchSettings,
-                     options: Mapping[str, Any], method: str, given: Mapping[str, Any], budget: str | None):
+                     options: Mapping[str, Any], method: str, given: Mapping[str, Any], budget: str | None,
+                     output_type: str = "pt"):
     """One bench batch of an image pipeline: `pipe(**conditions, ...)` with the run's sampling options, the
-    method and its parameters, one generator per sample; returns the bench's MethodOutput."""
+    method and its parameters, one generator per sample (`output_type` "latent": no image decoding, the outputs'
+    "image" holds the tokens); returns the bench's MethodOutput."""
     from mmspec.bench.registry import MethodOutput
 
     out = pipe(**conditions, generator=sample_generators(batch, settings), guidance_scale=options["guidance_scale"],
                temperature=settings.temperature, top_k=options["top_k"], top_p=options["top_p"], method=method,
-               method_kwargs=dict(given), output_type="pt", budget=budget)
+               method_kwargs=dict(given), output_type=output_type, budget=budget)
     return MethodOutput(outputs=image_outputs(out.images, out.tokens, batch),
                         new_tokens=[out.tokens.shape[1]] * len(batch), stats=out.stats)
 

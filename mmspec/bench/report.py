@@ -19,6 +19,12 @@ Definitions (per batch size; a "pass" is one configuration over every sample, se
   prefill, decoding images, loop bookkeeping), and milliseconds per call of `verify` (one target forward over the
   draft) and `draft` (one proposal, all the drafter's forwards of an iteration). Absent for methods that do not
   run the shared loop (VAR/CoDe, MAR/CSpD).
+- ideal speed-up (with phase times): vanilla's model seconds / the method's in the same pass, model seconds being
+  the loop's prefill + verify + draft phases (the target's and the drafter's forwards, with the little host work in
+  them, e.g. building a tree): the speed-up if nothing but those cost time. system efficiency = speed-up / ideal
+  speed-up (median over passes): the share of what the forwards allow that the whole system delivers.
+- forced drafts (with --force-acceptance, `mmspec.forced`): the drafts per pass whose tokens the profile set; 0 for
+  a drafting method means its acceptance was not forced (it does not draft through the shared loop).
 - operations (with --phase-ops): tensor operations and host syncs dispatched per target forward, by phase and in
   total ("other" also holds the pipeline around the loop, e.g. decoding images), counted on any device
   (`mmspec.phases`, count_ops): the per-step launch and sync overhead a GPU run pays, whatever device measured it.
@@ -87,6 +93,22 @@ def phase_summary(runs: Sequence[RunResult]) -> dict[str, Any] | None:
     return summary
 
 
+MODEL_PHASES = ("prefill", "verify", "draft")  # the phases that hold the models' forwards
+
+
+def model_seconds(run: RunResult) -> float | None:
+    """The pass's seconds in MODEL_PHASES (None without phase times)."""
+    if run.phases is None:
+        return None
+    return sum(run.phases.seconds.get(name, 0.0) for name in MODEL_PHASES)
+
+
+def ideal_speedups(runs: Sequence[RunResult], reference: Mapping[int, RunResult]) -> list[float]:
+    """Per pass: vanilla's model seconds / the method's (empty without phase times)."""
+    pairs = [(model_seconds(reference[r.repeat]), model_seconds(r)) for r in runs]
+    return [ours / theirs for ours, theirs in pairs if ours and theirs]
+
+
 def summarize_config(config: MethodConfig, runs: Sequence[RunResult],
                      reference: Mapping[int, RunResult]) -> dict[str, Any]:
     """The summary row of one configuration at one batch size; `reference` maps repeat -> vanilla's pass."""
@@ -95,6 +117,7 @@ def summarize_config(config: MethodConfig, runs: Sequence[RunResult],
     speedups = [reference[r.repeat].wall_time / r.wall_time for r in runs]
     compressions = [reference[r.repeat].nfe / r.nfe for r in runs if r.nfe > 0]  # a family may not count NFE
     drafted = stats.num_draft_tokens > 0
+    ideal = ideal_speedups(runs, reference)
     return {
         "method": config.label,
         "base_method": config.method,
@@ -116,6 +139,11 @@ def summarize_config(config: MethodConfig, runs: Sequence[RunResult],
         "peak_memory_bytes": int(max(max(r.peak_memory_bytes) for r in runs)),
         "quality": merge_quality([r.quality for r in runs]),
         "phases": phase_summary(runs),
+        "ideal_speedup": float(statistics.median(ideal)) if ideal else None,
+        "system_efficiency": (float(statistics.median(s / i for s, i in zip(speedups, ideal)))
+                              if len(ideal) == len(speedups) else None),
+        "forced_drafts": (None if runs[0].forced_drafts is None else
+                          float(statistics.median(r.forced_drafts for r in runs))),
         "budget_steps": budget_steps(stats, len(runs)),
         "budget_notice": config_budget_notice(config, stats, runs),
     }
@@ -169,7 +197,8 @@ def summarize(result: BenchResult) -> dict[str, Any]:
         "settings": {"num_samples": s.num_samples, "max_new_tokens": s.max_new_tokens,
                      "temperature": s.temperature, "seed": s.seed, "device": s.device, "options": dict(s.options),
                      "batch_sizes": result.batch_sizes, "repeats": result.repeats, "warmup": result.warmup,
-                     "interleave": result.interleave},
+                     "interleave": result.interleave,
+                     "force_acceptance": None if result.forcing is None else result.forcing.source},
         "memory_kind": result.memory_kind,
         "primary_quality": result.primary_quality,
         "environment": result.environment,
@@ -218,7 +247,8 @@ def markdown_table(rows: Sequence[Mapping[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-PHASE_COLUMNS = ("method", *PHASES, "other", "verify ms/call", "draft ms/call")
+PHASE_COLUMNS = ("method", *PHASES, "other", "verify ms/call", "draft ms/call", "ideal speed-up",
+                 "system efficiency")
 
 
 def phase_table(rows: Sequence[Mapping[str, Any]]) -> str:
@@ -230,7 +260,9 @@ def phase_table(rows: Sequence[Mapping[str, Any]]) -> str:
     for row in rows:
         p = row["phases"]
         cells = [row["method"], *(f"{100 * p['share'][name]:.0f}%" for name in (*PHASES, "other")),
-                 _fmt(p.get("verify_ms")), _fmt(p.get("draft_ms"))]
+                 _fmt(p.get("verify_ms")), _fmt(p.get("draft_ms")),
+                 _fmt(row.get("ideal_speedup")) + ("x" if row.get("ideal_speedup") is not None else ""),
+                 "—" if row.get("system_efficiency") is None else f"{100 * row['system_efficiency']:.0f}%"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -259,6 +291,9 @@ def _with_phases(rows: Sequence[Mapping[str, Any]]) -> str:
         text += "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")
     if phases and not ops:  # with --phase-ops every op is hooked: its timings are not worth a table
         text += f"\nWhere the time goes (share of wall time per loop phase):\n\n{phases}"
+    unforced = [row["method"] for row in rows if row.get("forced_drafts") == 0 and row["method"] != "vanilla"]
+    if unforced:
+        text += f"\n- not forced (no draft went through the shared loop): {', '.join(unforced)}\n"
     if ops:
         text += ("\nTensor operations per target forward by loop phase (host syncs: per target forward, all "
                  f"phases; counted with --phase-ops, so this run's timings are slowed):\n\n{ops}")
@@ -300,6 +335,8 @@ def summary_markdown(summary: Mapping[str, Any], plots: Mapping[int, Sequence[st
              f"- device: {env.get('gpu', env['device'])}; torch {env['torch']}, python {env['python']}, "
              f"{env.get('cpu_count')} CPUs, {env['torch_threads']} torch threads; {env['platform']}",
              f"- memory: {memory}",
+             *([f"- acceptance forced by the profile `{s['force_acceptance']}` (mmspec.forced): timings at that "
+                "acceptance, not the models' own"] if s.get("force_acceptance") else []),
              "- speed-up and step compression are vanilla / method within the same pass; mean acceptance length "
              "is the tokens emitted per drafting step (the bonus token included, plain steps left out). See "
              "docs/benchmarks.md.", ""]

@@ -37,6 +37,7 @@ from mmspec.bench.memory import PeakMemory
 from mmspec.bench.records import batch_records
 from mmspec.bench.registry import REFERENCE_METHOD, BenchSettings, Family, MethodOutput, Sample, get_family
 from mmspec.errors import InputError, check, check_device, check_nonnegative, check_positive_int
+from mmspec.forced import Forcing
 from mmspec.phases import PhaseTimes, record_phases, synchronize
 from mmspec.stats import SpecStats
 
@@ -69,6 +70,7 @@ class RunResult:
     stats: SpecStats  # merged over batches
     quality: dict = field(default_factory=dict)
     phases: PhaseTimes | None = None  # merged over batches, with --phase-times / --phase-ops
+    forced_drafts: int | None = None  # with --force-acceptance: the drafts whose tokens the profile set
 
     @property
     def wall_time(self) -> float:
@@ -97,6 +99,7 @@ class BenchResult:
     interleave: str = "batch"
     phase_times: bool = False
     phase_ops: bool = False
+    forcing: Forcing | None = None  # --force-acceptance: the profile and the references recorded
     runs: list[RunResult] = field(default_factory=list)
     records: list[dict] = field(default_factory=list)
     completed_batch_sizes: list[int] = field(default_factory=list)
@@ -115,6 +118,7 @@ class _BatchRun:
     wall_time: float
     peak_memory_bytes: int
     phases: PhaseTimes | None = None
+    forced_drafts: int | None = None
 
 
 def plan_steps(batch_sizes: Sequence[int], configs: Sequence[MethodConfig], warmup: int, repeats: int) -> list[Step]:
@@ -167,11 +171,11 @@ def _check_output(output: Any, batch: Sequence[Sample], label: str) -> MethodOut
 
 def run_config(family: Family, models: Any, config: MethodConfig, batches: Sequence[Sequence[Sample]],
                settings: BenchSettings, meter: PeakMemory, phase_times: bool = False,
-               phase_ops: bool = False, reseed: bool = True) -> list[_BatchRun]:
+               phase_ops: bool = False, reseed: bool = True, forcing: Forcing | None = None) -> list[_BatchRun]:
     """One pass of `config` over every batch (or, `reseed=False`, the next batches of a pass whose global random
     stream is already in place); only `Method.run` is inside the timed region (with `phase_times`, the loop's
     phases inside it are timed too; with `phase_ops` their tensor operations and host syncs are counted, see
-    `mmspec.phases`)."""
+    `mmspec.phases`; with `forcing`, the drafts' tokens follow its profile, `mmspec.forced`)."""
     device = torch.device(settings.device)
     method = family.methods[config.method]
     if reseed:
@@ -180,12 +184,16 @@ def run_config(family: Family, models: Any, config: MethodConfig, batches: Seque
     for batch in batches:
         meter.reset()
         synchronize(device)
-        with record_phases(device, count_ops=phase_ops) if phase_times or phase_ops else nullcontext() as phases:
+        forced = (forcing.call([s.question_id for s in batch], config.label, config.method) if forcing is not None
+                  else nullcontext())
+        with (record_phases(device, count_ops=phase_ops) if phase_times or phase_ops else nullcontext() as phases,
+              forced as call):
             start = time.perf_counter()
             output = method.run(models, batch, settings, config.given)
             synchronize(device)
             wall = time.perf_counter() - start
-        runs.append(_BatchRun(batch, _check_output(output, batch, config.label), wall, meter.peak(), phases))
+        runs.append(_BatchRun(batch, _check_output(output, batch, config.label), wall, meter.peak(), phases,
+                              None if call is None else call.rewrites))
     return runs
 
 
@@ -214,7 +222,8 @@ def _record_pass(result: BenchResult, family: Family, models: Any, step: Step, b
         new_tokens=[int(n) for r in batch_runs for n in r.output.new_tokens],
         peak_memory_bytes=[r.peak_memory_bytes for r in batch_runs],
         stats=_merge_stats(batch_runs), quality=quality,
-        phases=sum((r.phases for r in batch_runs), PhaseTimes()) if result.phase_times or result.phase_ops else None))
+        phases=sum((r.phases for r in batch_runs), PhaseTimes()) if result.phase_times or result.phase_ops else None,
+        forced_drafts=None if result.forcing is None else sum(r.forced_drafts for r in batch_runs)))
     for run in batch_runs:
         result.records += batch_records(
             family=family.name, model_id=result.model_id, label=step.config.label, params=step.config.params,
@@ -242,7 +251,7 @@ def _run_or_fail(result: BenchResult, family: Family, models: Any, step: Step, b
         return None
     try:
         return run_config(family, models, step.config, batches, result.settings, meter, result.phase_times,
-                          result.phase_ops, reseed)
+                          result.phase_ops, reseed, result.forcing)
     except InputError:
         raise
     except Exception as err:
@@ -253,6 +262,22 @@ def _run_or_fail(result: BenchResult, family: Family, models: Any, step: Step, b
         result.runs = [r for r in result.runs if keep(r.batch_size, r.config.label)]
         result.records = [r for r in result.records if keep(r["batch_size"], r["method"])]
         return None
+
+
+def record_references(family: Family, models: Any, configs: Sequence[MethodConfig],
+                      batches: Sequence[Sequence[Sample]], settings: BenchSettings, forcing: Forcing) -> None:
+    """--force-acceptance: vanilla's tokens for every sample at this batch size, untimed (the reference the forced
+    drafts copy, `mmspec.forced`); InputError when the family's vanilla does not decode through the shared loop."""
+    reference = next(c for c in configs if c.is_reference)
+    forcing.references.clear()
+    torch.manual_seed(settings.seed)
+    for batch in batches:
+        keys = [s.question_id for s in batch]
+        with forcing.call(keys, record=True):
+            family.methods[reference.method].run(models, batch, settings, reference.given)
+        check(all(k in forcing.references for k in keys),
+              f"--force-acceptance needs a family whose methods decode through the shared loop (mmspec.loop); "
+              f"{family.name!r}'s vanilla does not: run it without --force-acceptance.")
 
 
 def _random_state(device: torch.device) -> tuple:
@@ -311,7 +336,7 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
               settings: BenchSettings | None = None, progress: bool = False, command: str | None = None,
               on_batch_size_done: Callable[[BenchResult], None] | None = None,
               tensor_memory: bool = False, phase_times: bool = False, phase_ops: bool = False,
-              interleave: str = "batch") -> BenchResult:
+              interleave: str = "batch", forcing: Forcing | None = None) -> BenchResult:
     """Run every configuration interleaved (see the module docstring); returns runs and per-sample records.
 
     methods: "vanilla,tree:depth=6", a list of such strings, MethodConfigs, or None for all of the family's
@@ -321,7 +346,8 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
     (the loop's phases, `mmspec.phases`; on CUDA each phase synchronises, which slows the run). phase_ops: count
     each phase's tensor operations and host syncs (device-independent; slows every op, so timings of such a run are
     not comparable with others). interleave: "batch" (each batch across the configurations) or "pass" (see the
-    module docstring).
+    module docstring). forcing: acceptance set by a profile (`mmspec.forced`; phase times are then recorded too,
+    for the ideal speed-up): vanilla's tokens are recorded once per batch size first, untimed.
     """
     check(interleave in INTERLEAVE_MODES, f"interleave must be one of {', '.join(INTERLEAVE_MODES)}, "
           f"got {interleave!r}.")
@@ -339,7 +365,7 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
                              configs=configs, batch_sizes=batch_sizes, repeats=repeats, warmup=warmup,
                              memory_kind=meter.kind, primary_quality=family.primary_quality,
                              environment=environment(device), command=command, interleave=interleave,
-                             phase_times=phase_times, phase_ops=phase_ops)
+                             phase_times=phase_times or forcing is not None, phase_ops=phase_ops, forcing=forcing)
         reference_outputs: dict[tuple[int, int], list[Any]] = {}
         rounds = [steps[i: i + len(configs)] for i in range(0, len(steps), len(configs))]  # one pass each
         total = sum(len(split_batches(samples, r[0].batch_size)) * len(r) for r in rounds)
@@ -350,6 +376,8 @@ def run_bench(family: Family | str, methods: str | Sequence[str] | Sequence[Meth
                 bar.set_postfix_str(f"bs={first.batch_size} {'warmup' if first.warmup else 'repeat'} "
                                     f"{first.repeat}", refresh=False)
                 batches = split_batches(samples, first.batch_size)
+                if forcing is not None and (i == 0 or rounds[i - 1][0].batch_size != first.batch_size):
+                    record_references(family, models, configs, batches, settings, forcing)
                 passes = run_round(result, family, models, steps_of_round, batches, meter, lambda: bar.update(1),
                                    rotate=i)
                 for step, batch_runs in zip(steps_of_round, passes):  # the reference first

@@ -1,0 +1,68 @@
+"""LlamaGen at its official sizes with random weights: what a forward costs at the sizes users run.
+
+    pipe = random_pipeline("XL", device="cuda", dtype=torch.bfloat16)   # GPT-XL + VQ-16 + EAGLE head + GPT-B draft
+    mmspec bench --family llamagen --family-option size=XL --force-acceptance tau=3.0:depth=5 ...
+
+No weights can be downloaded here, and a forward costs the same whatever the weights, so these pipelines time the
+methods at official sizes; their acceptance comes from `mmspec bench --force-acceptance` (`mmspec.forced`), never
+from these models. The configurations are the official ones (FoundationVision/LlamaGen):
+- the class-conditional GPT (`autoregressive/models/gpt.py`, `GPT_models`; `gpt.PRESETS`): B 12 layers x 768,
+  L 24 x 1024, XL 36 x 1280, XXL 48 x 1536, 3B 24 x 3200; vocabulary 16384, 1000 classes, one condition token,
+  256 image tokens at 256 px (`image_size=384`: 576);
+- the VQ-16 tokenizer (`tokenizer/tokenizer_image/vq_model.py`, `VQ_16`): codebook 16384 x 8, l2-normalised, 128
+  channels, channel multipliers 1, 1, 2, 2, 4 (`LlamaGenVQ`'s defaults);
+- an EAGLE drafter of one decoder layer at the target's width (`LlamaGenEagleDrafter.for_target`), the drafter
+  shape LANTERN (arXiv 2410.03355) trained for LlamaGen;
+- for `draft-model`, a smaller official size (`draft_size`, default B; none for B itself).
+Weights are drawn on the device itself (N(0, 0.02), as the official init, except the output head, which the
+official init zeroes and which gets N(0, 0.02) here so that logits are not all equal), then cast to `dtype`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from image_ar.llamagen.eagle import LlamaGenEagleDrafter
+from image_ar.llamagen.gpt import LlamaGenGPT, preset_sizes
+from image_ar.llamagen.pipeline import LlamaGenPipeline
+from image_ar.llamagen.vq import LlamaGenVQ
+from mmspec.errors import check
+
+IMAGE_SIZES = {256: 256, 384: 576}  # image size in pixels -> image tokens (a 16x downsampling VQ)
+INIT_STD = 0.02
+
+
+def random_gpt(size: str, block_size: int, device: torch.device | str) -> LlamaGenGPT:
+    """An official-size class-conditional GPT with random weights on `device` (float32)."""
+    preset_sizes(size)  # (InputError naming the presets)
+    with torch.device(device):
+        model = LlamaGenGPT.from_preset(size, block_size=block_size)
+        torch.nn.init.normal_(model.output.weight, std=INIT_STD)
+    return model
+
+
+def cast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` in `dtype`, in eval mode (torch's own cast: diffusers' `to` warns about float32 modules these models
+    do not have)."""
+    return torch.nn.Module.to(model, dtype=dtype).eval()
+
+
+def random_pipeline(size: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                    draft_size: str | None = "B", image_size: int = 256, seed: int = 0) -> LlamaGenPipeline:
+    """LlamaGenPipeline of the official `size` with random weights (see the module docstring); `draft_size` None
+    or equal to `size` gives no draft model."""
+    check(image_size in IMAGE_SIZES, f"image_size must be one of {', '.join(map(str, IMAGE_SIZES))}, "
+                                     f"got {image_size!r}.")
+    torch.manual_seed(seed)
+    block_size = IMAGE_SIZES[image_size]
+    transformer = random_gpt(size, block_size, device)
+    eagle = LlamaGenEagleDrafter.for_target(transformer)
+    draft = None
+    if draft_size is not None and preset_sizes(draft_size) != preset_sizes(size):
+        draft = cast(random_gpt(draft_size, block_size, device), dtype)
+    with torch.device(device):
+        vqvae = LlamaGenVQ()
+    pipe = LlamaGenPipeline(transformer=cast(transformer, dtype), vqvae=cast(vqvae, dtype), draft_transformer=draft,
+                            eagle_drafter=cast(eagle, dtype))
+    pipe.set_progress_bar_config(disable=True)  # (as a loaded folder's)
+    return pipe
