@@ -38,8 +38,9 @@ import torch
 
 from mmspec.errors import InputError, check
 from mmspec.tree import DraftTree
-from mmspec.verify import ChainDraft, Draft
+from mmspec.verify import ChainDraft, Draft, VerifyResult
 
+EXACT_RULES = ("greedy", "coupled")  # rules that accept a draft exactly when it is the target's own token
 PROFILE_FORMS = ("alpha=A", "rates=A1,A2,...", "tau=T:depth=D", "SUMMARY.json:method=LABEL[:batch=B]",
                  "SUMMARY.json[:batch=B] (each method its own row: same label, else same method)")
 
@@ -148,16 +149,35 @@ def other_token(reference: torch.Tensor) -> torch.Tensor:
 
 
 def deepest_path(tree: DraftTree) -> torch.Tensor:
-    """[B, N] bool: the nodes on the root's path to its deepest node (the lowest index among the deepest), so
-    that a profile can reach every depth the tree drafts."""
+    """[B, D+1] the node indices (root first, -1 past its end) of the root's path to its deepest node (the lowest
+    index among the deepest), so that a profile can reach every depth the tree drafts."""
     n = tree.num_nodes
     index = torch.arange(n, device=tree.tokens.device)
     rank = torch.where(tree.valid, tree.depths * n + (n - 1 - index), -1)  # [B, N] deepest first, then lowest index
     deepest = rank.argmax(-1)  # [B]
-    path = tree.paths().gather(1, deepest.view(-1, 1, 1).expand(-1, 1, tree.max_depth + 1)).squeeze(1)  # [B, D+1]
-    on_path = torch.zeros(tree.batch_size, n + 1, dtype=torch.bool, device=tree.tokens.device)
-    on_path.scatter_(1, path.masked_fill(path < 0, n), True)  # -1 entries land in the spare column n
-    return on_path[:, :n]
+    return tree.paths().gather(1, deepest.view(-1, 1, 1).expand(-1, 1, tree.max_depth + 1)).squeeze(1)
+
+
+def on_path(tree: DraftTree, path: torch.Tensor) -> torch.Tensor:
+    """[B, N] bool: whether each node lies on `path` [B, D+1]."""
+    n = tree.num_nodes
+    marks = torch.zeros(tree.batch_size, n + 1, dtype=torch.bool, device=tree.tokens.device)
+    marks.scatter_(1, path.masked_fill(path < 0, n), True)  # -1 entries land in the spare column n
+    return marks[:, :n]
+
+
+def forced_result(result: VerifyResult, wanted: torch.Tensor, accepted: torch.Tensor,
+                  path: torch.Tensor | None) -> VerifyResult:
+    """The decision the profile made, in `result`'s shapes: each row accepts its first `accepted` [B] drafts (the
+    reference's tokens) and emits the reference's next token; `wanted` [B, W] the reference from the draft's first
+    index, `path` [B, W] a tree's forced path (None for a chain)."""
+    width = result.output_tokens.shape[1]  # K + 1 (tree: D + 1)
+    column = torch.arange(width, device=accepted.device)
+    output = torch.where(column <= accepted.unsqueeze(-1), wanted[:, :width], -1)  # [B, W]
+    flags = column[: width - 1] < accepted.unsqueeze(-1)  # [B, W-1]
+    nodes = None if path is None else torch.where(column <= accepted.unsqueeze(-1), path, -1)  # [B, W]
+    return VerifyResult(output_tokens=output, num_accepted=accepted, accepted_flags=flags,
+                        num_drafted=result.num_drafted, accepted_nodes=nodes)
 
 
 @dataclass
@@ -169,6 +189,8 @@ class ForcedCall:
     seed: int = 0  # of the draws (the bench's: from the rows' keys, so each call draws its own)
     generator: torch.Generator | None = None
     rewrites: int = 0  # drafts rewritten in this call
+    decisions: int = 0  # verify results replaced by the profile's decision (rules other than EXACT_RULES)
+    decision: tuple | None = None  # (wanted [B, W], accepted [B], tree path [B, W] or None) of the last rewrite
     recorded: torch.Tensor | None = None  # what a recording call generated [B0, T]
 
     def _reference_at(self, rows: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
@@ -187,30 +209,39 @@ class ForcedCall:
         return draws < self.profile.rate_table(depth, device)
 
     def rewrite(self, draft: Draft, num_generated: torch.Tensor, rows: torch.Tensor | None) -> Draft:
-        """The draft with its tokens set by the profile (shapes, probabilities and structure unchanged)."""
-        if self.reference is None:
+        """The draft with its tokens set by the profile (shapes, probabilities and structure unchanged); what it
+        decided stays for `decide`."""
+        self.decision = None
+        if self.reference is None or (isinstance(draft, ChainDraft) and draft.tokens.shape[1] == 0):
             return draft
         self.rewrites += 1
         device = num_generated.device
-        if isinstance(draft, ChainDraft):
-            b, k = draft.tokens.shape
-            if k == 0:
-                return draft
-            positions = num_generated.unsqueeze(-1) + torch.arange(k, device=device)  # [B, K]
-            wanted = self._reference_at(rows, positions)  # [B, K]
-            tokens = torch.where(self._accepts(b, k, device), wanted, other_token(wanted))
+        depth = draft.tokens.shape[1] if isinstance(draft, ChainDraft) else max(1, draft.max_depth)
+        wanted = self._reference_at(rows, num_generated.unsqueeze(-1) + torch.arange(depth + 1, device=device))
+        accepts = self._accepts(draft.tokens.shape[0], depth, device)  # [B, D] the profile's draws
+        if isinstance(draft, ChainDraft):  # wanted [B, K+1]: the reference from the draft's first index on
+            tokens = torch.where(accepts, wanted[:, :depth], other_token(wanted[:, :depth]))
+            drafted = torch.arange(depth, device=device) < draft.resolved_num_draft().unsqueeze(-1)  # [B, K]
+            self.decision = (wanted, (accepts & drafted).cumprod(-1).sum(-1), None)
             return ChainDraft(torch.where(draft.tokens >= 0, tokens, draft.tokens), draft.probs, draft.num_draft)
-        depth = max(1, draft.max_depth)
-        positions = num_generated.unsqueeze(-1) + (draft.depths - 1).clamp_min(0)  # [B, N]
-        wanted = self._reference_at(rows, positions)  # [B, N]
-        accepts = self._accepts(draft.batch_size, depth, device)  # [B, D]
-        at_depth = accepts.gather(1, (draft.depths - 1).clamp(0, depth - 1))  # [B, N]
-        tokens = torch.where(deepest_path(draft) & at_depth, wanted, other_token(wanted))
+        path = deepest_path(draft)  # [B, D+1]
+        level = (draft.depths - 1).clamp(0, depth - 1)  # [B, N] the node's draft position
+        forced = on_path(draft, path) & accepts.gather(1, level)
+        tokens = torch.where(forced, wanted.gather(1, level), other_token(wanted.gather(1, level)))
         keep = ~draft.valid | (draft.depths == 0)  # the root and padding stay
+        self.decision = (wanted, (accepts & (path[:, 1:] >= 0)).cumprod(-1).sum(-1), path)
         return DraftTree(tokens=torch.where(keep, draft.tokens, tokens), parents=draft.parents,
                          depths=draft.depths, valid=draft.valid, max_depth=draft.max_depth,
                          max_children=draft.max_children, child_probs=draft.child_probs, sampled=draft.sampled,
                          scores=draft.scores)
+
+    def decide(self, result: VerifyResult, rule_name: str) -> VerifyResult:
+        """The rule's result where the rule accepts exactly the target's own tokens (greedy, coupled); else the
+        profile's decision (`forced_result`: the outputs stay the reference's; the timing is the rule's)."""
+        if self.decision is None or rule_name in EXACT_RULES:
+            return result
+        self.decisions += 1
+        return forced_result(result, *self.decision)
 
     def finish(self, tokens: torch.Tensor) -> None:
         """End of the call: a recording call keeps its tokens [B0, T] (the reference of the calls to come)."""

@@ -18,7 +18,7 @@ so a benchmark compares methods through one code path. Targets and drafters are 
 (see `mmspec.lm` for causal LMs with a static KV cache); the loop knows nothing about images or text. Its phases
 (prefill, draft, verify, accept, commit, observe) are timed inside `mmspec.phases.record_phases()`. Inside the
 bench's acceptance-controlled calls (`mmspec.forced`, never a pipeline call) each draft's tokens are rewritten after
-`propose` to follow a profile; nothing else changes.
+`propose` to follow a profile, and a rule that is not exact has its decision replaced by the profile's.
 """
 
 from __future__ import annotations
@@ -337,6 +337,8 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
         with phase("accept"):
             result = accept(rule, draft, target_probs, validate=check_now, noise=state.noise,
                             positions=state.num_generated)
+            if forced is not None:  # (a rule that is not exact decides as the profile did)
+                result = forced.decide(result, rule.name)
         with phase("commit"):
             target.commit(state, draft, result, active)
         with phase("observe"):

@@ -8,6 +8,11 @@ reports token exactness vs vanilla (1.0 for CoDe with draft_steps = S). "target 
 forwards and "draft fwd" the small model's; the scales differ in size, so the speed-up column (wall-clock), not
 the forward count, is CoDe's figure. For the peak memory of the tensors a run allocates (KV caches, activations;
 not the weights), run with `--memory tensors`.
+
+Official sizes: `size=d16|d20|d24|d30` builds that VAR with random weights, and with `small_size` (default d16) CoDe's
+pair (`image_ar.var.official`), in `dtype` (float32, bfloat16, float16); CoDe needs no acceptance, so its speed-up
+there is real, while its quality figures are token exactness alone. `decode=false` (any model) skips decoding the
+images.
 """
 
 from __future__ import annotations
@@ -15,19 +20,44 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+
 from image_ar.var.family import DEFAULTS, FAMILY, load
-from mmspec.bench.image_family import class_inputs, image_options, image_outputs, image_quality, sample_generators
+from mmspec.bench.image_family import (
+    class_inputs,
+    image_options,
+    image_outputs,
+    image_quality,
+    sample_generators,
+    token_exactness,
+)
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of
+from mmspec.cli.family_io import torch_dtype
 from mmspec.compile import compile_pipeline
+from mmspec.errors import check
 
 
 def _options(settings: BenchSettings) -> dict[str, Any]:
-    return image_options(settings, "var", DEFAULTS)
+    o = image_options(settings, "var", DEFAULTS, extra=("size", "small_size", "dtype", "decode"))
+    check(o["decode"] in (None, "true", "false"), f"--family-option decode must be true or false, got {o['decode']!r}.")
+    check(o["size"] is None or o["model"] is None,
+          "--family-option size builds an official size with random weights; it cannot go with model=PATH.")
+    check(o["small_size"] is None or o["size"] is not None,
+          "--family-option small_size applies to an official size: give size=d16|d20|d24|d30 as well.")
+    return o
 
 
 def build(settings: BenchSettings):
     o = _options(settings)
-    return compile_pipeline(load(o["model"], settings.device), o["compile"])
+    dtype = torch_dtype(o["dtype"])
+    if o["size"] is not None:
+        from image_ar.var.official import random_pipeline
+
+        pipe = random_pipeline(o["size"], o["small_size"] or "d16", settings.device, dtype or torch.float32,
+                               seed=settings.seed)
+    else:
+        pipe = load(o["model"], settings.device, dtype)
+    return compile_pipeline(pipe, o["compile"])
 
 
 def _runner(record):
@@ -36,7 +66,7 @@ def _runner(record):
         call, extra = record.build(pipe, given, FAMILY.name)
         out = call(class_labels=[int(s.data) for s in batch], generator=sample_generators(batch, settings),
                    guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],
-                   top_p=o["top_p"], output_type="pt", **extra)
+                   top_p=o["top_p"], output_type="latent" if o["decode"] == "false" else "pt", **extra)
         return MethodOutput(outputs=image_outputs(out.images, out.tokens, batch),
                             new_tokens=[out.tokens.shape[1]] * len(batch), stats=out.stats)
 
@@ -44,6 +74,9 @@ def _runner(record):
 
 
 def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list, settings: BenchSettings) -> dict:
+    o = _options(settings)
+    if o["size"] is not None or o["decode"] == "false":  # random weights or no images: the tokens only
+        return {"exactness": token_exactness(outputs, vanilla)} if settings.greedy else {}
     return image_quality(outputs, vanilla, settings, _options(settings)["fid_reference"],
                          exactness=settings.greedy)
 

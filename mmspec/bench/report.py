@@ -24,7 +24,9 @@ Definitions (per batch size; a "pass" is one configuration over every sample, se
   them, e.g. building a tree): the speed-up if nothing but those cost time. system efficiency = speed-up / ideal
   speed-up (median over passes): the share of what the forwards allow that the whole system delivers.
 - forced drafts (with --force-acceptance, `mmspec.forced`): the drafts per pass whose tokens the profile set; 0 for
-  a drafting method means its acceptance was not forced (it does not draft through the shared loop).
+  a drafting method means its acceptance was not forced (it does not draft through the shared loop); forced
+  decisions: the verify results the profile decided instead of a rule that is not exact (greedy and coupled rules
+  decide themselves), so that method's outputs are vanilla's and only its timing counts.
 - operations (with --phase-ops): tensor operations and host syncs dispatched per target forward, by phase and in
   total ("other" also holds the pipeline around the loop, e.g. decoding images), counted on any device
   (`mmspec.phases`, count_ops): the per-step launch and sync overhead a GPU run pays, whatever device measured it.
@@ -144,6 +146,8 @@ def summarize_config(config: MethodConfig, runs: Sequence[RunResult],
                               if len(ideal) == len(speedups) else None),
         "forced_drafts": (None if runs[0].forced_drafts is None else
                           float(statistics.median(r.forced_drafts for r in runs))),
+        "forced_decisions": (None if runs[0].forced_decisions is None else
+                             float(statistics.median(r.forced_decisions for r in runs))),
         "budget_steps": budget_steps(stats, len(runs)),
         "budget_notice": config_budget_notice(config, stats, runs),
     }
@@ -294,6 +298,10 @@ def _with_phases(rows: Sequence[Mapping[str, Any]]) -> str:
     unforced = [row["method"] for row in rows if row.get("forced_drafts") == 0 and row["method"] != "vanilla"]
     if unforced:
         text += f"\n- not forced (no draft went through the shared loop): {', '.join(unforced)}\n"
+    decided = [row["method"] for row in rows if row.get("forced_decisions")]
+    if decided:
+        text += (f"\n- decided by the profile (their rules are not exact; outputs are vanilla's, timing only): "
+                 f"{', '.join(decided)}\n")
     if ops:
         text += ("\nTensor operations per target forward by loop phase (host syncs: per target forward, all "
                  f"phases; counted with --phase-ops, so this run's timings are slowed):\n\n{ops}")

@@ -71,6 +71,7 @@ class RunResult:
     quality: dict = field(default_factory=dict)
     phases: PhaseTimes | None = None  # merged over batches, with --phase-times / --phase-ops
     forced_drafts: int | None = None  # with --force-acceptance: the drafts whose tokens the profile set
+    forced_decisions: int | None = None  # ... and the verify results it decided (a rule that is not exact)
 
     @property
     def wall_time(self) -> float:
@@ -118,7 +119,7 @@ class _BatchRun:
     wall_time: float
     peak_memory_bytes: int
     phases: PhaseTimes | None = None
-    forced_drafts: int | None = None
+    forced: tuple[int, int] | None = None  # (drafts rewritten, decisions forced) with --force-acceptance
 
 
 def plan_steps(batch_sizes: Sequence[int], configs: Sequence[MethodConfig], warmup: int, repeats: int) -> list[Step]:
@@ -193,7 +194,7 @@ def run_config(family: Family, models: Any, config: MethodConfig, batches: Seque
             synchronize(device)
             wall = time.perf_counter() - start
         runs.append(_BatchRun(batch, _check_output(output, batch, config.label), wall, meter.peak(), phases,
-                              None if call is None else call.rewrites))
+                              None if call is None else (call.rewrites, call.decisions)))
     return runs
 
 
@@ -223,7 +224,8 @@ def _record_pass(result: BenchResult, family: Family, models: Any, step: Step, b
         peak_memory_bytes=[r.peak_memory_bytes for r in batch_runs],
         stats=_merge_stats(batch_runs), quality=quality,
         phases=sum((r.phases for r in batch_runs), PhaseTimes()) if result.phase_times or result.phase_ops else None,
-        forced_drafts=None if result.forcing is None else sum(r.forced_drafts for r in batch_runs)))
+        forced_drafts=None if result.forcing is None else sum(r.forced[0] for r in batch_runs),
+        forced_decisions=None if result.forcing is None else sum(r.forced[1] for r in batch_runs)))
     for run in batch_runs:
         result.records += batch_records(
             family=family.name, model_id=result.model_id, label=step.config.label, params=step.config.params,

@@ -18,6 +18,7 @@ from mmspec.forced import (
     Forcing,
     constant_rate_for,
     deepest_path,
+    on_path,
     other_token,
     parse_forcing,
     parse_profile,
@@ -89,7 +90,10 @@ def small_tree() -> DraftTree:
 
 
 def test_the_forced_path_leads_to_the_deepest_node():
-    assert deepest_path(small_tree()).tolist() == [[True, True, False, False, True, False, True, False]]
+    tree = small_tree()
+    path = deepest_path(tree)
+    assert path.tolist() == [[0, 1, 4, 6]]
+    assert on_path(tree, path).tolist() == [[True, True, False, False, True, False, True, False]]
 
 
 @pytest.mark.parametrize("alpha", [0.0, 1.0])
@@ -140,6 +144,21 @@ def test_forced_calls_keep_vanillas_tokens_and_accept_at_the_rates(pipe, method,
                                             temperature)
         assert torch.equal(out.tokens, reference) and call.rewrites > 0
         assert out.stats.draft_acceptance_rate == alpha  # accepted / drafted
+
+
+@pytest.mark.parametrize("method, kwargs", [("gsd", {}), ("lantern", {}), ("sjd", {"accept": "lossless"}),
+                                            ("eagle", {"accept": "gsd"})])
+def test_rules_that_are_not_exact_get_the_profiles_decision(pipe, method, kwargs):
+    for alpha in (1.0, 0.0):
+        reference, out, call = forced_calls(pipe, Forcing(profile=AcceptanceProfile((alpha,))), method, 1.0,
+                                            method_kwargs=kwargs)
+        assert torch.equal(out.tokens, reference) and call.decisions == call.rewrites > 0
+        assert out.stats.draft_acceptance_rate == alpha
+
+
+def test_exact_rules_decide_themselves(pipe):
+    _, _, call = forced_calls(pipe, Forcing(profile=AcceptanceProfile((0.5,))), "eagle", 1.0)
+    assert call.rewrites > 0 and call.decisions == 0
 
 
 def test_forced_acceptance_follows_a_half_rate(pipe):
