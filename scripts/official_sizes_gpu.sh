@@ -5,14 +5,14 @@
 #   3. the same at the papers' step compression: SJD 2.31x (Lumina-mGPT, 2392 -> 1035 steps), GSD 3.75x (g = 50);
 #   4. the CUDA-graph step path (compile=reduce-overhead) at batch 1;
 #   5. VAR-d30 against CoDe (d30 drafts, d16 refines) at batch 1 and 8 (CoDe accepts nothing: no forcing).
-# Each step has its own time limit so that the whole run fits in about 8 minutes; summaries land in $OUT as one
+# Each step has its own time limit (520 s in all); summaries land in $OUT as one
 # archive plus the log. Run from the repository root; on the device machine (which lacks diffusers), carry a folder
 # `.wheels` holding a diffusers wheel (`pip download diffusers --no-deps -d .wheels`).
-#   SIZE=B DEVICE=cpu DTYPE=float32 SAMPLES=1 LIMIT=60 bash scripts/official_sizes_gpu.sh   # a dry run on a CPU
+#   SIZE=B VAR_SIZE=d20 DEVICE=cpu DTYPE=float32 SAMPLES=1 LIMIT=60 bash scripts/official_sizes_gpu.sh   # a CPU dry run
 set -uo pipefail
-SIZE=${SIZE:-XL}; DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; SAMPLES=${SAMPLES:-4}; LIMIT=${LIMIT:-90}
+SIZE=${SIZE:-XL}; VAR_SIZE=${VAR_SIZE:-d30}; DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; SAMPLES=${SAMPLES:-2}; LIMIT=${LIMIT:-90}
 PY=${PYTHON:-python3}; OUT=${OUT:-runs/official-gpu}; WORK=$(mktemp -d)
-mkdir -p "$OUT"
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 $PY -c "import diffusers" 2>/dev/null || $PY -m pip install --no-index --no-deps -q .wheels/*.whl
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/log.txt"; }
@@ -37,17 +37,19 @@ OFFICIAL=(--family-option size="$SIZE" --family-option dtype="$DTYPE" --family-o
 bench world 40 --methods vanilla,sjd:budget=fixed,gsd:budget=fixed,eagle:budget=fixed,lantern:budget=fixed \
   --batch-sizes 1 --num-samples 16 --repeats 1 --warmup 0
 bench official_b1 "$LIMIT" "${OFFICIAL[@]}" --force-acceptance "$WORK/world/summary.json" --methods "$ALL" \
-  --batch-sizes 1 --num-samples "$SAMPLES" --repeats 2 --warmup 1
-bench official_b8_b32 "$LIMIT" "${OFFICIAL[@]}" --force-acceptance "$WORK/world/summary.json" \
-  --methods vanilla,sjd,gsd,eagle,lantern,eagle:budget=fixed --batch-sizes 8,32 --num-samples 32 --repeats 1 --warmup 1
-bench paper_sjd 40 "${OFFICIAL[@]}" --force-acceptance tau=2.31:depth=16 --methods vanilla,sjd,sjd:budget=fixed \
   --batch-sizes 1 --num-samples "$SAMPLES" --repeats 1 --warmup 1
-bench paper_gsd 40 "${OFFICIAL[@]}" --force-acceptance tau=3.75:depth=16 --methods vanilla,gsd,gsd:budget=fixed \
+bench official_b8 "$LIMIT" "${OFFICIAL[@]}" --force-acceptance "$WORK/world/summary.json" \
+  --methods vanilla,sjd,gsd,eagle,lantern,eagle:budget=fixed --batch-sizes 8 --num-samples 16 --repeats 1 --warmup 1
+bench official_b32 "$LIMIT" "${OFFICIAL[@]}" --force-acceptance "$WORK/world/summary.json" \
+  --methods vanilla,sjd,gsd,eagle,lantern,eagle:budget=fixed --batch-sizes 32 --num-samples 32 --repeats 1 --warmup 1
+bench paper_sjd 30 "${OFFICIAL[@]}" --force-acceptance tau=2.31:depth=16 --methods vanilla,sjd,sjd:budget=fixed \
+  --batch-sizes 1 --num-samples "$SAMPLES" --repeats 1 --warmup 1
+bench paper_gsd 30 "${OFFICIAL[@]}" --force-acceptance tau=3.75:depth=16 --methods vanilla,gsd,gsd:budget=fixed \
   --batch-sizes 1 --num-samples "$SAMPLES" --repeats 1 --warmup 1
 bench graphs_b1 "$LIMIT" "${OFFICIAL[@]}" --family-option compile=reduce-overhead \
   --force-acceptance "$WORK/world/summary.json" --methods vanilla,sjd:budget=fixed,eagle:budget=fixed \
   --batch-sizes 1 --num-samples 2 --repeats 2 --warmup 1
-var_bench var_code 60 --family-option size=d30 --family-option small_size=d16 --family-option dtype="$DTYPE" \
+var_bench var_code 60 --family-option size="$VAR_SIZE" --family-option small_size=d16 --family-option dtype="$DTYPE" \
   --family-option decode=false --methods vanilla,code --batch-sizes 1,8 --num-samples 8 --repeats 1 --warmup 1
-(cd "$WORK" && find . -name 'summary.*' | tar czf "$OLDPWD/$OUT/summaries.tar.gz" -T -)
+(cd "$WORK" && find . -name 'summary.*' | tar czf "$OUT/summaries.tar.gz" -T -)
 log "wrote $OUT/summaries.tar.gz"

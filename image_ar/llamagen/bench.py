@@ -111,8 +111,15 @@ def calibration(pipe, samples: Sequence[Sample], outputs: list, settings: BenchS
         top_p=o["top_p"]), outputs, settings)
 
 
+def model_id(settings: BenchSettings) -> str:
+    o = _options(settings)
+    if o["size"] is not None:
+        return f"LlamaGen-{o['size']} (official config, random weights)"
+    return str(o["model"] or "embedded llamagen (world)")
+
+
 def llamagen_family() -> Family:
-    return Family(name="llamagen", model_id=lambda s: str(_options(s)["model"] or "embedded llamagen (world)"),
+    return Family(name="llamagen", model_id=model_id,
                   build=build, inputs=class_inputs, methods=methods_of(FAMILY, _runner, budget=True), quality=quality,
                   primary_quality="class_accuracy", to_turn=lambda o: o["tokens"].tolist(), model_quality=calibration,
                   description=FAMILY.description)

@@ -81,8 +81,16 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
                          exactness=settings.greedy)
 
 
+def model_id(settings: BenchSettings) -> str:
+    o = _options(settings)
+    if o["size"] is not None:
+        small = o["small_size"] or "d16"
+        return f"VAR-{o['size']} with CoDe's {small} (official configs, random weights)"
+    return str(o["model"] or "embedded var (world)")
+
+
 def var_family() -> Family:
-    return Family(name="var", model_id=lambda s: str(_options(s)["model"] or "embedded var (world)"),
+    return Family(name="var", model_id=model_id,
                   build=build, inputs=class_inputs, methods=methods_of(FAMILY, _runner), quality=quality,
                   primary_quality="class_accuracy", to_turn=lambda o: o["tokens"].tolist(),
                   description=FAMILY.description)
