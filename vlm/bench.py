@@ -20,6 +20,11 @@ the figure `drafter_image_tokens_per_row`: how many image tokens the drafter att
 pass's rows (EagleVLM and MSD: all of them; ViSpec: one compressed token; SpecVLM: what its gate chose; 0 in calls
 the draft budget ran without the drafter).
 
+Official sizes: `size=llava-1.5-7b|llava-1.5-13b|llava-qwen2-0.5b|llava-qwen2-1.5b` builds that LLaVA with random
+weights and EAGLE, ViSpec and MSD drafters at its width (`vlm.official`), in `dtype` (float32, bfloat16, float16);
+random weights accept nothing worth timing, so run it with `--force-acceptance` (`mmspec.forced`). Its quality
+figures are exactness alone.
+
 transformers' own decoding runs beside them as peer methods (`vlm.bench_peers`): `hf_generate`,
 `hf_prompt_lookup` (num_tokens) and `hf_assisted` (layers), in the same process, on the same prompts.
 """
@@ -39,7 +44,7 @@ from mmspec.errors import InputError, check
 from vlm.bench_peers import peer_methods
 from vlm.family import ACCEPT, FAMILY, TREE
 
-OPTIONS = ("model", "top_p", "long_fraction", "drop_finished")
+OPTIONS = ("model", "top_p", "long_fraction", "drop_finished", "size", "dtype")
 
 
 def _options(settings: BenchSettings) -> dict[str, Any]:
@@ -51,18 +56,34 @@ def _options(settings: BenchSettings) -> dict[str, Any]:
     check(0.0 <= long_fraction <= 1.0, f"long_fraction must be in [0, 1] (the share of questions asking for the long "
                                        f"answer), got {long_fraction}.")
     check(drop in ("true", "false"), f"drop_finished must be true or false, got {drop!r}.")
+    check("size" not in options or "model" not in options,
+          "--family-option size builds an official size with random weights; it cannot go with model=PATH.")
     return {"model": options.get("model") or str(ASSETS_DIR / "vlm"), "top_p": float(options.get("top_p", 1.0)),
-            "long_fraction": long_fraction, "drop_finished": drop == "true"}
+            "long_fraction": long_fraction, "drop_finished": drop == "true", "size": options.get("size"),
+            "dtype": options.get("dtype")}
+
+
+def model_id(settings: BenchSettings) -> str:
+    o = _options(settings)
+    return o["model"] if o["size"] is None else f"{o['size']} (official config, random weights)"
 
 
 def build(settings: BenchSettings) -> dict:
-    """The target (loaded once) and every drafter found in MODEL/drafters/<kind>."""
+    """The target (loaded once) and every drafter found in MODEL/drafters/<kind> (an official size: random ones)."""
+    from mmspec.cli.family_io import torch_dtype
     from vlm.family import drafter_kinds_in
     from vlm.pipeline import SpeculativeVLM, load_drafter
 
-    model = Path(_options(settings)["model"])
-    vlm = SpeculativeVLM.from_pretrained(model, device=settings.device)
-    drafters = {kind: load_drafter(model / "drafters" / kind, kind).to(settings.device)
+    o = _options(settings)
+    dtype = torch_dtype(o["dtype"])
+    if o["size"] is not None:
+        from vlm.official import random_drafters, random_vlm
+
+        vlm = random_vlm(o["size"], settings.device, dtype or torch.float32, seed=settings.seed)
+        return {"target": vlm, "drafters": random_drafters(vlm), "folder": o["size"], "top_p": o["top_p"]}
+    model = Path(o["model"])
+    vlm = SpeculativeVLM.from_pretrained(model, device=settings.device, dtype=dtype)
+    drafters = {kind: load_drafter(model / "drafters" / kind, kind, dtype).to(settings.device)
                 for kind in drafter_kinds_in(model)}
     return {"target": vlm, "drafters": drafters, "folder": model, "top_p": _options(settings)["top_p"]}
 
@@ -85,6 +106,9 @@ def _runner(record):
         params = {**TREE, **ACCEPT, **record.check_given(given, "vlm")}  # vanilla too: its target's cache room
         vlm = models["target"]
         if kind is not None:
+            if kind not in models["drafters"] and _options(settings)["size"] is not None:
+                raise InputError(f"method {kind!r} has no drafter at official size {models['folder']} (random "
+                                 f"drafters: {', '.join(models['drafters'])}).")
             if kind not in models["drafters"]:
                 raise InputError(f"method {kind!r} needs a drafter in {models['folder']}/drafters/{kind}; train one "
                                  f"with `mmspec train vlm-drafter --kind {kind} --target {models['folder']}`.")
@@ -113,6 +137,8 @@ def _runner(record):
 
 def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list, settings: BenchSettings) -> dict:
     same = [a["tokens"] == b["tokens"] for a, b in zip(outputs, vanilla)]
+    if _options(settings)["size"] is not None:  # random weights: no answer worth judging
+        return {"exactness": sum(same) / len(same)}
     right = [re.search(rf"\b{re.escape(o['short'].lower())}\b", o["text"].lower()) is not None for o in outputs]
     figures = {"exactness": sum(same) / len(same), "answer_contains_short": sum(right) / len(right)}
     attended = [o["drafter_image_tokens"] for o in outputs if o["drafter_image_tokens"] is not None]
@@ -131,7 +157,7 @@ def calibration(models: dict, samples: Sequence[Sample], outputs: list, settings
     from mmspec.sampling import SamplingParams
     from vlm.target import prefill_vlm
 
-    if settings.greedy:
+    if settings.greedy or _options(settings)["size"] is not None:  # (random weights: no law worth checking)
         return {}
     vlm = models["target"]
     params = SamplingParams(settings.temperature, 0, _options(settings)["top_p"])
@@ -148,7 +174,7 @@ def calibration(models: dict, samples: Sequence[Sample], outputs: list, settings
 
 def vlm_family() -> Family:
 
-    return Family(name="vlm", model_id=lambda s: _options(s)["model"], build=build, inputs=inputs,
+    return Family(name="vlm", model_id=model_id, build=build, inputs=inputs,
                   methods={**methods_of(FAMILY, _runner, budget=True), **peer_methods()}, quality=quality,
                   primary_quality="answer_contains_short",
                   to_turn=lambda o: {"text": o["text"], "token_ids": o["tokens"]}, model_quality=calibration,

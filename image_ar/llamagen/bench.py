@@ -60,7 +60,7 @@ def _options(settings: BenchSettings, family: str = "llamagen") -> dict[str, Any
     check_budget_mode(options["budget"], "--family-option budget")
     check(options["decode"] in (None, "true", "false"),
           f"--family-option decode must be true or false, got {options['decode']!r}.")
-    check(options["size"] is None or options["model"] is None,
+    check(options.get("size") is None or options["model"] is None,
           "--family-option size builds an official size with random weights; it cannot go with model=PATH.")
     for key in ("draft_size", "image_size"):
         check(options.get(key) is None or options.get("size") is not None,

@@ -24,7 +24,7 @@ Definitions (per batch size; a "pass" is one configuration over every sample, se
   them, e.g. building a tree): the speed-up if nothing but those cost time. system efficiency = speed-up / ideal
   speed-up (median over passes): the share of what the forwards allow that the whole system delivers.
 - forced drafts (with --force-acceptance, `mmspec.forced`): the drafts per pass whose tokens the profile set; 0 for
-  a drafting method means its acceptance was not forced (it does not draft through the shared loop); forced
+  a method with draft forwards means its acceptance was not forced (it drafts outside the shared loop); forced
   decisions: the verify results the profile decided instead of a rule that is not exact (greedy and coupled rules
   decide themselves), so that method's outputs are vanilla's and only its timing counts.
 - operations (with --phase-ops): tensor operations and host syncs dispatched per target forward, by phase and in
@@ -295,7 +295,7 @@ def _with_phases(rows: Sequence[Mapping[str, Any]]) -> str:
         text += "".join(f"\n- {note}" for note in notes) + ("\n" if notes else "")
     if phases and not ops:  # with --phase-ops every op is hooked: its timings are not worth a table
         text += f"\nWhere the time goes (share of wall time per loop phase):\n\n{phases}"
-    unforced = [row["method"] for row in rows if row.get("forced_drafts") == 0 and row["method"] != "vanilla"]
+    unforced = [row["method"] for row in rows if row.get("forced_drafts") == 0 and row.get("draft_forwards")]
     if unforced:
         text += f"\n- not forced (no draft went through the shared loop): {', '.join(unforced)}\n"
     decided = [row["method"] for row in rows if row.get("forced_decisions")]
