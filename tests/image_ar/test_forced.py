@@ -67,8 +67,10 @@ def test_a_bench_summary_gives_each_method_its_own_row(tmp_path):
     assert forcing.profile_for("tree", "tree").rates == pytest.approx((0.8, 0.5, 0.25))  # by method
     assert forcing.profile_for("draft-model:k=2", "draft-model").rates == (0.5,)
     assert forcing.profile_for("self-draft", "self-draft") is None
-    with pytest.raises(InputError, match="no row for self-draft"):
-        forcing.check_methods([("vanilla", "vanilla"), ("tree", "tree"), ("self-draft", "self-draft")])
+    assert forcing.unprofiled([("vanilla", "vanilla"), ("tree", "tree"), ("self-draft", "self-draft")]) == [
+        "self-draft"]
+    with pytest.raises(InputError, match="no row for any method run"):
+        forcing.unprofiled([("vanilla", "vanilla"), ("self-draft", "self-draft")])
     one = parse_forcing(f"{path}:method=tree:depth=3")
     assert one.profile_for("anything", "draft-model").rates == pytest.approx((0.8, 0.5, 0.25))
 
