@@ -33,7 +33,9 @@ var_bench() {  # NAME LIMIT ARGS...: the same for VAR
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >>"$OUT/log.txt" 2>&1
 $PY -c "import torch; print('torch', torch.__version__)" >>"$OUT/log.txt" 2>&1
 ALL=vanilla,sjd,sjd:budget=fixed,gsd,gsd:budget=fixed,eagle,eagle:budget=fixed,lantern,lantern:budget=fixed
-OFFICIAL=(--family-option size="$SIZE" --family-option dtype="$DTYPE" --family-option decode=false)
+# logit_scale 40: peaked heads, so the random EAGLE drafter's trees grow as deep as a trained one's (docs/benchmarks.md)
+OFFICIAL=(--family-option size="$SIZE" --family-option dtype="$DTYPE" --family-option decode=false
+          --family-option logit_scale="${LOGIT_SCALE:-40}")
 bench world 40 --methods vanilla,sjd:budget=fixed,gsd:budget=fixed,eagle:budget=fixed,lantern:budget=fixed \
   --batch-sizes 1 --num-samples 16 --repeats 1 --warmup 0
 bench official_b1 "$LIMIT" "${OFFICIAL[@]}" --force-acceptance "$WORK/world/summary.json" --methods "$ALL" \

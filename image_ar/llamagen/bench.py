@@ -19,7 +19,8 @@ each step's draft size, the default of lossless methods; `fixed`: the configured
 
 Official sizes (`llamagen` only): `size=B|L|XL|XXL|3B` builds that official configuration with random weights
 (`image_ar.llamagen.official`: the GPT, the VQ-16 tokenizer, an EAGLE head at its width and, for draft-model, a
-`draft_size` GPT, default B) in `dtype` (float32, bfloat16, float16; default float32) at `image_size` 256 or 384.
+`draft_size` GPT, default B) in `dtype` (float32, bfloat16, float16; default float32) at `image_size` 256 or 384,
+its output head scaled by `logit_scale` (default 1; see `official.py`: peaked heads let EAGLE trees grow deep).
 Random weights accept nothing worth timing: run such a bench with `--force-acceptance` (`mmspec.forced`). Its
 quality figures are token exactness only (the judge and world-FID read world images). `decode=false` (any model)
 skips decoding the images (tokens only: the time of the generation alone).
@@ -50,7 +51,7 @@ from mmspec.cli.family_io import torch_dtype
 from mmspec.compile import compile_pipeline
 from mmspec.errors import check
 
-OFFICIAL = ("size", "draft_size", "image_size")  # an official size with random weights (`official.py`)
+OFFICIAL = ("size", "draft_size", "image_size", "logit_scale")  # an official size with random weights (`official.py`)
 
 
 def _options(settings: BenchSettings, family: str = "llamagen") -> dict[str, Any]:
@@ -62,7 +63,10 @@ def _options(settings: BenchSettings, family: str = "llamagen") -> dict[str, Any
           f"--family-option decode must be true or false, got {options['decode']!r}.")
     check(options.get("size") is None or options["model"] is None,
           "--family-option size builds an official size with random weights; it cannot go with model=PATH.")
-    for key in ("draft_size", "image_size"):
+    scale = options.get("logit_scale")
+    check(scale is None or scale.replace(".", "", 1).isdigit(),
+          f"--family-option logit_scale must be a positive number, got {scale!r}.")
+    for key in ("draft_size", "image_size", "logit_scale"):
         check(options.get(key) is None or options.get("size") is not None,
               f"--family-option {key} applies to an official size: give size=B|L|XL|XXL|3B as well.")
     return options
@@ -75,7 +79,8 @@ def build(settings: BenchSettings):
         from image_ar.llamagen.official import random_pipeline
 
         pipe = random_pipeline(o["size"], settings.device, dtype or torch.float32, draft_size=o["draft_size"] or "B",
-                               image_size=int(o["image_size"] or 256), seed=settings.seed)
+                               image_size=int(o["image_size"] or 256), seed=settings.seed,
+                               logit_scale=float(o["logit_scale"] or 1.0))
     else:
         pipe = load(o["model"], settings.device, dtype)
     return compile_pipeline(pipe, o["compile"])

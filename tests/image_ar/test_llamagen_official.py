@@ -24,6 +24,17 @@ def test_official_sizes_have_the_published_parameter_counts(size, params):
     assert pipe.vqvae.config.codebook_size == 16384 and pipe.vqvae.config.codebook_embed_dim == 8
 
 
+def test_logit_scale_widens_the_output_head():
+    torch.manual_seed(0)
+    plain = random_pipeline("B", device="meta").transformer.output.weight
+    assert plain.shape == (16384, 768)
+    heads = [random_pipeline("B", logit_scale=s, draft_size=None).transformer.output.weight.detach().std()
+             for s in (1, 40)]
+    assert float(heads[1] / heads[0]) == pytest.approx(40, rel=0.01)
+    with pytest.raises(InputError, match="logit_scale"):
+        random_pipeline("B", device="meta", logit_scale=0)
+
+
 def test_the_draft_model_is_a_smaller_official_size_and_384_px_has_576_tokens():
     pipe = random_pipeline("XL", device="meta", draft_size="B", image_size=384)
     assert pipe.draft_transformer.config.dim == 768 and pipe.transformer.config.block_size == 576
@@ -38,6 +49,8 @@ def test_the_draft_model_is_a_smaller_official_size_and_384_px_has_576_tokens():
     ({"size": "XL", "model": "somewhere"}, "cannot go with model"),
     ({"draft_size": "B"}, "give size="),
     ({"decode": "maybe"}, "true or false"),
+    ({"size": "B", "logit_scale": "big"}, "positive number"),
+    ({"logit_scale": "40"}, "give size="),
     ({"dtype": "float64"}, "dtype must be"),
 ])
 def test_bad_official_size_options_are_one_line_errors(options, says):
