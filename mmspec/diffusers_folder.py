@@ -47,6 +47,16 @@ from mmspec.errors import InputError, check
 SHIM_MODULE = "mmspec_pipeline"
 
 
+def cast_like_loaded(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`model` in `dtype` and eval mode as `from_pretrained(torch_dtype=dtype)` leaves it: its
+    `_keep_in_fp32_modules` (e.g. VAR's head) stay float32. torch's own cast (diffusers' `to` warns about keeping
+    float32 modules even where a model has none)."""
+    torch.nn.Module.to(model, dtype=dtype)
+    for name in getattr(model, "_keep_in_fp32_modules", None) or ():
+        getattr(model, name).float()
+    return model.eval()
+
+
 def pipeline_class_name(value: Any) -> Any:
     """`_class_name` of a model_index.json: the class's name, also from the `[module, class]` pair."""
     return value[1] if isinstance(value, (list, tuple)) and len(value) == 2 else value

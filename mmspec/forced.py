@@ -192,6 +192,7 @@ class ForcedCall:
     decisions: int = 0  # verify results replaced by the profile's decision (rules other than EXACT_RULES)
     decision: tuple | None = None  # (wanted [B, W], accepted [B], tree path [B, W] or None) of the last rewrite
     recorded: torch.Tensor | None = None  # what a recording call generated [B0, T]
+    rates: dict = field(default_factory=dict)  # (depth, device) -> [depth] alpha, made once per call
 
     def _reference_at(self, rows: torch.Tensor | None, positions: torch.Tensor) -> torch.Tensor:
         """positions [B, K] token indices -> the reference tokens [B, K] of the rows held."""
@@ -206,7 +207,9 @@ class ForcedCall:
         if self.generator is None or self.generator.device != device:
             self.generator = torch.Generator(device=device).manual_seed(self.seed)
         draws = torch.rand(batch, depth, generator=self.generator, device=device)  # [B, D]
-        return draws < self.profile.rate_table(depth, device)
+        if (depth, device) not in self.rates:  # (one copy to the device per draft depth, not one a step)
+            self.rates[(depth, device)] = self.profile.rate_table(depth, device)
+        return draws < self.rates[(depth, device)]
 
     def rewrite(self, draft: Draft, num_generated: torch.Tensor, rows: torch.Tensor | None) -> Draft:
         """The draft with its tokens set by the profile (shapes, probabilities and structure unchanged); what it

@@ -44,6 +44,8 @@ from mmspec.bench.image_family import (
     run_image_method,
     token_calibration,
     token_exactness,
+    token_figures,
+    tokens_only,
 )
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of, pop_budget
 from mmspec.budget import check_budget_mode
@@ -59,10 +61,6 @@ def _options(settings: BenchSettings, family: str = "llamagen") -> dict[str, Any
     options = image_options(settings, family, {**DEFAULTS, "guidance_scale": None},
                             extra=("budget", "decode", "dtype", *(OFFICIAL if family == "llamagen" else ())))
     check_budget_mode(options["budget"], "--family-option budget")
-    check(options["decode"] in (None, "true", "false"),
-          f"--family-option decode must be true or false, got {options['decode']!r}.")
-    check(options.get("size") is None or options["model"] is None,
-          "--family-option size builds an official size with random weights; it cannot go with model=PATH.")
     scale = options.get("logit_scale")
     check(scale is None or scale.replace(".", "", 1).isdigit(),
           f"--family-option logit_scale must be a positive number, got {scale!r}.")
@@ -99,10 +97,8 @@ def _runner(record, family: str = "llamagen"):
 
 
 def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list, settings: BenchSettings) -> dict:
-    o = _options(settings)
-    if o["size"] is not None or o["decode"] == "false":  # random weights or no images: the tokens only
-        exact = reproduces_vanilla(method, params, settings)
-        return {"exactness": token_exactness(outputs, vanilla)} if exact else {}
+    if tokens_only(_options(settings)):
+        return token_figures(outputs, vanilla, reproduces_vanilla(method, params, settings))
     return image_quality(outputs, vanilla, settings, _options(settings)["fid_reference"],
                          exactness=reproduces_vanilla(method, params, settings))
 
@@ -155,9 +151,8 @@ def caption_quality(method: Method, params: Mapping[str, Any], outputs: list, va
     from mmspec.metrics import attribute_agreement, world_fid
     from mmspec.metrics.train_judge import scene_targets
 
-    if _options(settings, "llamagen-t2i")["decode"] == "false":  # no images: the tokens only
-        exact = reproduces_vanilla(method, params, settings)
-        return {"exactness": token_exactness(outputs, vanilla)} if exact else {}
+    if tokens_only(_options(settings, "llamagen-t2i")):
+        return token_figures(outputs, vanilla, reproduces_vanilla(method, params, settings))
     scenes = held_out_scenes(settings.num_samples)
     rows = torch.tensor([int(o["index"]) for o in outputs])
     images = torch.stack([o["image"] for o in outputs])

@@ -30,6 +30,7 @@ from image_ar.llamagen.eagle import LlamaGenEagleDrafter
 from image_ar.llamagen.gpt import LlamaGenGPT, preset_sizes
 from image_ar.llamagen.pipeline import LlamaGenPipeline
 from image_ar.llamagen.vq import LlamaGenVQ
+from mmspec.diffusers_folder import cast_like_loaded
 from mmspec.errors import check
 
 IMAGE_SIZES = {256: 256, 384: 576}  # image size in pixels -> image tokens (a 16x downsampling VQ)
@@ -47,12 +48,6 @@ def random_gpt(size: str, block_size: int, device: torch.device | str, logit_sca
     return model
 
 
-def cast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """`model` in `dtype`, in eval mode (torch's own cast: diffusers' `to` warns about float32 modules these models
-    do not have)."""
-    return torch.nn.Module.to(model, dtype=dtype).eval()
-
-
 def random_pipeline(size: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                     draft_size: str | None = "B", image_size: int = 256, seed: int = 0,
                     logit_scale: float = 1.0) -> LlamaGenPipeline:
@@ -66,10 +61,10 @@ def random_pipeline(size: str, device: torch.device | str = "cpu", dtype: torch.
     eagle = LlamaGenEagleDrafter.for_target(transformer)
     draft = None
     if draft_size is not None and preset_sizes(draft_size) != preset_sizes(size):
-        draft = cast(random_gpt(draft_size, block_size, device, logit_scale), dtype)
+        draft = cast_like_loaded(random_gpt(draft_size, block_size, device, logit_scale), dtype)
     with torch.device(device):
         vqvae = LlamaGenVQ()
-    pipe = LlamaGenPipeline(transformer=cast(transformer, dtype), vqvae=cast(vqvae, dtype), draft_transformer=draft,
-                            eagle_drafter=cast(eagle, dtype))
+    pipe = LlamaGenPipeline(transformer=cast_like_loaded(transformer, dtype), vqvae=cast_like_loaded(vqvae, dtype),
+                            draft_transformer=draft, eagle_drafter=cast_like_loaded(eagle, dtype))
     pipe.set_progress_bar_config(disable=True)  # (as a loaded folder's)
     return pipe

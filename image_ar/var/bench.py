@@ -29,7 +29,8 @@ from mmspec.bench.image_family import (
     image_outputs,
     image_quality,
     sample_generators,
-    token_exactness,
+    token_figures,
+    tokens_only,
 )
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of
 from mmspec.cli.family_io import torch_dtype
@@ -39,9 +40,6 @@ from mmspec.errors import check
 
 def _options(settings: BenchSettings) -> dict[str, Any]:
     o = image_options(settings, "var", DEFAULTS, extra=("size", "small_size", "dtype", "decode"))
-    check(o["decode"] in (None, "true", "false"), f"--family-option decode must be true or false, got {o['decode']!r}.")
-    check(o["size"] is None or o["model"] is None,
-          "--family-option size builds an official size with random weights; it cannot go with model=PATH.")
     check(o["small_size"] is None or o["size"] is not None,
           "--family-option small_size applies to an official size: give size=d16|d20|d24|d30 as well.")
     return o
@@ -74,9 +72,8 @@ def _runner(record):
 
 
 def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: list, settings: BenchSettings) -> dict:
-    o = _options(settings)
-    if o["size"] is not None or o["decode"] == "false":  # random weights or no images: the tokens only
-        return {"exactness": token_exactness(outputs, vanilla)} if settings.greedy else {}
+    if tokens_only(_options(settings)):
+        return token_figures(outputs, vanilla, settings.greedy)
     return image_quality(outputs, vanilla, settings, _options(settings)["fid_reference"],
                          exactness=settings.greedy)
 

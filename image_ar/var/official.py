@@ -20,6 +20,7 @@ from image_ar.var.code import CoDePipeline
 from image_ar.var.pipeline import VARPipeline
 from image_ar.var.transformer import VARTransformer
 from image_ar.var.vqvae import VARVQVAE
+from mmspec.diffusers_folder import cast_like_loaded
 from mmspec.errors import InputError
 
 DEPTHS = (16, 20, 24, 30)  # the official 256 px sizes
@@ -33,14 +34,6 @@ def parse_size(name: str) -> int:
     return int(text)
 
 
-def cast(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """`model` in `dtype`, in eval mode, its `_keep_in_fp32_modules` (VAR's head) in float32 as a loaded model's."""
-    torch.nn.Module.to(model, dtype=dtype)
-    for name in getattr(model, "_keep_in_fp32_modules", None) or ():
-        getattr(model, name).float()
-    return model.eval()
-
-
 def random_pipeline(depth: int, small_depth: int | None = 16, device: torch.device | str = "cpu",
                     dtype: torch.dtype = torch.float32, seed: int = 0) -> CoDePipeline | VARPipeline:
     """CoDePipeline(VAR-d`depth`, VAR-d`small_depth`) with random weights, or a VARPipeline when `small_depth` is
@@ -52,10 +45,10 @@ def random_pipeline(depth: int, small_depth: int | None = 16, device: torch.devi
         small = None
         if small_depth is not None and parse_size(small_depth) < depth:
             small = VARTransformer(depth=parse_size(small_depth))
-    vqvae = cast(vqvae, dtype)
+    vqvae, large = cast_like_loaded(vqvae, dtype), cast_like_loaded(large, dtype)
     if small is None:
-        pipe = VARPipeline(transformer=cast(large, dtype), vqvae=vqvae)
+        pipe = VARPipeline(transformer=large, vqvae=vqvae)
     else:
-        pipe = CoDePipeline(drafter=cast(large, dtype), refiner=cast(small, dtype), vqvae=vqvae)
+        pipe = CoDePipeline(drafter=large, refiner=cast_like_loaded(small, dtype), vqvae=vqvae)
     pipe.set_progress_bar_config(disable=True)
     return pipe

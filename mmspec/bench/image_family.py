@@ -5,7 +5,10 @@ Family options (`--family-option KEY=VALUE`): model (pipeline folder; default th
 guidance_scale, top_k, top_p (defaults: the family's pipeline defaults), fid_reference (number of held-out real
 world images for world-FID, default 2000), compile (a `torch.compile` mode for the pipeline's step forwards,
 e.g. `compile=default` or `compile=reduce-overhead`; off by default; `mmspec.compile`). A family may accept options
-of its own on top (`extra`: LlamaGen's `budget`, the pipeline's draft budget `fixed` or `auto`, `mmspec.budget`).
+of its own on top (`extra`: LlamaGen's `budget`, the pipeline's draft budget `fixed` or `auto`, `mmspec.budget`);
+among them `decode` (true or false: false times the generation alone, no image decoded) and `size` (an official
+size with random weights, which cannot go with `model`) are checked here, and with either the quality figures are
+the tokens' alone (`tokens_only`, `token_figures`).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import torch
 
 from mmspec.bench.registry import BenchSettings, Sample
 from mmspec.compile import check_compile_mode
-from mmspec.errors import InputError
+from mmspec.errors import InputError, check
 
 OPTIONS = ("model", "guidance_scale", "top_k", "top_p", "fid_reference", "compile")
 
@@ -34,6 +37,10 @@ def image_options(settings: BenchSettings, family: str, defaults: Mapping[str, A
     o = dict(settings.options)
     if "compile" in o:  # before the pipeline loads
         check_compile_mode(o["compile"], " (--family-option compile=...)", auto=True)
+    check(o.get("decode") in (None, "true", "false"),
+          f"--family-option decode must be true or false, got {o.get('decode')!r}.")
+    check(o.get("size") is None or o.get("model") is None,
+          "--family-option size builds an official size with random weights; it cannot go with model=PATH.")
     guidance = o.get("guidance_scale", defaults["guidance_scale"])  # None: the pipeline's own default
     return {"model": o.get("model"), "guidance_scale": None if guidance is None else float(guidance),
             "top_k": int(o.get("top_k", defaults["top_k"])), "top_p": float(o.get("top_p", defaults["top_p"])),
@@ -105,6 +112,16 @@ def reproduces_vanilla(method: Any, params: Mapping[str, Any], settings: BenchSe
     """Whether a method's tokens must equal vanilla's for the same samples: a lossless method at temperature 0, or
     the coupled acceptance mode at any temperature (vanilla's own sample, `mmspec.verify.coupled`)."""
     return method.is_lossless(params) and (settings.greedy or params.get("accept") == "coupled")
+
+
+def tokens_only(options: Mapping[str, Any]) -> bool:
+    """Whether a run's quality is its tokens' alone: an official size with random weights, or no images decoded."""
+    return options.get("size") is not None or options.get("decode") == "false"
+
+
+def token_figures(outputs: Sequence[dict], vanilla: Sequence[dict], exact: bool) -> dict:
+    """The quality of a `tokens_only` run: token exactness versus vanilla where the tokens must equal vanilla's."""
+    return {"exactness": token_exactness(outputs, vanilla)} if exact else {}
 
 
 def token_exactness(outputs: Sequence[dict], vanilla: Sequence[dict]) -> float:
