@@ -1,23 +1,56 @@
 """Loading a transformers model and its processor from a local folder in transformers' own layout.
 
+    folder = resolve_model_folder("llava-hf/llava-1.5-7b-hf", "the target")  # a folder, or a hub id in the cache
     config = read_folder_config(folder, "a Janus model")          # config.json as a dict, before any weights load
     model, processor = load_transformers_folder(folder, AutoModelForImageTextToText, AutoProcessor)
 
-Local files only (nothing downloads); a folder transformers cannot read is a one-line InputError, and so is one
-whose weights leave parameters of the model at their random init (missing or shape-mismatched keys: a folder
-written by a transformers version with another parameter layout would otherwise run with random layers, silently).
+Local files only (nothing downloads; a hub id resolves through the local Hugging Face cache); a folder
+transformers cannot read is a one-line InputError, and so is one whose weights leave parameters of the model at
+their random init (missing or shape-mismatched keys: a folder written by a transformers version with another
+parameter layout would otherwise run with random layers, silently).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 from mmspec.errors import InputError, check
 
 PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+(@[\w./-]+)?$")  # "owner/name", optionally "@revision"
+
+
+def hub_cache_dir() -> Path:
+    """The local Hugging Face hub cache, read at call time: $HF_HUB_CACHE, else $HF_HOME/hub, else
+    ~/.cache/huggingface/hub (huggingface_hub's own order)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+    home = os.environ.get("HF_HOME") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface"
+    return Path(home).expanduser() / "hub"
+
+
+def resolve_model_folder(name: str | Path, what: str) -> Path:
+    """The local folder of `name`: a folder as given, or a hub id's ("owner/name", optionally "@revision") snapshot in
+    the local Hugging Face cache (`hub_cache_dir`), as transformers' `local_files_only=True` finds it: never a
+    network call. InputError (one line) when a hub id is not in the cache."""
+    path = Path(name)
+    if isinstance(name, Path) or path.exists() or not HUB_ID.match(str(name)):
+        return path
+    from huggingface_hub import snapshot_download
+
+    repo, _, revision = str(name).partition("@")
+    cache = hub_cache_dir()
+    try:
+        return Path(snapshot_download(repo, revision=revision or None, cache_dir=cache, local_files_only=True))
+    except Exception:  # (huggingface_hub's LocalEntryNotFoundError and its relatives)
+        raise InputError(f"{what} {name!r} is neither a folder nor in the local Hugging Face cache ({cache}); mmspec "
+                         f"never downloads: fetch it where there is network (`hf download {repo}`; HF_HOME or "
+                         "HF_HUB_CACHE choose the cache) or give its folder.") from None
 
 
 def read_folder_config(folder: str | Path, what: str, made_by: str = "transformers' save_pretrained") -> dict:

@@ -29,6 +29,7 @@ from mmspec.cache import StaticKVCache
 from mmspec.compile import has_compiled_forward
 from mmspec.errors import check, check_positive_int
 from mmspec.loop import DecodeState, plain_draft
+from mmspec.prefixes import PrefixLogits
 from mmspec.sampling import SamplingParams, cfg_combine, probs_from_params, race, split_cfg_batch
 from mmspec.tree import DraftTree, TreeShape, expand_eagle2, max_chain_depth, pool_size
 from mmspec.verify import ChainDraft, Draft, VerifyResult
@@ -252,6 +253,9 @@ class LMTarget:
         # set by the loop from the rule: at temperature 0, p is the softmax of the logits instead of the one-hot
         # argmax (`mmspec.sampling.probs_from_params`), for a relaxed greedy rule (`greedy_reads_softmax`)
         self.soft_greedy = False
+        # per-prefix processing of the logits before `params` (`mmspec.prefixes.PrefixLogits`: transformers' logits
+        # processors on each verified entry's own prefix), or None
+        self.logits_hook: PrefixLogits | None = None
 
     def prefill(self, inputs: Any) -> torch.Tensor:
         room = self.extra_capacity if self.draft_room else self.plain_capacity
@@ -259,6 +263,10 @@ class LMTarget:
         if self.layout is not None:
             logits = self.layout.constrain(logits, torch.zeros(logits.shape[:2], dtype=torch.long,
                                                                device=logits.device))
+        if self.logits_hook is not None:  # (no token generated yet: each row's prefix is its prompt)
+            b, device = logits.shape[0], logits.device
+            logits = self.logits_hook(logits, torch.empty(b, 0, dtype=torch.long, device=device),
+                                      torch.zeros(b, dtype=torch.long, device=device), None, None)
         return probs_from_params(logits, self.params, self.soft_greedy)
 
     def verify(self, state: DecodeState, draft: Draft) -> torch.Tensor:
@@ -279,6 +287,8 @@ class LMTarget:
             if offsets is None:
                 offsets = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
             logits = self.layout.constrain(logits, state.num_generated.unsqueeze(-1) + offsets)
+        if self.logits_hook is not None:
+            logits = self.logits_hook(logits, state.tokens, state.num_generated, draft, state.row_ids)
         return probs_from_params(logits, self.params, self.soft_greedy)
 
     def select_rows(self, rows: torch.Tensor) -> None:

@@ -157,6 +157,15 @@ class DecodeState:
         self.done = self.done | finished | (self.num_generated >= self.max_new_tokens)
         return added
 
+    def end_rows(self, ends: torch.Tensor) -> None:
+        """End rows early: a row with ends[r] >= 0 keeps its first ends[r] tokens and is done (a stopping criterion
+        held after its token ends[r] - 1); rows with -1 are unchanged."""
+        cut = ends >= 0  # [B]
+        columns = torch.arange(self.output.shape[1], device=ends.device)
+        self.output.masked_fill_(cut.unsqueeze(-1) & (columns >= ends.unsqueeze(-1)), -1)
+        self.num_generated = torch.where(cut, ends, self.num_generated)
+        self.done = self.done | cut
+
     def append_one(self, token: torch.Tensor, active: torch.Tensor, all_active: bool = False) -> torch.Tensor:
         """`append` for steps without drafts: each active row adds its token [B] (an active row has room for
         one). Returns [B] the number appended (active rows: 1). `all_active`: the caller knows every row is active
@@ -222,6 +231,9 @@ class GenerationOutput:
 
 # callback(state, draft, result) after each iteration; return False to stop early
 StepCallback = Callable[[DecodeState, Draft, VerifyResult], Any]
+# after_append(state, counts_before [B], draft, result) after every append (draft None: the prefill's token); it
+# may end rows after one of their new tokens (`DecodeState.end_rows`)
+AppendHook = Callable[[DecodeState, torch.Tensor, Draft | None, VerifyResult], None]
 
 
 def plain_draft(batch_size: int, device: torch.device | str) -> ChainDraft:
@@ -254,7 +266,8 @@ def cap_draft(draft: Draft, room: torch.Tensor) -> Draft:
 def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, inputs: Any, *, batch_size: int,
              max_new_tokens: int, generator: Generators = None, eos_token_id: int | Sequence[int] | None = None,
              device: torch.device | str = "cpu", callback: StepCallback | None = None,
-             validate: str = "first", budget: Budget | None = None, drop_finished: bool = False) -> GenerationOutput:
+             validate: str = "first", budget: Budget | None = None, drop_finished: bool = False,
+             after_append: AppendHook | None = None) -> GenerationOutput:
     """Generate up to `max_new_tokens` per row with speculative decoding (vanilla with `NoDrafter`).
 
     validate: "first" checks the rule's inputs on the first iteration only (cheap), "always" on every one,
@@ -265,7 +278,10 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     noise, the target, the drafter while it drafts), so later steps compute only the live rows; the outputs keep
     the call's row order, and a callback reads the whole call through `state.full_output()` /
     `full_num_generated()` (`state.row_ids` maps the rows held to the call's). Each row's tokens are those it gets
-    without dropping (rows do not interact).
+    without dropping (rows do not interact). after_append: called after every append (the prefill's token, with
+    draft None, included) with the counts before it; it may end rows after any of their new tokens
+    (`DecodeState.end_rows`: transformers' stopping criteria, `mmspec.prefixes.first_stops`), before the callback
+    sees the step.
 
     Randomness: one key per row is drawn from `generator` (one, a list with one per row, or None) when the call
     starts, and every number after it is position-keyed (`state.noise`, `mmspec.noise`): a seeded call gives the
@@ -299,7 +315,10 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
     first = accept(rule, no_draft, first_p, validate=validate != "never", noise=state.noise,
                    positions=state.num_generated)
     active = ~state.done
+    before = state.num_generated
     state.append(first, active)
+    if after_append is not None:
+        after_append(state, before, None, first)
     drop_finished = (drop_finished and batch_size > 1 and hasattr(target, "select_rows")
                      and (not drafting or hasattr(drafter, "select_rows")))
     if drafting:
@@ -348,7 +367,10 @@ def generate(target: Target, drafter: Drafter, rule: str | AcceptanceRule, input
                 drafter.skip(state, result, active, target_probs)
         steering.observe(size, result, active, draft)
         stats.record(result, active, rows=state.row_ids)
+        before = state.num_generated
         state.append(result, active, all_active=state.batch_size == 1)  # one row: active, or the loop had ended
+        if after_append is not None:
+            after_append(state, before, draft, result)
         state.iteration += 1
         if callback is not None and callback(state, draft, result) is False:
             break

@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt", default=None, help="the question (wrapped as 'USER: <image>\\n... ASSISTANT:')")
     parser.add_argument("--job", default=None, help="a .jsonl / .csv job file with columns id, image, prompt")
     parser.add_argument("--out", default=None, help="output folder of a job (answers.jsonl, stats.json)")
-    parser.add_argument("--model", default=None, help="target folder (default: the embedded assets/vlm)")
+    parser.add_argument("--model", default=None, help="target folder or a hub id in the local Hugging Face cache "
+                                                      "(default: the embedded assets/vlm)")
     from vlm.family import DRAFTER_KINDS  # the VLM family record's methods
 
     parser.add_argument("--drafter", default="auto", choices=[*DRAFTER_KINDS, "none", "auto"],
@@ -99,8 +100,11 @@ def parse_tree(text: str | None) -> tuple[int, int, int] | None:
 
 
 def model_folder(args: argparse.Namespace) -> Path:
-    """The target folder: --model, or the embedded world LLaVA (InputError when it has not been made)."""
-    folder = Path(args.model) if args.model else ASSETS_DIR / "vlm"
+    """The target folder: --model (a folder, or a hub id in the local Hugging Face cache), or the embedded world
+    LLaVA (InputError when it has not been made)."""
+    from mmspec.hf_loading import resolve_model_folder
+
+    folder = resolve_model_folder(args.model, "--model") if args.model else ASSETS_DIR / "vlm"
     if args.model is None and not (folder / "config.json").is_file():
         raise InputError(f"no embedded VLM at {folder}; make it with `mmspec train vlm` (and a drafter with "
                          "`mmspec train vlm-drafter --kind eagle`), or pass --model DIR.")

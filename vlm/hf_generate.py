@@ -1,72 +1,297 @@
-"""transformers' `generate` conventions for `SpeculativeVLM.generate(**processor_outputs, ...)`.
+"""transformers' `generate` call for `SpeculativeVLM.generate(**processor_outputs, ...)`: every setting of
+transformers' `generate` either behaves as in `model.generate` or is refused in one line before any work.
 
     enc = processor(images=images, text=texts, padding=True, return_tensors="pt")
     out = vlm.generate(**enc, max_new_tokens=64, do_sample=False)             # [B, P + N], like model.generate
     vlm.generate(**enc, generation_config=GenerationConfig(do_sample=True, temperature=0.7, top_p=0.9))
+    vlm.generate(**enc, repetition_penalty=1.2, stop_strings=["."], max_new_tokens=64)
     vlm.generate(**enc, streamer=TextIteratorStreamer(processor.tokenizer, skip_prompt=True))  # batch 1
 
-- Sampling settings: the explicit arguments, else `generation_config`, else the model's own `generation_config`
-  (transformers' precedence). do_sample False = greedy (temperature, top_p, top_k ignored, as in transformers);
-  otherwise temperature, top_k (transformers' default 50) and top_p as the config says.
-- Stop ids: the config's eos_token_id (one id or a list); new tokens: max_new_tokens (else max_length - P).
-- Padding: the processor's rows may be left- or right-padded; the loop runs them right-padded (`right_padded`),
-  and the result is the input ids as given followed by the new tokens, rows that stopped early padded with
-  pad_token_id: the tensor transformers returns.
-- Speculation settings in vLLM's names: `num_speculative_tokens=K` drafts a chain of K tokens per step (the
-  drafter's tree with depth K, top_k 1, K + 1 nodes); `method` names the drafter kind (checked against the loaded
-  one). `return_dict_in_generate=True` returns `SpeculativeGenerateOutput(sequences, metrics)` with
-  `mmspec.stats.SpecStats.to_dict()` (vLLM's metric names).
+How: the call is prepared by transformers' own steps (`_prepare_generation_config`: kwargs over generation_config
+over the model's generation config over the global defaults; `_validate_model_kwargs`; `_prepare_special_tokens`;
+`_expand_inputs_for_generation` for num_return_sequences; `_prepare_generated_length`; `_get_logits_processor`;
+`_get_stopping_criteria`), and mmspec's loop then runs with
+- transformers' logits processors on the target's logits at every verified position, each on that position's own
+  prefix (the prompt as given, the tokens generated, the draft path: `mmspec.prefixes.PrefixLogits`); the
+  warpers that read no tokens (temperature, top-k, top-p, min-p, typical-p, ...) run on all positions at once;
+- the stopping criteria that are not the loop's own (eos and max_length are) checked after every committed token
+  on its prefix (`mmspec.prefixes.first_stops`): stop_strings, max_time and the user's `stopping_criteria`;
+- the result transformers returns: the input ids as given, then the new tokens, rows that stopped early padded with
+  the pad id (pad_token_id, else the first eos id); `return_dict_in_generate=True` returns transformers'
+  `GenerateDecoderOnlyOutput` with `scores` / `logits` per new token ([B, V] each; zeros at a row's positions after
+  its end, where `generate` computes scores of pad tokens) when asked; mmspec's statistics are in
+  `SpeculativeVLM.last_stats`.
+Processors and criteria are called on groups of prefixes of one row and one length (`mmspec.prefixes`); like
+transformers' own assisted generation, they must be functions of the prefix and scores they are given. Refused:
+other generation modes (beam search, contrastive search, DoLa, assisted generation), output_attentions /
+output_hidden_states, use_cache=False, guidance_scale, token_healing, SynthID watermarking, negative prompts,
+synced_gpus, custom_generate, cache and compile settings of transformers' own loop that the user sets (mmspec runs
+its own static KV cache), and stop_strings / stopping_criteria over a batch without an eos id (transformers then
+keeps generating the stopped rows).
 """
 
 from __future__ import annotations
 
-import copy
+from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
-from mmspec.errors import check
+from mmspec.errors import InputError, check
+from mmspec.prefixes import PrefixLogits, first_stops
 from mmspec.sampling import SamplingParams
 from vlm.target import VLMInputs
 
 PER_TOKEN_INPUTS = ("mm_token_type_ids", "token_type_ids")  # [B, P] inputs that move with the tokens
-# what transformers uses for a generation setting left unset (None) by the user and the model's config
-UNSET_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0, "max_length": 20}
+# transformers' warpers and processors that read only the scores, never the tokens: run on every entry at once
+ROWWISE = ("TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "TopHLogitsWarper", "MinPLogitsWarper",
+           "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "LogitNormalization",
+           "InfNanRemoveLogitsProcessor", "SuppressTokensLogitsProcessor")
+# settings of transformers' own decoding loop (cache, compilation): refused when the user sets them
+LOOP_MECHANICS = ("cache_implementation", "cache_config", "compile_config", "disable_compile", "prefill_chunk_size",
+                  "max_cache_len", "continuous_batching_config")
+# generate's own keywords that mmspec does not run
+REFUSED_ARGUMENTS = {
+    "assistant_model": "mmspec's drafter is the assistant; load one with drafter=",
+    "assistant_tokenizer": "mmspec's drafter is the assistant; load one with drafter=",
+    "negative_prompt_ids": "classifier-free guidance runs a second model pass per token, which mmspec does not verify",
+    "negative_prompt_attention_mask": "classifier-free guidance is not supported",
+    "custom_generate": "mmspec's loop is the generation method",
+    "trust_remote_code": "mmspec runs no remote code",
+}
+CRITERIA_OF_THE_LOOP = ("MaxLengthCriteria", "EosTokenCriteria")  # mmspec's loop stops at max_new_tokens and eos
 
 
-def setting(config, name: str):
-    """`config`'s value of `name`, or transformers' default when it is unset."""
-    value = getattr(config, name, None)
-    return UNSET_DEFAULTS[name] if value is None else value
+GENERATE_KEYWORDS = ("generation_config", "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn",
+                     "streamer", "tokenizer", "synced_gpus", *REFUSED_ARGUMENTS)
+
+
+def refused_with_prompts(names: list[str]) -> str:
+    """The one-line error for keywords `generate(images, prompts, ...)` does not take."""
+    from transformers import GenerationConfig
+
+    settings = [n for n in names if n in GENERATE_KEYWORDS or hasattr(GenerationConfig(), n)]
+    if settings:
+        return (f"{', '.join(settings)}: transformers' generate settings go with the processor's outputs "
+                f"(generate(**processor(images=..., text=...), {settings[0]}=...)); with images and prompts use "
+                "max_new_tokens, temperature, top_p, top_k and stream=.")
+    return (f"unknown argument(s) {', '.join(names)}; model inputs go with input_ids "
+            "(generate(**processor(images=..., text=...))).")
+
+
+@contextmanager
+def transformers_errors():
+    """transformers' ValueErrors about a call's settings as one-line InputErrors."""
+    try:
+        yield
+    except ValueError as err:
+        raise InputError(" ".join(str(err).split())) from None
 
 
 @dataclass
-class SpeculativeGenerateOutput:
-    """`generate(..., return_dict_in_generate=True)`: sequences [B, P + N] and vLLM-named metrics."""
+class HFCall:
+    """A transformers `generate` call prepared by transformers' own steps, for mmspec's loop."""
 
-    sequences: torch.Tensor
-    metrics: dict = field(default_factory=dict)
+    config: object  # the prepared GenerationConfig
+    input_ids: torch.Tensor  # [B, P] as given (repeated for num_return_sequences)
+    inputs: VLMInputs  # the same rows right-padded, with the model inputs
+    max_new_tokens: int
+    eos: list[int] | None
+    pad: int
+    target_params: SamplingParams  # after the processors: greedy, or the softmax of the processed scores
+    draft_params: SamplingParams  # the drafter's q: the config's temperature, top-k and top-p
+    logits: PrefixLogits | None  # None: the target's logits need no processing
+    stop_fn: Callable | None  # (call_rows [G], ids [G, L]) -> [G] bool: the criteria the loop does not check
+    scores: list = field(default_factory=list)  # per call row: per new token (raw logits [V], scores [V])
+
+    def after_append(self, state, before: torch.Tensor, draft, result) -> None:
+        """The loop's append hook: record each new token's scores (`return_dict_in_generate`), then end the rows
+        whose criteria hold after one of their new tokens."""
+        if self.logits is not None and self.logits.record:
+            record_scores(self, state, before, draft, result)
+        if self.stop_fn is not None:
+            state.end_rows(first_stops(self.stop_fn, self.input_ids, state.tokens, before, state.num_generated,
+                                       state.row_ids))
+
+    def output(self, token_ids: list[list[int]]):
+        """transformers' result: the [B, P + N] tensor, or a `GenerateDecoderOnlyOutput` with scores / logits."""
+        from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+        sequences = sequences_tensor(self.input_ids, token_ids, self.pad)
+        if not self.config.return_dict_in_generate:
+            return sequences
+        width = sequences.shape[1] - self.input_ids.shape[1]
+
+        def per_position(which: int, wanted: bool):
+            if not wanted:
+                return None
+            vocab = next((row[0][which].shape[-1] for row in self.scores if row), 0)
+            steps = []
+            for t in range(width):
+                rows = [row[t][which] if t < min(len(row), len(ids)) else torch.zeros(vocab)
+                        for row, ids in zip(self.scores, token_ids)]
+                steps.append(torch.stack([r.float().cpu() for r in rows]))
+            return tuple(steps)
+
+        return GenerateDecoderOnlyOutput(sequences=sequences, scores=per_position(1, self.config.output_scores),
+                                         logits=per_position(0, self.config.output_logits))
 
 
-def resolve_generation(model, generation_config, overrides: dict) -> tuple[SamplingParams, int | None, object]:
-    """(sampling params, max_new_tokens or None, eos ids) from explicit `overrides` (None = not given), then
-    `generation_config`, then the model's own generation config."""
-    from transformers import GenerationConfig
+def record_scores(call: HFCall, state, before: torch.Tensor, draft, result) -> None:
+    """Append to `call.scores` the raw and processed logits of each held row's new tokens: the prefill's token came
+    from entry 0, a step's token j from entry j (chain) or from the j-th node of the accepted path (tree)."""
+    raw, processed = call.logits.last_raw, call.logits.last_processed  # [B, S, V]
+    new = (state.num_generated - before).tolist()
+    rows = range(len(new)) if state.row_ids is None else state.row_ids.tolist()
+    nodes = None if result is None or result.accepted_nodes is None else result.accepted_nodes.tolist()
+    for held, (row, count) in enumerate(zip(rows, new)):
+        for j in range(count):
+            entry = 0 if draft is None else (nodes[held][j] if nodes is not None else j)
+            call.scores[row].append((raw[held, entry], processed[held, entry]))
 
-    base = generation_config if generation_config is not None else getattr(model, "generation_config", None)
-    config = copy.deepcopy(base) if base is not None else GenerationConfig()
-    check(isinstance(config, GenerationConfig), f"generation_config must be a transformers GenerationConfig, got "
-                                                f"{type(generation_config).__name__}.")
-    for key, value in overrides.items():
-        if value is not None:
-            setattr(config, key, value)
-    check(getattr(config, "num_beams", None) in (None, 1), "beam search is not speculative decoding; use num_beams=1.")
-    if not setting(config, "do_sample"):
-        params = SamplingParams(temperature=0.0)
-    else:
-        params = SamplingParams(temperature=float(setting(config, "temperature")), top_k=int(setting(config, "top_k")),
-                                top_p=float(setting(config, "top_p")))
-    return params, config.max_new_tokens, config.eos_token_id
+
+def prepare_call(model, tokenizer, kwargs: dict) -> HFCall:
+    """The HFCall of `model.generate(**kwargs)` (kwargs: generate's keywords, GenerationConfig fields and the
+    processor's outputs); InputError (one line) for what mmspec does not run, before any work."""
+    from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+    from transformers.generation.configuration_utils import GenerationMode
+
+    kwargs = dict(kwargs)
+    for name, why in REFUSED_ARGUMENTS.items():
+        check(kwargs.pop(name, None) is None, f"{name} is not supported: {why}.")
+    check(not kwargs.pop("synced_gpus", None), "synced_gpus is not supported: mmspec runs one process per call.")
+    generation_config = kwargs.pop("generation_config", None)
+    check(generation_config is None or isinstance(generation_config, GenerationConfig),
+          f"generation_config must be a transformers GenerationConfig, got {type(generation_config).__name__}.")
+    user_processors = kwargs.pop("logits_processor", None) or LogitsProcessorList()
+    user_criteria = kwargs.pop("stopping_criteria", None) or StoppingCriteriaList()
+    prefix_allowed_tokens_fn = kwargs.pop("prefix_allowed_tokens_fn", None)
+    tokenizer = kwargs.pop("tokenizer", None) or tokenizer
+    if "inputs" in kwargs:
+        check("input_ids" not in kwargs, "give inputs or input_ids, not both.")
+        kwargs["input_ids"] = kwargs.pop("inputs")
+    user_set = set(kwargs) | ({k for k, v in generation_config.to_diff_dict().items() if v is not None}
+                              if generation_config is not None else set())
+    defaults = model.generation_config
+    no_max_length = kwargs.get("max_length") is None and getattr(generation_config, "max_length", None) is None \
+        and defaults.max_length is None
+    no_min_length = kwargs.get("min_length") is None and getattr(generation_config, "min_length", None) is None \
+        and defaults.min_length is None
+    with transformers_errors():
+        config, model_kwargs = model._prepare_generation_config(generation_config, **kwargs)
+        config.validate()
+    refuse_unsupported(config, user_set, defaults, GenerationMode)
+    with transformers_errors():
+        model._validate_model_kwargs(dict(model_kwargs))
+    ids = model_kwargs.pop("input_ids", None)
+    check(isinstance(ids, torch.Tensor) and ids.dim() == 2,
+          f"input_ids must be a [B, P] tensor (the processor's output), got {type(ids).__name__}.")
+    for name in ("inputs_embeds", "past_key_values", "cache", "cache_position", "position_ids"):
+        check(model_kwargs.get(name) is None, f"{name} is not supported: mmspec computes it from input_ids and "
+                                              "its own KV cache; pass the processor's outputs.")
+    odd = sorted(k for k, v in model_kwargs.items() if v is not None and not isinstance(v, torch.Tensor)
+                 and k not in ("output_attentions", "output_hidden_states", "use_cache"))
+    check(not odd, f"model input(s) {', '.join(odd)} are not tensors: mmspec passes the processor's tensors to the "
+                   "model; drop them.")
+    has_mask = model_kwargs.get("attention_mask") is not None
+    with transformers_errors():
+        model._prepare_special_tokens(config, has_mask, device=ids.device, batch_size=ids.shape[0])
+        ids, model_kwargs = model._expand_inputs_for_generation(
+            input_ids=ids, expand_size=config.num_return_sequences or 1, is_encoder_decoder=False, **model_kwargs)
+        prompt_length = ids.shape[1]
+        config = model._prepare_generated_length(config, no_max_length, no_min_length, "input_ids",
+                                                 prompt_length, ids)
+        model._validate_generated_length(config, prompt_length, no_max_length)
+        # the whole batch's lists, once: transformers' own checks of the processors and criteria, before any work
+        processors = model._get_logits_processor(config, prompt_length, ids, prefix_allowed_tokens_fn,
+                                                 user_processors, ids.device, model_kwargs)
+        criteria = model._get_stopping_criteria(config, user_criteria, tokenizer)
+    eos = config._eos_token_tensor
+    eos = None if eos is None else eos.view(-1).tolist()
+    extra = [c for c in criteria if type(c).__name__ not in CRITERIA_OF_THE_LOOP]
+    check(not [c for c in extra if type(c).__name__ != "MaxTimeCriteria"] or eos is not None or ids.shape[0] == 1,
+          "stop_strings / stopping_criteria over a batch need an eos_token_id (without one, transformers keeps "
+          "generating the rows they stop); set eos_token_id or generate one row at a time.")
+    mask = model_kwargs.pop("attention_mask", None)
+    pixels = model_kwargs.pop("pixel_values", None)
+    extras = {k: v for k, v in model_kwargs.items() if isinstance(v, torch.Tensor)}
+    greedy = not config.do_sample
+    pad = config._pad_token_tensor
+    call = HFCall(config=config, input_ids=ids, inputs=right_padded(ids, mask, pixels, extras),
+                  max_new_tokens=config.max_length - prompt_length, eos=eos,
+                  pad=0 if pad is None else int(pad.view(-1)[0]),
+                  target_params=SamplingParams(0.0 if greedy else 1.0),
+                  draft_params=SamplingParams(0.0) if greedy else SamplingParams(
+                      float(config.temperature), int(config.top_k or 0), float(config.top_p)),
+                  logits=None, stop_fn=None)
+    call.logits = prefix_logits(model, config, processors, ids, mask, prefix_allowed_tokens_fn, user_processors)
+    if extra:
+        stop_list = StoppingCriteriaList(extra)
+        call.stop_fn = lambda rows, prefix: stop_list(prefix, None)
+    call.scores = [[] for _ in range(ids.shape[0])]
+    return call
+
+
+def refuse_unsupported(config, user_set: set, defaults, modes) -> None:
+    """InputError (one line) for a setting mmspec's loop does not run (see the module docstring)."""
+    mode = config.get_generation_mode()
+    names = {modes.BEAM_SEARCH: "num_beams", modes.BEAM_SAMPLE: "num_beams", modes.GROUP_BEAM_SEARCH:
+             "num_beam_groups", modes.CONSTRAINED_BEAM_SEARCH: "force_words_ids / constraints",
+             modes.CONTRASTIVE_SEARCH: "penalty_alpha", modes.DOLA_GENERATION: "dola_layers",
+             modes.ASSISTED_GENERATION: "prompt_lookup_num_tokens"}
+    name = names.get(mode, "its settings")
+    check(mode in (modes.GREEDY_SEARCH, modes.SAMPLE),
+          f"{mode.value.replace('_', ' ')} ({name}) is not speculative decoding: mmspec verifies one sequence per "
+          f"row with greedy decoding or sampling; {'set num_beams=1' if name == 'num_beams' else f'unset {name}'}.")
+    check(config.use_cache is not False, "use_cache=False is not supported: speculative decoding verifies drafts "
+                                         "against the KV cache (the outputs are those of use_cache=True).")
+    for name in ("output_attentions", "output_hidden_states"):
+        check(not getattr(config, name), f"{name} is not supported: mmspec's loop returns no per-step {name[7:]}; "
+                                         "use model.generate for them.")
+    check(config.guidance_scale in (None, 1, 1.0), "guidance_scale is not supported: classifier-free guidance runs "
+                                                   "a second model pass per token, which mmspec does not verify.")
+    check(not config.token_healing, "token_healing is not supported: it rewrites the prompt with the tokenizer.")
+    watermark = config.watermarking_config
+    check(watermark is None or type(watermark).__name__ == "WatermarkingConfig",
+          f"{type(watermark).__name__} is not supported: its processor keeps state between calls.")
+    for name in LOOP_MECHANICS:
+        check(name not in user_set or getattr(config, name, None) == getattr(defaults, name, None),
+              f"{name} is a setting of transformers' own decoding loop; mmspec runs its own static KV cache: "
+              "drop it.")
+
+
+def prefix_logits(model, config, processors, ids: torch.Tensor, mask: torch.Tensor | None,
+                  prefix_allowed_tokens_fn, user_processors) -> PrefixLogits | None:
+    """The target's logits hook for `processors` (transformers' list for the whole batch): the processors up to the
+    last one that reads tokens run per prefix group (each group's own list, built by transformers for that call
+    row, so per-row state such as repetition_penalty's prompt padding and prefix_allowed_tokens_fn's batch id are
+    the row's), the ROWWISE rest on every entry at once. None when there is nothing to do."""
+    from transformers import LogitsProcessorList
+
+    record = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
+    cut = max((i + 1 for i, p in enumerate(processors) if type(p).__name__ not in ROWWISE), default=0)
+    tail = LogitsProcessorList(processors[cut:])
+    if cut == 0 and not tail and not record:
+        return None
+    lists: dict[tuple[int, int], LogitsProcessorList] = {}
+
+    def per_prefix(row: int, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        key = (row, prefix.shape[0])
+        if key not in lists:
+            rows = torch.full((prefix.shape[0],), row, dtype=torch.long, device=ids.device)
+            allowed = None if prefix_allowed_tokens_fn is None else (
+                lambda _batch_id, sent, row=row: prefix_allowed_tokens_fn(row, sent))
+            kwargs = {} if mask is None else {"attention_mask": mask[rows]}
+            built = model._get_logits_processor(config, ids.shape[1], ids[rows], allowed, user_processors,
+                                                ids.device, kwargs)
+            lists[key] = LogitsProcessorList(built[:cut])
+        return lists[key](prefix, scores)
+
+    def rowwise(scores: torch.Tensor) -> torch.Tensor:
+        return tail(torch.empty(scores.shape[0], 0, dtype=torch.long, device=scores.device), scores)
+
+    return PrefixLogits(ids, per_prefix if cut else None, rowwise if tail else None, record=record)
 
 
 def right_padded(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pixel_values, extras: dict

@@ -31,20 +31,13 @@ import torch
 
 from mmspec.budget import check_budget_mode, make_budget
 from mmspec.errors import check, check_positive_int
-from mmspec.hf_loading import load_transformers_folder, read_folder_config
+from mmspec.hf_loading import load_transformers_folder, read_folder_config, resolve_model_folder
 from mmspec.lm import LMTarget, NoDrafter
 from mmspec.loop import generate
 from mmspec.sampling import EXACT_MODES, SamplingParams
 from mmspec.stats import SpecStats
 from vlm.family import DRAFTER_KINDS, drafter_model
-from vlm.hf_generate import (
-    SpeculativeGenerateOutput,
-    StreamerBridge,
-    resolve_generation,
-    right_padded,
-    sequences_tensor,
-    setting,
-)
+from vlm.hf_generate import HFCall, StreamerBridge, prepare_call, refused_with_prompts
 from vlm.target import VLMInputs, cached_vlm, check_supported_config, prefill_vlm
 from vlm.world import build_prompt, image_marker
 
@@ -97,29 +90,57 @@ class SpeculativeVLM:
 
     @classmethod
     def from_pretrained(cls, folder: str | Path, drafter: str | None = None, *, drafter_path: str | Path | None = None,
-                        device: str = "cpu", attention_backend: str | None = None,
-                        dtype: torch.dtype | None = None, torch_dtype: torch.dtype | None = None) -> SpeculativeVLM:
+                        device: str | torch.device | None = None, attention_backend: str | None = None,
+                        dtype: torch.dtype | None = None, torch_dtype: torch.dtype | None = None,
+                        device_map: str | dict | None = None) -> SpeculativeVLM:
         """The target in `folder` (and its processor); `drafter` a kind from `folder/drafters/<kind>` or from
-        `drafter_path`; both in `dtype` (transformers' older name: `torch_dtype`) when given (else as saved). Local
-        files only."""
+        `drafter_path`. `folder` and `drafter_path` are folders or hub ids ("llava-hf/llava-1.5-7b-hf", optionally
+        "@revision") found in the local Hugging Face cache (`mmspec.hf_loading.resolve_model_folder`: never a
+        download). Both in `dtype` (transformers' older name: `torch_dtype`) when given (else as saved); on `device`
+        (default cpu), or placed by transformers' `device_map` (accelerate; every module on one device: mmspec's
+        cached forward runs on one), the drafter beside the target."""
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         check(dtype is None or torch_dtype is None, "give dtype or torch_dtype, not both.")
+        check(device is None or device_map is None, "give device or device_map, not both.")
         dtype = dtype if torch_dtype is None else torch_dtype
-
-        folder = Path(folder)
+        folder = resolve_model_folder(folder, "the VLM target")
         config = read_folder_config(folder, "VLM target", f"`mmspec train vlm --out {folder}` or transformers' "
                                                            "save_pretrained")
         check_supported_config(config, f"the model in {folder}")  # before any weights load
-        # transformers' own class for the config's model_type (checked above to be a supported one)
-        model, processor = load_transformers_folder(folder, AutoModelForImageTextToText, AutoProcessor)
-        draft = None
+        draft_folder = None
         if drafter is not None:
-            draft = load_drafter(drafter_path or folder / "drafters" / drafter, drafter, dtype).to(device)
-        model = model.to(device) if dtype is None else model.to(device=device, dtype=dtype)
+            draft_folder = (folder / "drafters" / drafter if drafter_path is None
+                            else resolve_model_folder(drafter_path, f"the {drafter} drafter"))
+            drafter_model(drafter)  # (an unknown kind: one line before any weights load)
+        # transformers' own class for the config's model_type (checked above to be a supported one)
+        options = {k: v for k, v in (("dtype", dtype), ("device_map", device_map)) if v is not None}
+        model, processor = load_transformers_folder(folder, AutoModelForImageTextToText, AutoProcessor, **options)
+        places = set(getattr(model, "hf_device_map", {}).values())
+        check(len(places) <= 1, f"device_map put the model on {len(places)} devices ({sorted(map(str, places))}); "
+                                "mmspec's cached forward runs on one: give one device (device_map='cuda:0').")
+        if device_map is None:
+            model = model.to(device or "cpu")
+        draft = None if draft_folder is None else load_drafter(draft_folder, drafter, dtype)
         vlm = cls(model, processor, draft, attention_backend=attention_backend)
+        if vlm.drafter is not None:
+            vlm.drafter.to(vlm.lm.device)
         vlm.folder = folder
         return vlm
+
+    def to(self, device: str | torch.device | torch.dtype | None = None, dtype: torch.dtype | None = None
+           ) -> SpeculativeVLM:
+        """Move and / or cast the target and the drafter in place (`nn.Module.to`; `to(torch.bfloat16)` casts);
+        returns self. The budget's timings of this object are dropped (they were for the old place)."""
+        if isinstance(device, torch.dtype):
+            check(dtype is None, "give the dtype once.")
+            device, dtype = None, device
+        options = {k: v for k, v in (("device", device), ("dtype", dtype)) if v is not None}
+        self.model.to(**options)
+        if self.drafter is not None:
+            self.drafter.to(**options)
+        self.budgets.clear()
+        return self
 
     # --------------------------------------------------------------------------------------------- inputs
     def drafter_image_tokens(self) -> float | None:
@@ -203,16 +224,15 @@ class SpeculativeVLM:
                  batch_size: int = 8, generator: torch.Generator | None = None, use_drafter: bool = True,
                  stream: Callable[[int, str, list[int]], None] | None = None,
                  child_ranking: str = "raw", budget: str | None = None, *, accept: str = "coupled",
-                 generation_config=None,
-                 do_sample: bool | None = None, streamer=None, num_speculative_tokens: int | None = None,
-                 method: str | None = None, return_dict_in_generate: bool = False, **model_inputs):
+                 num_speculative_tokens: int | None = None, method: str | None = None, **transformers_kwargs):
         """Two forms. `generate(images, prompts, ...)`: answers for (image, prompt) pairs (an image may be None:
         a text-only row) as a `VLMOutput`; temperature (default 0: greedy), top_p, top_k; max_new_tokens default
-        128. `generate(**processor_outputs, ...)`: transformers' form (`vlm.hf_generate`): the processor's
-        input_ids, attention_mask, pixel_values and other model inputs, settings from generation_config /
-        do_sample / temperature / top_p / top_k / max_new_tokens over the model's generation config, a
-        transformers `streamer` (batch 1), and the result is the [B, P + N] tensor `model.generate` returns
-        (`return_dict_in_generate=True`: with vLLM-named metrics); the statistics stay in `self.last_stats`.
+        128. `generate(**processor_outputs, ...)` (or `generate(input_ids, ...)`): transformers' form
+        (`vlm.hf_generate`): the processor's input_ids, attention_mask, pixel_values and other model inputs, and
+        every keyword of transformers' `generate` (generation_config, its fields, logits_processor,
+        stopping_criteria, prefix_allowed_tokens_fn, streamer, tokenizer for stop_strings), honoured as
+        `model.generate` does or refused in one line; the result is what `model.generate` returns, the statistics
+        stay in `self.last_stats`.
 
         Both: `tree` = (depth, top_k, total_tokens) of the EAGLE-2 draft tree, depth in drafted levels (EAGLE's
         code's depth + 1); None (or a None entry) takes the drafter's paper setting (`official_tree`);
@@ -231,18 +251,20 @@ class SpeculativeVLM:
         check_budget_mode(budget)
         check(accept in EXACT_MODES, f"accept must be one of {', '.join(EXACT_MODES)}, got {accept!r}.")
         tree = self.speculative_tree(tree, num_speculative_tokens, method)
-        if "input_ids" in model_inputs:
+        if isinstance(images, torch.Tensor) and prompts is None and not images.is_floating_point():
+            check("input_ids" not in transformers_kwargs, "give input_ids once.")
+            transformers_kwargs["input_ids"], images = images, None  # generate(input_ids, ...), as transformers
+        if "input_ids" in transformers_kwargs or "inputs" in transformers_kwargs:
             check(images is None and prompts is None, "give either the processor's outputs (input_ids=...) or "
                                                       "images and prompts, not both.")
-            return self._generate_from_model_inputs(
-                model_inputs, dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                                   top_p=top_p, top_k=top_k), generation_config, tree, generator, use_drafter,
-                streamer, child_ranking, budget, return_dict_in_generate, accept)
-        check(not model_inputs, f"unknown argument(s) {', '.join(sorted(model_inputs))}; model inputs go with "
-                                "input_ids (generate(**processor(images=..., text=...))).")
-        check(generation_config is None and do_sample is None and streamer is None and not return_dict_in_generate,
-              "generation_config, do_sample, streamer and return_dict_in_generate go with the processor's outputs "
-              "(generate(**processor(...))); with images and prompts use temperature / top_p / top_k and stream=.")
+            check(stream is None, "stream= goes with images and prompts; with the processor's outputs pass a "
+                                  "transformers streamer=.")
+            check(batch_size == 8, "batch_size goes with images and prompts; the processor's batch runs as one.")
+            settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k}
+            transformers_kwargs.update({k: v for k, v in settings.items() if v is not None})
+            return self._generate_from_model_inputs(transformers_kwargs, tree, generator, use_drafter,
+                                                    child_ranking, budget, accept)
+        check(not transformers_kwargs, refused_with_prompts(sorted(transformers_kwargs)))
         check(prompts is not None and len(prompts) > 0, "no prompts given.")
         images = [None] * len(prompts) if images is None else list(images)
         check(len(images) == len(prompts), f"{len(images)} images for {len(prompts)} prompts; give one image "
@@ -283,45 +305,33 @@ class SpeculativeVLM:
               f"tree must be (depth, top_k, total_tokens) or None, got {tree!r}.")
         return tuple(tree)
 
-    def _generate_from_model_inputs(self, model_inputs: dict, settings: dict, generation_config, tree, generator,
-                                    use_drafter: bool, streamer, child_ranking: str, budget: str | None,
-                                    return_dict: bool, accept: str = "coupled"):
-        """`generate(**processor_outputs)` (see `vlm.hf_generate`)."""
-        inputs = dict(model_inputs)
-        ids, mask = inputs.pop("input_ids"), inputs.pop("attention_mask", None)
-        pixels = inputs.pop("pixel_values", None)
-        odd = sorted(k for k, v in inputs.items() if not isinstance(v, torch.Tensor))
-        check(not odd, f"unknown argument(s) {', '.join(odd)}: model inputs must be tensors from the processor.")
-        params, max_new_tokens, eos = resolve_generation(self.model, generation_config, settings)
-        config = generation_config or self.model.generation_config  # max_length and pad_token_id, as transformers
-        if max_new_tokens is None:  # transformers: max_length (default 20) counts the prompt
-            max_new_tokens = setting(config, "max_length") - ids.shape[1]
-            check(max_new_tokens > 0, f"no room for new tokens: the prompts are {ids.shape[1]} tokens and "
-                                      f"max_length leaves {max_new_tokens}; pass max_new_tokens.")
-        check_positive_int("max_new_tokens", max_new_tokens)
-        tok = self.processor.tokenizer
-        eos = tok.eos_token_id if eos is None else eos
-        batch = right_padded(ids, mask, pixels, inputs)
-        self.check_room(batch, max_new_tokens)
+    def _generate_from_model_inputs(self, kwargs: dict, tree, generator, use_drafter: bool, child_ranking: str,
+                                    budget: str | None, accept: str = "coupled"):
+        """`generate(**processor_outputs, ...)`: transformers' call (`vlm.hf_generate`)."""
+        streamer = kwargs.pop("streamer", None)
+        call = prepare_call(self.model, self.processor.tokenizer, kwargs)
+        batch = call.inputs
+        self.check_room(batch, call.max_new_tokens)
         bridge = None
         if streamer is not None:
-            check(ids.shape[0] == 1, f"transformers' streamers take one row; got a batch of {ids.shape[0]}.")
-            bridge = StreamerBridge(streamer, batch.input_ids[:, : int(batch.lengths[0])])
+            check(batch.input_ids.shape[0] == 1, f"transformers' streamers take one row; got a batch of "
+                                                 f"{batch.input_ids.shape[0]}.")
+            bridge = StreamerBridge(streamer, call.input_ids)
         try:
-            part = self._generate_batch(batch, params, max_new_tokens, tree, generator, use_drafter, eos, bridge, 0,
-                                        child_ranking, budget, accept)
+            part = self._generate_batch(batch, call.draft_params, call.max_new_tokens, tree, generator, use_drafter,
+                                        call.eos, bridge, 0, child_ranking, budget, accept, hf_call=call)
         finally:
             if bridge is not None:
                 bridge.end()
         self.last_stats = part.stats
-        pad = next((v for v in (getattr(config, "pad_token_id", None), eos, tok.pad_token_id) if v is not None), 0)
-        pad = pad[0] if isinstance(pad, (list, tuple)) else pad
-        sequences = sequences_tensor(ids, part.token_ids, pad)
-        return SpeculativeGenerateOutput(sequences, part.stats.to_dict()) if return_dict else sequences
+        return call.output(part.token_ids)
 
     def _generate_batch(self, inputs: VLMInputs, params: SamplingParams, max_new_tokens: int, tree, generator,
                         use_drafter: bool, eos: int | list[int] | None, stream, first_row: int,
-                        child_ranking: str = "raw", budget: str | None = None, accept: str = "coupled") -> VLMOutput:
+                        child_ranking: str = "raw", budget: str | None = None, accept: str = "coupled",
+                        hf_call: HFCall | None = None) -> VLMOutput:
+        """One batch through the loop; `params` the drafter's (and, without `hf_call`, the target's) sampling
+        settings; `hf_call`: a transformers call's target settings, logits processors and stopping criteria."""
         depth, top_k, total = tree
         b = inputs.input_ids.shape[0]
         if use_drafter and self.drafter is not None:
@@ -329,8 +339,10 @@ class SpeculativeVLM:
                                                 total_tokens=total, child_ranking=child_ranking)
         else:
             drafter = NoDrafter()
-        target = LMTarget(self.lm, params, max_new_tokens, max_draft_nodes=getattr(drafter, "max_draft_nodes", 1),
-                          prefill_fn=prefill_vlm)
+        target_params = params if hf_call is None else hf_call.target_params
+        target = LMTarget(self.lm, target_params, max_new_tokens,
+                          max_draft_nodes=getattr(drafter, "max_draft_nodes", 1), prefill_fn=prefill_vlm)
+        target.logits_hook = None if hf_call is None else hf_call.logits
         rounds: list[list[list[int]]] = [[] for _ in range(b)]  # per row: the tokens of each round
         seen = [0] * b
         tok = self.processor.tokenizer
@@ -356,11 +368,12 @@ class SpeculativeVLM:
             else:
                 take(state.full_output().tolist(), state.full_num_generated().tolist())
 
-        rule = params.exact_rule(accept)
+        rule = target_params.exact_rule(accept)
         draft_budget = make_budget(budget, target, drafter, rule, b, self.budgets)
         result = generate(target, drafter, rule, inputs, batch_size=b, max_new_tokens=max_new_tokens,
                           generator=generator, eos_token_id=eos, device=self.lm.device, callback=record,
-                          budget=draft_budget, drop_finished=self.drop_finished)
+                          budget=draft_budget, drop_finished=self.drop_finished,
+                          after_append=None if hf_call is None else hf_call.after_append)
         tokens = result.tokens.tolist()
         for counts in torch.stack(counts_per_round).tolist() if counts_per_round else []:
             take(tokens, counts)

@@ -11,9 +11,7 @@ import torch
 from transformers import GenerationConfig, TextIteratorStreamer
 
 from mmspec.errors import InputError
-from mmspec.sampling import SamplingParams
 from vlm.family import drafter_model
-from vlm.hf_generate import resolve_generation
 from vlm.tiny import tiny_processor_batch, tiny_vlm
 from vlm.world import world_vqa_examples
 
@@ -28,10 +26,9 @@ def test_greedy_tensor_equals_model_generate_on_a_left_padded_batch(family):
     vlm.drafter = drafter_model("eagle").for_target(vlm.lm).eval()
     out = vlm.generate(**enc, max_new_tokens=10, do_sample=False, num_speculative_tokens=3, method="eagle",
                        return_dict_in_generate=True, budget="fixed")  # fixed: every step drafts its chain
+    assert type(out) is type(vlm.model.generate(**enc, max_new_tokens=2, return_dict_in_generate=True))
     assert torch.equal(out.sequences, reference)
-    assert out.metrics["num_drafts"] > 0 and "mean_acceptance_length" in out.metrics
-    assert not [k for k in out.metrics if k.startswith("_")]
-    assert vlm.last_stats.num_drafts == out.metrics["num_drafts"]
+    assert vlm.last_stats.num_drafts > 0
 
 
 def test_a_streamer_receives_the_answer():
@@ -50,22 +47,20 @@ def test_a_streamer_receives_the_answer():
 
 
 def test_settings_follow_transformers_precedence():
+    """kwargs over generation_config over the model's generation config over transformers' defaults (the model's
+    max_new_tokens; an unset max_length means 20 new tokens)."""
     vlm = tiny_vlm("llava")
-    model = vlm.model
-    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9,
-                                               max_new_tokens=7, eos_token_id=[2, 3])
-    assert resolve_generation(model, None, {}) == (SamplingParams(0.7, 5, 0.9), 7, [2, 3])
-    assert resolve_generation(model, None, {"do_sample": False})[0] == SamplingParams(0.0)
-    unset = GenerationConfig(do_sample=True)  # transformers' defaults for what is unset: temperature 1, top_k 50
-    model.generation_config = unset
-    assert resolve_generation(model, None, {})[0] == SamplingParams(1.0, 50, 1.0)
-    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=5, top_p=0.9,
-                                               max_new_tokens=7, eos_token_id=[2, 3])
-    given = GenerationConfig(do_sample=True, temperature=1.3, top_k=0, top_p=1.0)
-    assert resolve_generation(model, given, {"top_k": 9})[0] == SamplingParams(1.3, 9, 1.0)
     enc = tiny_processor_batch(vlm, n=2)
-    out = vlm.generate(**enc, do_sample=False)  # the model's max_new_tokens (7)
-    assert out.shape[1] <= enc["input_ids"].shape[1] + 7
+    p = enc["input_ids"].shape[1]
+    model = vlm.model
+    model.generation_config = GenerationConfig(do_sample=False, max_new_tokens=7, repetition_penalty=1.5)
+    for call in ({}, {"generation_config": GenerationConfig(max_new_tokens=5)}, {"max_new_tokens": 3},
+                 {"generation_config": GenerationConfig(max_new_tokens=5, repetition_penalty=1.0)}):
+        reference = model.generate(**enc, **call)
+        assert torch.equal(vlm.generate(**enc, **call), reference)
+    assert vlm.generate(**enc).shape[1] == p + 7
+    model.generation_config = GenerationConfig()
+    assert vlm.generate(**enc).shape[1] == p + 20  # transformers' default: 20 new tokens
 
 
 def test_bad_calls_are_one_line_errors():
@@ -76,11 +71,11 @@ def test_bad_calls_are_one_line_errors():
         (lambda: vlm.generate([examples[0].image], ["q"], **enc), "not both"),
         (lambda: vlm.generate(**enc, max_new_tokens=4, streamer=TextIteratorStreamer(vlm.processor.tokenizer)),
          "one row"),
-        (lambda: vlm.generate(**enc), "no room for new tokens.*pass max_new_tokens"),
+        (lambda: vlm.generate(**enc, max_length=enc["input_ids"].shape[1]), "Input length of input_ids"),
         (lambda: vlm.generate(**enc, method="eagle"), "loaded drafter is none"),
         (lambda: vlm.generate(**enc, num_speculative_tokens=3, tree=(3, 2, 5)), "not both"),
         (lambda: vlm.generate([examples[0].image], ["q"], do_sample=True), "go with the processor's outputs"),
-        (lambda: vlm.generate(**enc, num_beams=4), "model inputs must be tensors"),
+        (lambda: vlm.generate(**enc, stream=print), "transformers streamer"),
         (lambda: vlm.generate(**enc, generation_config=GenerationConfig(num_beams=4)), "beam search"),
     ]
     for call, message in cases:
