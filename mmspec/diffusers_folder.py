@@ -26,7 +26,10 @@ Call conventions (the mixin):
 - `interrupt` / `_interrupt`: a callback sets `pipe._interrupt = True` to end the call after the current step, as in
   diffusers (so does returning {"stop": True}); `num_timesteps`: the call's vanilla step count (tokens for LlamaGen
   and CSpD, scales for VAR, `num_iter` for MAR; a speculative call takes fewer steps). What was made so far is
-  returned: VAR and MAR decode the partial image, LlamaGen returns the tokens (output_type="latent").
+  returned and decoded: VAR the partial f_hat, MAR and CSpD the tokens with the rest zero, LlamaGen the tokens with
+  -1 where none was made, decoded from a zero latent vector (Janus and Emu3 decode only a finished call).
+- `return_dict=False` returns `(images,)`; `num_inference_steps` is refused in one line before any work (these
+  pipelines are autoregressive; `mmspec.pipeline_io`).
 - the attention helpers diffusers pipelines have either act (LlamaGen's xformers backend) or raise a one-line error
   saying what to use instead (`enable_attention_slicing`, `enable_xformers_memory_efficient_attention` where the
   models have no backend choice).

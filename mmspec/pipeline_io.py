@@ -1,7 +1,9 @@
-"""The shape every image pipeline call shares (LlamaGen, VAR, MAR, CSpD, CoDe): check the class inputs and make the
-rows the models run (`class_run_fields` -> a `ClassRun`), run the family's loop, then `finish_generation`: decode,
-format (PIL images, numpy arrays or torch tensors in [0, 1], or the tokens for "latent") and return a
-`GenerationOutput` (images, tokens, stats).
+"""The shape every image pipeline call shares (LlamaGen, VAR, MAR, CSpD, CoDe; Janus and Emu3 share its checks and
+its end): check the class inputs and make the rows the models run (`class_run_fields` -> a `ClassRun`), run the
+family's loop, then `finish_generation`: decode, format (PIL images, numpy arrays or torch tensors in [0, 1], or the
+tokens for "latent") and return a `GenerationOutput` (images, tokens, stats), or `(images,)` with return_dict=False
+as diffusers does. `check_no_inference_steps` refuses diffusers' `num_inference_steps`, which none of these
+autoregressive pipelines has.
 
     run = ScaleRun(**class_run_fields(class_labels, 1, num_classes, generator, "pil", guided=True, device="cpu"),
                    ...)                                   # a family's own settings on top
@@ -44,6 +46,13 @@ def check_generators(generator: Any, batch: int) -> None:
     if isinstance(generator, list):
         check(len(generator) == batch, f"got {len(generator)} generators for {batch} images; pass one per image "
               "(num_images_per_prompt x conditions), one generator, or None.")
+
+
+def check_no_inference_steps(num_inference_steps: Any, instead: str) -> None:
+    """Refuse diffusers' `num_inference_steps` (a diffusion sampler's step count) in an autoregressive pipeline, whose
+    step count it cannot set: one line, ending with `instead` (what sets that pipeline's steps). Call it first."""
+    check(num_inference_steps is None, f"num_inference_steps is a diffusion sampler's step count; this pipeline is "
+                                       f"autoregressive: {instead}")
 
 
 def check_output_type(output_type: str) -> None:
@@ -107,9 +116,10 @@ def finish_generation(pipe: Any, tokens: torch.Tensor, decode: Callable[[], torc
                       **extra: Any) -> Any:
     """The end of every call: decode() -> images [N, 3, H, W] in [0, 1] (skipped for "latent", which returns the
     tokens), free offloaded models, and return `output_cls(images, tokens, stats, **extra)` or, without return_dict,
-    the tuple (images, tokens, stats)."""
+    the tuple `(images,)` as diffusers pipelines do (the tokens and stats are then not returned; they are kept only
+    in the output object)."""
     images = tokens if output_type == "latent" else format_images(decode(), output_type)
     pipe.maybe_free_model_hooks()
     if not return_dict:
-        return images, tokens, stats
+        return (images,)
     return output_cls(images=images, tokens=tokens, stats=stats, **extra)

@@ -52,7 +52,8 @@ def test_save_pretrained_writes_the_entry_and_old_folders_still_load(tmp_path):
 
 def test_diffusers_call_conventions_on_every_pipeline():
     """callback_on_step_end_tensor_inputs on all five pipelines (checked names), MAR's num_inference_steps (diffusers'
-    name for its diffusion steps), and the attention helpers: act or raise a one-line error."""
+    name for its diffusion steps; refused in one line by the token-by-token pipelines), and the attention helpers:
+    act or raise a one-line error."""
     from continuous.mar.cspd import CSpDPipeline
     from image_ar.llamagen.pipeline import LlamaGenPipeline
     from image_ar.var.code import CoDePipeline

@@ -304,7 +304,8 @@ class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         tokens verified in every row, {"tokens": [N, L, C]}) after each pre-filling step and window
         (`callback_on_step_end_tensor_inputs`: ["tokens"]; a function or a diffusers `PipelineCallback`;
         `pipe._interrupt = True` stops after the current window and decodes the tokens verified so far).
-        num_inference_steps: diffusers' name for num_sampling_steps (the diffusion head's steps). budget: None
+        return_dict=False returns `(images,)`. num_inference_steps: diffusers' name for num_sampling_steps (the
+        diffusion head's steps). budget: None
         (default) or "fixed" drafts gamma every step, the paper's loop (CSpD's rule is relaxed: its output law
         depends on the windows drafted, so the default does not depend on the machine's timings); "auto" picks each
         step's window, 1 (a plain target step) to gamma, from this device's measured costs and the tokens windows

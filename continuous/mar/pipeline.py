@@ -76,14 +76,12 @@ def cfg_value(run: MARRun, masked: torch.Tensor | int, seq_len: int) -> torch.Te
 
 def draw_randomness(generator: Generators, batch: int, seq_len: int, steps: int, channels: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """orders [B, L], x_T [B, L, C] and step noise [B, L, S, C]; row b from generator b when a list is given."""
-    gens = generator_list(generator, batch)
-    if gens is None:
-        orders = torch.argsort(torch.rand(batch, seq_len, generator=generator), 1)
-        noise = torch.randn(batch, seq_len, steps + 1, channels, generator=generator)
-    else:
-        orders = torch.stack([torch.randperm(seq_len, generator=g) for g in gens])
-        noise = torch.stack([torch.randn(seq_len, steps + 1, channels, generator=g) for g in gens])
+    """orders [B, L], x_T [B, L, C] and step noise [B, L, S, C]; row b from generator b when a list is given. A single
+    generator (or None: torch's global one) draws the rows as a list holding it B times would (every order, then
+    every row's noise), so `generator=g` and `generator=[g]` give a batch of one the same numbers."""
+    gens = generator_list(generator, batch) or [generator] * batch
+    orders = torch.stack([torch.randperm(seq_len, generator=g) for g in gens])
+    noise = torch.stack([torch.randn(seq_len, steps + 1, channels, generator=g) for g in gens])
     noise = noise.to(device)
     return orders.to(device), noise[:, :, 0], noise[:, :, 1:]
 
@@ -166,8 +164,8 @@ def check_fits_vae(name: str, model: MARModel, vae: AutoencoderKL) -> None:
 
 
 def inference_steps(num_sampling_steps: int, num_inference_steps: int | None) -> int:
-    """diffusers' `num_inference_steps` as MAR's `num_sampling_steps` (the name the MAR code uses); both given must
-    agree."""
+    """diffusers' `num_inference_steps` (a diffusion sampler's step count) as MAR's `num_sampling_steps` (the name the
+    MAR code uses for its diffusion head's steps); both given must agree."""
     if num_inference_steps is None:
         return num_sampling_steps
     check(num_sampling_steps in (100, num_inference_steps),
@@ -197,9 +195,10 @@ class MARPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         MAR's cfg (1.0 = no unconditional half) and cfg_schedule ("linear" or "constant"), None = the model's
         `default_guidance_scale` / `default_cfg_schedule`; temperature scales the diffusion noise; generator: one,
         or one per image. callback_on_step_end(pipe, step, tokens generated, {"tokens": [N, L, C]}) after each step
-        (`callback_on_step_end_tensor_inputs`: ["tokens"]). num_inference_steps: diffusers' name for
-        num_sampling_steps (the diffusion head's steps per token). A callback may be a diffusers `PipelineCallback`;
-        `pipe._interrupt = True` stops after the current step and decodes the tokens made so far."""
+        (`callback_on_step_end_tensor_inputs`: ["tokens"]). A callback may be a diffusers `PipelineCallback`;
+        `pipe._interrupt = True` stops after the current step and decodes the tokens made so far (the rest zero).
+        return_dict=False returns `(images,)`. num_inference_steps: diffusers' name for num_sampling_steps (the
+        diffusion head's steps per token)."""
         num_sampling_steps = inference_steps(num_sampling_steps, num_inference_steps)
         model = self.transformer
         seq = model.seq_len

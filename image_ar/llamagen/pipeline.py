@@ -39,6 +39,7 @@ from mmspec.loop import generate
 from mmspec.pipeline_io import (
     GenerationOutput,
     check_generators,
+    check_no_inference_steps,
     check_output_type,
     class_run_fields,
     finish_generation,
@@ -223,7 +224,8 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                  callback_on_step_end_tensor_inputs: list[str] | None = None,
                  prompt: str | list[str] | None = None, negative_prompt: str | list[str] | None = None,
                  negative_prompt_embeds: torch.Tensor | None = None,
-                 negative_prompt_embeds_mask: torch.Tensor | None = None):
+                 negative_prompt_embeds_mask: torch.Tensor | None = None,
+                 num_inference_steps: int | None = None):
         """Generate images.
 
         class_labels (c2i) or prompt (t2i: one caption or a list; `pipe("a red circle")` passes it first, as in
@@ -235,7 +237,10 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         top_p 1.0 disable those filters. generator: one, or one per image (then each image is independent of
         the batch it was generated in). callback_on_step_end(pipe, step, num_tokens, {"tokens": [N, T]}) runs
         after every loop iteration (read-only; a function or a diffusers `PipelineCallback`; setting
-        `pipe._interrupt = True` or returning {"stop": True} ends the call early, e.g. a UI's cancel button).
+        `pipe._interrupt = True` or returning {"stop": True} ends the call early, e.g. a UI's cancel button: the
+        tokens not made are -1 and decode from a zero latent vector, `LlamaGenVQ.decode_code(fill_missing=True)`).
+        output_type "pil" (default), "np", "pt" or "latent" (the tokens); return_dict=False returns `(images,)`.
+        num_inference_steps (diffusers' name) is refused: the step count is the image's token count.
         budget: "auto" picks each step's draft size (0 = a plain step; a smaller tree or a chain for the EAGLE
         methods) from this device's measured step costs and the acceptance seen so far (`mmspec.budget`; the first
         call per model, device and batch size times the costs, then they are cached; what a budget learnt stays in
@@ -246,6 +251,9 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         way, and under the coupled rule (the default of sampled lossless methods) a seeded call gives the same
         tokens whatever the budget drafts.
         """
+        check_no_inference_steps(num_inference_steps, f"it makes one token per image position, so its "
+                                                      f"{self.transformer.config.block_size} steps are fixed by the "
+                                                      "image size (a speculative method= takes fewer).")
         guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
         check(isinstance(guidance_scale, (int, float)), f"guidance_scale must be a number, got {guidance_scale!r}.")
         user_step = self.step_callback(callback_on_step_end, callback_on_step_end_tensor_inputs,
@@ -290,8 +298,6 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
             target, drafter, rule, cond, batch_size=batch, max_new_tokens=block, generator=generator,
             device=cond.device, callback=on_step, budget=draft_budget))
 
-        tokens = gen.tokens  # [N, block]
-        if output_type != "latent":
-            check(bool((tokens >= 0).all()), "generation stopped early; no image to decode (use output_type='latent').")
-        return finish_generation(self, tokens, lambda: (self.vqvae.decode_code(tokens) + 1) / 2, output_type,
-                                 return_dict, gen.stats)
+        tokens = gen.tokens  # [N, block]; -1 where an interrupted call made no token
+        return finish_generation(self, tokens, lambda: (self.vqvae.decode_code(tokens, fill_missing=True) + 1) / 2,
+                                 output_type, return_dict, gen.stats)

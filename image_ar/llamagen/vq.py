@@ -327,16 +327,22 @@ class LlamaGenVQ(SlicedDecodeMixin, ModelMixin, ConfigMixin):
         z = self.post_quant_conv(latents.to(self.dtype))  # [B, z_channels, h, w]
         return self.decode_slices(self.decoder, z)  # one image at a time after enable_slicing()
 
-    def decode_code(self, ids: torch.Tensor, shape: Sequence[int] | None = None, clamp: bool = False) -> torch.Tensor:
+    def decode_code(self, ids: torch.Tensor, shape: Sequence[int] | None = None, clamp: bool = False,
+                    fill_missing: bool = False) -> torch.Tensor:
         """Token ids -> images [B, 3, h*f, w*f], nominally in [-1, 1] (official `decode_code` semantics).
 
         ids: [B, h, w], or [B, h*w] / [B*h*w] in raster order. `shape` = (B, C, h, w) as in the official call
         `decode_code(idx, [B, 8, h, w])`; without it [B, h, w] gives the grid and [B, L] means a square grid.
         The codes are looked up in the (L2-normalised) codebook, then post_quant_conv + decoder. `clamp=True`
         clamps to [-1, 1] (the official code does not; its sample scripts clamp when saving images).
+        `fill_missing=True` accepts -1 (a position not generated, e.g. in an interrupted call) and decodes it from a
+        zero latent vector (not a code of the codebook).
         """
-        ids, grid = self._check_ids(ids, shape)  # [B, h, w], (B, C, h, w)
-        latents = self.quantize.lookup(ids).permute(0, 3, 1, 2)  # [B, C, h, w]
+        ids, grid = self._check_ids(ids, shape, allow_missing=fill_missing)  # [B, h, w], (B, C, h, w)
+        latents = self.quantize.lookup(ids.clamp_min(0))  # [B, h, w, C]
+        if fill_missing:
+            latents = latents * (ids >= 0).unsqueeze(-1).to(latents.dtype)
+        latents = latents.permute(0, 3, 1, 2)  # [B, C, h, w]
         images = self.decode(latents)
         return images.clamp(-1.0, 1.0) if clamp else images
 
@@ -375,7 +381,8 @@ class LlamaGenVQ(SlicedDecodeMixin, ModelMixin, ConfigMixin):
                     "check_range=False to skip this check."
                 )
 
-    def _check_ids(self, ids: torch.Tensor, shape: Sequence[int] | None) -> tuple[torch.Tensor, tuple[int, ...]]:
+    def _check_ids(self, ids: torch.Tensor, shape: Sequence[int] | None,
+                   allow_missing: bool = False) -> tuple[torch.Tensor, tuple[int, ...]]:
         c, v = self.config.codebook_embed_dim, self.config.codebook_size
         check(isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex()
               and ids.dtype != torch.bool and 1 <= ids.dim() <= 3,
@@ -399,10 +406,10 @@ class LlamaGenVQ(SlicedDecodeMixin, ModelMixin, ConfigMixin):
             raise InputError(f"1-D ids ({ids.numel()} entries) need shape=(B, {c}, h, w).")
         if ids.numel() > 0:
             lo, hi = torch.aminmax(ids)
-            lo_i, hi_i = int(lo), int(hi)
-            check(lo_i >= 0 and hi_i < v,
-                  f"ids must be in [0, {v}) (codebook_size), got values in [{lo_i}, {hi_i}]; padding (-1) or ids "
-                  "offset into a larger vocabulary must be removed first.")
+            lo_i, hi_i, lowest = int(lo), int(hi), -1 if allow_missing else 0
+            check(lo_i >= lowest and hi_i < v,
+                  f"ids must be in [{lowest}, {v}) (codebook_size), got values in [{lo_i}, {hi_i}]; padding (-1) or "
+                  "ids offset into a larger vocabulary must be removed first.")
         return ids.reshape(b, hh, ww).long(), (b, c, hh, ww)
 
 

@@ -47,7 +47,7 @@ from mmspec.errors import InputError, check
 from mmspec.hf_loading import load_transformers_folder, read_folder_config
 from mmspec.lm import DRAFT_ROOM, LMTarget, PrefillFn, TokenLayout
 from mmspec.loop import generate
-from mmspec.pipeline_io import check_generators, check_output_type, finish_generation
+from mmspec.pipeline_io import check_generators, check_no_inference_steps, check_output_type, finish_generation
 from mmspec.sampling import SamplingParams
 
 METHODS = ("vanilla", "sjd", "gsd")  # the shared method records that need no drafter trained for the model
@@ -75,6 +75,7 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
     model_type = ""  # the config.json model_type this pipeline runs
     model_class = ""  # its transformers class name
     fallback_guidance = 1.0  # the CFG scale when the model's generation_config names none
+    image_size_arguments = ""  # what sets the image size, hence the step count (num_inference_steps' refusal)
     _optional_components = ["processor"]
     draft_transformer = None  # no small draft model for these models: its methods are not offered
 
@@ -145,7 +146,9 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
         return float(getattr(self.model.generation_config, "guidance_scale", None) or self.fallback_guidance)
 
     def check_call(self, prompt: Any, input_ids: Any, class_labels: Any, method: str, output_type: str,
-                   num_images_per_prompt: int) -> None:
+                   num_images_per_prompt: int, num_inference_steps: Any = None) -> None:
+        check_no_inference_steps(num_inference_steps, f"it makes one token per image position, so its step count is "
+                                                      f"fixed by the image size ({self.image_size_arguments}).")
         check(class_labels is None, f"{type(self).__name__} is text-conditional: pass a prompt (or input_ids), not "
                                     "class_labels.")
         if prompt is not None:
@@ -221,6 +224,7 @@ class JanusPipeline(TransformersImagePipeline):
 
     model_type, model_class = "janus", "JanusForConditionalGeneration"
     fallback_guidance = 5.0  # what transformers' Janus generate uses without one
+    image_size_arguments = "the model's vision_config.num_image_tokens"
 
     def __init__(self, model: Any, processor: Any = None, eagle_drafter: Any = None):
         super().__init__(model, processor, eagle_drafter)
@@ -265,7 +269,8 @@ class JanusPipeline(TransformersImagePipeline):
                  method_kwargs: dict[str, Any] | None = None, budget: str | None = None, output_type: str = "pil",
                  return_dict: bool = True, chat_template: bool = True,
                  callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
-                 callback_on_step_end_tensor_inputs: list[str] | None = None, class_labels: Any = None):
+                 callback_on_step_end_tensor_inputs: list[str] | None = None, class_labels: Any = None,
+                 num_inference_steps: int | None = None):
         """Generate images from prompts (one string or a list; or input_ids + attention_mask, each prompt ending
         with the image-start token, any padding side).
 
@@ -274,8 +279,11 @@ class JanusPipeline(TransformersImagePipeline):
         (applied after CFG, as transformers). method: "vanilla", "sjd" or "gsd" (method_kwargs: their parameters,
         e.g. {"window": 16, "accept": "lantern"}); budget None | "auto" | "fixed" as `LlamaGenPipeline`. generator: one,
         or one per image. callback_on_step_end(pipe, step, num_tokens, {"tokens": [N, T]}) after every step.
+        return_dict=False returns `(images,)`. num_inference_steps (diffusers' name) is refused: the step count is
+        the image's token count.
         """
-        self.check_call(prompt, input_ids, class_labels, method, output_type, num_images_per_prompt)
+        self.check_call(prompt, input_ids, class_labels, method, output_type, num_images_per_prompt,
+                        num_inference_steps)
         guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
         prompts = (self.encode_prompt(prompt, chat_template) if prompt is not None
                    else self.processor_prompts(input_ids, attention_mask)).repeat(num_images_per_prompt)
@@ -304,6 +312,7 @@ class Emu3Pipeline(TransformersImagePipeline):
 
     model_type, model_class = "emu3", "Emu3ForConditionalGeneration"
     fallback_guidance = 3.0  # the SJD paper's Emu3 setting
+    image_size_arguments = "ratio and image_area, or height and width with input_ids"
 
     def __init__(self, model: Any, processor: Any = None, eagle_drafter: Any = None):
         super().__init__(model, processor, eagle_drafter)
@@ -383,7 +392,8 @@ class Emu3Pipeline(TransformersImagePipeline):
                  generator: torch.Generator | list[torch.Generator] | None = None, method: str = "vanilla",
                  method_kwargs: dict[str, Any] | None = None, budget: str | None = None, output_type: str = "pil",
                  return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
-                 callback_on_step_end_tensor_inputs: list[str] | None = None, class_labels: Any = None):
+                 callback_on_step_end_tensor_inputs: list[str] | None = None, class_labels: Any = None,
+                 num_inference_steps: int | None = None):
         """Generate images from prompts (one string or a list; or input_ids + attention_mask from the processor's
         `return_for_image_generation=True` with `height` and `width`, its image_sizes).
 
@@ -395,9 +405,10 @@ class Emu3Pipeline(TransformersImagePipeline):
         token, as transformers' `generate` without negative_prompt_ids. guidance_scale: None = the model's
         generation_config, else 3.0 (the official script's and the SJD paper's Emu3 setting); 1.0 disables CFG.
         top_k 2048 as the official script (0 disables); temperature 0 = greedy. method / method_kwargs / budget /
-        generator / callbacks as `JanusPipeline`.
+        generator / callbacks / return_dict / num_inference_steps as `JanusPipeline`.
         """
-        self.check_call(prompt, input_ids, class_labels, method, output_type, num_images_per_prompt)
+        self.check_call(prompt, input_ids, class_labels, method, output_type, num_images_per_prompt,
+                        num_inference_steps)
         if prompt is not None:
             prompts, self.grid = self.encode_prompt(prompt, ratio, image_area)
         else:

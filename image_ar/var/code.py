@@ -36,6 +36,7 @@ from image_ar.var.transformer import VARTransformer
 from image_ar.var.vqvae import VARVQVAE
 from mmspec.diffusers_folder import MMSpecPipelineMixin
 from mmspec.errors import check
+from mmspec.pipeline_io import check_no_inference_steps
 
 
 def default_draft_steps(num_scales: int) -> int:
@@ -82,9 +83,13 @@ class CoDePipeline(MMSpecPipelineMixin, DiffusionPipeline):
                  top_p: float = 1.0, num_images_per_prompt: int = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
                  return_dict: bool = True, callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
-                 callback_on_step_end_tensor_inputs: list[str] | None = None):
+                 callback_on_step_end_tensor_inputs: list[str] | None = None,
+                 num_inference_steps: int | None = None):
         """As `VARPipeline.__call__`, plus draft_steps N: the drafter makes scales 0..N-1, the refiner the rest."""
         n_scales = len(self.drafter.patch_nums)
+        check_no_inference_steps(num_inference_steps, f"it makes one step per scale, so its {n_scales} steps are "
+                                                      "fixed by the models' scales (patch_nums); draft_steps sets how "
+                                                      "many the drafter makes.")
         user_step = self.step_callback(callback_on_step_end, callback_on_step_end_tensor_inputs, n_scales)
         n = default_draft_steps(n_scales) if draft_steps is None else draft_steps
         check(isinstance(n, int) and 0 <= n <= n_scales, f"draft_steps must be an integer in [0, {n_scales}], got "

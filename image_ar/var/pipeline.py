@@ -31,7 +31,13 @@ from image_ar.var.vqvae import VARVQVAE
 from mmspec.cache import StaticKVCache
 from mmspec.diffusers_folder import MMSpecPipelineMixin
 from mmspec.errors import check
-from mmspec.pipeline_io import ClassRun, GenerationOutput, class_run_fields, finish_generation
+from mmspec.pipeline_io import (
+    ClassRun,
+    GenerationOutput,
+    check_no_inference_steps,
+    class_run_fields,
+    finish_generation,
+)
 from mmspec.sampling import Generators, SamplingParams, cfg_combine, sample_logits, split_cfg_batch
 from mmspec.stats import SpecStats
 
@@ -177,13 +183,17 @@ class VARPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                  num_images_per_prompt: int = 1, generator: torch.Generator | list[torch.Generator] | None = None,
                  output_type: str = "pil", return_dict: bool = True,
                  callback_on_step_end: Callable[[Any, int, int, dict], Any] | None = None,
-                 callback_on_step_end_tensor_inputs: list[str] | None = None):
+                 callback_on_step_end_tensor_inputs: list[str] | None = None,
+                 num_inference_steps: int | None = None):
         """Generate images. guidance_scale: the official cfg (0 = no unconditional half); temperature: one
         number or one per scale (0 = greedy); top_k 0 / top_p 1.0 disable the filters; generator: one, or one
         per image. callback_on_step_end(pipe, scale, num_tokens, {"tokens": [N, tokens so far]}) after each
         scale (`callback_on_step_end_tensor_inputs`: ["tokens"], the one tensor passed; a function or a diffusers
-        `PipelineCallback`); `pipe._interrupt = True` stops after the current scale and decodes the partial f_hat."""
+        `PipelineCallback`); `pipe._interrupt = True` stops after the current scale and decodes the partial f_hat.
+        return_dict=False returns `(images,)`. num_inference_steps (diffusers' name) is refused: one step per scale."""
         model = self.transformer
+        check_no_inference_steps(num_inference_steps, f"it makes one step per scale, so its {len(model.patch_nums)} "
+                                                      "steps are fixed by the model's scales (patch_nums).")
         user_step = self.step_callback(callback_on_step_end, callback_on_step_end_tensor_inputs, len(model.patch_nums))
         run = prepare_run(model, class_labels, guidance_scale, temperature, top_k, top_p, num_images_per_prompt,
                           generator, output_type)

@@ -1,7 +1,9 @@
 """One set of tests every class-conditional image pipeline passes (diffusers' `PipelineTesterMixin` style): the call
-conventions, every output type, the tuple output, seeded determinism and batch-of-one equals in-batch,
-num_images_per_prompt, save / load, the step callback (functions and diffusers' `PipelineCallback` objects, the
-`interrupt` stop), and clear errors for bad inputs.
+conventions, every output type, the tuple output (`(images,)` with return_dict=False), seeded determinism and
+batch-of-one equals in-batch, num_images_per_prompt, save / load, the step callback (functions and diffusers'
+`PipelineCallback` objects, the `interrupt` stop, after which the partial image is decoded), clear errors for bad
+inputs, and `num_inference_steps` refused before any work (these pipelines are autoregressive), or equal to the
+family's own diffusion step count where it has one (MAR's num_sampling_steps).
 
 A family's test module declares one class:
 
@@ -10,6 +12,8 @@ A family's test module declares one class:
         image_shape = (8, 8)            # H, W of the decoded images
         token_shape = (21,)             # per image: discrete ids (L,) or continuous tokens (L, C)
         num_classes = 3
+        steps_instead = "scales"        # what num_inference_steps' refusal names instead (a regex), or
+        inference_steps_name = "num_sampling_steps"  # the family's own name for it (MAR's diffusion head steps)
 
         def get_dummy_components(self): return {"transformer": ..., "vqvae": ...}
         def get_dummy_inputs(self): return {"guidance_scale": 4.0}   # call arguments besides labels/generators
@@ -21,6 +25,7 @@ whose batched arithmetic may round differently from a batch of one set `batch_to
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any
 
 import numpy as np
@@ -34,7 +39,7 @@ from mmspec.stats import SpecStats
 from mmspec.testing import seeded_generators
 
 CALL_PARAMETERS = ("class_labels", "num_images_per_prompt", "generator", "output_type", "return_dict",
-                   "callback_on_step_end")
+                   "callback_on_step_end", "num_inference_steps")
 
 
 class PipelineTesterMixin:
@@ -45,7 +50,8 @@ class PipelineTesterMixin:
     token_shape: tuple[int, ...]
     num_classes: int
     batch_tolerance: float = 0.0  # 0: the in-batch row equals the row alone bit for bit
-    decodes_partial: bool = True  # an interrupted call still decodes an image (False: tokens only, "latent")
+    steps_instead: str = ""  # a regex the num_inference_steps refusal must match: what sets the steps instead
+    inference_steps_name: str | None = None  # set where num_inference_steps means a step count the family has
     extra_bad_inputs: tuple[tuple[dict, str], ...] = ()
 
     def get_dummy_components(self) -> dict:
@@ -76,6 +82,7 @@ class PipelineTesterMixin:
         missing = [name for name in CALL_PARAMETERS if name not in params]
         assert not missing, f"{self.pipeline_class.__name__}.__call__ lacks {missing}"
         assert params["output_type"].default == "pil" and params["return_dict"].default is True
+        assert params["num_inference_steps"].default is None
 
     @pytest.mark.parametrize("output_type", ["pil", "np", "pt", "latent"])
     def test_output_types(self, pipe, output_type):
@@ -94,9 +101,30 @@ class PipelineTesterMixin:
 
     def test_dict_and_tuple_outputs_agree(self, pipe):
         as_dict = self.call(pipe, self.labels(2), output_type="np")
-        images, tokens, stats = self.call(pipe, self.labels(2), output_type="np", return_dict=False)
-        assert np.array_equal(as_dict.images, images) and torch.equal(as_dict.tokens, tokens)
-        assert stats.num_target_forwards == as_dict.stats.num_target_forwards
+        as_tuple = self.call(pipe, self.labels(2), output_type="np", return_dict=False)
+        assert isinstance(as_tuple, tuple) and len(as_tuple) == 1  # (images,) as diffusers' pipelines
+        assert np.array_equal(as_dict.images, as_tuple[0])
+
+    def test_num_inference_steps_is_refused_before_any_work_or_means_the_familys_steps(self, pipe):
+        if self.inference_steps_name is not None:  # diffusers' name for a step count of the family's own
+            steps = self.get_dummy_inputs()[self.inference_steps_name]  # what the dummy calls pass by its name
+            given = self.call(pipe, self.labels(1), output_type="latent", num_inference_steps=steps)
+            named = self.call(pipe, self.labels(1), output_type="latent")
+            assert torch.equal(given.tokens, named.tokens)
+            with pytest.raises(InputError, match="disagree"):
+                self.call(pipe, self.labels(1), num_inference_steps=steps + 1)
+            return
+        forwards = []
+        models = [m for m in pipe.components.values() if isinstance(m, torch.nn.Module)]
+        hooks = [sub.register_forward_pre_hook(lambda *_: forwards.append(1)) for m in models for sub in m.modules()]
+        try:
+            with pytest.raises(InputError, match="num_inference_steps") as error:
+                self.call(pipe, self.labels(1), num_inference_steps=10)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        assert models and not forwards and "\n" not in str(error.value)
+        assert re.search(self.steps_instead, str(error.value)), str(error.value)
 
     def test_seeded_runs_repeat_and_batch_of_one_equals_in_batch(self, pipe):
         labels = self.labels(3)
@@ -141,13 +169,9 @@ class PipelineTesterMixin:
         full = self.call(pipe, self.labels(2))  # the next call starts uninterrupted
         assert not pipe.interrupt and tuple(full.tokens.shape) == (2, *self.token_shape)
         assert out.tokens.shape != full.tokens.shape or not torch.equal(out.tokens, full.tokens)  # it did stop
-        if self.decodes_partial:
-            h, w = self.image_shape
-            assert self.call(pipe, self.labels(2), output_type="np",
-                             callback_on_step_end=stop_at_first).images.shape == (2, h, w, 3)
-        else:
-            with pytest.raises(InputError, match="latent"):
-                self.call(pipe, self.labels(2), output_type="np", callback_on_step_end=stop_at_first)
+        h, w = self.image_shape  # the partial image is decoded, in the default output type too
+        images = self.call(pipe, self.labels(2), output_type="pil", callback_on_step_end=stop_at_first).images
+        assert pipe.interrupt and len(images) == 2 and all(image.size == (w, h) for image in images)
 
     def test_diffusers_pipeline_callback_objects(self, pipe):
         from diffusers.callbacks import MultiPipelineCallbacks, PipelineCallback, SDCFGCutoffCallback

@@ -85,6 +85,7 @@ class TestMARPipeline(PipelineTesterMixin):
     pipeline_class = MARPipeline
     image_shape, token_shape, num_classes = (16, 16), (16, 16), 4
     batch_tolerance = 1e-4  # the ragged encoder's batched arithmetic
+    inference_steps_name = "num_sampling_steps"
     extra_bad_inputs = (({"num_iter": 99}, "num_iter must be an integer in"),
                         ({"guidance_scale": 0.5}, "guidance_scale must be a number >= 1.0"),
                         ({"cfg_schedule": "cosine"}, "cfg_schedule"))
@@ -100,6 +101,7 @@ class TestCSpDPipeline(PipelineTesterMixin):
     pipeline_class = CSpDPipeline
     image_shape, token_shape, num_classes = (16, 16), (16, 16), 4
     batch_tolerance = 1e-4
+    inference_steps_name = "num_sampling_steps"
     extra_bad_inputs = (({"temperature": 0}, "temperature must be > 0"), ({"gamma": 0}, "gamma"))
 
     def get_dummy_components(self) -> dict:
@@ -120,6 +122,15 @@ def test_fewer_iterations_predict_several_tokens_per_step(pipe):
     fewer = pipe.as_mar_pipeline("target")(class_labels=[0, 1, 2], generator=generators(3), num_iter=4,
                                            num_sampling_steps=10, output_type="latent")
     assert fewer.num_forwards == 4 and fewer.tokens.abs().sum(-1).gt(0).all()
+
+
+@pytest.mark.parametrize("which", ["mar", "cspd"])
+def test_one_generator_and_a_list_of_it_give_a_batch_of_one_the_same_image(pipe, which):
+    call = pipe.as_mar_pipeline("target") if which == "mar" else pipe
+    kw = dict(class_labels=[2], num_sampling_steps=4, output_type="pt", **({"gamma": 2} if which == "cspd" else {}))
+    alone = call(generator=torch.Generator().manual_seed(7), **kw)
+    listed = call(generator=[torch.Generator().manual_seed(7)], **kw)
+    assert torch.equal(alone.tokens, listed.tokens) and torch.equal(alone.images, listed.images)
 
 
 def test_cspd_loop_phases_are_timed(pipe):

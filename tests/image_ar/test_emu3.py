@@ -150,6 +150,7 @@ def test_a_saved_folder_loads_and_gives_the_same_images(pipe, tmp_path):
     (dict(prompt="x", negative_prompt=["a", "b"]), "give one or one per prompt"),
     (dict(input_ids=torch.tensor([[1, 2]]), attention_mask=torch.tensor([[1, 1]])), "need height and width"),
     (dict(class_labels=[0]), "text-conditional"),
+    (dict(prompt="x", num_inference_steps=20), r"autoregressive: .* fixed by the image size \(ratio and image_area"),
 ])
 def test_bad_calls_are_one_line_errors(pipe, call, match):
     with pytest.raises(InputError, match=match):

@@ -152,6 +152,8 @@ def test_mmspec_generate_runs_a_janus_folder(pipe, tmp_path):
                                        "image-ar-drafter"),
     (dict(prompt="x", method="medusa"), "runs the methods vanilla, sjd, gsd, eagle, lantern"),
     (dict(prompt="x", method="sjd", method_kwargs={"depth": 3}), "takes"),
+    (dict(prompt="x", num_inference_steps=20), r"autoregressive: .* fixed by the image size \(the model's "
+                                               "vision_config.num_image_tokens"),
 ])
 def test_bad_calls_are_one_line_errors(pipe, call, match):
     with pytest.raises(InputError, match=match):

@@ -29,7 +29,7 @@ def pipe():
 class TestLlamaGenPipeline(PipelineTesterMixin):
     pipeline_class = LlamaGenPipeline
     image_shape, token_shape, num_classes = (16, 16), (16,), 4
-    decodes_partial = False  # unfinished tokens are -1: an interrupted call returns its tokens ("latent")
+    steps_instead = "one token per image position, so its 16 steps are fixed by the image size"
     extra_bad_inputs = (({"method": "nope"}, "unknown"), ({"top_p": 0.0}, "top_p"),
                         ({"method": "draft-model", "method_kwargs": {"bogus": 1}}, "takes num_draft_tokens"))
 
@@ -96,6 +96,24 @@ def test_callback_sees_tokens_and_can_stop(pipe):
     assert [s for s, _, _ in seen] == [0, 1, 2]
     assert all(shape == (2, 16) for _, _, shape in seen)
     assert (out.tokens == -1).any()  # stopped early; latents returned as they were
+
+
+def test_an_interrupted_call_decodes_the_tokens_made_with_the_rest_a_zero_latent(pipe):
+    """The default output_type ("pil") after `pipe._interrupt = True`: images of what was made, not an error; the
+    positions not generated (tokens -1) decode from a zero latent vector."""
+    def stop_after_five(p, step, num_tokens, kwargs):
+        p._interrupt = num_tokens >= 5
+
+    inputs = {k: v for k, v in get_dummy_inputs().items() if k != "output_type"}
+    out = pipe(**inputs, callback_on_step_end=stop_after_five)
+    made = out.tokens >= 0  # [2, 16]
+    assert pipe.interrupt and not made.all() and made[:, :5].all() and not made[:, -1].any()
+    assert len(out.images) == 2 and all(image.size == (16, 16) for image in out.images)
+    vq = pipe.vqvae
+    latents = vq.quantize.lookup(out.tokens.clamp_min(0)) * made.unsqueeze(-1)  # [2, 16, C], zero where not made
+    expected = ((vq.decode(latents.unflatten(1, (4, 4)).permute(0, 3, 1, 2)) + 1) / 2).clamp(0, 1)
+    pixels = torch.from_numpy(np.stack([np.asarray(image) for image in out.images])).permute(0, 3, 1, 2)
+    assert torch.equal(pixels, (expected * 255).round().to(torch.uint8))
 
 
 def test_save_and_load_keep_the_draft_model(pipe, tmp_path):

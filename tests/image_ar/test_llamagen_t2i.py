@@ -133,6 +133,8 @@ def test_bad_text_inputs_are_one_line_errors(pipe):
         pipe("a red circle", negative_prompt="blue", guidance_scale=1.0)
     with pytest.raises(InputError, match="one row or one per caption"):
         pipe(CAPTIONS, negative_prompt=["blue", "red"])
+    with pytest.raises(InputError, match="num_inference_steps .* steps are fixed by the image size"):
+        pipe("a red circle", num_inference_steps=50)
     with pytest.raises(InputError, match="caption_dim"):
         from transformers import T5Config, T5EncoderModel
 

@@ -22,6 +22,7 @@ def pipe():
 class TestVARPipeline(PipelineTesterMixin):
     pipeline_class = VARPipeline
     image_shape, token_shape, num_classes = (8, 8), (21,), 3
+    steps_instead = "one step per scale, so its 3 steps are fixed"
     extra_bad_inputs = (({"temperature": [1.0, 1.0]}, "one value per scale"),
                         ({"guidance_scale": -1.0}, "guidance_scale"))
 
