@@ -8,8 +8,9 @@ Glossary
   Entry e of row r gives the law of the token after `prompt[r] + generated[r] + path(e)`, path(e) being the drafts
   from the root down to e (e included; the root, the row's newest token, is already in generated[r]).
 - prefix: what a per-sequence function reads for an entry: the row's prompt as the user gave it (its padding
-  included, as `generate` sees it), then the row's generated tokens, then the entry's path. Prefixes of one row and
-  one length are stacked into one call: ids [G, P + L].
+  included, as `generate` sees it), then the row's generated tokens, then the entry's path. Prefixes of one length
+  are stacked into one call: ids [G, P + L], with their call rows [G] (a row may appear several times: a tree's
+  nodes at one depth).
 
 Invariant: an entry's scores are exactly what the processors return on its own prefix (`PrefixLogits`), so the
 target's law at every verified position is the processed law `generate` samples there, and every acceptance rule
@@ -21,9 +22,9 @@ returns (a tree node's prefix is its own path, not its siblings'). A row ends at
 which a stopping criterion holds on its prefix (`first_stops`), the tokens after it dropped, as `generate` stops
 there.
 
-Functions are called on groups of one call row and one prefix length (`by_row`), or of one length across rows,
-with the call row's index passed along; functions must be pure functions of their inputs (as transformers'
-assisted generation also requires: it calls processors on candidate prefixes).
+Functions are called on groups of one prefix length, with each member's call row passed along; they must be pure
+functions of their inputs (as transformers' assisted generation also requires: it calls processors on candidate
+prefixes).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ import torch
 from mmspec.tree import DraftTree
 from mmspec.verify import Draft
 
-# per_prefix(call_row, ids [G, P + L], scores [G, V]) -> processed scores [G, V]
-PrefixFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# per_prefix(call_rows [G], ids [G, P + L], scores [G, V]) -> processed scores [G, V]
+PrefixFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # rowwise(scores [M, V]) -> [M, V]: a function of each row of scores alone (temperature, top-k, top-p, ...)
 RowwiseFn = Callable[[torch.Tensor], torch.Tensor]
 # stops(call_rows [G], ids [G, P + L]) -> [G] bool: whether generation ends after the prefix's last token
@@ -91,14 +92,10 @@ def verified_entries(generated: torch.Tensor, counts: torch.Tensor, draft: Draft
     return Entries(held, call, index, tokens[held, index], counts[held] + depth[held, index])
 
 
-def groups(call_rows: torch.Tensor, lengths: torch.Tensor, by_row: bool):
-    """Yield (call row or -1, length, member indices [G]) for the groups of one length (and one call row when
-    `by_row`), in a fixed order."""
-    keys = lengths if not by_row else call_rows * (int(lengths.max()) + 1 if lengths.numel() else 1) + lengths
-    for key in torch.unique(keys).tolist():
-        members = (keys == key).nonzero().squeeze(-1)
-        row = int(call_rows[members[0]]) if by_row else -1
-        yield row, int(lengths[members[0]]), members
+def groups(lengths: torch.Tensor):
+    """Yield (length, member indices [G]) for the groups of entries with one prefix length, shortest first."""
+    for length in torch.unique(lengths).tolist():
+        yield int(length), (lengths == length).nonzero().squeeze(-1)
 
 
 def prefix_ids(prompts: torch.Tensor, call_rows: torch.Tensor, tokens: torch.Tensor, length: int) -> torch.Tensor:
@@ -108,8 +105,8 @@ def prefix_ids(prompts: torch.Tensor, call_rows: torch.Tensor, tokens: torch.Ten
 
 class PrefixLogits:
     """The target's logits hook (`mmspec.lm.LMTarget.logits_hook`): each verified entry's logits [V] become
-    `rowwise(per_prefix(call_row, prefix ids, logits))` (float32), `per_prefix` called on groups of one call row and
-    one prefix length, `rowwise` on all entries at once. Entries that are padding keep their logits (float32).
+    `rowwise(per_prefix(call rows, prefix ids, logits))` (float32), `per_prefix` called on groups of one prefix
+    length, `rowwise` on all entries at once. Entries that are padding keep their logits (float32).
 
     `prompts` [B0, P]: the call rows' prompts as the functions read them. With `record`, `last_raw` and
     `last_processed` keep the last call's logits [B, S, V] before and after (for `output_logits` / `output_scores`).
@@ -132,10 +129,10 @@ class PrefixLogits:
         if self.per_prefix is not None:
             out = out.clone()
             entries = verified_entries(generated, counts, draft, row_ids)
-            for row, length, members in groups(entries.call_rows, entries.lengths, by_row=True):
-                held, index = entries.held_rows[members], entries.index[members]
-                ids = prefix_ids(self.prompts, entries.call_rows[members], entries.tokens[members], length)
-                out[held, index] = self.per_prefix(row, ids, out[held, index]).to(out.dtype)
+            for length, members in groups(entries.lengths):
+                held, index, call = entries.held_rows[members], entries.index[members], entries.call_rows[members]
+                ids = prefix_ids(self.prompts, call, entries.tokens[members], length)
+                out[held, index] = self.per_prefix(call, ids, out[held, index]).to(out.dtype)
         if self.rowwise is not None:
             out = self.rowwise(out.reshape(-1, out.shape[-1])).view(out.shape)
         if self.record:
@@ -158,7 +155,7 @@ def first_stops(stops: StopFn, prompts: torch.Tensor, generated: torch.Tensor, b
     lengths = before[held] + offset + 1  # [M] prefix lengths
     call = held if row_ids is None else row_ids[held]
     hit = torch.zeros_like(lengths, dtype=torch.bool)
-    for _, length, members in groups(call, lengths, by_row=False):
+    for length, members in groups(lengths):
         ids = prefix_ids(prompts, call[members], generated[held[members]], length)
         hit[members] = stops(call[members].to(prompts.device), ids).to(device).bool()
     for i in hit.nonzero().squeeze(-1).tolist():  # (few hits: a row's first one wins)

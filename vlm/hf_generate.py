@@ -21,10 +21,11 @@ over the model's generation config over the global defaults; `_validate_model_kw
   `GenerateDecoderOnlyOutput` with `scores` / `logits` per new token ([B, V] each; zeros at a row's positions after
   its end, where `generate` computes scores of pad tokens) when asked; mmspec's statistics are in
   `SpeculativeVLM.last_stats`.
-Processors and criteria are called on groups of prefixes of one row and one length (`mmspec.prefixes`); like
-transformers' own assisted generation, they must be functions of the prefix and scores they are given. Refused:
+Processors and criteria are called on groups of prefixes of one length (`mmspec.prefixes`); like transformers' own
+assisted generation, they must be functions of the prefix and scores they are given. use_cache=False gives the
+tokens use_cache=True gives, as in transformers (speculative verification always keeps its KV cache). Refused:
 other generation modes (beam search, contrastive search, DoLa, assisted generation), output_attentions /
-output_hidden_states, use_cache=False, guidance_scale, token_healing, SynthID watermarking, negative prompts,
+output_hidden_states, guidance_scale, token_healing, SynthID watermarking, negative prompts,
 synced_gpus, custom_generate, cache and compile settings of transformers' own loop that the user sets (mmspec runs
 its own static KV cache), and stop_strings / stopping_criteria over a batch without an eos id (transformers then
 keeps generating the stopped rows).
@@ -244,8 +245,6 @@ def refuse_unsupported(config, user_set: set, defaults, modes) -> None:
     check(mode in (modes.GREEDY_SEARCH, modes.SAMPLE),
           f"{mode.value.replace('_', ' ')} ({name}) is not speculative decoding: mmspec verifies one sequence per "
           f"row with greedy decoding or sampling; {'set num_beams=1' if name == 'num_beams' else f'unset {name}'}.")
-    check(config.use_cache is not False, "use_cache=False is not supported: speculative decoding verifies drafts "
-                                         "against the KV cache (the outputs are those of use_cache=True).")
     for name in ("output_attentions", "output_hidden_states"):
         check(not getattr(config, name), f"{name} is not supported: mmspec's loop returns no per-step {name[7:]}; "
                                          "use model.generate for them.")
@@ -264,9 +263,10 @@ def refuse_unsupported(config, user_set: set, defaults, modes) -> None:
 def prefix_logits(model, config, processors, ids: torch.Tensor, mask: torch.Tensor | None,
                   prefix_allowed_tokens_fn, user_processors) -> PrefixLogits | None:
     """The target's logits hook for `processors` (transformers' list for the whole batch): the processors up to the
-    last one that reads tokens run per prefix group (each group's own list, built by transformers for that call
-    row, so per-row state such as repetition_penalty's prompt padding and prefix_allowed_tokens_fn's batch id are
-    the row's), the ROWWISE rest on every entry at once. None when there is nothing to do."""
+    last one that reads tokens run per prefix group (each group's own list, built by transformers for the group's
+    call rows, so per-row state such as repetition_penalty's prompt padding and prefix_allowed_tokens_fn's batch id
+    are each member's row's; lists are kept per tuple of rows), the ROWWISE rest on every entry at once. None when
+    there is nothing to do."""
     from transformers import LogitsProcessorList
 
     record = bool(config.return_dict_in_generate and (config.output_scores or config.output_logits))
@@ -274,14 +274,14 @@ def prefix_logits(model, config, processors, ids: torch.Tensor, mask: torch.Tens
     tail = LogitsProcessorList(processors[cut:])
     if cut == 0 and not tail and not record:
         return None
-    lists: dict[tuple[int, int], LogitsProcessorList] = {}
+    lists: dict[tuple[int, ...], LogitsProcessorList] = {}
 
-    def per_prefix(row: int, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        key = (row, prefix.shape[0])
+    def per_prefix(call_rows: torch.Tensor, prefix: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        key = tuple(call_rows.tolist())
         if key not in lists:
-            rows = torch.full((prefix.shape[0],), row, dtype=torch.long, device=ids.device)
+            rows = call_rows.to(ids.device)
             allowed = None if prefix_allowed_tokens_fn is None else (
-                lambda _batch_id, sent, row=row: prefix_allowed_tokens_fn(row, sent))
+                lambda member, sent, key=key: prefix_allowed_tokens_fn(key[member], sent))
             kwargs = {} if mask is None else {"attention_mask": mask[rows]}
             built = model._get_logits_processor(config, ids.shape[1], ids[rows], allowed, user_processors,
                                                 ids.device, kwargs)

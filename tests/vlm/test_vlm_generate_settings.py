@@ -141,6 +141,7 @@ def test_users_processors_criteria_stop_strings_and_prefix_functions(vlms, famil
         {"stop_strings": [row_text.strip()[3:5] or row_text.strip()[:1]], "tokenizer": tok},
         {"prefix_allowed_tokens_fn": lambda batch_id, ids: allowed[batch_id]},  # reads the row's batch id
         {"max_time": 0.0},  # out of time after the first token
+        {"use_cache": False, "repetition_penalty": 1.4},  # (the same tokens with the cache, as in transformers)
     ]
     for settings in calls:
         reference = vlm.model.generate(**enc, max_new_tokens=NEW, do_sample=False, **settings)
@@ -247,7 +248,6 @@ def test_num_return_sequences_and_pad_token_id(vlms):
     ({"generation_config": GenerationConfig(num_beams=2, do_sample=True)}, "beam sample"),
     ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive search"),
     ({"prompt_lookup_num_tokens": 3}, "assisted generation"),
-    ({"use_cache": False}, "use_cache=False"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
     ({"output_hidden_states": True}, "output_hidden_states"),
     ({"guidance_scale": 1.5}, "guidance_scale"),
