@@ -136,5 +136,20 @@ def test_mmspec_profile_prints_the_tables_of_a_family_hook(tmp_path, monkeypatch
         assert "--widths must be comma-separated positive integers" in capsys.readouterr().err
         assert main(["profile", "--family", "toy"]) == 2
         assert "has no profile hook; families with one: " in capsys.readouterr().err
+        assert main([*args, "--family-option", "size=B"]) == 2  # options build through a bench family
+        assert "has no bench family to build it with options" in capsys.readouterr().err
+        assert main([*args, "--model", "x", "--family-option", "size=B"]) == 2
+        assert "give the folder as --family-option model=PATH" in capsys.readouterr().err
     finally:
         unregister_family("scratch-profile")
+
+
+def test_mmspec_profile_builds_official_sizes_as_the_bench_does(tmp_path, monkeypatch, capsys):
+    """`--family-option` builds the models as `mmspec bench` does: LlamaGen-B with random weights."""
+    monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))
+    args = ["profile", "--family", "llamagen", "--batch-sizes", "1", "--widths", "1,2", "--repeats", "1"]
+    assert main([*args, "--family-option", "size=B", "--family-option", "decode=false"]) == 0
+    out = capsys.readouterr().out
+    assert "transformer: ms per forward" in out and "eagle" in out
+    assert main(["profile", "--family", "mar", "--family-option", "size=XL"]) == 2
+    assert "unknown MAR size 'XL'; official sizes: B, L, H" in capsys.readouterr().err

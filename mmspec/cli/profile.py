@@ -2,12 +2,15 @@
 each, and cache the tables (`mmspec.profiling`) that draft budgets read.
 
     mmspec profile --family llamagen --batch-sizes 1,8,32 --widths 1,2,4,8,16,32,64 --threads 2
+    mmspec profile --family mar --family-option size=L --batch-sizes 1 --widths 1,8 --repeats 2   # official size
 
 Prints, per model, the milliseconds of one forward and the same in one-token forwards of its batch size (what a
 verify of W tokens costs in plain steps). A table is measured once per (model, device, dtype, threads, torch) and
 read back from the cache afterwards (`--refresh` measures again). Families offer their models through the `profile`
 hook of their record (`mmspec.families`): llamagen (the target, the draft model, the EAGLE drafter), vlm (the
-target and every saved drafter: `vlm.profile`), mar (the target's and the draft's CSpD windows). `--compile MODE`
+target and every saved drafter: `vlm.profile`), mar (the target's and the draft's CSpD windows). With
+`--family-option`, the models are built as the family's bench builds them (`size=...`: an official size with random
+weights). `--compile MODE`
 also times every model compiled in MODE against eager at the same cells and caches the verdict that
 `compile="auto"` reads (`mmspec.compile`): a model is compiled where its compiled forwards took at most 0.95x of
 eager's (the geometric mean over the cells).
@@ -32,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--refresh", action="store_true", help="measure again even if a cached table exists")
+    parser.add_argument("--family-option", action="append", default=[], metavar="KEY=VALUE",
+                        help="build the models as `mmspec bench` does with this option (repeatable), e.g. "
+                             "size=L for an official size with random weights")
     parser.add_argument("--compile", default=None, choices=COMPILE_MODES, metavar="MODE",
                         help="also time each model's forwards compiled in MODE (" + ", ".join(COMPILE_MODES) + ") "
                              "against eager at the same cells, and cache the verdict `compile=auto` reads")
@@ -69,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     if family.profile is None:  # (the list imports every family's record: only on this error)
         with_hook = [n for n in available_families() if get_family(n).profile is not None]
         raise InputError(f"family {args.family!r} has no profile hook; families with one: {', '.join(with_hook)}.")
-    pipe = family.load(args.model, device)
+    pipe = load_models(family, args, device)
     check(args.compile is None or callable(getattr(pipe, "compile_forwards", None)),
           f"the {type(pipe).__name__} of family {args.family!r} has no compiled forwards (compile_forwards), so no "
           "compile verdict would be read; drop --compile.")
@@ -85,6 +91,21 @@ def run(args: argparse.Namespace) -> int:
             print(format_verdict(name, measured_verdict(family, pipe, name, model, args, batch_sizes, widths, device))
                   + "\n")
     return 0
+
+
+def load_models(family, args: argparse.Namespace, device):
+    """The family's pipeline: from --model (or the embedded default), or, with --family-option, as its bench family
+    builds it (official sizes with random weights: `--family-option size=...`)."""
+    from mmspec.bench.cli import parse_options
+
+    options = parse_options(args.family_option)
+    if not options:
+        return family.load(args.model, device)
+    check(args.model is None, "give the folder as --family-option model=PATH when other family options are given.")
+    check(family.bench is not None, f"family {family.name!r} has no bench family to build it with options.")
+    from mmspec.bench.registry import BenchSettings
+
+    return family.bench().build(BenchSettings(device=str(device), options=options))
 
 
 def measured_verdict(family, pipe, name: str, model, args: argparse.Namespace, batch_sizes: list[int],
