@@ -5,7 +5,10 @@
 
 Options (`--family-option`): model (a folder in transformers' layout; required: there is no embedded default),
 prompts (a text file, one prompt a line; default: the world's held-out captions), guidance_scale, top_k, top_p
-(default: the model's and the family's, as `mmspec generate`), budget (auto | fixed). Figures: step compression,
+(default: the model's and the family's, as `mmspec generate`), budget (auto | fixed). Janus at an official size with
+random weights instead of a folder: size=janus-pro-1b|janus-pro-7b (`image_ar.transformers_ar.official`), dtype
+(float32, bfloat16, float16), logit_scale (the image head drawn that many times wider: peaked laws); its quality is
+token exactness alone. decode=false (any model) skips decoding the images. Figures: step compression,
 speed-up, acceptance, token exactness against vanilla for lossless methods at temperature 0, and how closely the
 tokens follow the target (`mmspec.metrics.calibration`, when the distributions fit in `CALIBRATION_BYTES`). There is
 no judge for these models' images: they are not world models.
@@ -16,6 +19,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from image_ar.llamagen.bench import caption_inputs
 from image_ar.transformers_ar.family import EMU3, EMU3_DEFAULTS, JANUS, JANUS_DEFAULTS
@@ -28,6 +33,7 @@ from mmspec.bench.image_family import (
 )
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of, pop_budget
 from mmspec.budget import check_budget_mode
+from mmspec.cli.family_io import torch_dtype
 from mmspec.errors import check
 
 RECORDS = {"janus": (JANUS, JANUS_DEFAULTS), "emu3": (EMU3, EMU3_DEFAULTS)}
@@ -36,9 +42,14 @@ CALIBRATION_BYTES = 2 ** 31  # the scored distributions of one chunk (n x T x V 
 
 def _options(settings: BenchSettings, family: str) -> dict[str, Any]:
     defaults = {**RECORDS[family][1], "guidance_scale": None}  # None: the model's own (its generation_config)
-    options = image_options(settings, family, defaults, extra=("budget", "prompts"))
-    check(options["model"] is not None, f"bench family {family!r} needs --family-option model=FOLDER (a local "
-                                        f"{family} folder in transformers' layout; there is no embedded default).")
+    official = ("size", "dtype", "logit_scale") if family == "janus" else ()
+    options = image_options(settings, family, defaults, extra=("budget", "prompts", "decode", *official))
+    check(options["model"] is not None or options.get("size") is not None,
+          f"bench family {family!r} needs --family-option model=FOLDER (a local {family} folder in transformers' "
+          f"layout; there is no embedded default){' or size=janus-pro-1b|janus-pro-7b' if official else ''}.")
+    scale = options.get("logit_scale")
+    check(scale is None or (scale.replace(".", "", 1).isdigit() and float(scale) > 0),
+          f"--family-option logit_scale must be a positive number, got {scale!r}.")
     check_budget_mode(options["budget"], "--family-option budget")
     return options
 
@@ -63,7 +74,7 @@ def _runner(family: str):
             o = _options(settings, family)
             given, budget = pop_budget(given, o["budget"])
             return run_image_method(pipe, {"prompt": [s.data for s in batch]}, batch, settings, o, record.name,
-                                    given, budget)
+                                    given, budget, output_type="latent" if o["decode"] == "false" else "pt")
 
         return run
 
@@ -79,6 +90,8 @@ def quality(method: Method, params: Mapping[str, Any], outputs: list, vanilla: l
 def calibration(family: str):
     def figures(pipe, samples: Sequence[Sample], outputs: list, settings: BenchSettings) -> dict:
         o = _options(settings, family)
+        if o.get("size") is not None:  # (random weights: no law worth scoring)
+            return {}
         size = outputs[0]["tokens"].numel() * pipe.lm.vocab_size * 4
         chunk = max(1, min(32, CALIBRATION_BYTES // max(size, 1)))
         if size > CALIBRATION_BYTES:  # one image's distributions alone do not fit (Emu3 at 90 x 90 tokens)
@@ -102,10 +115,22 @@ def transformers_image_family(family: str) -> Family:
     record = RECORDS[family][0]
 
     def build(settings: BenchSettings):
-        return record.load(_options(settings, family)["model"], settings.device)
+        o = _options(settings, family)
+        dtype = torch_dtype(o.get("dtype"))
+        if o.get("size") is None:
+            return record.load(o["model"], settings.device)
+        from image_ar.transformers_ar.official import random_janus_pipeline
 
-    return Family(name=family, model_id=lambda s: str(_options(s, family)["model"]), build=build,
+        return random_janus_pipeline(o["size"], settings.device, dtype or torch.float32, seed=settings.seed,
+                                     logit_scale=float(o["logit_scale"] or 1.0))
+
+    def model_id(settings: BenchSettings) -> str:
+        o = _options(settings, family)
+        return str(o["model"]) if o.get("size") is None else f"{o['size']} (random weights)"
+
+    return Family(name=family, model_id=model_id, build=build,
                   inputs=prompt_inputs(family), methods=methods_of(record, _runner(family), budget=True),
                   quality=quality, primary_quality=None, to_turn=lambda o: o["tokens"].tolist(),
-                  default_methods=lambda s: runnable_methods(record, _options(s, family)["model"]),
+                  default_methods=lambda s: (runnable_methods(record, _options(s, family)["model"])
+                                             if _options(s, family).get("size") is None else list(record.methods)),
                   model_quality=calibration(family), description=record.description)

@@ -1,0 +1,80 @@
+"""Janus-Pro at its official sizes with random weights: what a step costs at the sizes users run.
+
+    pipe = random_janus_pipeline("janus-pro-7b", device="cuda", dtype=torch.bfloat16)
+    mmspec bench --family janus --family-option size=janus-pro-1b --force-acceptance tau=2.31:depth=16 ...
+
+A forward costs the same whatever the weights; acceptance comes from `mmspec bench --force-acceptance`
+(`mmspec.forced`). The processor is the world tokenizer's with Janus's image tokens (`image_ar.transformers_ar.tiny`)
+at the official image geometry (384 px, 576 image tokens); the vocabulary is the official size (the world
+tokenizer's ids lie inside it), so the embedding and the text head cost what they do officially. Configurations
+(deepseek-ai/Janus-Pro-1B and -7B config.json, as transformers' conversion reads them):
+- janus-pro-1b: the language model 24 layers x 2048, MLP 5632, 16 heads (DeepSeek-LLM-1.3B's shape), untied head;
+- janus-pro-7b: 30 layers x 4096, MLP 11008, 32 heads (DeepSeek-LLM-7B's), untied head;
+- both: vocabulary 102400, 16384 positions; the understanding tower SigLIP-L/16 at 384 px (24 layers x 1024) and its
+  two-layer aligner; the generation side: VQ-16 (16384 codes x 8), a two-layer aligner and the image head at the
+  language model's width; an EAGLE drafter (for eagle and lantern) of one decoder layer at that width.
+Weights are drawn by transformers' own initialisation directly in `dtype` on `device` (no float32 copy of a 7B
+model), the language model's then scaled by `logit_scale` where asked (peaked laws, as a trained model's).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmspec.errors import check
+
+JANUS_TEXT = {  # size -> the language model's shape
+    "janus-pro-1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16,
+                         num_key_value_heads=16),
+    "janus-pro-7b": dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=30, num_attention_heads=32,
+                         num_key_value_heads=32),
+}
+JANUS_SIZES = tuple(JANUS_TEXT)
+IMAGE_SIZE, IMAGE_TOKENS = 384, 576
+
+
+def janus_config(size: str, tokenizer, **text_overrides: Any):
+    """The `JanusConfig` of `size` over `tokenizer`'s special ids (InputError naming the sizes otherwise)."""
+    from transformers import JanusConfig
+
+    check(size in JANUS_TEXT, f"unknown Janus size {size!r}; sizes: {', '.join(JANUS_SIZES)}.")
+    width = JANUS_TEXT[size]["hidden_size"]
+    text = dict(model_type="llama", vocab_size=102400, max_position_embeddings=16384, rms_norm_eps=1e-6,
+                bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id, **{**JANUS_TEXT[size], **text_overrides})
+    return JanusConfig(text_config=text, vision_config=dict(image_size=IMAGE_SIZE, projection_dim=width, depth=2),
+                       vq_config=dict(projection_dim=width, image_token_embed_dim=width, depth=2),
+                       image_token_id=tokenizer.image_token_id, tie_word_embeddings=False)
+
+
+def random_janus_pipeline(size: str, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                          seed: int = 0, logit_scale: float = 1.0, **text_overrides: Any):
+    """A `JanusPipeline` over the random-weight Janus-Pro of `size` (see the module docstring); overrides change the
+    language model's config (tests: fewer layers)."""
+    from transformers import JanusForConditionalGeneration
+
+    from image_ar.transformers_ar.eagle import ImageAREagleDrafter
+    from image_ar.transformers_ar.pipeline import JanusPipeline
+    from image_ar.transformers_ar.tiny import tiny_janus_processor
+
+    check(logit_scale > 0, f"logit_scale must be > 0, got {logit_scale}.")
+    processor = tiny_janus_processor(num_image_tokens=IMAGE_TOKENS, image_size=IMAGE_SIZE)
+    tok = processor.tokenizer
+    config = janus_config(size, tok, **text_overrides)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = JanusForConditionalGeneration._from_config(config, dtype=dtype).eval()
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.model.generation_head.proj_out.weight.mul_(logit_scale)
+    gen = model.generation_config  # as the official folders have it
+    gen.bos_token_id, gen.pad_token_id = tok.bos_token_id, tok.pad_token_id
+    gen.generation_kwargs = {"boi_token_id": tok.boi_token_id}
+    gen.guidance_scale = 5.0
+    pipe = JanusPipeline(model, processor)
+    with torch.device(device):  # EAGLE (and LANTERN's) drafter: one decoder layer at the language model's width
+        drafter = ImageAREagleDrafter.for_target(pipe.lm).to(dtype).eval()
+    pipe.eagle_drafter = drafter.attach(pipe.lm)
+    return pipe

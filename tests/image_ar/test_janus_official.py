@@ -1,0 +1,43 @@
+"""Janus-Pro at its official sizes (random weights): the configurations of deepseek-ai/Janus-Pro-1B and -7B, the
+parameter counts they give, and the bench options that build them (`image_ar.transformers_ar.official`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from image_ar.transformers_ar.official import JANUS_SIZES, random_janus_pipeline
+from mmspec.bench.registry import BenchSettings
+from mmspec.errors import InputError
+
+# (layers, width, parameters without the EAGLE drafter: the checkpoints' listed 2.09B and 7.42B, within 1%)
+SHAPES = {"janus-pro-1b": (24, 2048, 2.09e9), "janus-pro-7b": (30, 4096, 7.42e9)}
+
+
+@pytest.mark.parametrize("size", JANUS_SIZES)
+def test_official_shapes_and_parameter_counts(size):
+    pipe = random_janus_pipeline(size, device="meta", dtype=torch.bfloat16)
+    model = pipe.model
+    layers, width, published = SHAPES[size]
+    text = model.config.text_config
+    assert (text.num_hidden_layers, text.hidden_size, text.vocab_size) == (layers, width, 102400)
+    assert model.config.vision_config.num_image_tokens == 576 and pipe.image_token_layout() == (576, 24, 16384)
+    count = sum(p.numel() for p in model.parameters())
+    assert abs(count / published - 1) < 0.01, count
+    assert model.lm_head.weight.dtype == torch.bfloat16 and not model.config.tie_word_embeddings
+    drafter = pipe.eagle_drafter
+    assert drafter is not None and drafter.config.hidden_size == width  # EAGLE's one layer at the target's width
+
+
+def test_bench_options():
+    from image_ar.transformers_ar.bench import _options
+
+    assert _options(BenchSettings(options={"size": "janus-pro-1b"}), "janus")["size"] == "janus-pro-1b"
+    with pytest.raises(InputError, match="needs --family-option model=FOLDER .* or size=janus-pro-1b"):
+        _options(BenchSettings(options={}), "janus")
+    with pytest.raises(InputError, match="unknown option"):
+        _options(BenchSettings(options={"size": "x"}), "emu3")
+    with pytest.raises(InputError, match="logit_scale must be a positive number"):
+        _options(BenchSettings(options={"size": "janus-pro-1b", "logit_scale": "-2"}), "janus")
+    with pytest.raises(InputError, match="unknown Janus size 'janus-9b'"):
+        random_janus_pipeline("janus-9b", device="meta")
