@@ -5,10 +5,10 @@
 
 Options (`--family-option`): model (a folder in transformers' layout; required: there is no embedded default),
 prompts (a text file, one prompt a line; default: the world's held-out captions), guidance_scale, top_k, top_p
-(default: the model's and the family's, as `mmspec generate`), budget (auto | fixed). Janus at an official size with
-random weights instead of a folder: size=janus-pro-1b|janus-pro-7b (`image_ar.transformers_ar.official`), dtype
-(float32, bfloat16, float16), logit_scale (the image head drawn that many times wider: peaked laws); its quality is
-token exactness alone. decode=false (any model) skips decoding the images. Figures: step compression,
+(default: the model's and the family's, as `mmspec generate`), budget (auto | fixed). An official size with random
+weights instead of a folder: size=janus-pro-1b|janus-pro-7b or size=emu3-gen (`image_ar.transformers_ar.official`),
+dtype (float32, bfloat16, float16), logit_scale (the image head drawn that many times wider: peaked laws); its
+quality is token exactness alone. decode=false (any model) skips decoding the images. Figures: step compression,
 speed-up, acceptance, token exactness against vanilla for lossless methods at temperature 0, and how closely the
 tokens follow the target (`mmspec.metrics.calibration`, when the distributions fit in `CALIBRATION_BYTES`). There is
 no judge for these models' images: they are not world models.
@@ -37,16 +37,17 @@ from mmspec.cli.family_io import torch_dtype
 from mmspec.errors import check
 
 RECORDS = {"janus": (JANUS, JANUS_DEFAULTS), "emu3": (EMU3, EMU3_DEFAULTS)}
+OFFICIAL_SIZES = {"janus": ("janus-pro-1b", "janus-pro-7b"), "emu3": ("emu3-gen",)}  # `official.py`'s
 CALIBRATION_BYTES = 2 ** 31  # the scored distributions of one chunk (n x T x V float32) must fit in this
 
 
 def _options(settings: BenchSettings, family: str) -> dict[str, Any]:
     defaults = {**RECORDS[family][1], "guidance_scale": None}  # None: the model's own (its generation_config)
-    official = ("size", "dtype", "logit_scale") if family == "janus" else ()
-    options = image_options(settings, family, defaults, extra=("budget", "prompts", "decode", *official))
+    options = image_options(settings, family, defaults,
+                            extra=("budget", "prompts", "decode", "size", "dtype", "logit_scale"))
     check(options["model"] is not None or options.get("size") is not None,
           f"bench family {family!r} needs --family-option model=FOLDER (a local {family} folder in transformers' "
-          f"layout; there is no embedded default){' or size=janus-pro-1b|janus-pro-7b' if official else ''}.")
+          f"layout; there is no embedded default) or size={'|'.join(OFFICIAL_SIZES[family])} (random weights).")
     scale = options.get("logit_scale")
     check(scale is None or (scale.replace(".", "", 1).isdigit() and float(scale) > 0),
           f"--family-option logit_scale must be a positive number, got {scale!r}.")
@@ -119,10 +120,11 @@ def transformers_image_family(family: str) -> Family:
         dtype = torch_dtype(o.get("dtype"))
         if o.get("size") is None:
             return record.load(o["model"], settings.device)
-        from image_ar.transformers_ar.official import random_janus_pipeline
+        from image_ar.transformers_ar.official import random_emu3_pipeline, random_janus_pipeline
 
-        return random_janus_pipeline(o["size"], settings.device, dtype or torch.float32, seed=settings.seed,
-                                     logit_scale=float(o["logit_scale"] or 1.0))
+        build_random = random_janus_pipeline if family == "janus" else random_emu3_pipeline
+        return build_random(o["size"], settings.device, dtype or torch.float32, seed=settings.seed,
+                            logit_scale=float(o["logit_scale"] or 1.0))
 
     def model_id(settings: BenchSettings) -> str:
         o = _options(settings, family)

@@ -1,6 +1,7 @@
-"""Janus-Pro at its official sizes with random weights: what a step costs at the sizes users run.
+"""Janus-Pro and Emu3 at their official sizes with random weights: what a step costs at the sizes users run.
 
     pipe = random_janus_pipeline("janus-pro-7b", device="cuda", dtype=torch.bfloat16)
+    pipe = random_emu3_pipeline("emu3-gen", device="cuda", dtype=torch.bfloat16)
     mmspec bench --family janus --family-option size=janus-pro-1b --force-acceptance tau=2.31:depth=16 ...
 
 A forward costs the same whatever the weights; acceptance comes from `mmspec bench --force-acceptance`
@@ -12,7 +13,12 @@ tokenizer's ids lie inside it), so the embedding and the text head cost what the
 - janus-pro-7b: 30 layers x 4096, MLP 11008, 32 heads (DeepSeek-LLM-7B's), untied head;
 - both: vocabulary 102400, 16384 positions; the understanding tower SigLIP-L/16 at 384 px (24 layers x 1024) and its
   two-layer aligner; the generation side: VQ-16 (16384 codes x 8), a two-layer aligner and the image head at the
-  language model's width; an EAGLE drafter (for eagle and lantern) of one decoder layer at that width.
+  language model's width;
+- emu3-gen (BAAI/Emu3-Gen-hf): 32 layers x 4096, MLP 14336, 32 heads, 8 KV heads, vocabulary 184622, 9216
+  positions, RoPE theta 1e6; the MoVQGAN tokenizer with 32768 codes x 4 (transformers' `Emu3VQVAEConfig` defaults,
+  which are Emu3's); the tokenizer is the world's with Emu3's special tokens and one token per visual code, and the
+  image area the processor's default (720 x 720 px: 90 x 90 codes, 8190 tokens with the row ends);
+- every model: an EAGLE drafter (for eagle and lantern) of one decoder layer at the language model's width.
 Weights are drawn by transformers' own initialisation directly in `dtype` on `device` (no float32 copy of a 7B
 model), the language model's then scaled by `logit_scale` where asked (peaked laws, as a trained model's).
 """
@@ -23,6 +29,7 @@ from typing import Any
 
 import torch
 
+from mmspec.diffusers_folder import cast_like_loaded
 from mmspec.errors import check
 
 JANUS_TEXT = {  # size -> the language model's shape
@@ -33,6 +40,11 @@ JANUS_TEXT = {  # size -> the language model's shape
 }
 JANUS_SIZES = tuple(JANUS_TEXT)
 IMAGE_SIZE, IMAGE_TOKENS = 384, 576
+EMU3_TEXT = {"emu3-gen": dict(vocab_size=184622, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                              num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=9216,
+                              rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6})}
+EMU3_SIZES = tuple(EMU3_TEXT)
+EMU3_CODES = 32768
 
 
 def janus_config(size: str, tokenizer, **text_overrides: Any):
@@ -55,7 +67,6 @@ def random_janus_pipeline(size: str, device: torch.device | str = "cpu", dtype: 
     language model's config (tests: fewer layers)."""
     from transformers import JanusForConditionalGeneration
 
-    from image_ar.transformers_ar.eagle import ImageAREagleDrafter
     from image_ar.transformers_ar.pipeline import JanusPipeline
     from image_ar.transformers_ar.tiny import tiny_janus_processor
 
@@ -73,8 +84,42 @@ def random_janus_pipeline(size: str, device: torch.device | str = "cpu", dtype: 
     gen.bos_token_id, gen.pad_token_id = tok.bos_token_id, tok.pad_token_id
     gen.generation_kwargs = {"boi_token_id": tok.boi_token_id}
     gen.guidance_scale = 5.0
-    pipe = JanusPipeline(model, processor)
-    with torch.device(device):  # EAGLE (and LANTERN's) drafter: one decoder layer at the language model's width
-        drafter = ImageAREagleDrafter.for_target(pipe.lm).to(dtype).eval()
+    return with_eagle_drafter(JanusPipeline(model, processor), device, dtype)
+
+
+def random_emu3_pipeline(size: str = "emu3-gen", device: torch.device | str = "cpu",
+                         dtype: torch.dtype = torch.float32, seed: int = 0, logit_scale: float = 1.0,
+                         **text_overrides: Any):
+    """An `Emu3Pipeline` over the random-weight Emu3 of `size` (see the module docstring); overrides change the
+    language model's config (tests: fewer layers)."""
+    from transformers import Emu3Config, Emu3ForConditionalGeneration, Emu3ImageProcessor, Emu3Processor
+
+    from image_ar.transformers_ar.emu3 import EOL_TOKEN
+    from image_ar.transformers_ar.pipeline import Emu3Pipeline
+    from image_ar.transformers_ar.tiny import EMU3_TOKENS, world_tokenizer_with
+
+    check(size in EMU3_TEXT, f"unknown Emu3 size {size!r}; sizes: {', '.join(EMU3_SIZES)}.")
+    check(logit_scale > 0, f"logit_scale must be > 0, got {logit_scale}.")
+    visual = [f"<|visual token{i:06d}|>" for i in range(EMU3_CODES)]
+    tok = world_tokenizer_with(EMU3_TOKENS, [EOL_TOKEN, *visual])
+    processor = Emu3Processor(image_processor=Emu3ImageProcessor(), tokenizer=tok)
+    text = dict(bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                **{**EMU3_TEXT[size], **text_overrides})
+    config = Emu3Config(text_config=text, vq_config=dict(codebook_size=EMU3_CODES), vocabulary_map=tok.get_vocab())
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Emu3ForConditionalGeneration._from_config(config, dtype=dtype).eval()
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(logit_scale)
+    return with_eagle_drafter(Emu3Pipeline(model, processor), device, dtype)
+
+
+def with_eagle_drafter(pipe, device: torch.device | str, dtype: torch.dtype):
+    """`pipe` with a random EAGLE drafter (eagle and lantern's) of one decoder layer at its language model's width."""
+    from image_ar.transformers_ar.eagle import ImageAREagleDrafter
+
+    with torch.device(device):
+        drafter = cast_like_loaded(ImageAREagleDrafter.for_target(pipe.lm), dtype).eval()
     pipe.eagle_drafter = drafter.attach(pipe.lm)
     return pipe

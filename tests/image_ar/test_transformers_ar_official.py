@@ -1,12 +1,13 @@
-"""Janus-Pro at its official sizes (random weights): the configurations of deepseek-ai/Janus-Pro-1B and -7B, the
-parameter counts they give, and the bench options that build them (`image_ar.transformers_ar.official`)."""
+"""Janus-Pro and Emu3 at their official sizes (random weights): the configurations of deepseek-ai/Janus-Pro-1B and
+-7B and BAAI/Emu3-Gen, the parameter counts they give, and the bench options that build them
+(`image_ar.transformers_ar.official`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from image_ar.transformers_ar.official import JANUS_SIZES, random_janus_pipeline
+from image_ar.transformers_ar.official import JANUS_SIZES, random_emu3_pipeline, random_janus_pipeline
 from mmspec.bench.registry import BenchSettings
 from mmspec.errors import InputError
 
@@ -35,9 +36,21 @@ def test_bench_options():
     assert _options(BenchSettings(options={"size": "janus-pro-1b"}), "janus")["size"] == "janus-pro-1b"
     with pytest.raises(InputError, match="needs --family-option model=FOLDER .* or size=janus-pro-1b"):
         _options(BenchSettings(options={}), "janus")
-    with pytest.raises(InputError, match="unknown option"):
-        _options(BenchSettings(options={"size": "x"}), "emu3")
+    assert _options(BenchSettings(options={"size": "emu3-gen"}), "emu3")["size"] == "emu3-gen"
     with pytest.raises(InputError, match="logit_scale must be a positive number"):
         _options(BenchSettings(options={"size": "janus-pro-1b", "logit_scale": "-2"}), "janus")
     with pytest.raises(InputError, match="unknown Janus size 'janus-9b'"):
         random_janus_pipeline("janus-9b", device="meta")
+
+
+def test_emu3_gen_shapes():
+    pipe = random_emu3_pipeline("emu3-gen", device="meta", dtype=torch.bfloat16)
+    text = pipe.model.config.text_config
+    assert (text.num_hidden_layers, text.hidden_size, text.num_key_value_heads, text.vocab_size) == (32, 4096, 8,
+                                                                                                     184622)
+    assert pipe.model.config.vq_config.codebook_size == 32768 and pipe.lm.vocab_size == 184622
+    text_count = sum(p.numel() for p in (*pipe.model.model.text_model.parameters(), pipe.model.lm_head.weight))
+    assert abs(text_count / 8.49e9 - 1) < 0.005, text_count  # the language model, untied head included
+    vq_count = sum(p.numel() for p in pipe.model.model.vqmodel.parameters())
+    assert 0.2e9 < vq_count < 0.35e9, vq_count  # the MoVQGAN tokenizer
+    assert pipe.eagle_drafter.config.hidden_size == 4096
