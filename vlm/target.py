@@ -33,6 +33,7 @@ import torch
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check
 from mmspec.hf_cache import check_attention_support, run_text_model
+from mmspec.lm import hidden_at
 
 Grid = tuple[int, int, int, int]  # (offset, height, width, row_stride): a rectangle of one image run's tokens
 
@@ -227,13 +228,14 @@ class CachedVLM:
 
     @torch.no_grad()
     def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
-                       mask: torch.Tensor, seq_positions: torch.Tensor | None = None) -> torch.Tensor:
+                       mask: torch.Tensor, seq_positions: torch.Tensor | None = None,
+                       head_at: torch.Tensor | None = None) -> torch.Tensor:
         """Input embeddings x [B, S, H] at the model's `positions`; K/V written at `slots` [B, S]; mask [B, S, T];
         seq_positions [B, S]: the entries' sequence indices (default the slots) where a sliding window applies;
-        logits [B, S, V] float32."""
+        logits [B, S, V] float32, or [B, 1, V] at one entry per row `head_at` [B] (`mmspec.lm.hidden_at`)."""
         self.last_hidden = run_text_model(self.text, x, positions, cache, slots, mask, self.backend,  # [B, S, H]
                                           window=self.window, seq_positions=seq_positions)
-        return self.model.lm_head(self.last_hidden).float()
+        return self.model.lm_head(hidden_at(self.last_hidden, head_at)).float()
 
 
 class LlavaCachedLM(CachedVLM):
@@ -335,8 +337,8 @@ def prefill_vlm(model: CachedVLM, inputs: VLMInputs, extra_capacity: int) -> tup
     positions = model.prompt_positions(inputs, slots)  # [B, P] or the model's layout ([3, B, P] for M-RoPE)
     with cache.keys_up_to(p):  # the prompts attend over their own P slots, not the room left for the answer
         mask = model.prompt_mask(inputs, cache.attention_mask(slots))  # [B, P, P]
-        logits = model.forward_embeds(embeds, positions, cache, slots, mask)  # [B, P, V]
-    lengths = inputs.lengths.to(cache.device)  # [B]
+        lengths = inputs.lengths.to(cache.device)  # [B]
+        # the head at each row's last prompt position only; model.last_hidden keeps every one [B, P, H] (drafters)
+        logits = model.forward_embeds(embeds, positions, cache, slots, mask, head_at=lengths - 1)  # [B, 1, V]
     cache.commit_chain(lengths)
-    last = (lengths - 1).view(b, 1, 1)  # model.last_hidden keeps every prompt position [B, P, H] (drafters)
-    return cache, logits.gather(1, last.expand(-1, -1, logits.shape[-1]))  # [B, 1, V]
+    return cache, logits

@@ -32,7 +32,7 @@ from image_ar.transformers_ar.prompts import Prompts, prefill_rows
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check
 from mmspec.hf_cache import check_attention_support, run_text_model
-from mmspec.lm import TokenLayout
+from mmspec.lm import TokenLayout, hidden_at
 
 EOL_TOKEN = "<|extra_200|>"  # closes each row of visual tokens (Emu3's vocabulary_map names it)
 # the official generation script's unconditional context and prompt suffix (baaivision/Emu3 `image_generation.py`)
@@ -129,10 +129,10 @@ class Emu3CachedLM:
 
     @torch.no_grad()
     def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
+                       mask: torch.Tensor, head_at: torch.Tensor | None = None) -> torch.Tensor:
         """Input embeddings x [B, S, H] at positions [B, S]; K/V at slots; mask [B, S, T] -> logits [B, S, V]."""
         self.last_hidden = run_text_model(self.text, x, positions, cache, slots, mask, self.backend)  # [B, S, H]
-        return self.head(self.last_hidden)
+        return self.head(hidden_at(self.last_hidden, head_at))  # ([B, 1, V] at one position per row `head_at`)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [B, S] -> the model's input embeddings [B, S, H]."""

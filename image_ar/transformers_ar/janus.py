@@ -34,6 +34,7 @@ from image_ar.transformers_ar.prompts import Prompts, prefill_rows
 from mmspec.cache import StaticKVCache
 from mmspec.errors import InputError, check
 from mmspec.hf_cache import check_attention_support, run_text_model
+from mmspec.lm import hidden_at
 
 
 @dataclass(frozen=True)
@@ -113,11 +114,11 @@ class JanusCachedLM:
 
     @torch.no_grad()
     def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
+                       mask: torch.Tensor, head_at: torch.Tensor | None = None) -> torch.Tensor:
         """Input embeddings x [B, S, H] at positions [B, S]; K/V at slots [B, S]; mask [B, S, T] -> logits over
         the VQ codes [B, S, V] float32."""
         self.last_hidden = run_text_model(self.text, x, positions, cache, slots, mask, self.backend)  # [B, S, H]
-        return self.head(self.last_hidden)
+        return self.head(hidden_at(self.last_hidden, head_at))  # ([B, 1, V] at one position per row `head_at`)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Codes [B, S] -> what the text model reads for them [B, S, H]: generation_aligner(generation_embeddings)."""

@@ -64,7 +64,6 @@ def prefill_rows(model, rows: list[Prompts], extra_capacity: int):
     cache = model.new_cache(ids.shape[0], width + extra_capacity)
     slots = cache.slots(width)  # [R, P] == positions (right padding)
     logits = model.forward_embeds(model.model.get_input_embeddings()(ids), slots, cache, slots,
-                                  cache.attention_mask(slots))  # [R, P, V]
+                                  cache.attention_mask(slots), head_at=lengths - 1)  # [R, 1, V]
     cache.commit_chain(lengths)
-    last = (lengths - 1).view(-1, 1, 1)
-    return cache, logits.gather(1, last.expand(-1, -1, logits.shape[-1]))  # [R, 1, V]
+    return cache, logits
