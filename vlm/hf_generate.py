@@ -33,6 +33,7 @@ keeps generating the stopped rows).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -197,7 +198,7 @@ def prepare_call(model, tokenizer, kwargs: dict) -> HFCall:
                    "model; drop them.")
     has_mask = model_kwargs.get("attention_mask") is not None
     with transformers_errors():
-        model._prepare_special_tokens(config, has_mask, device=ids.device, batch_size=ids.shape[0])
+        prepare_special_tokens(model, config, has_mask, ids.device, ids.shape[0])
         ids, model_kwargs = model._expand_inputs_for_generation(
             input_ids=ids, expand_size=config.num_return_sequences or 1, is_encoder_decoder=False, **model_kwargs)
         prompt_length = ids.shape[1]
@@ -232,6 +233,13 @@ def prepare_call(model, tokenizer, kwargs: dict) -> HFCall:
         call.stop_fn = lambda rows, prefix: stop_list(prefix, None)
     call.scores = [[] for _ in range(ids.shape[0])]
     return call
+
+
+def prepare_special_tokens(model, config, has_mask: bool, device, batch: int) -> None:
+    """transformers' `_prepare_special_tokens` (eos / pad / bos tensors on the config), with the batch size where
+    this transformers version takes it (older ones, e.g. the 5.6 floor, do not)."""
+    takes_batch = "batch_size" in inspect.signature(model._prepare_special_tokens).parameters
+    model._prepare_special_tokens(config, has_mask, device=device, **({"batch_size": batch} if takes_batch else {}))
 
 
 def refuse_unsupported(config, user_set: set, defaults, modes) -> None:

@@ -12,7 +12,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 from mmspec.errors import InputError
 from mmspec.testing.distributions import pooled_chi_square, prefix_pairs
 from vlm.family import drafter_model
-from vlm.hf_generate import PER_TOKEN_INPUTS
+from vlm.hf_generate import PER_TOKEN_INPUTS, prepare_special_tokens
 from vlm.tiny import tiny_processor_batch, tiny_vlm
 
 NEW = 12
@@ -188,7 +188,7 @@ def processed_law(vlm, enc, settings: dict, prefix: tuple) -> torch.Tensor:
     """transformers' sampling law [V] of the token after prompt + `prefix` under `settings` (its own processors)."""
     model = vlm.model
     config, _ = model._prepare_generation_config(None, **settings)
-    model._prepare_special_tokens(config, True, device="cpu", batch_size=1)
+    prepare_special_tokens(model, config, True, "cpu", 1)
     new = torch.tensor([prefix], dtype=torch.long)
     ids = torch.cat([enc["input_ids"], new], dim=1)
     inputs = {k: (torch.cat([v, torch.zeros_like(new)], 1) if k in PER_TOKEN_INPUTS else v)
