@@ -133,7 +133,7 @@ class HFCall:
             for t in range(width):
                 rows = [row[t][which] if t < min(len(row), len(ids)) else torch.zeros(vocab)
                         for row, ids in zip(self.scores, token_ids)]
-                steps.append(torch.stack([r.float().cpu() for r in rows]))
+                steps.append(torch.stack(rows))
             return tuple(steps)
 
         return GenerateDecoderOnlyOutput(sequences=sequences, scores=per_position(1, self.config.output_scores),
@@ -143,14 +143,19 @@ class HFCall:
 def record_scores(call: HFCall, state, before: torch.Tensor, draft, result) -> None:
     """Append to `call.scores` the raw and processed logits of each held row's new tokens: the prefill's token came
     from entry 0, a step's token j from entry j (chain) or from the j-th node of the accepted path (tree)."""
-    raw, processed = call.logits.last_raw, call.logits.last_processed  # [B, S, V]
     new = (state.num_generated - before).tolist()
     rows = range(len(new)) if state.row_ids is None else state.row_ids.tolist()
     nodes = None if result is None or result.accepted_nodes is None else result.accepted_nodes.tolist()
-    for held, (row, count) in enumerate(zip(rows, new)):
-        for j in range(count):
-            entry = 0 if draft is None else (nodes[held][j] if nodes is not None else j)
-            call.scores[row].append((raw[held, entry], processed[held, entry]))
+    picked = [(held, 0 if draft is None else (nodes[held][j] if nodes is not None else j), row)
+              for held, (row, count) in enumerate(zip(rows, new)) for j in range(count)]
+    if not picked:
+        return
+    held, entry, _ = (torch.tensor(column) for column in zip(*picked))
+    # copies of the picked rows [M, V] (a view would keep each step's whole [B, S, V] logits alive until the end)
+    raw, processed = (t[held.to(t.device), entry.to(t.device)].cpu()
+                      for t in (call.logits.last_raw, call.logits.last_processed))
+    for k, (_, _, row) in enumerate(picked):
+        call.scores[row].append((raw[k], processed[k]))
 
 
 def prepare_call(model, tokenizer, kwargs: dict) -> HFCall:
