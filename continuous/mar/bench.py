@@ -28,6 +28,7 @@ import torch
 
 from continuous.mar.family import DEFAULTS, FAMILY, call_options, load
 from mmspec.bench.image_family import (
+    check_official_only,
     class_inputs,
     image_options,
     image_outputs,
@@ -38,7 +39,7 @@ from mmspec.bench.image_family import (
 )
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of
 from mmspec.cli.family_io import torch_dtype
-from mmspec.errors import InputError, check
+from mmspec.errors import InputError
 
 BENCH_DEFAULTS = {**DEFAULTS, "guidance_scale": None, "top_k": 0, "top_p": 1.0}  # None: the target's own
 
@@ -53,8 +54,7 @@ def _options(settings: BenchSettings) -> dict[str, Any]:
         parsed["num_sampling_steps"] = int(steps)
     except ValueError:
         raise InputError(f"--family-option num_sampling_steps must be an integer, got {steps!r}.") from None
-    check(parsed["draft_size"] is None or parsed["size"] is not None,
-          "--family-option draft_size applies to an official size: give size=B|L|H as well.")
+    check_official_only(parsed, ("draft_size",), "B|L|H")
     return parsed
 
 

@@ -37,6 +37,7 @@ import torch
 from image_ar.llamagen.family import DEFAULTS, FAMILY, load
 from image_ar.llamagen.scoring import target_probs
 from mmspec.bench.image_family import (
+    check_official_only,
     class_inputs,
     image_options,
     image_quality,
@@ -51,7 +52,6 @@ from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, S
 from mmspec.budget import check_budget_mode
 from mmspec.cli.family_io import torch_dtype
 from mmspec.compile import compile_pipeline
-from mmspec.errors import check
 
 OFFICIAL = ("size", "draft_size", "image_size", "logit_scale")  # an official size with random weights (`official.py`)
 
@@ -61,12 +61,7 @@ def _options(settings: BenchSettings, family: str = "llamagen") -> dict[str, Any
     options = image_options(settings, family, {**DEFAULTS, "guidance_scale": None},
                             extra=("budget", "decode", "dtype", *(OFFICIAL if family == "llamagen" else ())))
     check_budget_mode(options["budget"], "--family-option budget")
-    scale = options.get("logit_scale")
-    check(scale is None or scale.replace(".", "", 1).isdigit(),
-          f"--family-option logit_scale must be a positive number, got {scale!r}.")
-    for key in ("draft_size", "image_size", "logit_scale"):
-        check(options.get(key) is None or options.get("size") is not None,
-              f"--family-option {key} applies to an official size: give size=B|L|XL|XXL|3B as well.")
+    check_official_only(options, ("draft_size", "image_size", "logit_scale"), "B|L|XL|XXL|3B")
     return options
 
 

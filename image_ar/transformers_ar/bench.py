@@ -48,9 +48,6 @@ def _options(settings: BenchSettings, family: str) -> dict[str, Any]:
     check(options["model"] is not None or options.get("size") is not None,
           f"bench family {family!r} needs --family-option model=FOLDER (a local {family} folder in transformers' "
           f"layout; there is no embedded default) or size={'|'.join(OFFICIAL_SIZES[family])} (random weights).")
-    scale = options.get("logit_scale")
-    check(scale is None or (scale.replace(".", "", 1).isdigit() and float(scale) > 0),
-          f"--family-option logit_scale must be a positive number, got {scale!r}.")
     check_budget_mode(options["budget"], "--family-option budget")
     return options
 

@@ -24,6 +24,7 @@ import torch
 
 from image_ar.var.family import DEFAULTS, FAMILY, load
 from mmspec.bench.image_family import (
+    check_official_only,
     class_inputs,
     image_options,
     image_outputs,
@@ -35,13 +36,11 @@ from mmspec.bench.image_family import (
 from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, Sample, methods_of
 from mmspec.cli.family_io import torch_dtype
 from mmspec.compile import compile_pipeline
-from mmspec.errors import check
 
 
 def _options(settings: BenchSettings) -> dict[str, Any]:
     o = image_options(settings, "var", DEFAULTS, extra=("size", "small_size", "dtype", "decode"))
-    check(o["small_size"] is None or o["size"] is not None,
-          "--family-option small_size applies to an official size: give size=d16|d20|d24|d30 as well.")
+    check_official_only(o, ("small_size",), "d16|d20|d24|d30")
     return o
 
 

@@ -6,9 +6,10 @@ guidance_scale, top_k, top_p (defaults: the family's pipeline defaults), fid_ref
 world images for world-FID, default 2000), compile (a `torch.compile` mode for the pipeline's step forwards,
 e.g. `compile=default` or `compile=reduce-overhead`; off by default; `mmspec.compile`). A family may accept options
 of its own on top (`extra`: LlamaGen's `budget`, the pipeline's draft budget `fixed` or `auto`, `mmspec.budget`);
-among them `decode` (true or false: false times the generation alone, no image decoded) and `size` (an official
-size with random weights, which cannot go with `model`) are checked here, and with either the quality figures are
-the tokens' alone (`tokens_only`, `token_figures`).
+among them `decode` (true or false: false times the generation alone, no image decoded), `size` (an official size
+with random weights, which cannot go with `model`) and `logit_scale` (a positive number) are checked here, and with
+`size` or decode=false the quality figures are the tokens' alone (`tokens_only`, `token_figures`);
+`check_official_only` refuses the options only an official size takes when `size` is not given.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ def image_options(settings: BenchSettings, family: str, defaults: Mapping[str, A
           f"--family-option decode must be true or false, got {o.get('decode')!r}.")
     check(o.get("size") is None or o.get("model") is None,
           "--family-option size builds an official size with random weights; it cannot go with model=PATH.")
+    scale = o.get("logit_scale")
+    check(scale is None or (scale.replace(".", "", 1).isdigit() and float(scale) > 0),
+          f"--family-option logit_scale must be a positive number, got {scale!r}.")
     guidance = o.get("guidance_scale", defaults["guidance_scale"])  # None: the pipeline's own default
     return {"model": o.get("model"), "guidance_scale": None if guidance is None else float(guidance),
             "top_k": int(o.get("top_k", defaults["top_k"])), "top_p": float(o.get("top_p", defaults["top_p"])),
@@ -112,6 +116,13 @@ def reproduces_vanilla(method: Any, params: Mapping[str, Any], settings: BenchSe
     """Whether a method's tokens must equal vanilla's for the same samples: a lossless method at temperature 0, or
     the coupled acceptance mode at any temperature (vanilla's own sample, `mmspec.verify.coupled`)."""
     return method.is_lossless(params) and (settings.greedy or params.get("accept") == "coupled")
+
+
+def check_official_only(options: Mapping[str, Any], keys: Sequence[str], sizes: str) -> None:
+    """InputError (one line) for an option of `keys` that only an official size takes, given without `size`."""
+    for key in keys:
+        check(options.get(key) is None or options.get("size") is not None,
+              f"--family-option {key} applies to an official size: give size={sizes} as well.")
 
 
 def tokens_only(options: Mapping[str, Any]) -> bool:
