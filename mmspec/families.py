@@ -14,7 +14,11 @@ The record reads its name (the function's, `_` -> `-`), its one-line description
 parameters with their defaults (the function's own keyword parameters, plus those of the constructors it forwards
 `**given` to, read from their signatures: a default lives in one place) and whether it keeps the target's
 distribution (`lossless`: a bool, or a function of the parameters such as `rule_lossless`, which asks the
-acceptance rule the parameters select). `run` is the family's own business: its pipeline calls it.
+acceptance rule the parameters select). The record's kind says what building it gives: a `LoopMethod` builds a
+(drafter, acceptance rule) pair for the shared loop, a `CallMethod` (a collaborative method with its own schedule:
+CoDe, CSpD) the pipeline to call and its arguments, a `DrafterMethod` names the trained drafter model the family's
+tree drafter runs (the VLM). A family's `method_kind` is the kind its decorator declares; `needs` names the
+pipeline components a method runs besides the target, so a pipeline offers exactly the methods it has parts for.
 
 A *family* record holds the pipeline folder loader and embedded default, the hooks `mmspec generate` and the image
 demo use (`generate`, `num_classes`, `sampling_defaults`), the bench hook (`bench() -> mmspec.bench.Family`) and
@@ -33,7 +37,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from mmspec.errors import InputError, check
 
@@ -71,15 +75,18 @@ def split(given: Mapping[str, Any], *sources: ParamSource) -> list[dict[str, Any
 
 @dataclass(frozen=True)
 class MethodRecord:
-    """A decoding method of a family. `run` is what the family's pipeline calls with the caller's given parameters;
-    `params` every parameter with its default; `lossless(params)` whether its output keeps the target's
-    distribution exactly with those parameters (defaults filled in)."""
+    """A decoding method of a family. `run` is what `build` calls with the family's context and the caller's given
+    parameters; `params` every parameter with its default; `lossless(params)` whether its output keeps the target's
+    distribution exactly with those parameters (defaults filled in); `needs` the pipeline components it runs besides
+    the target (e.g. "eagle_drafter"): a pipeline without one of them does not offer the method. The kind of the
+    record (a subclass) says what `build` gives."""
 
     name: str
-    run: Callable[..., Any]
+    run: Callable[..., Any] | None
     params: Mapping[str, Any]
     lossless: Callable[[Mapping[str, Any]], bool]
     description: str = ""
+    needs: tuple[str, ...] = ()
 
     def check_given(self, given: Mapping[str, Any] | None, family: str = "") -> dict[str, Any]:
         """The given parameters, after checking that the method takes each (InputError naming the known ones)."""
@@ -94,6 +101,7 @@ class MethodRecord:
     def build(self, context: Any, given: Mapping[str, Any] | None = None, family: str = "") -> Any:
         """run(context, **given) after `check_given`; a parameter the run cannot take is an InputError."""
         given = self.check_given(given, family)
+        check(self.run is not None, f"method {self.name!r} builds nothing: its family runs it without a build.")
         try:
             return self.run(context, **given)
         except TypeError as err:
@@ -106,6 +114,10 @@ class MethodRecord:
     def is_lossless(self, given: Mapping[str, Any] | None = None) -> bool:
         return bool(self.lossless(self.resolved(given)))
 
+    def offered_by(self, pipeline: Any) -> bool:
+        """Whether `pipeline` has every component the method needs (set, not None)."""
+        return all(getattr(pipeline, name, None) is not None for name in self.needs)
+
     def seed_fixes_output(self, given: Mapping[str, Any] | None, temperature: float) -> bool:
         """Whether a seed gives the same output whatever draft sizes a budget picks: vanilla, the coupled rule (the
         target's own sample at every token), or a lossless method at temperature 0 (greedy tokens). Otherwise the
@@ -114,6 +126,55 @@ class MethodRecord:
         params = self.resolved(given)
         return (self.name == "vanilla" or params.get("accept") == "coupled"
                 or (temperature == 0 and self.is_lossless(given)))
+
+
+class LoopParts(NamedTuple):
+    """What a `LoopMethod` builds for the shared loop (`mmspec.loop.generate`)."""
+
+    drafter: Any  # a `mmspec.loop.Drafter` (NoDrafter for vanilla)
+    rule: Any  # an acceptance rule or its name ("greedy", "lossless", "coupled", ...)
+
+
+class PipelineCall(NamedTuple):
+    """What a `CallMethod` builds: the pipeline to call and the keyword arguments the method adds to the call."""
+
+    pipeline: Any
+    kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class LoopMethod(MethodRecord):
+    """A method of the shared draft-verify loop: run(context, **given) -> (drafter, rule) (LlamaGen, the t2i and
+    transformers' image families, the toy)."""
+
+    def build(self, context: Any, given: Mapping[str, Any] | None = None, family: str = "") -> LoopParts:
+        parts = super().build(context, given, family)
+        check(isinstance(parts, tuple) and len(parts) == 2,
+              f"method {self.name!r} must build (drafter, rule), got {type(parts).__name__}.")
+        return LoopParts(*parts)
+
+
+@dataclass(frozen=True)
+class CallMethod(MethodRecord):
+    """A collaborative method whose pipeline runs its own schedule (VAR's CoDe, MAR's CSpD): run(pipe, **given) ->
+    (the pipeline to call, its extra keyword arguments)."""
+
+    def build(self, context: Any, given: Mapping[str, Any] | None = None, family: str = "") -> PipelineCall:
+        parts = super().build(context, given, family)
+        check(isinstance(parts, tuple) and len(parts) == 2 and isinstance(parts[1], dict),
+              f"method {self.name!r} must build (pipeline, keyword arguments), got {type(parts).__name__}.")
+        return PipelineCall(*parts)
+
+
+@dataclass(frozen=True)
+class DrafterMethod(MethodRecord):
+    """A method that runs a trained drafter model through the family's own tree drafter (the VLM): `run` is the
+    drafter model class (None: vanilla, the target alone); the parameters are the tree's and the acceptance
+    mode's."""
+
+    @property
+    def drafter_model(self) -> type | None:
+        return self.run
 
 
 def constant(value: bool) -> Callable[[Mapping[str, Any]], bool]:
@@ -145,29 +206,32 @@ class FamilyRecord:
     bench: Callable[[], Any] | None = None
     profile: Callable[[Any], dict[str, tuple[Any, Callable[[int, int], None]]]] | None = None
     methods: dict[str, MethodRecord] = field(default_factory=dict)
+    method_kind: type[MethodRecord] = LoopMethod  # what its methods build (LoopMethod, CallMethod, DrafterMethod)
 
     def method(self, name: str | None = None, *, params: tuple[ParamSource, ...] = (), skip: tuple[str, ...] = (),
-               lossless: bool | Callable[[Mapping[str, Any]], bool] = True,
-               description: str | None = None) -> Callable[[Callable], Callable]:
+               lossless: bool | Callable[[Mapping[str, Any]], bool] = True, description: str | None = None,
+               needs: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
         """Decorator: declare `fn` as a method (see the module docstring). `params`: the constructors (or mappings)
-        its `**given` is forwarded to; `skip`: their parameters the family supplies itself."""
+        its `**given` is forwarded to; `skip`: their parameters the family supplies itself; `needs`: the pipeline
+        components it runs besides the target."""
 
         def declare(fn: Callable) -> Callable:
             own = list(inspect.signature(fn).parameters.values())[1:]  # the first is the family's context
             merged = {**parameters_of(*params, skip=skip),
                       **{p.name: p.default for p in own if p.default is not p.empty}}
             summary = description or (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
-            self.add(name or fn.__name__.replace("_", "-"), fn, merged, lossless, summary)
+            self.add(name or fn.__name__.replace("_", "-"), fn, merged, lossless, summary, needs)
             return fn
 
         return declare
 
-    def add(self, name: str, run: Callable[..., Any], params: Mapping[str, Any],
-            lossless: bool | Callable[[Mapping[str, Any]], bool] = True, description: str = "") -> MethodRecord:
-        """Declare a method without the decorator (e.g. when `run` is a class)."""
+    def add(self, name: str, run: Callable[..., Any] | None, params: Mapping[str, Any],
+            lossless: bool | Callable[[Mapping[str, Any]], bool] = True, description: str = "",
+            needs: tuple[str, ...] = ()) -> MethodRecord:
+        """Declare a method without the decorator (e.g. when `run` is a class), as a `method_kind` record."""
         check(name not in self.methods, f"family {self.name!r} declares method {name!r} twice.")
-        record = MethodRecord(name, run, dict(params), lossless if callable(lossless) else constant(lossless),
-                              description)
+        record = self.method_kind(name, run, dict(params), lossless if callable(lossless) else constant(lossless),
+                                  description, tuple(needs))
         self.methods[name] = record
         return record
 
@@ -175,6 +239,10 @@ class FamilyRecord:
         if name not in self.methods:
             raise InputError(f"unknown {self.name} method {name!r}; available: {', '.join(self.methods)}.")
         return self.methods[name]
+
+    def offered_by(self, pipeline: Any) -> list[str]:
+        """The methods `pipeline` has every needed component for, in declaration order."""
+        return [name for name, method in self.methods.items() if method.offered_by(pipeline)]
 
     def defaults(self, pipe: Any = None, load: Callable[[], Any] | None = None) -> dict:
         """The sampling settings a call uses when the caller sets none (`sampling_defaults`), given the loaded
@@ -195,9 +263,8 @@ def model_guidance_defaults(defaults: Mapping[str, Any]) -> Callable[[Callable[[
 
 
 def method_call_generate(record: FamilyRecord, sampling: Callable[[dict], dict] = dict):
-    """A `generate` hook for a family whose methods' run gives (the pipeline to call, its extra keyword arguments)
-    (VAR, MAR): the options' method and method_kwargs pick the call, `sampling(options)` gives its sampling keyword
-    arguments."""
+    """A `generate` hook for a family of `CallMethod`s (VAR, MAR): the options' method and method_kwargs pick the
+    call, `sampling(options)` gives its sampling keyword arguments."""
 
     def generate(pipe: Any, labels: list[int], generators: list, options: dict) -> tuple[list, Any]:
         options = dict(options)

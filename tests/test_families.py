@@ -13,7 +13,12 @@ from mmspec.cli import main
 from mmspec.cli.registry import all_commands, command_help
 from mmspec.errors import InputError
 from mmspec.families import (
+    CallMethod,
+    DrafterMethod,
     FamilyRecord,
+    LoopMethod,
+    LoopParts,
+    PipelineCall,
     available_families,
     get_family,
     parameters_of,
@@ -84,19 +89,46 @@ def test_method_records_check_parameters_and_declarations():
         """A scratch method.
 
         More text that is not the description."""
-        return ctx, window, given
+        return ctx, (window, given)
 
     method = record.get_method("relaxed-copy")
     assert method.description == "A scratch method."
     assert method.params == {"k": 1000, "delta": 0.1, "lam": None, "reject": "moved", "window": 2}
     assert not method.is_lossless() and method.is_lossless({"delta": 0})
-    assert method.build("ctx", {"delta": 0.3}) == ("ctx", 2, {"delta": 0.3})  # only the given ones are passed
+    built = method.build("ctx", {"delta": 0.3})  # only the given ones are passed
+    assert isinstance(method, LoopMethod) and built == LoopParts("ctx", (2, {"delta": 0.3}))
     with pytest.raises(InputError, match="scratch method 'relaxed-copy' takes k, delta, lam, reject, window; got wide"):
         method.build("ctx", {"wide": 1}, "scratch")
     with pytest.raises(InputError, match="unknown scratch method 'nope'; available: relaxed-copy"):
         record.get_method("nope")
     with pytest.raises(InputError, match="declares method 'relaxed-copy' twice"):
         record.add("relaxed-copy", relaxed_copy, {})
+    record.add("bad-shape", lambda ctx: (ctx, 1, 2), {})
+    with pytest.raises(InputError, match="must build \\(drafter, rule\\), got tuple"):
+        record.get_method("bad-shape").build("ctx")
+
+
+def test_method_records_are_typed_by_what_they_build_and_say_what_they_need(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent / "image_ar"))
+    from llamagen_dummies import get_dummy_components
+
+    from image_ar.llamagen.pipeline import LlamaGenPipeline
+
+    kinds = {name: {type(m) for m in get_family(name).methods.values()} for name in available_families()}
+    assert kinds["llamagen"] == kinds["janus"] == kinds["emu3"] == kinds["toy"] == {LoopMethod}
+    assert kinds["var"] == kinds["mar"] == {CallMethod} and kinds["vlm"] == {DrafterMethod}
+    assert get_family("vlm").methods["vanilla"].drafter_model is None
+    assert get_family("var").get_method("code").needs == ("refiner",)
+    assert get_family("mar").get_method("cspd").needs == ("draft",)
+    llamagen = get_family("llamagen")
+    assert [n for n, m in llamagen.methods.items() if m.needs] == ["draft-model", "eagle", "lantern"]
+    components = get_dummy_components()
+    assert llamagen.offered_by(LlamaGenPipeline(**components)) == ["vanilla", "draft-model", "sjd", "gsd"]
+    assert llamagen.offered_by(LlamaGenPipeline(components["transformer"], components["vqvae"])) == [
+        "vanilla", "sjd", "gsd"]
+    assert get_family("var").get_method("vanilla").build("pipe") == PipelineCall("pipe", {})
+    with pytest.raises(InputError, match="builds nothing"):
+        get_family("vlm").get_method("vanilla").build("pipe")
 
 
 def test_registered_families_join_the_installed_ones():

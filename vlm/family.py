@@ -13,7 +13,7 @@ from pathlib import Path
 
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import check
-from mmspec.families import FamilyRecord, parameters_of
+from mmspec.families import DrafterMethod, FamilyRecord, parameters_of
 from vlm.eagle import VLMEagleDrafter, VLMEagleTreeDrafter
 from vlm.msd import VLMMSDDrafter
 from vlm.specvlm import VLMSpecVLMDrafter
@@ -43,7 +43,8 @@ def profile(pipe) -> dict:
 
 
 FAMILY = FamilyRecord("vlm", "LLaVA long answers about world scenes with speculative drafters (exactness, answers)",
-                      default_model=ASSETS_DIR / "vlm", load=load, bench=bench, profile=profile)
+                      default_model=ASSETS_DIR / "vlm", load=load, bench=bench, profile=profile,
+                      method_kind=DrafterMethod)
 FAMILY.add("vanilla", None, {}, description="the LLaVA target alone")
 for kind, model, what in (("eagle", VLMEagleDrafter, "EagleVLM drafter"),
                           ("vispec", VLMViSpecDrafter, "ViSpec drafter (compressed image token + global feature)"),
@@ -57,7 +58,7 @@ DRAFTER_KINDS = tuple(name for name in FAMILY.methods if name != "vanilla")
 def drafter_model(kind: str) -> type:
     """The drafter model class of method `kind` (InputError naming the kinds otherwise)."""
     check(kind in DRAFTER_KINDS, f"unknown drafter kind {kind!r}; available: {', '.join(DRAFTER_KINDS)}.")
-    return FAMILY.methods[kind].run
+    return FAMILY.methods[kind].drafter_model
 
 
 def drafter_kinds_in(folder: str | Path) -> list[str]:

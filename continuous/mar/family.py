@@ -22,7 +22,7 @@ from continuous.mar.pipeline import MARPipeline
 from mmspec.cli.family_io import folder_loader
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import InputError, check
-from mmspec.families import FamilyRecord, method_call_generate, parameters_of, split
+from mmspec.families import CallMethod, FamilyRecord, method_call_generate, parameters_of, split
 from mmspec.verify.cspd import CSpDRule
 
 DEFAULTS = {"guidance_scale": 3.0, "temperature": 1.0, "top_k": None, "top_p": None}
@@ -93,7 +93,7 @@ FAMILY = FamilyRecord("mar", "MAR class-conditional generation and CSpD (judge a
                       default_model=ASSETS_DIR / "mar", load=load,
                       num_classes=lambda pipe: target_model(pipe).config.num_classes,
                       sampling_defaults=sampling_defaults, bench=bench,
-                      profile=profile)
+                      profile=profile, method_kind=CallMethod)
 _call_generate = method_call_generate(FAMILY, call_options)
 
 
@@ -120,7 +120,7 @@ def vanilla(pipe: CSpDPipeline | MARPipeline, **given: Any) -> tuple[MARPipeline
 
 @FAMILY.method(params=(parameters_of(CSpDPipeline.__call__, only=("gamma", "prefill_ratio", "align", "budget",
                                                                    *SHARED)),
-                       {"criterion": "paper"}, CSpDRule), lossless=False)
+                       {"criterion": "paper"}, CSpDRule), lossless=False, needs=("draft",))
 def cspd(pipe: CSpDPipeline | MARPipeline, **given: Any) -> tuple[CSpDPipeline, dict[str, Any]]:
     """CSpD: the draft MAR proposes a window of gamma tokens, one target pass verifies it (criterion "paper" or
     "reference_code", CSpDRule options on top)."""

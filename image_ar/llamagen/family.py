@@ -115,7 +115,7 @@ def vanilla(ctx: MethodContext) -> tuple:
     return NoDrafter(), ctx.rule_name()
 
 
-@FAMILY.method()
+@FAMILY.method(needs=("draft_transformer",))
 def draft_model(ctx: MethodContext, num_draft_tokens: int = 4, draft_temperature: float | None = None,
                 accept: str = "coupled") -> tuple:
     """Classic speculative sampling with the pipeline's small draft_transformer (same VQ vocabulary, same CFG and
@@ -150,7 +150,8 @@ def gsd(ctx: MethodContext, **given: Any) -> tuple:
     return llamagen_jacobi_drafter(ctx, **jacobi), acceptance_rule(ctx, "gsd", **rule)
 
 
-@FAMILY.method(params=(*TREE, *ACCEPT), skip=(*SUPPLIED, *TREE_SKIP), lossless=rule_lossless())
+@FAMILY.method(params=(*TREE, *ACCEPT), skip=(*SUPPLIED, *TREE_SKIP), lossless=rule_lossless(),
+               needs=("eagle_drafter",))
 def eagle(ctx: MethodContext, **given: Any) -> tuple:
     """EAGLE-2 dynamic trees from the eagle_drafter (top_k children per frontier node, depth levels, total_tokens
     nodes including the root), lossless tree verification by default (accept= another mode)."""
@@ -158,7 +159,8 @@ def eagle(ctx: MethodContext, **given: Any) -> tuple:
     return eagle_tree_drafter(ctx, "eagle", **tree), acceptance_rule(ctx, **rule)
 
 
-@FAMILY.method(params=(*TREE, LanternRule), skip=(*SUPPLIED, *TREE_SKIP), lossless=rule_lossless("lantern"))
+@FAMILY.method(params=(*TREE, LanternRule), skip=(*SUPPLIED, *TREE_SKIP), lossless=rule_lossless("lantern"),
+               needs=("eagle_drafter",))
 def lantern(ctx: MethodContext, **given: Any) -> tuple:
     """LANTERN: EAGLE-2 trees + relaxed acceptance over the VQ codebook's latent neighbours (k, delta, or the
     LANTERN++ lam)."""

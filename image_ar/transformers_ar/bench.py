@@ -103,10 +103,10 @@ def calibration(family: str):
 
 def runnable_methods(record, model: str | None) -> list[str]:
     """The family's methods a model folder can run: eagle and lantern only with its trained drafter."""
-    from image_ar.transformers_ar.pipeline import DRAFTER_METHODS, has_eagle_drafter
+    from image_ar.transformers_ar.pipeline import has_eagle_drafter
 
     drafter = has_eagle_drafter(model)
-    return [m for m in record.methods if drafter or m not in DRAFTER_METHODS]
+    return [name for name, method in record.methods.items() if drafter or "eagle_drafter" not in method.needs]
 
 
 def transformers_image_family(family: str) -> Family:

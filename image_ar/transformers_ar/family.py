@@ -15,7 +15,7 @@ from mmspec.errors import InputError
 from mmspec.families import FamilyRecord, model_guidance_defaults
 from mmspec.stats import SpecStats
 
-METHODS = ("vanilla", "sjd", "gsd", "eagle", "lantern")  # shared records; the last two need a trained drafter
+METHODS = ("vanilla", "sjd", "gsd", "eagle", "lantern")  # shared records (eagle, lantern need a trained drafter)
 # transformers' Janus: CFG 5; Emu3: CFG 3 and top-k 2048 (transformers' example, the SJD paper's Emu3 setting); a
 # loaded model's own guidance scale (its generation_config, `default_guidance_scale`) replaces the CFG default
 JANUS_DEFAULTS = {"guidance_scale": 5.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}

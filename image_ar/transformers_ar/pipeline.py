@@ -50,8 +50,6 @@ from mmspec.loop import generate
 from mmspec.pipeline_io import check_generators, check_no_inference_steps, check_output_type, finish_generation
 from mmspec.sampling import SamplingParams
 
-METHODS = ("vanilla", "sjd", "gsd")  # the shared method records that need no drafter trained for the model
-DRAFTER_METHODS = ("eagle", "lantern")  # and those that run the model's EAGLE drafter (FOLDER/drafters/eagle)
 EAGLE_FOLDER = Path("drafters") / "eagle"  # where `mmspec train image-ar-drafter` writes it inside a model folder
 
 
@@ -154,9 +152,11 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
         if prompt is not None:
             check_prompt_list(prompt)
         check((prompt is None) != (input_ids is None), "pass prompt or input_ids (with attention_mask), one of them.")
-        check(method in METHODS + DRAFTER_METHODS,
-              f"{type(self).__name__} runs the methods {', '.join(METHODS + DRAFTER_METHODS)}, got {method!r}.")
-        check(method in METHODS or self.eagle_drafter is not None,
+        from image_ar.transformers_ar.family import JANUS  # Janus and Emu3 offer the same method records
+
+        check(method in JANUS.methods,
+              f"{type(self).__name__} runs the methods {', '.join(JANUS.methods)}, got {method!r}.")
+        check(JANUS.methods[method].offered_by(self),
               f"method {method!r} needs an EAGLE drafter trained for this model: run `mmspec train image-ar-drafter "
               f"--model FOLDER` (it writes FOLDER/{EAGLE_FOLDER.as_posix()}), or pass eagle_drafter= to the pipeline.")
         check_output_type(output_type)

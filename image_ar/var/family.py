@@ -18,7 +18,7 @@ from image_ar.var.pipeline import VARPipeline
 from mmspec.cli.family_io import folder_loader
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import InputError
-from mmspec.families import FamilyRecord, method_call_generate, parameters_of
+from mmspec.families import CallMethod, FamilyRecord, method_call_generate, parameters_of
 
 DEFAULTS = {"guidance_scale": 4.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 
@@ -41,7 +41,7 @@ def bench():
 
 FAMILY = FamilyRecord("var", "VAR next-scale class-conditional generation and CoDe (judge accuracy, world-FID)",
                       default_model=ASSETS_DIR / "var", load=load, num_classes=num_classes,
-                      sampling_defaults=lambda pipeline: DEFAULTS, bench=bench)
+                      sampling_defaults=lambda pipeline: DEFAULTS, bench=bench, method_kind=CallMethod)
 FAMILY.generate = method_call_generate(FAMILY)
 
 
@@ -51,7 +51,8 @@ def vanilla(pipe: CoDePipeline | VARPipeline) -> tuple[VARPipeline, dict[str, An
     return (pipe.as_var_pipeline("drafter") if isinstance(pipe, CoDePipeline) else pipe), {}
 
 
-@FAMILY.method(params=(parameters_of(CoDePipeline.__call__, only=("draft_steps",)),), lossless=False)
+@FAMILY.method(params=(parameters_of(CoDePipeline.__call__, only=("draft_steps",)),), lossless=False,
+               needs=("refiner",))
 def code(pipe: CoDePipeline | VARPipeline, **given: Any) -> tuple[CoDePipeline, dict[str, Any]]:
     """CoDe: the large model makes the first draft_steps scales (default all but the last two), the small one the
     rest."""

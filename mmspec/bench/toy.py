@@ -115,17 +115,21 @@ def _params(settings: BenchSettings) -> SamplingParams:
     return SamplingParams(temperature=settings.temperature)
 
 
+def draft_nodes(drafter: Drafter) -> int:
+    """Positions one verify call scores: total_tokens for a tree, K + 1 for a chain of K, 1 for NoDrafter."""
+    return int(getattr(drafter, "total", None) or getattr(drafter, "k", 0) + 1)
+
+
 def decode(models: ToyModels, batch: Sequence[Sample], settings: BenchSettings, drafter: Drafter,
-           draft_nodes: int) -> MethodOutput:
+           rule: str) -> MethodOutput:
     """Run the loop on one batch; outputs are the generated token ids per sample ([n] int64 each).
 
-    draft_nodes: positions one verify call scores (K+1 for a chain, total_tokens for a tree). The target's
-    cache gets room for twice that past max_new_tokens: a row that finishes with accepted drafts beyond its
-    last kept token is still run (inactive) while other rows of the batch go on.
+    The target's cache gets room for twice `draft_nodes` past max_new_tokens: a row that finishes with accepted
+    drafts beyond its last kept token is still run (inactive) while other rows of the batch go on.
     """
     prompts = torch.stack([s.data for s in batch]).to(settings.device)  # [B, P]
-    target = LMTarget(models.target, _params(settings), settings.max_new_tokens, max_draft_nodes=2 * draft_nodes)
-    rule = "greedy" if settings.greedy else "lossless"
+    target = LMTarget(models.target, _params(settings), settings.max_new_tokens,
+                      max_draft_nodes=2 * draft_nodes(drafter))
     out = generate(target, drafter, rule, prompts, batch_size=len(batch), max_new_tokens=settings.max_new_tokens,
                    generator=_row_generators(batch, settings, stream=0), device=settings.device)
     counts = out.num_generated.tolist()
@@ -151,46 +155,49 @@ FAMILY = FamilyRecord("toy", "toy causal LM target (mmspec.testing.toy) with cha
                       bench=lambda: toy_family())
 
 
+def exact_rule(run: ToyRun) -> str:
+    return "greedy" if run.settings.greedy else "lossless"
+
+
 @FAMILY.method()
-def vanilla(run: ToyRun) -> MethodOutput:
+def vanilla(run: ToyRun) -> tuple[Drafter, str]:
     """NoDrafter: one target forward per token."""
-    return decode(run.models, run.batch, run.settings, NoDrafter(), draft_nodes=1)
+    return NoDrafter(), exact_rule(run)
 
 
-def _chain(run: ToyRun, model: ToyTransformer, k: int) -> MethodOutput:
+def _chain(run: ToyRun, model: ToyTransformer, k: int) -> tuple[Drafter, str]:
     _check_draft_size("k", k)
-    drafter = DraftModelDrafter(model, k, _params(run.settings))
-    return decode(run.models, run.batch, run.settings, drafter, draft_nodes=k + 1)
+    return DraftModelDrafter(model, k, _params(run.settings)), exact_rule(run)
 
 
 @FAMILY.method()
-def draft_model(run: ToyRun, k: int = 4) -> MethodOutput:
+def draft_model(run: ToyRun, k: int = 4) -> tuple[Drafter, str]:
     """DraftModelDrafter with the truncated (draft_layers) model."""
     return _chain(run, run.models.draft, k)
 
 
 @FAMILY.method()
-def self_draft(run: ToyRun, k: int = 4) -> MethodOutput:
+def self_draft(run: ToyRun, k: int = 4) -> tuple[Drafter, str]:
     """The target drafts for itself (upper bound)."""
     return _chain(run, run.models.target, k)
 
 
 @FAMILY.method(params=(TreeModelDrafter,), skip=("guidance_scale", "prefill_fn"))
-def tree(run: ToyRun, **given: Any) -> MethodOutput:
+def tree(run: ToyRun, **given: Any) -> tuple[Drafter, str]:
     """TreeModelDrafter (EAGLE-2 dynamic tree) with the truncated model."""
     drafter = TreeModelDrafter(run.models.draft, **given)
     _check_draft_size("depth", drafter.depth)
     check_positive_int("total_tokens", drafter.total, minimum=2)
-    return decode(run.models, run.batch, run.settings, drafter, draft_nodes=drafter.total)
+    return drafter, exact_rule(run)
 
 
 @FAMILY.method()
-def random(run: ToyRun, k: int = 4) -> MethodOutput:
+def random(run: ToyRun, k: int = 4) -> tuple[Drafter, str]:
     """RandomDrafter (lower bound)."""
     _check_draft_size("k", k)
     drafter = RandomDrafter(run.models.vocab_size, k, seed=run.settings.seed + int(run.batch[0].question_id),
                             ragged=False)
-    return decode(run.models, run.batch, run.settings, drafter, draft_nodes=k + 1)
+    return drafter, exact_rule(run)
 
 
 def exactness(outputs: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> float:
@@ -236,7 +243,11 @@ def toy_family() -> Family:
     """The toy family's bench view (cheap: models are built by `Family.build`)."""
 
     def runner(record):
-        return lambda models, batch, settings, given: record.build(ToyRun(models, batch, settings), given, "toy")
+        def run(models: ToyModels, batch: Sequence[Sample], settings: BenchSettings, given: dict) -> MethodOutput:
+            drafter, rule = record.build(ToyRun(models, batch, settings), given, "toy")
+            return decode(models, batch, settings, drafter, rule)
+
+        return run
 
     return Family(name="toy", model_id=toy_model_id, build=build_toy, inputs=toy_inputs, quality=toy_quality,
                   primary_quality="exactness", to_turn=lambda tokens: tokens.tolist(), model_quality=toy_calibration,
