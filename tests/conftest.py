@@ -21,3 +21,12 @@ os.environ.setdefault("MMSPEC_PROFILE_REPEATS", "2")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """One line counting what the method contract (tests/test_contract.py) checked, per (family, method) pair."""
+    passed = [r.nodeid for r in terminalreporter.stats.get("passed", []) if "test_contract.py::" in r.nodeid]
+    pairs = {n.split("[", 1)[1][:-1] for n in passed if "test_exact_settings_give_vanillas_tokens[" in n}
+    if pairs:
+        terminalreporter.write_line(f"method contract: {len(passed)} checks passed over {len(pairs)} (family, method) "
+                                    f"pairs")

@@ -260,6 +260,7 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                                        self.transformer.config.block_size)
         params = SamplingParams(temperature, top_k, top_p)
         check_output_type(output_type)
+        FAMILY.get_method(method).check_given(method_kwargs, "LlamaGen")  # before the text encoder runs
         if is_caption_list(class_labels):  # pipe("a red circle"): diffusers' first argument
             check(prompt is None, "pass the caption once: as the first argument or as prompt=, not both.")
             prompt, class_labels = class_labels, None

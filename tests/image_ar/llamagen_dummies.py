@@ -1,11 +1,13 @@
 """Tiny LlamaGen pipeline components for tests (diffusers' get_dummy_components): class-conditional, and
-text-conditional with a tiny T5 encoder and a word-level tokenizer built offline."""
+text-conditional with a tiny T5 encoder and a word-level tokenizer built offline; the full-forward greedy CFG
+reference."""
 
 import torch
 
 from image_ar.llamagen.eagle import LlamaGenEagleDrafter
 from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.vq import LlamaGenVQ
+from mmspec.sampling import cfg_combine
 
 WORDS = ["a", "small", "large", "red", "blue", "green", "circle", "square", "cross", "on", "background", "the"]
 
@@ -52,3 +54,16 @@ def get_dummy_t2i_components(seed: int = 0) -> dict:
     return {"transformer": transformer, "vqvae": LlamaGenVQ.tiny(downsample_factor=4, codebook_size=64).eval(),
             "draft_transformer": draft, "eagle_drafter": LlamaGenEagleDrafter.for_target(transformer).eval(),
             "text_encoder": text_encoder, "tokenizer": tiny_t5_tokenizer()}
+
+
+@torch.no_grad()
+def reference_greedy_cfg(transformer: LlamaGenGPT, labels: list[int], scale: float) -> torch.Tensor:
+    """Greedy CFG decoding of class labels with full forwards (no cache): the independent reference [B, L]."""
+    cond = torch.tensor(labels)
+    uncond = torch.full_like(cond, transformer.config.num_classes)
+    tokens = torch.zeros(len(labels), 0, dtype=torch.long)
+    for _ in range(transformer.config.block_size):
+        idx = torch.cat([tokens, torch.zeros(len(labels), 1, dtype=torch.long)], 1)  # position t predicts token t
+        logits = cfg_combine(transformer(idx, cond).logits[:, -1], transformer(idx, uncond).logits[:, -1], scale)
+        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], 1)
+    return tokens

@@ -1,5 +1,6 @@
 """LlamaGenPipeline with tiny dummy components: the shared pipeline tests (`mmspec.testing.pipeline_tester`) and
-LlamaGen's own (greedy CFG against full forwards, the draft model, stopping from the callback, lossless methods)."""
+LlamaGen's own (the draft model, stopping from the callback, lossless methods; greedy CFG against full forwards is
+the method contract's, tests/test_contract.py)."""
 
 import inspect
 
@@ -10,7 +11,6 @@ from llamagen_dummies import get_dummy_components
 
 from image_ar.llamagen.pipeline import LlamaGenPipeline, LlamaGenPipelineOutput
 from mmspec.errors import InputError
-from mmspec.sampling import cfg_combine
 from mmspec.testing.pipeline_tester import PipelineTesterMixin
 
 
@@ -51,30 +51,6 @@ def test_vanilla_makes_one_target_forward_per_token(pipe):
     out = pipe(**get_dummy_inputs())
     assert isinstance(out, LlamaGenPipelineOutput) and out.stats.num_target_forwards == 16
     assert (out.tokens >= 0).all() and (out.tokens < 64).all()
-
-
-@torch.no_grad()
-def reference_greedy_cfg(transformer, labels, scale):
-    """Greedy CFG decoding with full forwards (no cache): the independent reference."""
-    n = len(labels)
-    cond = torch.tensor(labels)
-    uncond = torch.full_like(cond, transformer.config.num_classes)
-    tokens = torch.zeros(n, 0, dtype=torch.long)
-    for _ in range(transformer.config.block_size):
-        idx = torch.cat([tokens, torch.zeros(n, 1, dtype=torch.long)], 1)  # position t predicts token t
-        c = transformer(idx, cond).logits[:, -1]
-        u = transformer(idx, uncond).logits[:, -1]
-        tokens = torch.cat([tokens, cfg_combine(c, u, scale).argmax(-1, keepdim=True)], 1)
-    return tokens
-
-
-@pytest.mark.parametrize("method, kwargs", [("vanilla", {}), ("draft-model", {"num_draft_tokens": 3})])
-def test_greedy_matches_the_full_forward_reference(pipe, method, kwargs):
-    out = pipe(class_labels=[0, 2, 3], guidance_scale=2.5, temperature=0, method=method, method_kwargs=kwargs,
-               output_type="latent", budget="fixed")  # fixed: the drafts must be there (auto may skip them)
-    assert torch.equal(out.tokens, reference_greedy_cfg(pipe.transformer, [0, 2, 3], 2.5))
-    if method == "draft-model":
-        assert out.stats.num_draft_tokens > 0
 
 
 def test_sampled_draft_model_is_reproducible_and_valid(pipe):

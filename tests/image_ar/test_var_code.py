@@ -4,7 +4,7 @@ the refiner alone; the refiner's prefill equals scale-by-scale caching; errors a
 
 import pytest
 import torch
-from var_dummies import get_dummy_components
+from var_dummies import get_dummy_components, small_refiner
 
 from image_ar.var import VARPipeline, VARTransformer
 from image_ar.var.code import CoDePipeline, default_draft_steps, refiner_prefill
@@ -26,12 +26,6 @@ class TestCoDePipeline(PipelineTesterMixin):
 
     def get_dummy_inputs(self) -> dict:
         return {"draft_steps": 2}
-
-
-def small_refiner() -> VARTransformer:
-    torch.manual_seed(5)
-    return VARTransformer(vocab_size=16, cvae=4, num_classes=3, depth=1, embed_dim=8, num_heads=2,
-                          patch_nums=(1, 2, 4)).eval()
 
 
 def gens(n):
