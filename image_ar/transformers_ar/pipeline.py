@@ -193,9 +193,24 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
 
     def finish(self, gen, decode: Callable[[torch.Tensor], torch.Tensor], output_type: str, return_dict: bool):
         tokens = gen.tokens
-        if output_type != "latent":
-            check(bool((tokens >= 0).all()), "generation stopped early; no image to decode (use output_type='latent').")
-        return finish_generation(self, tokens, lambda: decode(tokens), output_type, return_dict, gen.stats)
+        return finish_generation(self, tokens, lambda: self.decode_made(tokens, decode), output_type, return_dict,
+                                 gen.stats)
+
+    def decode_made(self, tokens: torch.Tensor, decode: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """decode(tokens) where positions not generated (-1: an interrupted call) decode from a zero latent vector,
+        as LlamaGen's `decode_code(fill_missing=True)`: they get a valid code, and the model's own VQ decoder runs
+        with its codebook lookup (`vqmodel.quantize.embedding`) returning zeros at those grid cells."""
+        missing = tokens < 0  # [N, T]
+        if not bool(missing.any()):
+            return decode(tokens)
+        cells = self.missing_cells(missing)  # [N, h * w] in the decoder's lookup order
+        lookup = self.model.model.vqmodel.quantize.embedding
+        hook = lookup.register_forward_hook(
+            lambda module, args, out: out * ~cells.to(out.device).reshape(out.shape[:-1]).unsqueeze(-1))
+        try:
+            return decode(tokens.masked_fill(missing, self.filler_code))
+        finally:
+            hook.remove()
 
     @torch.no_grad()
     def target_probs(self, prompt: str | list[str], tokens: torch.Tensor, guidance_scale: float | None = None,
@@ -297,6 +312,11 @@ class JanusPipeline(TransformersImagePipeline):
         """(prompts, prefill(guided), scale, layout) as a call with these prompts and this scale builds them."""
         guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
         return self.encode_prompt(prompts), lambda guided: janus_prefill(guided, self.special), guidance_scale, None
+
+    filler_code = 0  # the generated tokens are the VQ codes
+
+    def missing_cells(self, missing: torch.Tensor) -> torch.Tensor:
+        return missing  # [N, num_image_tokens]: one code per grid cell, row-major
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Codes [N, num_image_tokens] -> images [N, 3, H, W] in [0, 1] by the model's own VQ decoder."""
@@ -436,6 +456,16 @@ class Emu3Pipeline(TransformersImagePipeline):
         guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
         return (encoded, lambda guided: emu3_prefill(guided, negative), guidance_scale,
                 emu3_layout(self.special, *self.grid, self.lm.vocab_size))
+
+    @property
+    def filler_code(self) -> int:
+        return self.special.visual[0]
+
+    def missing_cells(self, missing: torch.Tensor) -> torch.Tensor:
+        """[N, H (W + 1) + 3] -> [N, H W]: the visual tokens' cells (the end-of-line column and the end tokens are
+        dropped, as `decode_image_tokens` drops them)."""
+        height, width = self.grid
+        return missing[:, : height * (width + 1)].view(-1, height, width + 1)[..., :width].flatten(1)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
         """Generated tokens [N, H (W + 1) + 3] -> images [N, 3, 8H, 8W] in [0, 1] by the model's own decoder."""

@@ -1,9 +1,10 @@
-"""One set of tests every class-conditional image pipeline passes (diffusers' `PipelineTesterMixin` style): the call
-conventions, every output type, the tuple output (`(images,)` with return_dict=False), seeded determinism and
-batch-of-one equals in-batch, num_images_per_prompt, save / load, the step callback (functions and diffusers'
-`PipelineCallback` objects, the `interrupt` stop, after which the partial image is decoded), clear errors for bad
-inputs, and `num_inference_steps` refused before any work (these pipelines are autoregressive), or equal to the
-family's own diffusion step count where it has one (MAR's num_sampling_steps).
+"""One set of tests every image pipeline passes (diffusers' `PipelineTesterMixin` style; `PromptPipelineTesterMixin`
+for the text-conditional ones, whose conditions are prompts): the call conventions, every output type, the tuple
+output (`(images,)` with return_dict=False), seeded determinism and batch-of-one equals in-batch,
+num_images_per_prompt, save / load, the step callback (functions and diffusers' `PipelineCallback` objects, the
+`interrupt` stop, after which the partial image is decoded), clear errors for bad inputs, and `num_inference_steps`
+refused before any work (these pipelines are autoregressive), or equal to the family's own diffusion step count
+where it has one (MAR's num_sampling_steps).
 
 A family's test module declares one class:
 
@@ -19,7 +20,9 @@ A family's test module declares one class:
         def get_dummy_inputs(self): return {"guidance_scale": 4.0}   # call arguments besides labels/generators
 
 and gets every test below (pytest collects them; `extra_bad_inputs` adds the family's own bad calls). Families
-whose batched arithmetic may round differently from a batch of one set `batch_tolerance`.
+whose batched arithmetic may round differently from a batch of one set `batch_tolerance`. A text-conditional
+pipeline declares `class TestJanusPipeline(PromptPipelineTesterMixin)` with `prompts` (ragged once tokenized)
+instead of `num_classes`.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ class PipelineTesterMixin:
     steps_instead: str = ""  # a regex the num_inference_steps refusal must match: what sets the steps instead
     inference_steps_name: str | None = None  # set where num_inference_steps means a step count the family has
     extra_bad_inputs: tuple[tuple[dict, str], ...] = ()
+    condition_name: str = "class_labels"  # the call argument the conditions go to
 
     def get_dummy_components(self) -> dict:
         raise NotImplementedError
@@ -67,19 +71,28 @@ class PipelineTesterMixin:
         pipe.set_progress_bar_config(disable=True)
         return pipe
 
-    def call(self, pipe, labels: list[int], seed: int = 0, **kwargs: Any):
-        """The pipeline on `labels` with one generator per image (seeded seed, seed + 1, ...)."""
-        inputs = {**self.get_dummy_inputs(), "class_labels": labels, "generator": seeded_generators(len(labels), seed),
-                  "output_type": "latent", **kwargs}
+    def call(self, pipe, labels: list, seed: int = 0, **kwargs: Any):
+        """The pipeline on the conditions `labels` with one generator per image (seeded seed, seed + 1, ...)."""
+        inputs = {**self.get_dummy_inputs(), self.condition_name: labels,
+                  "generator": seeded_generators(len(labels), seed), "output_type": "latent", **kwargs}
         return pipe(**inputs)
 
-    def labels(self, n: int) -> list[int]:
+    def labels(self, n: int) -> list:
+        """n conditions (class ids here; captions in `PromptPipelineTesterMixin`)."""
         return [i % self.num_classes for i in range(n)]
+
+    def bad_inputs(self) -> dict[str, tuple[dict, str]]:
+        """kind -> (call arguments on top of one condition, the error's regex)."""
+        return {"label outside": ({"class_labels": [self.num_classes]}, "outside"),
+                "no labels": ({"class_labels": None}, "class_labels"),
+                "output_type": ({"output_type": "gif"}, "output_type"),
+                "generators": ({"class_labels": [0, 0], "generator": [torch.Generator()]}, "generators"),
+                "num_images": ({"num_images_per_prompt": 0}, "num_images_per_prompt")}
 
     # --------------------------------------------------------------------------------------------- tests
     def test_call_signature_follows_diffusers_conventions(self):
         params = inspect.signature(self.pipeline_class.__call__).parameters
-        missing = [name for name in CALL_PARAMETERS if name not in params]
+        missing = [name for name in (*CALL_PARAMETERS, self.condition_name) if name not in params]
         assert not missing, f"{self.pipeline_class.__name__}.__call__ lacks {missing}"
         assert params["output_type"].default == "pil" and params["return_dict"].default is True
         assert params["num_inference_steps"].default is None
@@ -138,7 +151,7 @@ class PipelineTesterMixin:
         assert not torch.equal(a, self.call(pipe, labels, seed=30).tokens)
 
     def test_num_images_per_prompt(self, pipe):
-        out = pipe(**{**self.get_dummy_inputs(), "class_labels": self.labels(2), "num_images_per_prompt": 2,
+        out = pipe(**{**self.get_dummy_inputs(), self.condition_name: self.labels(2), "num_images_per_prompt": 2,
                       "generator": torch.Generator().manual_seed(0), "output_type": "pt"})
         assert out.images.shape[0] == 4 and tuple(out.tokens.shape) == (4, *self.token_shape)
 
@@ -192,18 +205,33 @@ class PipelineTesterMixin:
         with pytest.raises(InputError, match="prompt_embeds"):  # a Stable Diffusion callback: named, refused
             self.call(pipe, self.labels(1), callback_on_step_end=SDCFGCutoffCallback(cutoff_step_ratio=0.5))
 
-    @pytest.mark.parametrize("kind", ["label outside", "no labels", "output_type", "generators", "num_images"])
-    def test_bad_inputs_are_clear_errors(self, pipe, kind):
-        bad = {"label outside": ({"class_labels": [self.num_classes]}, "outside"),
-               "no labels": ({"class_labels": None}, "class_labels"),
-               "output_type": ({"output_type": "gif"}, "output_type"),
-               "generators": ({"class_labels": [0, 0], "generator": [torch.Generator()]}, "generators"),
-               "num_images": ({"num_images_per_prompt": 0}, "num_images_per_prompt")}
-        kwargs, match = bad[kind]
-        with pytest.raises(InputError, match=match):
-            pipe(**{**self.get_dummy_inputs(), "class_labels": [0], **kwargs})
+    def test_bad_inputs_are_clear_errors(self, pipe):
+        for kind, (kwargs, match) in self.bad_inputs().items():
+            with pytest.raises(InputError, match=match) as error:
+                pipe(**{**self.get_dummy_inputs(), self.condition_name: self.labels(1), **kwargs})
+            assert "\n" not in str(error.value), kind
 
     def test_family_bad_inputs_are_clear_errors(self, pipe):
         for kwargs, match in self.extra_bad_inputs:
             with pytest.raises(InputError, match=match):
-                pipe(**{**self.get_dummy_inputs(), "class_labels": [0], **kwargs})
+                pipe(**{**self.get_dummy_inputs(), self.condition_name: self.labels(1), **kwargs})
+
+
+class PromptPipelineTesterMixin(PipelineTesterMixin):
+    """The same tests for a text-conditional pipeline (`pipe(prompt, ...)`: LlamaGen t2i, Janus, Emu3): the
+    conditions are `prompts` (cycled; give them ragged once tokenized), and the bad inputs are about prompts."""
+
+    condition_name = "prompt"
+    prompts: tuple[str, ...] = ("a red circle", "two small blue squares on a green background", "a cross")
+    num_classes = 0
+
+    def labels(self, n: int) -> list:
+        return [self.prompts[i % len(self.prompts)] for i in range(n)]
+
+    def bad_inputs(self) -> dict[str, tuple[dict, str]]:
+        return {"class labels": ({"class_labels": [0]}, "text-conditional|not both"),
+                "prompt type": ({"prompt": 3}, "prompt"),
+                "prompt list": ({"prompt": ["a red circle", 3]}, "list of strings"),
+                "output_type": ({"output_type": "gif"}, "output_type"),
+                "generators": ({"prompt": self.labels(2), "generator": [torch.Generator()]}, "generators"),
+                "num_images": ({"num_images_per_prompt": 0}, "num_images_per_prompt")}

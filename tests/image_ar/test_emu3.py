@@ -17,6 +17,7 @@ from image_ar.transformers_ar.pipeline import Emu3Pipeline
 from image_ar.transformers_ar.tiny import tiny_emu3_pipeline
 from mmspec.cli import main
 from mmspec.errors import InputError
+from mmspec.testing.pipeline_tester import PromptPipelineTesterMixin
 
 PROMPTS = ["a red circle", "two small blue squares on a green background", "a cross"]  # ragged once tokenized
 AREA = 32 * 32  # the tiny model's area: a 4 x 4 token grid
@@ -27,6 +28,16 @@ def pipe() -> Emu3Pipeline:
     pipe = tiny_emu3_pipeline()
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+class TestEmu3Pipeline(PromptPipelineTesterMixin):
+    pipeline_class = Emu3Pipeline
+    image_shape, token_shape, prompts = (8, 8), (23,), tuple(PROMPTS)  # a 4 x 4 grid with its layout tokens
+    steps_instead = r"fixed by the image size \(ratio and image_area"
+
+    def get_dummy_components(self) -> dict:
+        pipe = tiny_emu3_pipeline()
+        return {"model": pipe.model, "processor": pipe.processor}
 
 
 def documented_prefix_fn(pipe: Emu3Pipeline, height: int, width: int):
@@ -139,7 +150,6 @@ def test_a_saved_folder_loads_and_gives_the_same_images(pipe, tmp_path):
     (dict(prompt="x", method="gsd", method_kwargs={"embeddings": "codebook"}), "Emu3's mixes text and image"),
     (dict(prompt="x", negative_prompt=["a", "b"]), "give one or one per prompt"),
     (dict(input_ids=torch.tensor([[1, 2]]), attention_mask=torch.tensor([[1, 1]])), "need height and width"),
-    (dict(class_labels=[0]), "text-conditional"),
     (dict(prompt="x", num_inference_steps=20), r"autoregressive: .* fixed by the image size \(ratio and image_area"),
 ])
 def test_bad_calls_are_one_line_errors(pipe, call, match):

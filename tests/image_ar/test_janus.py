@@ -16,6 +16,7 @@ from image_ar.transformers_ar.prompts import right_pad
 from image_ar.transformers_ar.tiny import tiny_janus_pipeline
 from mmspec.cli import main
 from mmspec.errors import InputError
+from mmspec.testing.pipeline_tester import PromptPipelineTesterMixin
 
 PROMPTS = ["a red circle", "two small blue squares on a green background", "a cross"]  # ragged once tokenized
 
@@ -25,6 +26,16 @@ def pipe() -> JanusPipeline:
     pipe = tiny_janus_pipeline()
     pipe.set_progress_bar_config(disable=True)
     return pipe
+
+
+class TestJanusPipeline(PromptPipelineTesterMixin):
+    pipeline_class = JanusPipeline
+    image_shape, token_shape, prompts = (16, 16), (16,), tuple(PROMPTS)
+    steps_instead = r"fixed by the image size \(the model's vision_config.num_image_tokens"
+
+    def get_dummy_components(self) -> dict:
+        pipe = tiny_janus_pipeline()
+        return {"model": pipe.model, "processor": pipe.processor}
 
 
 def transformers_codes(pipe: JanusPipeline, prompts: list[str], guidance_scale: float) -> torch.Tensor:
@@ -46,6 +57,22 @@ def test_greedy_vanilla_equals_transformers_image_generation_with_cfg(pipe):
     torch.testing.assert_close(out.images, images, atol=1e-5, rtol=0)
     other = pipe(PROMPTS, temperature=0.0, guidance_scale=2.0, output_type="latent").tokens
     assert not torch.equal(other, reference)  # the CFG scale matters, so it is the one transformers used
+
+
+def test_an_interrupted_call_decodes_the_codes_made_with_the_rest_a_zero_latent(pipe):
+    def stop_after_five(p, step, num_tokens, kwargs):
+        p._interrupt = num_tokens >= 5
+
+    out = pipe(PROMPTS[:2], callback_on_step_end=stop_after_five, output_type="pt",
+               generator=torch.Generator().manual_seed(0))
+    made = out.tokens >= 0  # [2, 16]
+    assert pipe.interrupt and not made.all() and made[:, :5].all() and not made[:, -1].any()
+    vq = pipe.model.model.vqmodel  # its own lookup and decoder, the cells not made zero
+    entry = vq.quantize.get_codebook_entry(out.tokens.clamp_min(0)) * made.view(2, 1, 4, 4)  # [2, C, 4, 4]
+    expected = ((vq.decoder(vq.post_quant_conv(entry)) + 1) / 2).clamp(0, 1)
+    torch.testing.assert_close(out.images, expected)
+    full = pipe(PROMPTS[:2], output_type="pt", temperature=0.0)  # the lookup is itself again afterwards
+    torch.testing.assert_close(full.images, pipe.decode(full.tokens))
 
 
 def test_input_ids_of_either_padding_side_give_the_prompt_call(pipe):
@@ -137,8 +164,6 @@ def test_mmspec_generate_runs_a_janus_folder(pipe, tmp_path):
 
 
 @pytest.mark.parametrize("call, match", [
-    (dict(class_labels=[1]), "text-conditional"),
-    (dict(prompt=3), "prompt must be a string"),
     (dict(prompt="x", method="eagle"), "needs an EAGLE drafter trained for this model: run `mmspec train "
                                        "image-ar-drafter"),
     (dict(prompt="x", method="medusa"), "runs the methods vanilla, sjd, gsd, eagle, lantern"),
