@@ -36,9 +36,10 @@ without x, which is exact for any x chosen without looking at the rule's randomn
 
 Randomness is the call's position-keyed noise (`state.noise`, `mmspec.noise`): a random initialisation at token
 index t from its "init" uniform, a fresh sample for index t by the exponential race under its draft noise
-(`KeyedNoise.draft_exponentials`: fresh every step and independent of the rule's for the lossless rule, as SJD
-resamples; the target's own "sample" noise under the coupled rule, where a position whose distribution barely changed
-keeps its token, MC-SJD's Gumbel coupling). Lossless: each
+(`redraft_exponentials`: "draft" noise fresh every step and independent of the rule's, as SJD resamples, or with
+`coupling` the same at an index in every step, MC-SJD's Gumbel coupling: a position whose distribution barely
+changed keeps its token; under the coupled rule that noise is the target's own "sample" noise, its default), or
+MC-SJD's maximal coupling with the previous draft (`maximally_coupled`). Lossless: each
 draft's law given the past is what its q says (P for the tail, a point mass for initialised positions) and does not
 depend on the rule's numbers, so the lossless rule keeps the target's distribution exactly. Jacobi drafts only
 inside `interval` (token indices of the generated sequence); outside it the row drafts nothing and the loop makes a
@@ -60,6 +61,7 @@ from mmspec.sampling import race
 from mmspec.verify import ChainDraft, VerifyResult
 
 INIT_SCHEMES = ("random", "repeat_horizon", "sample_horizon")
+COUPLINGS = ("none", "gumbel", "maximal")  # how a re-drafted position's new draft relates to its previous one
 
 
 # ------------------------------------------------------------------------------------------------ checks
@@ -154,10 +156,32 @@ def jacobi_draft(tail_tokens: torch.Tensor, tail_probs: torch.Tensor, tail_len: 
     return torch.where(drafted, tokens, -1), probs
 
 
+def maximally_coupled(fresh: torch.Tensor, probs: torch.Tensor, previous: torch.Tensor, previous_q: torch.Tensor,
+                      keep_uniforms: torch.Tensor, exponentials: torch.Tensor) -> torch.Tensor:
+    """New drafts ~ `probs` maximally coupled with the previous drafts at the same token indices: keep the previous
+    draft x (drawn from previous_q) with probability min(1, P(x) / q(x)), else draw from the residual
+    norm(max(P - q, 0)) (the maximal coupling: P(new == x) = 1 - TV(P, q), the most any coupling gives, and the new
+    draft's law is P). Positions without a previous draft (-1) take `fresh`.
+
+    fresh [B, K] (samples of P), probs [B, K, V] P, previous [B, K] (-1: none), previous_q [B, K, V],
+    keep_uniforms [B, K] float64, exponentials [B, K, V] Exp(1) -> [B, K].
+    """
+    has = previous >= 0  # [B, K]
+    x = previous.clamp_min(0).unsqueeze(-1)  # [B, K, 1]
+    p_x = probs.gather(-1, x).squeeze(-1).double()  # [B, K]
+    q_x = previous_q.gather(-1, x).squeeze(-1).double()  # [B, K]
+    keep = has & (keep_uniforms * q_x < p_x)  # u < P(x) / q(x)
+    residual = race((probs.double() - previous_q.double()).clamp_min(0), exponentials)  # [B, K]
+    return torch.where(keep, previous, torch.where(has, residual, fresh))
+
+
 def jacobi_update(target_probs: torch.Tensor, num_accepted: torch.Tensor, num_drafted: torch.Tensor,
-                  exponentials: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                  exponentials: torch.Tensor | None,
+                  previous: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """After a verify: the fresh samples y_j ~ P_j by the exponential race (argmax when `exponentials` is None,
-    i.e. greedy) and the carried tail.
+    i.e. greedy), maximally coupled with `previous` = (drafts [B, K], their q [B, K, V], keep uniforms [B, K]) at
+    the same token indices where given, and the carried tail.
 
     target_probs [B, K+1, V] (P_0..P_K), num_accepted [B], num_drafted [B], exponentials [B, K, V] float64 Exp(1)
     or None -> (tail tokens [B, K], tail q [B, K, V], tail length [B], mode of P_m [B]).
@@ -166,8 +190,26 @@ def jacobi_update(target_probs: torch.Tensor, num_accepted: torch.Tensor, num_dr
     mode = target_probs[rows, num_drafted].argmax(-1)  # [B] the last known token's distribution P_m
     next_probs = target_probs[:, 1:]  # [B, K, V] P_1..P_K
     fresh = next_probs.argmax(-1) if exponentials is None else race(next_probs, exponentials)  # [B, K]
+    if previous is not None and exponentials is not None:
+        fresh = maximally_coupled(fresh, next_probs, *previous[:2], previous[2], exponentials)
     tokens, probs, length = carry_tail(fresh, next_probs, num_accepted, num_drafted)
     return tokens, probs, length, mode
+
+
+def check_coupling(coupling: Any) -> str | None:
+    check(coupling is None or coupling in COUPLINGS,
+          f"coupling must be one of {', '.join(COUPLINGS)} or None (the rule's own), got {coupling!r}.")
+    return coupling
+
+
+def redraft_exponentials(noise: KeyedNoise, index: torch.Tensor, vocab: int, step: int,
+                         coupling: str) -> torch.Tensor:
+    """Exp(1) draws [B, K, V] for the re-drafts at token indices [B, K] in loop step `step`: "gumbel" the same at an
+    index in every step (under a coupled rule the target's own "sample" noise, so a draft is also the target's
+    sample where their laws agree), else "draft" noise fresh at every step (independent of the rule's numbers)."""
+    if coupling == "gumbel":
+        return noise.exponentials(index, "sample" if noise.coupled else "draft", vocab)
+    return noise.exponentials(index, "draft", vocab, sub=step)
 
 
 # ---------------------------------------------------------------------------------------------- drafter
@@ -183,6 +225,11 @@ class JacobiDrafter:
     row_width: image row length for the horizon inits (first-column positions are random); None = no rows.
     init_tokens: [N] the token ids a random initialisation draws from, uniformly (a model whose vocabulary holds
         text and image tokens: its image tokens, as the official SJD code draws Lumina-mGPT's); None = all V.
+    coupling: how a re-drafted position's new sample relates to its previous draft (MC-SJD, So et al. 2025): "none"
+        (SJD: independent), "gumbel" (the same Gumbel noise at a token index in every iteration; under the coupled
+        rule the target's own sample noise) or "maximal" (keep the previous draft with probability min(1, P(x) /
+        q(x)), else the residual); None = the rule's own: "gumbel" under the coupled rule, "none" otherwise. Each
+        draft's law stays P, so every rule keeps its guarantees.
     """
 
     forwards = 0  # no model of its own
@@ -193,7 +240,7 @@ class JacobiDrafter:
     def __init__(self, vocab_size: int, window: int = 16, init: str = "random", *,
                  interval: tuple[int, int | None] | None = None, greedy: bool = False,
                  row_width: int | None = None,
-                 init_tokens: torch.Tensor | None = None) -> None:
+                 init_tokens: torch.Tensor | None = None, coupling: str | None = None) -> None:
         check_positive_int("vocab_size", vocab_size)
         check(init_tokens is None or (init_tokens.dim() == 1 and init_tokens.numel() >= 1
                                       and 0 <= int(init_tokens.min()) and int(init_tokens.max()) < vocab_size),
@@ -205,6 +252,7 @@ class JacobiDrafter:
         self.vocab_size, self.window, self.k = vocab_size, window, window - 1
         self.step_k = self.k  # drafts of the next window (a draft budget may ask for fewer)
         self.init = check_init(init)
+        self.coupling = check_coupling(coupling)
         self.start, self.end = check_interval(interval)
         self.greedy, self.row_width = bool(greedy), row_width
         self.tail_tokens: torch.Tensor | None = None  # [B, K] carried drafts
@@ -215,7 +263,7 @@ class JacobiDrafter:
 
     def config(self) -> dict:
         return {"window": self.window, "init": self.init, "interval": [self.start, self.end],
-                "greedy": self.greedy, "row_width": self.row_width}
+                "greedy": self.greedy, "row_width": self.row_width, "coupling": self.coupling}
 
     # ------------------------------------------------------------------------------------------- protocol
     @property
@@ -258,12 +306,15 @@ class JacobiDrafter:
             rows = torch.arange(target_probs.shape[0], device=target_probs.device)
             self.last_mode = torch.where(active, target_probs[rows, 0].argmax(-1), self.last_mode)
             return
-        exps = None  # greedy: the argmax
+        exps, previous = None, None  # greedy: the argmax
         if not self.greedy:  # P_j predicts token index g + j (g = the tokens before this step)
             index = state.num_generated.unsqueeze(-1) + torch.arange(1, k + 1, device=target_probs.device)  # [B, k]
-            exps = state.noise.draft_exponentials(index, self.vocab_size, state.iteration)  # [B, k, V]
+            coupling = self.coupling or ("gumbel" if state.noise.coupled else "none")
+            exps = redraft_exponentials(state.noise, index, self.vocab_size, state.iteration, coupling)  # [B, k, V]
+            if coupling == "maximal":
+                previous = self._previous_drafts(draft, index, state)
         tokens, probs, length, mode = jacobi_update(target_probs, result.num_accepted,
-                                                    draft.resolved_num_draft(), exps)
+                                                    draft.resolved_num_draft(), exps, previous)
         self.last_mode = torch.where(active, mode, self.last_mode)
         self._set_tail(tokens, probs, length, active)
         self.tail_bound = max(self.tail_bound, k)
@@ -280,6 +331,19 @@ class JacobiDrafter:
         self.tail_bound -= 1
 
     # -------------------------------------------------------------------------------------------- helpers
+    def _previous_drafts(self, draft: ChainDraft, index: torch.Tensor, state: DecodeState) -> tuple:
+        """The drafts this step verified at the token indices of P_1..P_k (draft i + 1 sits at P_i's index), their q
+        and the "couple" uniforms there: (tokens [B, k] with -1 where none, q [B, k, V], uniforms [B, k])."""
+        b, k = index.shape
+        tokens = torch.full((b, k), -1, dtype=torch.long, device=index.device)  # [B, k]
+        tokens[:, : k - 1] = draft.tokens[:, 1:k]
+        q = torch.zeros(b, k, self.vocab_size, device=index.device)  # [B, k, V]
+        if draft.probs is not None:
+            q[:, : k - 1] = draft.probs[:, 1:k]
+        else:  # drafts without a distribution are point masses
+            q[:, : k - 1] = torch.nn.functional.one_hot(tokens[:, : k - 1].clamp_min(0), self.vocab_size).float()
+        return tokens, q, state.noise.uniforms(index, "couple", state.iteration)
+
     def _set_tail(self, tokens: torch.Tensor, probs: torch.Tensor, length: torch.Tensor, active: torch.Tensor) -> None:
         """Rows `active` [B] take the carried drafts tokens [B, k], probs [B, k, V] (k <= K; the rest is padding)
         and their count [B]."""

@@ -17,7 +17,8 @@ for indices past a step's first rejection decide nothing (they are drawn again, 
 there, whose law does not depend on them). Purposes keep independent uses apart (`PURPOSES`): "sample" the target's
 token (the bonus or recovered token, a plain step's token, and, for a coupled rule, the drafts), "accept" the
 acceptance uniforms, "draft" a drafter's own samples under a rule that must see them independent of the target's
-(`draft_exponentials`), "init" Jacobi's random initialisation.
+(`draft_exponentials`), "init" Jacobi's random initialisation, "couple" the keep-or-redraw uniforms of Jacobi's maximal
+coupling.
 
 The numbers come from a counter-based hash (a lowbias32 mix of 32-bit words, in int64 tensor arithmetic that never
 overflows), so they are the same on every device and need no state: two 32-bit hashes make one 53-bit
@@ -32,7 +33,7 @@ import torch
 
 from mmspec.errors import check
 
-PURPOSES = {"sample": 0x51ED27, "accept": 0xACCE97, "draft": 0xD2AF75, "init": 0x1217A1}
+PURPOSES = {"sample": 0x51ED27, "accept": 0xACCE97, "draft": 0xD2AF75, "init": 0x1217A1, "couple": 0xC0591E}
 M32 = 0xFFFFFFFF
 KEY_RANGE = 1 << 62
 
@@ -123,7 +124,7 @@ class KeyedNoise:
         """A drafter's Exp(1) draws [B, K, V] for its samples at token indices [B, K] in loop step `step`: under a
         coupled rule the target's own "sample" noise (a draft is then the target's sample wherever their laws agree);
         else "draft" noise, fresh at every step (independent of the rule's numbers and of earlier drafts there, as
-        speculative sampling and SJD draw them)."""
+        speculative sampling and SJD draw them), or the same at every step with step=0 (Jacobi's Gumbel coupling)."""
         if self.coupled:
             return self.exponentials(index, "sample", vocab)
         return self.exponentials(index, "draft", vocab, sub=step)

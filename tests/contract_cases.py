@@ -33,9 +33,10 @@ def image_call(pipe, conditions: Sequence, method: str, given: Mapping, temperat
 class LlamaGenCase(ContractCase):
     family = "llamagen"
     guidance_scale, law_guidance_scale, top_k, images_per_prompt = 2.5, 2.5, 16, 1
+    law_variants = {"sjd": [{"accept": "lossless", "coupling": c} for c in ("gumbel", "maximal")]}
     exact = {"draft-model": [{}, {"num_draft_tokens": 3}],
              "sjd": [{}, {"init": "repeat_horizon", "window": 4}, {"init": "sample_horizon"},
-                     {"interval": (3, 12), "window": 5}, {"accept": "gsd"}],
+                     {"interval": (3, 12), "window": 5}, {"accept": "gsd"}, {"coupling": "maximal"}],
              "gsd": [{}, {"group_size": 1}],
              "eagle": [{}, {"top_k": 3, "depth": 5, "total_tokens": 12}, {"top_k": 9, "depth": 8, "total_tokens": 70}],
              "lantern": [{"delta": 0.0}, {"delta": 0.0, "top_k": 3, "depth": 5, "total_tokens": 12}]}
@@ -105,6 +106,7 @@ class TransformersImageCase(ContractCase):
     guidance_scale, top_k = 5.0, 0
     exact = {"sjd": [{}, {"window": 4, "init": "repeat_horizon"}, {"accept": "gsd"}], "gsd": [{}],
              "lantern": [{"delta": 0.0}]}
+    law_variants = {"sjd": [{"accept": "lossless", "coupling": "maximal"}]}
     call: dict = {}  # the exactness calls' further arguments
 
     def tiny(self):

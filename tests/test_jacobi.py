@@ -207,9 +207,10 @@ class UniformQDrafter(JacobiDrafter):
         self.tail_probs = torch.full_like(self.tail_probs, 1.0 / self.vocab_size)
 
 
-def sampled_sequences(drafter_cls, init, rows):
-    """4 tokens, window 3 (2 drafts), so carried tails are verified; returns (tv, tolerance, tail stats)."""
-    v, n = 4, 4
+def sampled_sequences(drafter_cls, init, rows, coupling="none", v=4, n=4, window=3):
+    """n tokens over a vocabulary of v, a window of 3 (2 drafts) by default, so carried tails are verified (6
+    tokens and a window of 4 re-draft positions of a carried tail before they are verified: the couplings act);
+    returns (tv, tolerance, tail stats, stats)."""
     model = toy_model(seed=3, vocab_size=v, dim=16)
     params = SamplingParams(temperature=1.0, top_k=3)
     prompt = torch.tensor([[1, 2, 0]])
@@ -222,8 +223,8 @@ def sampled_sequences(drafter_cls, init, rows):
         tail[1] += int(carried.sum())
 
     gen = torch.Generator().manual_seed(6)
-    out = run(model, drafter_cls(v, 3, init), prompt.expand(rows, -1), n, "lossless", params, gen,
-              callback=count_tail)
+    out = run(model, drafter_cls(v, window, init, coupling=coupling), prompt.expand(rows, -1), n, "lossless", params,
+              gen, callback=count_tail)
     codes = (out.tokens * (v ** torch.arange(n - 1, -1, -1))).sum(-1)
     emp = empirical_distribution(codes, v ** n)
     return tv_distance(emp, exact), tv_tolerance(int((exact > 1e-4).sum()), rows), tail, out.stats
@@ -235,6 +236,47 @@ def test_sampling_through_sjd_has_the_exact_sequence_distribution(init):
     assert tv < tol
     assert tail[1] > 10_000 and tail[0] > 5_000  # the carried tail is exercised, and accepted
     assert stats.num_accepted_tokens > 0
+
+
+def test_maximal_coupling_keeps_the_previous_draft_as_often_as_any_coupling_can_and_samples_p():
+    """maximally_coupled on 200k positions: the new draft's law is P, and it equals the previous draft (drawn from q)
+    with probability 1 - TV(P, q), the most any coupling gives (independent re-drafts agree sum_x P(x) q(x))."""
+    from mmspec.jacobi import maximally_coupled
+
+    n, v = 200_000, 6
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(v, generator=g) * 1.5, -1)
+    q = torch.softmax(torch.randn(v, generator=g) * 1.5, -1)
+    previous = torch.multinomial(q, n, replacement=True, generator=g)[None]  # [1, n] ~ q
+    fresh = torch.multinomial(p, n, replacement=True, generator=g)[None]  # [1, n] ~ p
+    exps = torch.empty(1, n, v, dtype=torch.float64).exponential_(generator=g)
+    new = maximally_coupled(fresh, p.expand(1, n, v), previous, q.expand(1, n, v),
+                            torch.rand(1, n, dtype=torch.float64, generator=g), exps)
+    assert tv_distance(empirical_distribution(new, v), p) < tv_tolerance(v, n)
+    agree = float((new == previous).double().mean())
+    assert abs(agree - (1 - tv_distance(p, q))) < 0.01 and agree > float((p * q).sum()) + 0.1
+    none = maximally_coupled(fresh, p.expand(1, n, v), torch.full_like(previous, -1), q.expand(1, n, v),
+                             torch.rand(1, n, dtype=torch.float64, generator=g), exps)
+    assert torch.equal(none, fresh)  # no previous draft: the fresh sample
+
+
+def test_a_coupling_that_ignores_p_fails_the_sequence_bound(monkeypatch):
+    """A 'coupling' that always keeps the previous draft (no min(1, P(x) / q(x)) test) breaks the law."""
+    from mmspec import jacobi
+
+    monkeypatch.setattr(jacobi, "maximally_coupled", lambda fresh, probs, previous, *rest: torch.where(
+        previous >= 0, previous, fresh))
+    tv, tol, _, _ = sampled_sequences(JacobiDrafter, "random", 20_000, "maximal", v=3, n=6, window=4)
+    assert tv > 2 * tol, (tv, tol)
+
+
+@pytest.mark.parametrize("init, coupling", [("random", "none"), ("random", "gumbel"), ("random", "maximal"),
+                                            ("repeat_horizon", "maximal")])
+def test_coupled_sjd_has_the_exact_sequence_distribution(init, coupling):
+    """MC-SJD's couplings tie a re-drafted position's sample to its previous draft; each draft's law stays the q
+    it is verified against, so the sequence law is the target's (6 tokens of 3, a window of 4: re-drafts act)."""
+    tv, tol, tail, _ = sampled_sequences(JacobiDrafter, init, 60_000, coupling, v=3, n=6, window=4)
+    assert tv < tol and tail[1] > 10_000
 
 
 def test_a_wrong_draft_distribution_fails_the_same_bound():

@@ -22,7 +22,7 @@ import torch
 from image_ar.llamagen.eagle import EagleTreeDrafter
 from mmspec.errors import InputError, check, check_positive_int
 from mmspec.families import parameters_of
-from mmspec.jacobi import JacobiDrafter, check_init, check_interval
+from mmspec.jacobi import JacobiDrafter, check_coupling, check_init, check_interval
 from mmspec.lm import DRAFT_ROOM, PrefillFn, TokenLayout
 from mmspec.sampling import SamplingParams
 from mmspec.verify import AcceptanceRule, GSDRule, LanternRule
@@ -147,12 +147,15 @@ def resolve_interval(interval: Any, block_size: int, window: int) -> tuple[int, 
 
 
 def llamagen_jacobi_drafter(ctx: MethodContext, window: int = 16, init: str = "random",
-                            interval: Any = None) -> JacobiDrafter:
+                            interval: Any = None, coupling: str | None = None) -> JacobiDrafter:
     """A JacobiDrafter over the pipeline's VQ vocabulary: `window` positions re-sampled from the target every
     forward; init "random" (Lumina-mGPT setting) | "repeat_horizon" (LlamaGen t2i setting) | "sample_horizon";
     interval None (the whole image), "reference" or (start, end) image-token indices (a row drafts only when its
-    next token index is >= start, never a token index >= end). The image row width feeds the horizon inits; its
-    randomness is the call's keyed noise (the loop's, from the user's generators); greedy tails at temperature 0."""
+    next token index is >= start, never a token index >= end); coupling "none" (SJD's independent re-drafts),
+    "gumbel" or "maximal" (MC-SJD: a re-drafted position keeps its token where its law barely changed;
+    `mmspec.jacobi`), None = the rule's own (gumbel under the coupled rule, none otherwise). The image row width
+    feeds the horizon inits; its randomness is the call's keyed noise (the loop's, from the user's generators);
+    greedy tails at temperature 0."""
     check_positive_int("window", window)
     check(window <= MAX_WINDOW, f"window must be <= {MAX_WINDOW} (the target's cache keeps room for "
                                 f"{MAX_WINDOW - 1} drafts), got {window}.")
@@ -160,7 +163,8 @@ def llamagen_jacobi_drafter(ctx: MethodContext, window: int = 16, init: str = "r
     block_size, row_width, vocab_size = ctx.pipeline.image_token_layout()
     start, end = resolve_interval(interval, block_size, window)
     return JacobiDrafter(vocab_size, window, init, interval=(start, end), greedy=ctx.params.greedy,
-                         row_width=row_width, init_tokens=ctx.pipeline.image_token_ids())
+                         row_width=row_width, init_tokens=ctx.pipeline.image_token_ids(),
+                         coupling=check_coupling(coupling))
 
 
 def eagle_tree_drafter(ctx: MethodContext, method: str, **tree: Any) -> EagleTreeDrafter:

@@ -15,7 +15,8 @@ lists, so a method added to a record is checked without a new test:
   generators under the default budget.
 - `check_law`: a lossless method's sampled tokens follow the target's law: the token after the first, grouped by
   the first, fits the target's teacher-forced conditional distribution (pooled chi-square) and fails it at another
-  temperature (the negative control). Speculative sampling runs (accept="lossless") where the method has a choice.
+  temperature (the negative control). Speculative sampling runs (accept="lossless") where the method has a choice,
+  and each of the case's `law_variants` (e.g. SJD's couplings).
 - `check_bad_parameters`: a parameter the method does not take is a one-line InputError naming it, raised before
   any module runs.
 - `check_library`: greedy vanilla equals the model library's own decoding (or an independent full-forward
@@ -56,6 +57,7 @@ class ContractCase:
     law_rows: int = 400  # rows sampled for `check_law`
     control_temperature: float = 0.5  # the negative control's law
     law_min_dof: int = 3  # degrees of freedom the law's chi-square needs (a law too peaked to test fails)
+    law_variants: Mapping[str, list[dict]] = {}  # per method, more lossless parameter sets `check_law` samples
     fewer_forwards: tuple[str, ...] = ()  # methods that need fewer target forwards than vanilla at the exact setting
     draft_free: tuple[str, ...] = ("vanilla",)  # methods that draft nothing (no drafted tokens to assert)
     budgets: tuple[str | None, ...] = ("fixed", None)  # the budgets `check_exact` runs (the family's budget modes)
@@ -160,8 +162,12 @@ def law_given(record: Any) -> dict[str, Any]:
 
 def check_law(case: ContractCase, pipe: Any, method: str, position: int = 1) -> None:
     record = case.record.get_method(method)
-    given = law_given(record)
-    assert record.is_lossless(given)
+    for given in [law_given(record), *case.law_variants.get(method, [])]:
+        assert record.is_lossless(given), (method, given)
+        check_law_of(case, pipe, method, given, position)
+
+
+def check_law_of(case: ContractCase, pipe: Any, method: str, given: dict[str, Any], position: int) -> None:
     condition = case.law_condition()
     rows = case.run(pipe, method, given, [condition] * case.law_rows, temperature=1.0, seed=1000,
                     budget=None if method in case.draft_free else "fixed", law=True).tokens
