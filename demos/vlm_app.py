@@ -55,10 +55,11 @@ class VLMStore:
         self._lock = threading.Lock()
 
     def drafters(self) -> list[str]:
-        """The drafter kinds of the VLM family record saved in the folder, then "none" (the target alone)."""
-        from vlm.family import drafter_kinds_in
+        """The drafter kinds of the VLM family record saved in the folder, the training-free ones, then "none" (the
+        target alone)."""
+        from vlm.family import TRAINING_FREE_KINDS, drafter_kinds_in
 
-        return [*drafter_kinds_in(self.folder), "none"]
+        return [*drafter_kinds_in(self.folder), *TRAINING_FREE_KINDS, "none"]
 
     def get(self, drafter: str):
         from vlm.pipeline import SpeculativeVLM

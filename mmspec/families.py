@@ -168,9 +168,11 @@ class CallMethod(MethodRecord):
 
 @dataclass(frozen=True)
 class DrafterMethod(MethodRecord):
-    """A method that runs a trained drafter model through the family's own tree drafter (the VLM): `run` is the
-    drafter model class (None: vanilla, the target alone); the parameters are the tree's and the acceptance
-    mode's."""
+    """A method that runs a drafter model through the family's loop drafter (the VLM): `run` is the drafter model
+    class (None: vanilla, the target alone); `trained`: whether it needs trained weights (a folder's
+    drafters/<kind>) or is built from its parameters (prompt lookup)."""
+
+    trained: bool = True
 
     @property
     def drafter_model(self) -> type | None:
@@ -227,11 +229,12 @@ class FamilyRecord:
 
     def add(self, name: str, run: Callable[..., Any] | None, params: Mapping[str, Any],
             lossless: bool | Callable[[Mapping[str, Any]], bool] = True, description: str = "",
-            needs: tuple[str, ...] = ()) -> MethodRecord:
-        """Declare a method without the decorator (e.g. when `run` is a class), as a `method_kind` record."""
+            needs: tuple[str, ...] = (), **fields: Any) -> MethodRecord:
+        """Declare a method without the decorator (e.g. when `run` is a class), as a `method_kind` record (`fields`:
+        that kind's own, e.g. DrafterMethod's `trained`)."""
         check(name not in self.methods, f"family {self.name!r} declares method {name!r} twice.")
         record = self.method_kind(name, run, dict(params), lossless if callable(lossless) else constant(lossless),
-                                  description, tuple(needs))
+                                  description, tuple(needs), **fields)
         self.methods[name] = record
         return record
 

@@ -301,13 +301,15 @@ class VLMCase(ContractCase):
     law_rows, law_min_dof = 600, 2  # a random tiny model's law: 600 rows give 8-11 degrees of freedom on 5.6 / 5.23
 
     def exact_given(self, method: str) -> list[dict]:
+        if method == "pld":
+            return [{}, {"num_draft_tokens": 3, "max_ngram": 2}]
         return [{}] if method == "vanilla" else [{}, {"depth": 3, "top_k": 3, "total_tokens": 8}]
     questions = ["What color is the object?", "Describe the image. Answer in detail.", "How many objects are there?"]
 
     def build(self) -> dict:
         from transformers import LlavaForConditionalGeneration
 
-        from vlm.family import DRAFTER_KINDS, drafter_model
+        from vlm.family import DRAFTER_KINDS, TRAINING_FREE_KINDS, drafter_model
         from vlm.pipeline import SpeculativeVLM
         from vlm.target import LlavaCachedLM
         from vlm.world import world_llava_config, world_processor
@@ -323,6 +325,8 @@ class VLMCase(ContractCase):
         for kind in DRAFTER_KINDS:
             torch.manual_seed(1)
             pipes[kind] = SpeculativeVLM(model, world_processor(), drafter_model(kind).for_target(LlavaCachedLM(model)))
+        for kind in TRAINING_FREE_KINDS:  # built from their parameters: one per call's parameters (`run`)
+            pipes[kind] = drafter_model(kind)
         return pipes
 
     @cached_property
@@ -335,10 +339,17 @@ class VLMCase(ContractCase):
         return list(zip(self.images, self.questions))
 
     def run(self, pipes, method, given, conditions, *, temperature, seed=0, budget=None, law=False) -> ContractRun:
-        params = self.record.get_method(method).resolved(self.record.get_method(method).check_given(given, "vlm"))
+        record = self.record.get_method(method)
+        params = record.resolved(record.check_given(given, "vlm"))
         images, prompts = [c[0] for c in conditions], [c[1] for c in conditions]
-        tree = (params["depth"], params["top_k"], params["total_tokens"]) if method != "vanilla" else None
-        out = pipes[method].generate(images, prompts, max_new_tokens=3 if law else 10,
+        tree = (params["depth"], params["top_k"], params["total_tokens"]) if "depth" in params else None
+        pipe = pipes[method]
+        if method != "vanilla" and not record.trained:  # a training-free kind, built with this call's parameters
+            from vlm.pipeline import SpeculativeVLM
+
+            own = {k: v for k, v in params.items() if k != "accept"}
+            pipe = SpeculativeVLM(pipes["vanilla"].model, pipes["vanilla"].processor, pipe(**own))
+        out = pipe.generate(images, prompts, max_new_tokens=3 if law else 10,
                                      temperature=temperature, tree=tree, batch_size=len(conditions),
                                      generator=torch.Generator().manual_seed(seed), use_drafter=method != "vanilla",
                                      child_ranking=params.get("child_ranking", "raw"), budget=budget,
@@ -355,7 +366,8 @@ class VLMCase(ContractCase):
         return torch.softmax(logits.double() / temperature, -1)
 
     def modules(self, pipes):
-        return [pipes["vanilla"].model, *(p.drafter for p in pipes.values() if p.drafter is not None)]
+        drafters = [p.drafter for p in pipes.values() if getattr(p, "drafter", None) is not None]
+        return [pipes["vanilla"].model, *drafters]
 
 
 CASES: dict[str, ContractCase] = {case.family: case for case in (

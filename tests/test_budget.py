@@ -236,9 +236,25 @@ def test_plain_choices_in_a_row_settle_the_call_and_the_loop_stops_asking():
     assert steering.choose(1, None) == 0 and len(asked) == 1
 
 
+def test_plain_steps_are_measured_before_the_estimate_drafts_on_table_costs():
+    """The table times a step's propose and verify only; the loop's own work on a drafting step shows against a
+    measured plain step: while fewer than plain_probe plain steps ran, an estimate that drafts runs one instead."""
+    budget = started(chain_budget([1.0, 1.0], BudgetConfig(warmup=0, refresh_every=0, gate=False, plain_probe=2)))
+    budget._time_last_step = lambda: None  # the step seconds are the ones noted below, not this test's
+    budget.acceptance.rows[:] = 1.0
+    budget.acceptance.sums[:] = torch.tensor([0.0, 1.0], dtype=torch.float64)  # drafting doubles the tokens
+    assert choose(budget) == 0  # no plain step measured yet (the call's first step is never timed)
+    budget.costs.note(0, 1.0)
+    assert choose(budget) == 0
+    budget.costs.note(0, 1.0)
+    assert choose(budget) == 1  # two measured: the estimate decides
+    budget.costs.note(1, 3.0)  # a drafting step really costs 3 plain steps: 2 tokens for 3 is worse than plain
+    assert choose(budget) == 0
+
+
 def test_per_size_choices_hold_for_a_few_steps():
-    budget = started(chain_budget([1.0, 1.0, 1.0], BudgetConfig(warmup=0, refresh_every=0, hold=3, gate=False),
-                                  per_size=True))
+    budget = started(chain_budget([1.0, 1.0, 1.0], BudgetConfig(warmup=0, refresh_every=0, hold=3, gate=False,
+                                                                plain_probe=0), per_size=True))
     budget.acceptance.rows[:] = 1.0
     budget.acceptance.sums[:] = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)
     assert [choose(budget) for _ in range(2)] == [2, 2]

@@ -105,7 +105,14 @@ def _runner(record):
         given, budget = pop_budget(given, None)
         params = {**TREE, **ACCEPT, **record.check_given(given, "vlm")}  # vanilla too: its target's cache room
         vlm = models["target"]
-        if kind is not None:
+        if kind is not None and not record.trained:  # built from its parameters, one pipe per setting
+            own = {k: v for k, v in record.resolved(given).items() if k != "accept"}
+            key = (kind, tuple(sorted(own.items())))
+            pipes = models.setdefault("pipes", {})
+            if key not in pipes:
+                pipes[key] = SpeculativeVLM(vlm.model, vlm.processor, record.drafter_model(**own))
+            vlm = pipes[key]
+        elif kind is not None:
             if kind not in models["drafters"] and _options(settings)["size"] is not None:
                 raise InputError(f"method {kind!r} has no drafter at official size {models['folder']} (random "
                                  f"drafters: {', '.join(models['drafters'])}).")
@@ -118,7 +125,7 @@ def _runner(record):
             vlm = pipes[kind]
         use_drafter = kind is not None
         vlm.drop_finished = _options(settings)["drop_finished"]
-        tree = (params.get("depth"), params.get("top_k"), params.get("total_tokens"))
+        tree = (params.get("depth"), params.get("top_k"), params.get("total_tokens")) if record.trained else None
         examples = [s.data for s in batch]
         out = vlm.generate([ex.image for ex in examples], [ex.prompt for ex in examples], settings.max_new_tokens,
                            settings.temperature, _options(settings)["top_p"], tree=tree, batch_size=len(batch),

@@ -41,10 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=None, help="output folder of a job (answers.jsonl, stats.json)")
     parser.add_argument("--model", default=None, help="target folder or a hub id in the local Hugging Face cache "
                                                       "(default: the embedded assets/vlm)")
-    from vlm.family import DRAFTER_KINDS  # the VLM family record's methods
+    from vlm.family import DRAFTER_KINDS, TRAINING_FREE_KINDS  # the VLM family record's methods
 
-    parser.add_argument("--drafter", default="auto", choices=[*DRAFTER_KINDS, "none", "auto"],
-                        help="drafter kind in MODEL/drafters, 'none' (vanilla), or 'auto' (default: the first of "
+    parser.add_argument("--drafter", default="auto", choices=[*DRAFTER_KINDS, *TRAINING_FREE_KINDS, "none", "auto"],
+                        help="drafter kind in MODEL/drafters, a training-free one (pld: prompt lookup, any target), "
+                             "'none' (vanilla), or 'auto' (default: the first of "
                              f"{', '.join(DRAFTER_KINDS)} found, else none)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -1,10 +1,12 @@
 """The VLM family record: the LLaVA target folder, its bench hook, and its methods, declared once here
 (`mmspec.families`): `vanilla` (the target alone) and one method per drafter kind, whose `run` is the drafter model
 class (loaded from `MODEL/drafters/<kind>` or built for a target with `for_target`; its `loop_drafter` is what the
-loop runs). Every method is lossless (tree verification); their parameters are the EAGLE-2 tree's (top_k, depth,
-total_tokens; None = the drafter's paper tree, `official_tree`), child_ranking (`VLMEagleTreeDrafter`) and the exact
-acceptance mode `accept` ("lossless" or "coupled").
-`mmspec vlm`, `mmspec train vlm-drafter`, the bench and the VLM demo read the kinds from here.
+loop runs). The trained kinds (`DRAFTER_KINDS`: eagle, vispec, msd, specvlm) take the EAGLE-2 tree's parameters
+(top_k, depth, total_tokens; None = the drafter's paper tree, `official_tree`) and child_ranking
+(`VLMEagleTreeDrafter`); the training-free ones (`TRAINING_FREE_KINDS`: pld, prompt lookup, `vlm.lookup`) are built
+from their own parameters, no folder needed. Every method is lossless, with the exact acceptance mode `accept`
+("lossless" or "coupled"). `mmspec vlm`, `mmspec train vlm-drafter`, the bench and the VLM demo read the kinds from
+here.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import check
 from mmspec.families import DrafterMethod, FamilyRecord, parameters_of
 from vlm.eagle import VLMEagleDrafter, VLMEagleTreeDrafter
+from vlm.lookup import VLMPromptLookup
 from vlm.msd import VLMMSDDrafter
 from vlm.specvlm import VLMSpecVLMDrafter
 from vlm.vispec import VLMViSpecDrafter
@@ -51,13 +54,17 @@ for kind, model, what in (("eagle", VLMEagleDrafter, "EagleVLM drafter"),
                           ("msd", VLMMSDDrafter, "MSD drafter (raw visual embeddings at image positions)"),
                           ("specvlm", VLMSpecVLMDrafter, "SpecVLM drafter (gated elastic visual compressor)")):
     FAMILY.add(kind, model, {**TREE, **ACCEPT}, description=f"{what}, EAGLE-2 dynamic tree, lossless tree verification")
+FAMILY.add("pld", VLMPromptLookup, {**parameters_of(VLMPromptLookup), **ACCEPT}, trained=False,
+           description="prompt lookup: chains copied from the row's own prompt and answer (no model, no training)")
 
-DRAFTER_KINDS = tuple(name for name in FAMILY.methods if name != "vanilla")
+DRAFTER_KINDS = tuple(n for n, m in FAMILY.methods.items() if n != "vanilla" and m.trained)  # saved in drafters/
+TRAINING_FREE_KINDS = tuple(n for n, m in FAMILY.methods.items() if n != "vanilla" and not m.trained)
+ALL_KINDS = DRAFTER_KINDS + TRAINING_FREE_KINDS
 
 
 def drafter_model(kind: str) -> type:
     """The drafter model class of method `kind` (InputError naming the kinds otherwise)."""
-    check(kind in DRAFTER_KINDS, f"unknown drafter kind {kind!r}; available: {', '.join(DRAFTER_KINDS)}.")
+    check(kind in ALL_KINDS, f"unknown drafter kind {kind!r}; available: {', '.join(ALL_KINDS)}.")
     return FAMILY.methods[kind].drafter_model
 
 

@@ -36,7 +36,7 @@ from mmspec.lm import LMTarget, NoDrafter
 from mmspec.loop import generate
 from mmspec.sampling import EXACT_MODES, SamplingParams
 from mmspec.stats import SpecStats
-from vlm.family import DRAFTER_KINDS, drafter_model
+from vlm.family import ALL_KINDS, TRAINING_FREE_KINDS, drafter_model
 from vlm.hf_generate import HFCall, StreamerBridge, prepare_call, refused_with_prompts
 from vlm.target import VLMInputs, cached_vlm, check_supported_config, prefill_vlm
 from vlm.world import build_prompt, image_marker
@@ -110,9 +110,12 @@ class SpeculativeVLM:
         check_supported_config(config, f"the model in {folder}")  # before any weights load
         draft_folder = None
         if drafter is not None:
-            draft_folder = (folder / "drafters" / drafter if drafter_path is None
-                            else resolve_model_folder(drafter_path, f"the {drafter} drafter"))
             drafter_model(drafter)  # (an unknown kind: one line before any weights load)
+            check(drafter not in TRAINING_FREE_KINDS or drafter_path is None,
+                  f"the {drafter} drafter has no weights: drop drafter_path.")
+            if drafter not in TRAINING_FREE_KINDS:
+                draft_folder = (folder / "drafters" / drafter if drafter_path is None
+                                else resolve_model_folder(drafter_path, f"the {drafter} drafter"))
         # transformers' own class for the config's model_type (checked above to be a supported one)
         options = {k: v for k, v in (("dtype", dtype), ("device_map", device_map)) if v is not None}
         model, processor = load_transformers_folder(folder, AutoModelForImageTextToText, AutoProcessor, **options)
@@ -122,6 +125,8 @@ class SpeculativeVLM:
         if device_map is None:
             model = model.to(device or "cpu")
         draft = None if draft_folder is None else load_drafter(draft_folder, drafter, dtype)
+        if drafter in TRAINING_FREE_KINDS:
+            draft = drafter_model(drafter)()  # built, not loaded: its default settings
         vlm = cls(model, processor, draft, attention_backend=attention_backend)
         if vlm.drafter is not None:
             vlm.drafter.to(vlm.lm.device)
@@ -293,7 +298,7 @@ class SpeculativeVLM:
         """The (depth, top_k, total_tokens) a call drafts with: `tree`, or vLLM's num_speculative_tokens=K as a
         chain of K; `method` checked against the loaded drafter's kind."""
         if method is not None:
-            loaded = [k for k in DRAFTER_KINDS if self.drafter is not None and type(self.drafter) is drafter_model(k)]
+            loaded = [k for k in ALL_KINDS if self.drafter is not None and type(self.drafter) is drafter_model(k)]
             check(loaded == [method], f"method {method!r} asked for, but the loaded drafter is "
                                       f"{loaded[0] if loaded else 'none'}; load it with drafter={method!r}.")
         if num_speculative_tokens is not None:

@@ -34,6 +34,7 @@ from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, S
 from mmspec.errors import InputError, check, check_positive_int
 from mmspec.families import FamilyRecord
 from mmspec.lm import DraftModelDrafter, GuidedRunner, LMTarget, NoDrafter, TreeModelDrafter, teacher_forced_probs
+from mmspec.lookup import PromptLookupDrafter
 from mmspec.loop import Drafter, generate
 from mmspec.sampling import SamplingParams
 from mmspec.testing.drafters import RandomDrafter
@@ -188,6 +189,14 @@ def tree(run: ToyRun, **given: Any) -> tuple[Drafter, str]:
     drafter = TreeModelDrafter(run.models.draft, **given)
     _check_draft_size("depth", drafter.depth)
     check_positive_int("total_tokens", drafter.total, minimum=2)
+    return drafter, exact_rule(run)
+
+
+@FAMILY.method(params=(PromptLookupDrafter,), skip=("banned_tokens",))
+def pld(run: ToyRun, **given: Any) -> tuple[Drafter, str]:
+    """Prompt lookup: the tokens that followed the last n-gram's earlier occurrence in the row (no model)."""
+    drafter = PromptLookupDrafter(**given)
+    _check_draft_size("num_draft_tokens", drafter.k)
     return drafter, exact_rule(run)
 
 

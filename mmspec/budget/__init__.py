@@ -32,7 +32,8 @@ from mmspec.verify import get_rule
 BUDGET_MODES = ("auto", "fixed")
 # "auto-no-<part>": the model with one part switched off, for A/B runs (`--methods sjd:budget=auto-no-gate`)
 PARTS = {"timing": {"timing": False}, "tail": {"batch_tail": False}, "gate": {"gate": False},
-         "explore": {"warmup": 0, "refresh_every": 0}, "settle": {"settle_after": 10 ** 9}, "hold": {"hold": 1}}
+         "explore": {"warmup": 0, "refresh_every": 0}, "settle": {"settle_after": 10 ** 9}, "hold": {"hold": 1},
+         "probe": {"plain_probe": 0}}
 
 
 class Budget(Protocol):

@@ -53,7 +53,9 @@ class StepCosts:
 def time_options(target: Any, drafter: Any, state: Any, rule: Any, options: Sequence[TreeShape],
                  keys: Sequence[Any], repeats: int, full_key: Any) -> list[float]:
     """[S] the median seconds of a step under each option on the live call (nothing committed): drafting
-    (`drafter.set_draft_size(key)`, `propose`) plus the target's verify and the acceptance rule on that draft."""
+    (`drafter.set_draft_size(key)`, `propose`) plus the target's verify and the acceptance rule on that draft. A
+    drafter whose drafts may be shorter than asked (prompt lookup: only where an n-gram recurs) gives the full-width
+    draft the option costs when it drafts through `timing_propose`."""
     log.info("mmspec: timing draft options for budget='auto' on this device (once per model pair, batch size and "
              "device; cached)")
     device = state.output.device
@@ -64,8 +66,9 @@ def time_options(target: Any, drafter: Any, state: Any, rule: Any, options: Sequ
             drafts[option] = ChainDraft(torch.empty(state.batch_size, 0, dtype=torch.long, device=device))
             continue
         drafter.set_draft_size(key)
-        draft_seconds[(option.top_k, option.depth)] = median_seconds(lambda: drafter.propose(state), repeats, device)
-        drafts[option] = drafter.propose(state)
+        propose = getattr(drafter, "timing_propose", drafter.propose)
+        draft_seconds[(option.top_k, option.depth)] = median_seconds(lambda p=propose: p(state), repeats, device)
+        drafts[option] = propose(state)
     for option, draft in drafts.items():
         step = (option.is_chain, option.total)  # a chain's verify takes the causal mask, cheaper than a tree's
         if step not in step_seconds:

@@ -6,9 +6,10 @@
 E[X | o] and its variance come from `AcceptanceModel`, seconds(o) from `StepCosts`; plain steps win ties. The first
 `warmup` choices, and refreshes at choices `refresh_every`, 2 x, 4 x .., draft the exploration option (the option
 that shows the most trees, then the deepest, among those costing at most `explore_cost` plain steps; a refresh
-while chains are chosen drafts the deepest chain, the only way to learn the positions past them). `settle_after`
-plain choices in a row return SETTLE: plain steps for the rest of the call. Drafters valued per size hold a choice
-for `hold` steps.
+while chains are chosen drafts the deepest chain, the only way to learn the positions past them). While the
+estimate drafts and fewer than `plain_probe` plain steps were measured, a plain step runs (its cost measured).
+`settle_after` plain choices in a row return SETTLE: plain steps for the rest of the call. Drafters valued per
+size hold a choice for `hold` steps.
 
 Lossless: an option is chosen from past verdicts and measured costs only, before the step drafts anything, so the
 draft length is a stopping time of the draft-side process and the output law is the target's (docs/budgets.md;
@@ -123,6 +124,8 @@ class ThroughputBudget:
         speed = self.speeds(rows_held, tokens_left)  # [S]
         best = int(speed.argmax())
         best = best if speed[best] > speed[0] else 0  # plain steps win ties
+        if best != 0 and config.timing and len(self.costs.steps.get(0, ())) < config.plain_probe:
+            return 0  # a plain step measured, so drafting is compared with what a plain step really costs
         self._estimated[0] += 1
         self._estimated[1] += int(best != 0)
         self._plain_run = self._plain_run + 1 if best == 0 else 0

@@ -1,0 +1,56 @@
+"""Prompt lookup (`mmspec.lookup`) as a VLM drafter kind: no weights, nothing to train, any target.
+
+    vlm = SpeculativeVLM.from_pretrained(folder, drafter="pld")          # or SpeculativeVLM(model, processor,
+    out = vlm.generate(images, prompts, max_new_tokens=256)              #     VLMPromptLookup(num_draft_tokens=8))
+
+It drafts chains copied from the row's own prompt and answer (`PromptLookupDrafter`), never the target's vision
+placeholder tokens (`vision_token_ids`: a copied run of image tokens is no answer). `tree` / vLLM's
+`num_speculative_tokens=K` set the chain's length K; a tree with top_k > 1 is refused in one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmspec.errors import check
+from mmspec.lookup import PromptLookupDrafter
+
+VISION_TOKEN_FIELDS = ("image_token_id", "image_token_index", "video_token_id", "vision_start_token_id",
+                       "vision_end_token_id", "boi_token_index", "eoi_token_index")
+
+
+def vision_token_ids(config: Any) -> list[int]:
+    """The placeholder and delimiter ids of a transformers VLM config (LLaVA, Qwen2-VL, Gemma 3) that no draft may
+    propose."""
+    return sorted({int(v) for name in VISION_TOKEN_FIELDS if isinstance(v := getattr(config, name, None), int)})
+
+
+class VLMPromptLookup(torch.nn.Module):
+    """The `pld` drafter kind: PromptLookupDrafter's settings, attached to a target (its vision tokens banned).
+    A module without parameters, so it moves, casts and saves like the trained kinds."""
+
+    def __init__(self, num_draft_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        super().__init__()
+        PromptLookupDrafter(num_draft_tokens, max_ngram, min_ngram)  # (checks the settings now)
+        self.num_draft_tokens, self.max_ngram, self.min_ngram = num_draft_tokens, max_ngram, min_ngram
+        self.banned: list[int] = []
+
+    def attach(self, lm: Any) -> VLMPromptLookup:
+        self.banned = vision_token_ids(lm.model.config)
+        return self
+
+    def image_tokens_attended(self, image_tokens: float) -> float:
+        return 0.0  # it reads token ids only
+
+    @staticmethod
+    def loop_drafter(drafter: VLMPromptLookup, lm: Any, params: Any, top_k: int | None = None,
+                     depth: int | None = None, total_tokens: int | None = None,
+                     child_ranking: str = "raw") -> PromptLookupDrafter:
+        """The loop's drafter for one call: chains of `depth` drafts when the call gives a chain (top_k 1), else
+        the configured num_draft_tokens."""
+        check(top_k in (None, 1), f"the pld drafter drafts chains: give tree=(K, 1, K + 1) or "
+                                  f"num_speculative_tokens=K, not top_k={top_k}.")
+        k = drafter.num_draft_tokens if depth is None else depth
+        return PromptLookupDrafter(k, drafter.max_ngram, drafter.min_ngram, drafter.banned)
