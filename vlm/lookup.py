@@ -1,11 +1,13 @@
-"""Prompt lookup (`mmspec.lookup`) as a VLM drafter kind: no weights, nothing to train, any target.
+"""The training-free VLM drafter kinds: prompt lookup (`pld`, `mmspec.lookup`) and Token Recycling (`recycle`,
+`mmspec.recycle`): no weights, nothing to train, any target.
 
     vlm = SpeculativeVLM.from_pretrained(folder, drafter="pld")          # or SpeculativeVLM(model, processor,
     out = vlm.generate(images, prompts, max_new_tokens=256)              #     VLMPromptLookup(num_draft_tokens=8))
 
-It drafts chains copied from the row's own prompt and answer (`PromptLookupDrafter`), never the target's vision
-placeholder tokens (`vision_token_ids`: a copied run of image tokens is no answer). `tree` / vLLM's
-`num_speculative_tokens=K` set the chain's length K; a tree with top_k > 1 is refused in one line.
+`pld` drafts chains copied from the row's own prompt and answer (`PromptLookupDrafter`); `tree` / vLLM's
+`num_speculative_tokens=K` set the chain's length K, a tree with top_k > 1 is refused in one line. `recycle`
+drafts trees from the target's own earlier rankings (`TokenRecyclingDrafter`, its table kept in the kind's object
+across calls). Neither proposes the target's vision placeholder or delimiter tokens (`vision_token_ids`).
 """
 
 from __future__ import annotations
@@ -54,3 +56,39 @@ class VLMPromptLookup(torch.nn.Module):
                                   f"num_speculative_tokens=K, not top_k={top_k}.")
         k = drafter.num_draft_tokens if depth is None else depth
         return PromptLookupDrafter(k, drafter.max_ngram, drafter.min_ngram, drafter.banned)
+
+
+class VLMTokenRecycling(torch.nn.Module):
+    """The `recycle` drafter kind: Token Recycling (`mmspec.recycle`) on a VLM target. Its adjacency table (the
+    target's top `candidates` next tokens after each token) lives in this object, so it keeps learning across the
+    calls of a pipeline; the target's vision tokens are never drafted. `tree` sets the drafted tree's
+    (depth, top_k, total_tokens), the budget smaller shapes and chains inside it."""
+
+    def __init__(self, candidates: int = 8, top_k: int = 8, depth: int = 6, total_tokens: int = 48) -> None:
+        super().__init__()
+        from mmspec.recycle import AdjacencyTable, TokenRecyclingDrafter
+
+        TokenRecyclingDrafter(AdjacencyTable(2, candidates), top_k, depth, total_tokens)  # (checks the settings)
+        self.candidates, self.top_k, self.depth, self.total_tokens = candidates, top_k, depth, total_tokens
+        self.banned: list[int] = []
+        self.table = None  # made at attach, for the target's vocabulary
+
+    def attach(self, lm: Any) -> VLMTokenRecycling:
+        from mmspec.recycle import AdjacencyTable
+
+        self.banned = vision_token_ids(lm.model.config)
+        if self.table is None or self.table.next_tokens.shape[0] != lm.vocab_size:
+            self.table = AdjacencyTable(lm.vocab_size, self.candidates)
+        return self
+
+    def image_tokens_attended(self, image_tokens: float) -> float:
+        return 0.0  # it reads token ids only
+
+    @staticmethod
+    def loop_drafter(drafter: VLMTokenRecycling, lm: Any, params: Any, top_k: int | None = None,
+                     depth: int | None = None, total_tokens: int | None = None, child_ranking: str = "raw"):
+        """The loop's drafter for one call over the kind's table: `tree` entries given, else the kind's own."""
+        from mmspec.recycle import TokenRecyclingDrafter
+
+        return TokenRecyclingDrafter(drafter.table, top_k or drafter.top_k, depth or drafter.depth,
+                                     total_tokens or drafter.total_tokens, drafter.banned)
