@@ -115,3 +115,6 @@ class TokenRecyclingDrafter:
     def skip(self, state: DecodeState, result: VerifyResult, active: torch.Tensor, target_probs: torch.Tensor) -> None:
         """A plain step scored the last token: recycle its ranking too."""
         self.table.update(state.last_token[active], target_probs[:, 0][active])
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """The loop dropped finished rows: nothing per row to drop (the table is the model's)."""
