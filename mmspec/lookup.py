@@ -16,6 +16,9 @@ rule's random numbers). The lookup runs on the host over each row's tokens (nump
 step), as vLLM's proposer does; the target verify dominates a step's cost. A draft budget may ask for fewer
 drafts (`draft_sizes`: 0, 1, 2, 4, .., K).
 
+`SuffixLookupDrafter` finds the match with a suffix automaton per row (SAM decoding, Hu et al. 2024): the longest
+repeated suffix of any length, in O(1) amortised per token rather than a scan of the row.
+
 Glossary: B rows, P prompt length, K drafts, n the n-gram length.
 """
 
@@ -145,3 +148,84 @@ class PromptLookupDrafter:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """The loop dropped finished rows: the prompts stay indexed by the call's rows (`state.row_ids`)."""
+
+
+class SuffixAutomaton:
+    """A suffix automaton of one growing token sequence (Blumer et al. 1985), extended a token at a time in O(1)
+    amortised: `repeat()` is the first earlier end of the longest suffix that occurred before (SAM decoding,
+    Hu et al. 2024), -1 when none."""
+
+    def __init__(self) -> None:
+        self.next: list[dict[int, int]] = [{}]
+        self.link, self.length, self.first_end = [-1], [0], [-1]
+        self.last = 0
+        self.tokens: list[int] = []
+
+    def extend(self, token: int) -> None:
+        cur = len(self.length)
+        self.next.append({})
+        self.link.append(0)
+        self.length.append(self.length[self.last] + 1)
+        self.first_end.append(len(self.tokens))
+        self.tokens.append(token)
+        p = self.last
+        while p != -1 and token not in self.next[p]:
+            self.next[p][token] = cur
+            p = self.link[p]
+        if p != -1:
+            q = self.next[p][token]
+            if self.length[p] + 1 == self.length[q]:
+                self.link[cur] = q
+            else:  # split q: a clone keeps q's first end and transitions, at the shorter length
+                clone = len(self.length)
+                self.next.append(dict(self.next[q]))
+                self.link.append(self.link[q])
+                self.length.append(self.length[p] + 1)
+                self.first_end.append(self.first_end[q])
+                while p != -1 and self.next[p].get(token) == q:
+                    self.next[p][token] = clone
+                    p = self.link[p]
+                self.link[q] = self.link[cur] = clone
+        self.last = cur
+
+    def repeat(self, min_length: int) -> int:
+        """The end index of the first occurrence of the longest suffix (of at least min_length tokens) that
+        occurred before the sequence's end, or -1."""
+        state = self.link[self.last]
+        return self.first_end[state] if state > 0 and self.length[state] >= min_length else -1
+
+
+class SuffixLookupDrafter(PromptLookupDrafter):
+    """Prompt lookup through a suffix automaton per row (SAM decoding's dynamic automaton): the draft continues
+    the first earlier occurrence of the row's longest repeated suffix, of any length >= min_ngram, found in O(1)
+    per token instead of a scan of the row (`max_ngram` is not used). Same chains, budget sizes and banned tokens
+    as `PromptLookupDrafter`."""
+
+    def begin(self, inputs: Any, state: DecodeState) -> None:
+        super().begin(inputs, state)
+        self.automata = []
+        for prompt in self.prompts:
+            automaton = SuffixAutomaton()
+            for token in prompt.tolist():
+                automaton.extend(token)
+            self.automata.append(automaton)
+        self.fed = [0] * len(self.prompts)  # generated tokens each automaton has read
+
+    def propose(self, state: DecodeState) -> ChainDraft:
+        b, k, device = state.batch_size, self.step_k, state.done.device
+        rows = range(b) if state.row_ids is None else state.row_ids.tolist()
+        counts = state.num_generated.tolist()
+        generated = state.tokens.cpu().numpy()  # [B, max_new_tokens]
+        tokens = np.full((b, k), -1, dtype=np.int64)  # [B, K]
+        num = np.zeros(b, dtype=np.int64)  # [B]
+        for i, row in enumerate(rows):
+            automaton = self.automata[row]
+            for token in generated[i, self.fed[row]: counts[i]].tolist():
+                automaton.extend(token)
+            self.fed[row] = counts[i]
+            end = automaton.repeat(self.min_ngram)
+            found = np.asarray(automaton.tokens[end + 1: end + 1 + k] if end >= 0 else [], dtype=np.int64)
+            found = cut_at_banned(found, self.banned)
+            tokens[i, : found.size], num[i] = found, found.size
+        width = int(num.max(initial=0))
+        return ChainDraft(torch.from_numpy(tokens[:, :width]).to(device), None, torch.from_numpy(num).to(device))

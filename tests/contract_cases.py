@@ -303,6 +303,8 @@ class VLMCase(ContractCase):
     def exact_given(self, method: str) -> list[dict]:
         if method == "pld":
             return [{}, {"num_draft_tokens": 3, "max_ngram": 2}]
+        if method == "sam":
+            return [{}, {"num_draft_tokens": 3}]
         if method == "recycle":
             return [{}, {"candidates": 4, "top_k": 2, "depth": 3, "total_tokens": 6}]
         return [{}] if method == "vanilla" else [{}, {"depth": 3, "top_k": 3, "total_tokens": 8}]

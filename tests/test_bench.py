@@ -31,7 +31,7 @@ from mmspec.cli import main
 from mmspec.errors import InputError
 from mmspec.stats import SpecStats
 
-TOY_METHODS = ["vanilla", "draft-model", "self-draft", "tree", "pld", "random"]
+TOY_METHODS = ["vanilla", "draft-model", "self-draft", "tree", "pld", "sam", "random"]
 # one torch thread: on a loaded 2-core machine two intra-op threads make this tiny model 10x slower
 SMALL_TOY = ["--threads", "1", "--family-option", "dim=16", "--family-option", "num_layers=2",
              "--family-option", "num_heads=2", "--family-option", "vocab_size=32"]
@@ -363,7 +363,7 @@ def test_unknown_family_and_method_are_clear_errors(fake, tmp_path, capsys):
     assert "unknown family 'nope'" in capsys.readouterr().err
     assert main(["bench", "--family", "toy", "--methods", "tree,eagle9", "--out", str(tmp_path / "o2")]) == 2
     err = capsys.readouterr().err
-    assert "unknown method 'eagle9'" in err and "draft-model, self-draft, tree, pld, random" in err
+    assert "unknown method 'eagle9'" in err and "draft-model, self-draft, tree, pld, sam, random" in err
     assert fake.builds == 0
 
 

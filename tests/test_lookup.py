@@ -75,3 +75,44 @@ def test_the_pld_kind_needs_no_folder_and_refuses_trees(tmp_path):
         VLMPromptLookup.loop_drafter(VLMPromptLookup(), None, None, top_k=4, depth=3, total_tokens=8)
     chain = VLMPromptLookup.loop_drafter(VLMPromptLookup(num_draft_tokens=10), None, None, top_k=1, depth=3)
     assert chain.k == 3
+
+
+def brute_force_repeat(tokens: list[int], min_length: int) -> int:
+    """The first earlier end of the longest suffix of `tokens` that occurred before the end, by scanning."""
+    n = len(tokens)
+    for length in range(n - 1, min_length - 1, -1):
+        suffix = tokens[n - length:]
+        for end in range(length - 1, n - 1):
+            if tokens[end - length + 1: end + 1] == suffix:
+                return end
+    return -1
+
+
+def test_the_suffix_automaton_finds_the_longest_repeated_suffix_as_a_scan_does():
+    from mmspec.lookup import SuffixAutomaton
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        tokens = torch.randint(0, 2 + trial % 4, (30,), generator=generator).tolist()
+        automaton = SuffixAutomaton()
+        for i, token in enumerate(tokens):
+            automaton.extend(token)
+            for min_length in (1, 2):
+                assert automaton.repeat(min_length) == brute_force_repeat(tokens[: i + 1], min_length), (trial, i)
+
+
+def test_the_suffix_lookup_drafts_what_followed_the_longest_repeat_and_follows_dropped_rows():
+    from mmspec.lookup import SuffixLookupDrafter
+
+    drafter = SuffixLookupDrafter(num_draft_tokens=3, banned_tokens=[32])
+    prompts = torch.tensor([[9, 1, 2, 3, 4, 5, 1, 2], [7, 7, 6, 32, 8, 0, 0, 0]])
+    state = DecodeState.new(2, 6, "cpu")
+    drafter.begin(prompts, state)
+    state.output[:, :2] = torch.tensor([[3, 4], [7, 6]])
+    state.num_generated[:] = 2
+    draft = drafter.propose(state)  # row 0: "1 2 3 4" repeats -> 5 1 2; row 1: "7 6" -> stopped before 32
+    assert draft.tokens[0].tolist() == [5, 1, 2] and draft.num_draft.tolist() == [3, 0]
+    state.select_rows(torch.tensor([0]))
+    drafter.select_rows(torch.tensor([0]))
+    state.output[0, 2], state.num_generated[0] = 5, 3
+    assert drafter.propose(state).tokens[0].tolist() == [1, 2, 3]  # "3 4 5" repeats too: what followed its first

@@ -3,10 +3,10 @@
 class (loaded from `MODEL/drafters/<kind>` or built for a target with `for_target`; its `loop_drafter` is what the
 loop runs). The trained kinds (`DRAFTER_KINDS`: eagle, vispec, msd, specvlm) take the EAGLE-2 tree's parameters
 (top_k, depth, total_tokens; None = the drafter's paper tree, `official_tree`) and child_ranking
-(`VLMEagleTreeDrafter`); the training-free ones (`TRAINING_FREE_KINDS`: pld, prompt lookup, and recycle, Token
-Recycling: `vlm.lookup`) are built from their own parameters, no folder needed. Every method is lossless, with the
-exact acceptance mode `accept` ("lossless" or "coupled"). `mmspec vlm`, `mmspec train vlm-drafter`, the bench and
-the VLM demo read the kinds from here.
+(`VLMEagleTreeDrafter`); the training-free ones (`TRAINING_FREE_KINDS`: pld, prompt lookup; sam, its suffix
+automaton; recycle, Token Recycling: `vlm.lookup`) are built from their own parameters, no folder needed. Every
+method is lossless, with the exact acceptance mode `accept` ("lossless" or "coupled"). `mmspec vlm`, `mmspec train
+vlm-drafter`, the bench and the VLM demo read the kinds from here.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import check
 from mmspec.families import DrafterMethod, FamilyRecord, parameters_of
 from vlm.eagle import VLMEagleDrafter, VLMEagleTreeDrafter
-from vlm.lookup import VLMPromptLookup, VLMTokenRecycling
+from vlm.lookup import VLMPromptLookup, VLMSuffixLookup, VLMTokenRecycling
 from vlm.msd import VLMMSDDrafter
 from vlm.specvlm import VLMSpecVLMDrafter
 from vlm.vispec import VLMViSpecDrafter
@@ -56,6 +56,8 @@ for kind, model, what in (("eagle", VLMEagleDrafter, "EagleVLM drafter"),
     FAMILY.add(kind, model, {**TREE, **ACCEPT}, description=f"{what}, EAGLE-2 dynamic tree, lossless tree verification")
 FAMILY.add("pld", VLMPromptLookup, {**parameters_of(VLMPromptLookup), **ACCEPT}, trained=False,
            description="prompt lookup: chains copied from the row's own prompt and answer (no model, no training)")
+FAMILY.add("sam", VLMSuffixLookup, {**parameters_of(VLMSuffixLookup), **ACCEPT}, trained=False,
+           description="SAM decoding: the row's longest repeated suffix continued, by a suffix automaton (no model)")
 FAMILY.add("recycle", VLMTokenRecycling, {**parameters_of(VLMTokenRecycling), **ACCEPT}, trained=False,
            description="Token Recycling: trees from the target's own earlier next-token rankings (no model)")
 

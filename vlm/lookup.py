@@ -1,13 +1,14 @@
-"""The training-free VLM drafter kinds: prompt lookup (`pld`, `mmspec.lookup`) and Token Recycling (`recycle`,
-`mmspec.recycle`): no weights, nothing to train, any target.
+"""The training-free VLM drafter kinds: prompt lookup (`pld`, `mmspec.lookup`), its suffix automaton (`sam`) and
+Token Recycling (`recycle`, `mmspec.recycle`): no weights, nothing to train, any target.
 
     vlm = SpeculativeVLM.from_pretrained(folder, drafter="pld")          # or SpeculativeVLM(model, processor,
     out = vlm.generate(images, prompts, max_new_tokens=256)              #     VLMPromptLookup(num_draft_tokens=8))
 
 `pld` drafts chains copied from the row's own prompt and answer (`PromptLookupDrafter`); `tree` / vLLM's
-`num_speculative_tokens=K` set the chain's length K, a tree with top_k > 1 is refused in one line. `recycle`
+`num_speculative_tokens=K` set the chain's length K, a tree with top_k > 1 is refused in one line; `sam` drafts the
+same chains from the row's longest repeated suffix (`SuffixLookupDrafter`). `recycle`
 drafts trees from the target's own earlier rankings (`TokenRecyclingDrafter`, its table kept in the kind's object
-across calls). Neither proposes the target's vision placeholder or delimiter tokens (`vision_token_ids`).
+across calls). None proposes the target's vision placeholder or delimiter tokens (`vision_token_ids`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from mmspec.errors import check
-from mmspec.lookup import PromptLookupDrafter
+from mmspec.lookup import PromptLookupDrafter, SuffixLookupDrafter
 
 VISION_TOKEN_FIELDS = ("image_token_id", "image_token_index", "video_token_id", "vision_start_token_id",
                        "vision_end_token_id", "boi_token_index", "eoi_token_index")
@@ -32,6 +33,8 @@ def vision_token_ids(config: Any) -> list[int]:
 class VLMPromptLookup(torch.nn.Module):
     """The `pld` drafter kind: PromptLookupDrafter's settings, attached to a target (its vision tokens banned).
     A module without parameters, so it moves, casts and saves like the trained kinds."""
+
+    drafter_class = PromptLookupDrafter
 
     def __init__(self, num_draft_tokens: int = 10, max_ngram: int = 3, min_ngram: int = 1) -> None:
         super().__init__()
@@ -55,7 +58,17 @@ class VLMPromptLookup(torch.nn.Module):
         check(top_k in (None, 1), f"the pld drafter drafts chains: give tree=(K, 1, K + 1) or "
                                   f"num_speculative_tokens=K, not top_k={top_k}.")
         k = drafter.num_draft_tokens if depth is None else depth
-        return PromptLookupDrafter(k, drafter.max_ngram, drafter.min_ngram, drafter.banned)
+        return drafter.drafter_class(k, drafter.max_ngram, drafter.min_ngram, drafter.banned)
+
+
+class VLMSuffixLookup(VLMPromptLookup):
+    """The `sam` drafter kind: prompt lookup of the row's longest repeated suffix through a suffix automaton per row
+    (`SuffixLookupDrafter`, SAM decoding's dynamic automaton); chains as `pld`."""
+
+    drafter_class = SuffixLookupDrafter
+
+    def __init__(self, num_draft_tokens: int = 10, min_ngram: int = 1) -> None:
+        super().__init__(num_draft_tokens, max_ngram=max(min_ngram, 1), min_ngram=min_ngram)
 
 
 class VLMTokenRecycling(torch.nn.Module):

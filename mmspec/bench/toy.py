@@ -34,7 +34,7 @@ from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, S
 from mmspec.errors import InputError, check, check_positive_int
 from mmspec.families import FamilyRecord
 from mmspec.lm import DraftModelDrafter, GuidedRunner, LMTarget, NoDrafter, TreeModelDrafter, teacher_forced_probs
-from mmspec.lookup import PromptLookupDrafter
+from mmspec.lookup import PromptLookupDrafter, SuffixLookupDrafter
 from mmspec.loop import Drafter, generate
 from mmspec.sampling import SamplingParams
 from mmspec.testing.drafters import RandomDrafter
@@ -196,6 +196,14 @@ def tree(run: ToyRun, **given: Any) -> tuple[Drafter, str]:
 def pld(run: ToyRun, **given: Any) -> tuple[Drafter, str]:
     """Prompt lookup: the tokens that followed the last n-gram's earlier occurrence in the row (no model)."""
     drafter = PromptLookupDrafter(**given)
+    _check_draft_size("num_draft_tokens", drafter.k)
+    return drafter, exact_rule(run)
+
+
+@FAMILY.method(params=(PromptLookupDrafter,), skip=("banned_tokens", "max_ngram"))
+def sam(run: ToyRun, **given: Any) -> tuple[Drafter, str]:
+    """SAM decoding: prompt lookup of the longest repeated suffix through a suffix automaton per row (no model)."""
+    drafter = SuffixLookupDrafter(**given)
     _check_draft_size("num_draft_tokens", drafter.k)
     return drafter, exact_rule(run)
 

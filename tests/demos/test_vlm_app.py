@@ -56,7 +56,7 @@ def test_streamed_answer_equals_the_target_alone(store):
     assert stats["new_tokens"] == vanilla["new_tokens"] and stats["rounds"] <= vanilla["rounds"]
     assert all(label in (None, "draft (odd round)", "draft (even round)") for _, label in segments)
     assert stats["mean_acceptance_length"] is not None and vanilla["mean_acceptance_length"] is None
-    assert store.drafters() == ["eagle", "pld", "recycle", "none"]  # the folder's drafter, the training-free ones, none
+    assert store.drafters() == ["eagle", "pld", "sam", "recycle", "none"]  # the folder's, the training-free ones
     assert vanilla["draft_budget"] is None and vanilla["budget_note"] is None  # no drafter: no draft budget
 
 
@@ -144,7 +144,7 @@ def test_the_embedded_default_offers_its_drafters_and_highlights_drafts():
     """With no --model the app serves assets/vlm and its shipped drafters (eagle first); a real answer there shows
     accepted drafts highlighted and equals the target alone."""
     default = VLMStore()
-    assert default.drafters() == ["eagle", "vispec", "msd", "specvlm", "pld", "recycle", "none"]  # the record's order
+    assert default.drafters() == ["eagle", "vispec", "msd", "specvlm", "pld", "sam", "recycle", "none"]
     image = example_images(1)[0]
     # a question of the kind the drafters were trained on; the budget drafts every step whatever the machine's speed
     # (on an unfamiliar question, or a busy machine, the default budget="auto" may rightly take plain steps)
