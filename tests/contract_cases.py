@@ -34,6 +34,7 @@ class LlamaGenCase(ContractCase):
     family = "llamagen"
     guidance_scale, law_guidance_scale, top_k, images_per_prompt = 2.5, 2.5, 16, 1
     law_variants = {"sjd": [{"accept": "lossless", "coupling": c} for c in ("gumbel", "maximal")]}
+    law_settings = {"eagle": {"top_k": 4, "depth": 3, "total_tokens": 10}}  # a branching tree, cheaper than 59 nodes
     exact = {"draft-model": [{}, {"num_draft_tokens": 3}],
              "sjd": [{}, {"init": "repeat_horizon", "window": 4}, {"init": "sample_horizon"},
                      {"interval": (3, 12), "window": 5}, {"accept": "gsd"}, {"coupling": "maximal"}],
@@ -107,6 +108,7 @@ class TransformersImageCase(ContractCase):
     exact = {"sjd": [{}, {"window": 4, "init": "repeat_horizon"}, {"accept": "gsd"}], "gsd": [{}],
              "lantern": [{"delta": 0.0}]}
     law_variants = {"sjd": [{"accept": "lossless", "coupling": "maximal"}]}
+    law_settings = {"eagle": {"top_k": 4, "depth": 3, "total_tokens": 10}}
     call: dict = {}  # the exactness calls' further arguments
 
     def tiny(self):
@@ -162,6 +164,7 @@ class Emu3Case(TransformersImageCase):
     guidance_scale, top_k = 3.0, 0
     exact = {**TransformersImageCase.exact, "sjd": [{}, {"window": 6, "init": "repeat_horizon"}, {"accept": "gsd"}]}
     call = {"negative_prompt": "blurry"}  # a plain-text negative prompt (test_emu3.py checks the official one)
+    law_variants: dict = {}  # (Janus samples SJD's coupled law; Emu3's 23-token images cost twice its time)
 
     def tiny(self):
         from image_ar.transformers_ar.tiny import tiny_emu3_pipeline

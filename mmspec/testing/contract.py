@@ -58,6 +58,7 @@ class ContractCase:
     control_temperature: float = 0.5  # the negative control's law
     law_min_dof: int = 3  # degrees of freedom the law's chi-square needs (a law too peaked to test fails)
     law_variants: Mapping[str, list[dict]] = {}  # per method, more lossless parameter sets `check_law` samples
+    law_settings: Mapping[str, dict] = {}  # per method, settings every `check_law` sample uses (a smaller tree)
     fewer_forwards: tuple[str, ...] = ()  # methods that need fewer target forwards than vanilla at the exact setting
     draft_free: tuple[str, ...] = ("vanilla",)  # methods that draft nothing (no drafted tokens to assert)
     budgets: tuple[str | None, ...] = ("fixed", None)  # the budgets `check_exact` runs (the family's budget modes)
@@ -162,7 +163,8 @@ def law_given(record: Any) -> dict[str, Any]:
 
 def check_law(case: ContractCase, pipe: Any, method: str, position: int = 1) -> None:
     record = case.record.get_method(method)
-    for given in [law_given(record), *case.law_variants.get(method, [])]:
+    base = case.law_settings.get(method, {})
+    for given in [{**base, **law_given(record)}, *({**base, **v} for v in case.law_variants.get(method, []))]:
         assert record.is_lossless(given), (method, given)
         check_law_of(case, pipe, method, given, position)
 
