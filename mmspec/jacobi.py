@@ -191,7 +191,7 @@ def jacobi_update(target_probs: torch.Tensor, num_accepted: torch.Tensor, num_dr
     next_probs = target_probs[:, 1:]  # [B, K, V] P_1..P_K
     fresh = next_probs.argmax(-1) if exponentials is None else race(next_probs, exponentials)  # [B, K]
     if previous is not None and exponentials is not None:
-        fresh = maximally_coupled(fresh, next_probs, *previous[:2], previous[2], exponentials)
+        fresh = maximally_coupled(fresh, next_probs, *previous, exponentials)
     tokens, probs, length = carry_tail(fresh, next_probs, num_accepted, num_drafted)
     return tokens, probs, length, mode
 

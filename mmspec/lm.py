@@ -31,7 +31,7 @@ from mmspec.errors import check, check_positive_int
 from mmspec.loop import DecodeState, plain_draft
 from mmspec.prefixes import PrefixLogits
 from mmspec.sampling import SamplingParams, cfg_combine, probs_from_params, race, split_cfg_batch
-from mmspec.tree import DraftTree, TreeShape, expand_eagle2, max_chain_depth, pool_size
+from mmspec.tree import DraftTree, SteeredTree, TreeShape, expand_eagle2, max_chain_depth, pool_size
 from mmspec.verify import ChainDraft, Draft, VerifyResult
 
 
@@ -405,27 +405,15 @@ class PendingRoom:
         self.pending_columns += 1
 
 
-class ShapedTreeDrafter(PendingRoom):
-    """A tree drafter a draft budget can steer: its `full_shape` (set at construction), `set_draft_size(shape)` and
-    the pending tokens of plain steps (`PendingRoom`). The drafter has `top_k`, `depth`, `total`, `runner`,
-    `pending` (room for `pending_width()` tokens) and `run_pending()`."""
-
-    full_shape: TreeShape
+class ShapedTreeDrafter(PendingRoom, SteeredTree):
+    """A tree drafter with its own model that a draft budget can steer (`SteeredTree`), with the pending tokens of
+    plain steps (`PendingRoom`). The drafter has `top_k`, `depth`, `total`, `runner`, `pending` (room for
+    `pending_width()` tokens) and `run_pending()`."""
 
     def pending_width(self) -> int:
         """Pending tokens a row can hold: the longest accepted path (the deepest chain) plus the final token, plus
         PLAIN_ROOM plain steps' tokens (run together at the next proposal, or when the room is full)."""
         return max_chain_depth(self.full_shape) + 1 + PLAIN_ROOM
-
-    def set_draft_size(self, shape: TreeShape) -> None:
-        """Draft `shape` from the next proposal on (a tree inside the full shape, or a chain up to
-        `max_chain_depth`; either fits in the full shape's node count)."""
-        full = self.full_shape
-        deepest = max_chain_depth(full) if getattr(shape, "top_k", 0) == 1 else full.depth
-        check(isinstance(shape, TreeShape) and 1 <= shape.depth <= deepest and 1 <= shape.top_k <= full.top_k
-              and 2 <= shape.total <= min(full.total, pool_size(shape.top_k, shape.depth)),
-              f"a draft shape must fit in the drafter's {full}, got {shape}.")
-        self.top_k, self.depth, self.total = shape.top_k, shape.depth, shape.total
 
 
 class DraftModelDrafter(PendingRoom):

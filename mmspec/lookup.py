@@ -123,11 +123,15 @@ class PromptLookupDrafter:
         tokens = np.full((b, k), -1, dtype=np.int64)  # [B, K]
         num = np.zeros(b, dtype=np.int64)  # [B]
         for i, row in enumerate(rows):
-            context = np.concatenate([self.prompts[row], generated[i, : counts[i]]])
-            found = cut_at_banned(lookup_continuation(context, self.max_ngram, self.min_ngram, k), self.banned)
+            found = cut_at_banned(self.continuation(row, generated[i, : counts[i]], k), self.banned)
             tokens[i, : found.size], num[i] = found, found.size
         width = int(num.max(initial=0))  # no verify wider than the longest match (0: a plain step)
         return ChainDraft(torch.from_numpy(tokens[:, :width]).to(device), None, torch.from_numpy(num).to(device))
+
+    def continuation(self, row: int, generated: np.ndarray, k: int) -> np.ndarray:
+        """Up to k tokens to draft for the call's row `row`, whose generated tokens so far are `generated`."""
+        context = np.concatenate([self.prompts[row], generated])
+        return lookup_continuation(context, self.max_ngram, self.min_ngram, k)
 
     def timing_propose(self, state: DecodeState) -> ChainDraft:
         """The lookup, then every row's draft filled to the step's size with its last token: what a step costs
@@ -211,21 +215,12 @@ class SuffixLookupDrafter(PromptLookupDrafter):
             self.automata.append(automaton)
         self.fed = [0] * len(self.prompts)  # generated tokens each automaton has read
 
-    def propose(self, state: DecodeState) -> ChainDraft:
-        b, k, device = state.batch_size, self.step_k, state.done.device
-        rows = range(b) if state.row_ids is None else state.row_ids.tolist()
-        counts = state.num_generated.tolist()
-        generated = state.tokens.cpu().numpy()  # [B, max_new_tokens]
-        tokens = np.full((b, k), -1, dtype=np.int64)  # [B, K]
-        num = np.zeros(b, dtype=np.int64)  # [B]
-        for i, row in enumerate(rows):
-            automaton = self.automata[row]
-            for token in generated[i, self.fed[row]: counts[i]].tolist():
-                automaton.extend(token)
-            self.fed[row] = counts[i]
-            end = automaton.repeat(self.min_ngram)
-            found = np.asarray(automaton.tokens[end + 1: end + 1 + k] if end >= 0 else [], dtype=np.int64)
-            found = cut_at_banned(found, self.banned)
-            tokens[i, : found.size], num[i] = found, found.size
-        width = int(num.max(initial=0))
-        return ChainDraft(torch.from_numpy(tokens[:, :width]).to(device), None, torch.from_numpy(num).to(device))
+    def continuation(self, row: int, generated: np.ndarray, k: int) -> np.ndarray:
+        """The row's automaton reads the tokens generated since it last read, then gives what followed the first
+        earlier occurrence of its longest repeated suffix."""
+        automaton = self.automata[row]
+        for token in generated[self.fed[row]:].tolist():
+            automaton.extend(token)
+        self.fed[row] = generated.shape[0]
+        end = automaton.repeat(self.min_ngram)
+        return np.asarray(automaton.tokens[end + 1: end + 1 + k] if end >= 0 else [], dtype=np.int64)

@@ -124,7 +124,7 @@ class KeyedNoise:
         """A drafter's Exp(1) draws [B, K, V] for its samples at token indices [B, K] in loop step `step`: under a
         coupled rule the target's own "sample" noise (a draft is then the target's sample wherever their laws agree);
         else "draft" noise, fresh at every step (independent of the rule's numbers and of earlier drafts there, as
-        speculative sampling and SJD draw them), or the same at every step with step=0 (Jacobi's Gumbel coupling)."""
+        speculative sampling and SJD draw them)."""
         if self.coupled:
             return self.exponentials(index, "sample", vocab)
         return self.exponentials(index, "draft", vocab, sub=step)

@@ -25,7 +25,7 @@ import torch
 
 from mmspec.errors import check, check_positive_int
 from mmspec.loop import DecodeState
-from mmspec.tree import DraftTree, TreeShape, expand_eagle2, max_chain_depth, pool_size
+from mmspec.tree import DraftTree, SteeredTree, TreeShape, expand_eagle2, pool_size
 from mmspec.verify import VerifyResult
 
 UNSEEN = -1.0e4  # the score of an unseen token's children: below every known candidate's
@@ -64,9 +64,9 @@ class AdjacencyTable:
         return out
 
 
-class TokenRecyclingDrafter:
+class TokenRecyclingDrafter(SteeredTree):
     """Token Recycling as a loop tree drafter over a shared `AdjacencyTable` (see the module docstring); top_k
-    children per frontier node, depth levels, total_tokens nodes with the root."""
+    children per frontier node, depth levels, total_tokens nodes with the root; a budget steers it (`SteeredTree`)."""
 
     forwards = 0  # no model of its own
 
@@ -87,15 +87,6 @@ class TokenRecyclingDrafter:
     @property
     def max_draft_nodes(self) -> int:
         return self.full_shape.total
-
-    def set_draft_size(self, shape: TreeShape) -> None:
-        """Draft `shape` from the next step on: a tree inside the full shape or a chain up to its deepest."""
-        full = self.full_shape
-        deepest = max_chain_depth(full) if shape.top_k == 1 else full.depth
-        check(1 <= shape.depth <= deepest and 1 <= shape.top_k <= full.top_k
-              and 2 <= shape.total <= min(full.total, pool_size(shape.top_k, shape.depth)),
-              f"a draft shape must fit in the drafter's {full}, got {shape}.")
-        self.top_k, self.depth, self.total = shape.top_k, shape.depth, shape.total
 
     def begin(self, inputs: object, state: DecodeState) -> None:
         self.banned = self.banned.to(state.done.device)

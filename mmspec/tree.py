@@ -194,6 +194,23 @@ def max_chain_depth(full: TreeShape) -> int:
     return max(full.depth, min(MAX_CHAIN_DEPTH, full.total - 1))
 
 
+class SteeredTree:
+    """A tree drafter a draft budget can steer: its `full_shape` (set at construction) and `set_draft_size(shape)`;
+    it drafts `top_k` children per frontier node, `depth` levels and `total` nodes with the root."""
+
+    full_shape: TreeShape
+
+    def set_draft_size(self, shape: TreeShape) -> None:
+        """Draft `shape` from the next proposal on (a tree inside the full shape, or a chain up to
+        `max_chain_depth`; either fits in the full shape's node count)."""
+        full = self.full_shape
+        deepest = max_chain_depth(full) if getattr(shape, "top_k", 0) == 1 else full.depth
+        check(isinstance(shape, TreeShape) and 1 <= shape.depth <= deepest and 1 <= shape.top_k <= full.top_k
+              and 2 <= shape.total <= min(full.total, pool_size(shape.top_k, shape.depth)),
+              f"a draft shape must fit in the drafter's {full}, got {shape}.")
+        self.top_k, self.depth, self.total = shape.top_k, shape.depth, shape.total
+
+
 def levels_of_eagle_depth(code_depth: int) -> int:
     """Draft levels of a tree that EAGLE's or LANTERN's code configures with `depth=code_depth`: their `topK_genrate`
     expands the root, then `depth` more levels, so `depth=4` drafts 5 levels. mmspec's `depth` (here and in every

@@ -333,7 +333,7 @@ class VLMCase(ContractCase):
             torch.manual_seed(1)
             pipes[kind] = SpeculativeVLM(model, world_processor(), drafter_model(kind).for_target(LlavaCachedLM(model)))
         for kind in TRAINING_FREE_KINDS:  # built from their parameters: one per call's parameters (`run`)
-            pipes[kind] = drafter_model(kind)
+            pipes[kind] = pipes["vanilla"]
         return pipes
 
     @cached_property
@@ -352,10 +352,10 @@ class VLMCase(ContractCase):
         tree = (params["depth"], params["top_k"], params["total_tokens"]) if "depth" in params else None
         pipe = pipes[method]
         if method != "vanilla" and not record.trained:  # a training-free kind, built with this call's parameters
+            from vlm.family import training_free_drafter
             from vlm.pipeline import SpeculativeVLM
 
-            own = {k: v for k, v in params.items() if k != "accept"}
-            pipe = SpeculativeVLM(pipes["vanilla"].model, pipes["vanilla"].processor, pipe(**own))
+            pipe = SpeculativeVLM(pipe.model, pipe.processor, training_free_drafter(method, given))
         out = pipe.generate(images, prompts, max_new_tokens=3 if law else 10,
                                      temperature=temperature, tree=tree, batch_size=len(conditions),
                                      generator=torch.Generator().manual_seed(seed), use_drafter=method != "vanilla",

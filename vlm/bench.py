@@ -42,7 +42,7 @@ from mmspec.bench.registry import BenchSettings, Family, Method, MethodOutput, S
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import InputError, check
 from vlm.bench_peers import peer_methods
-from vlm.family import ACCEPT, FAMILY, TREE
+from vlm.family import ACCEPT, FAMILY, TREE, training_free_drafter
 
 OPTIONS = ("model", "top_p", "long_fraction", "drop_finished", "size", "dtype")
 
@@ -106,11 +106,10 @@ def _runner(record):
         params = {**TREE, **ACCEPT, **record.check_given(given, "vlm")}  # vanilla too: its target's cache room
         vlm = models["target"]
         if kind is not None and not record.trained:  # built from its parameters, one pipe per setting
-            own = {k: v for k, v in record.resolved(given).items() if k != "accept"}
-            key = (kind, tuple(sorted(own.items())))
+            key = (kind, tuple(sorted(record.resolved(given).items())))
             pipes = models.setdefault("pipes", {})
             if key not in pipes:
-                pipes[key] = SpeculativeVLM(vlm.model, vlm.processor, record.drafter_model(**own))
+                pipes[key] = SpeculativeVLM(vlm.model, vlm.processor, training_free_drafter(kind, given))
             vlm = pipes[key]
         elif kind is not None:
             if kind not in models["drafters"] and _options(settings)["size"] is not None:

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from vlm.family import DRAFTER_KINDS, TRAINING_FREE_KINDS  # the VLM family record's methods
 
     parser.add_argument("--drafter", default="auto", choices=[*DRAFTER_KINDS, *TRAINING_FREE_KINDS, "none", "auto"],
-                        help="drafter kind in MODEL/drafters, a training-free one (pld: prompt lookup, any target), "
+                        help="drafter kind in MODEL/drafters, a training-free one (pld, sam, recycle: any target), "
                              "'none' (vanilla), or 'auto' (default: the first of "
                              f"{', '.join(DRAFTER_KINDS)} found, else none)")
     parser.add_argument("--max-new-tokens", type=int, default=128)

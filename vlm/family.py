@@ -72,6 +72,15 @@ def drafter_model(kind: str) -> type:
     return FAMILY.methods[kind].drafter_model
 
 
+def training_free_drafter(kind: str, given: dict | None = None):
+    """A training-free kind's drafter built with the method's parameters (`given` on its defaults; the acceptance
+    mode is the call's, not the drafter's)."""
+    check(kind in TRAINING_FREE_KINDS,
+          f"{kind!r} is not a training-free drafter kind ({', '.join(TRAINING_FREE_KINDS)}).")
+    params = FAMILY.methods[kind].resolved(given)
+    return drafter_model(kind)(**{k: v for k, v in params.items() if k not in ACCEPT})
+
+
 def drafter_kinds_in(folder: str | Path) -> list[str]:
     """The kinds with a saved drafter in FOLDER/drafters/<kind>, in the record's order."""
     return [k for k in DRAFTER_KINDS if (Path(folder) / "drafters" / k / "config.json").is_file()]

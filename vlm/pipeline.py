@@ -36,7 +36,7 @@ from mmspec.lm import LMTarget, NoDrafter
 from mmspec.loop import generate
 from mmspec.sampling import EXACT_MODES, SamplingParams
 from mmspec.stats import SpecStats
-from vlm.family import ALL_KINDS, TRAINING_FREE_KINDS, drafter_model
+from vlm.family import ALL_KINDS, TRAINING_FREE_KINDS, drafter_model, training_free_drafter
 from vlm.hf_generate import HFCall, StreamerBridge, prepare_call, refused_with_prompts
 from vlm.target import VLMInputs, cached_vlm, check_supported_config, prefill_vlm
 from vlm.world import build_prompt, image_marker
@@ -126,7 +126,7 @@ class SpeculativeVLM:
             model = model.to(device or "cpu")
         draft = None if draft_folder is None else load_drafter(draft_folder, drafter, dtype)
         if drafter in TRAINING_FREE_KINDS:
-            draft = drafter_model(drafter)()  # built, not loaded: its default settings
+            draft = training_free_drafter(drafter)  # built, not loaded: its default settings
         vlm = cls(model, processor, draft, attention_backend=attention_backend)
         if vlm.drafter is not None:
             vlm.drafter.to(vlm.lm.device)
