@@ -243,10 +243,6 @@ class FamilyRecord:
             raise InputError(f"unknown {self.name} method {name!r}; available: {', '.join(self.methods)}.")
         return self.methods[name]
 
-    def offered_by(self, pipeline: Any) -> list[str]:
-        """The methods `pipeline` has every needed component for, in declaration order."""
-        return [name for name, method in self.methods.items() if method.offered_by(pipeline)]
-
     def defaults(self, pipe: Any = None, load: Callable[[], Any] | None = None) -> dict:
         """The sampling settings a call uses when the caller sets none (`sampling_defaults`), given the loaded
         `pipe` or a `load()` that loads it if the family needs it."""
