@@ -34,6 +34,25 @@ def lr_at(step: int, total: int, base: float, warmup: int = 100) -> float:
     return base * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def length_grouped_batch(step: int, lengths: torch.Tensor, batch_size: int, seed: int,
+                         group: int = 50) -> torch.Tensor:
+    """Row indices [batch_size] of training step `step` when batches hold rows of similar length (Hugging Face's
+    `group_by_length`): each epoch a seeded permutation of the n rows, cut into mega-batches of `group` batches, each
+    sorted by length and cut into batches, taken in a seeded order; an epoch holds max(1, n // batch_size) batches
+    (fewer rows than a batch repeat). A pure function of its arguments: a resumed run draws the same batches."""
+    n = len(lengths)
+    per_epoch = max(1, n // batch_size)
+    epoch, index = divmod(step, per_epoch)
+    gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + epoch)
+    order = torch.randperm(n, generator=gen)  # [n]
+    if n < batch_size:
+        return order[torch.arange(batch_size) % n]
+    chunks = [chunk[torch.argsort(lengths[chunk], descending=True, stable=True)]
+              for chunk in order.split(group * batch_size)]
+    batches = torch.cat(chunks)[: per_epoch * batch_size].view(per_epoch, batch_size)  # [per_epoch, batch_size]
+    return batches[torch.randperm(per_epoch, generator=gen)[index]]
+
+
 def world_images(n: int, seed: int, split: str, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """n single-object world images as float [-1, 1] [n, 3, 32, 32] and their class labels [n]."""
     batch = generate_batch(n, seed, split=split, start=start, image_size=IMAGE_SIZE, with_text=False)
@@ -62,13 +81,15 @@ def drop_labels(labels: torch.Tensor, rate: float, null_class: int, generator: t
 
 
 def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, step: int, total_steps: int, base_lr: float,
-                   max_grad_norm: float = 1.0) -> None:
-    """One training step of the world trainers: the `lr_at` rate for `step`, backward, gradient clipping over the
-    optimiser's parameters, update."""
+                   max_grad_norm: float = 1.0, after_backward: Callable[[], None] | None = None) -> None:
+    """One training step of the world trainers: the `lr_at` rate for `step`, backward, `after_backward` (data
+    parallelism averages the gradients there), gradient clipping over the optimiser's parameters, update."""
     for group in opt.param_groups:
         group["lr"] = lr_at(step, total_steps, base_lr)
     opt.zero_grad(set_to_none=True)
     loss.backward()
+    if after_backward is not None:
+        after_backward()
     torch.nn.utils.clip_grad_norm_([p for group in opt.param_groups for p in group["params"]], max_grad_norm)
     opt.step()
 

@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drafter kind in MODEL/drafters, a training-free one (pld, sam, recycle: any target), "
                              "'none' (vanilla), or 'auto' (default: the first of "
                              f"{', '.join(DRAFTER_KINDS)} found, else none)")
+    parser.add_argument("--drafter-path", default=None, metavar="DIR",
+                        help="a drafter folder of --drafter's kind elsewhere than MODEL/drafters (e.g. one trained "
+                             "by `mmspec train vlm-drafter --out DIR`)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -117,6 +120,7 @@ def resolve_drafter(args: argparse.Namespace) -> None:
     job records the kind it used, so a drafter added later does not change a resumed job)."""
     if args.drafter != "auto":
         return
+    check(args.drafter_path is None, "--drafter-path needs its kind: give --drafter eagle (or vispec, msd, specvlm).")
     from vlm.family import drafter_kinds_in
 
     found = drafter_kinds_in(model_folder(args))
@@ -131,7 +135,9 @@ def load_vlm(args: argparse.Namespace):
     resolve_drafter(args)
     drafter = None if args.drafter == "none" else args.drafter
     threads = parse_threads(args.threads)  # checked before the model loads
-    vlm = SpeculativeVLM.from_pretrained(folder, drafter, device=args.device, dtype=torch_dtype(args.dtype))
+    check(args.drafter_path is None or drafter is not None, "--drafter none takes no --drafter-path.")
+    vlm = SpeculativeVLM.from_pretrained(folder, drafter, drafter_path=args.drafter_path, device=args.device,
+                                         dtype=torch_dtype(args.dtype))
     set_threads(threads, count_parameters(*(m for m in (vlm.model, vlm.drafter) if m is not None)))
     return vlm
 
@@ -189,7 +195,8 @@ def say_budget_notice(stats: SpecStats, drafter: str) -> None:
 
 def job_settings(args: argparse.Namespace, tree) -> dict:
     """What an answer depends on besides its row: a resumed job must use the same (`check_same_answers`)."""
-    return {"model": args.model or "embedded default", "drafter": args.drafter, "tree": None if tree is None
+    return {"model": args.model or "embedded default", "drafter": args.drafter,
+            **({"drafter_path": args.drafter_path} if args.drafter_path else {}), "tree": None if tree is None
             else list(tree), "budget": args.budget, "accept": args.accept, "max_new_tokens": args.max_new_tokens,
             "temperature": args.temperature, "top_p": args.top_p, "batch_size": args.batch_size, "dtype": args.dtype,
             "device": args.device}

@@ -29,21 +29,40 @@ USER_ROLES = ("human", "user")
 REPLY_ROLES = ("gpt", "assistant", "model")
 
 
-def conversation_pair(row: dict, where: str) -> tuple[str, str]:
-    """(prompt, reply) of one corpus row (see the module docstring); InputError naming `where` otherwise."""
-    if "prompt" in row and "answer" in row:
-        prompt, reply = row["prompt"], row["answer"]
+def turn_text(turn: object) -> object:
+    """The text of one conversation turn: its `value` (ShareGPT) or `content`, a string or a list of chat parts whose
+    `text` parts are joined (image parts carry no text)."""
+    if not isinstance(turn, dict):
+        return None
+    content = turn.get("value", turn.get("content"))
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        return " ".join(t for t in texts if isinstance(t, str)) if texts else None
+    return content
+
+
+def conversation_pair(row: dict, where: str, need_reply: bool = True) -> tuple[str, str | None]:
+    """(prompt, reply) of one corpus row (see the module docstring): its first user turn and the reply after it, in
+    `conversations` (ShareGPT), `messages` (chat) or `prompt` / `answer`; the reply is None where the row has none and
+    `need_reply` is False. InputError naming `where` otherwise."""
+    if "prompt" in row:
+        prompt, reply = row["prompt"], row.get("answer")
     else:
-        turns = row.get("conversations")
-        check(isinstance(turns, list), f"{where}: a row needs 'conversations' (ShareGPT) or 'prompt' and 'answer'.")
+        turns = row.get("conversations", row.get("messages"))
+        check(isinstance(turns, list), f"{where}: a row needs 'conversations' (ShareGPT), 'messages' (chat) or "
+                                       "'prompt' and 'answer'.")
         roles = [str(t.get("from", t.get("role", ""))).lower() if isinstance(t, dict) else "" for t in turns]
         first = next((i for i, role in enumerate(roles) if role in USER_ROLES), None)
-        check(first is not None and first + 1 < len(turns) and roles[first + 1] in REPLY_ROLES,
-              f"{where}: no user turn followed by a reply ('from' human / gpt or 'role' user / assistant).")
-        prompt, reply = (turns[i].get("value", turns[i].get("content")) for i in (first, first + 1))
-    check(isinstance(prompt, str) and prompt.strip() and isinstance(reply, str) and reply.strip(),
-          f"{where}: the prompt and the reply must be non-empty strings.")
-    return prompt.strip(), reply.strip()
+        check(first is not None, f"{where}: no user turn ('from' human or 'role' user).")
+        prompt = turn_text(turns[first])
+        has_reply = first + 1 < len(turns) and roles[first + 1] in REPLY_ROLES
+        reply = turn_text(turns[first + 1]) if has_reply else None
+    check(isinstance(prompt, str) and prompt.strip(), f"{where}: the prompt must be a non-empty string.")
+    check(reply is None or (isinstance(reply, str) and reply.strip()),
+          f"{where}: the reply must be a non-empty string.")
+    check(reply is not None or not need_reply,
+          f"{where}: no reply after the user turn ('from' gpt or 'role' assistant, or 'answer').")
+    return prompt.strip(), None if reply is None else reply.strip()
 
 
 def read_text_conversations(path: str | Path) -> list[tuple[str, str]]:

@@ -3,13 +3,16 @@ answers (the target's own, or the dataset's for MSD, as each method's code does)
 
     mmspec train vlm-drafter --kind eagle --target assets/vlm          # writes assets/vlm/drafters/eagle
 
+    mmspec train vlm-drafter --target MODEL --data rows.jsonl --image-folder images/   # on your own rows
+
 Stages (a rerun skips finished ones unless --force):
 1. `data`: the target answers --num-train world questions (train split, the long-answer prompt, greedy,
-   up to --answer-max-tokens tokens): drafters learn the target's own outputs, as ViSpec and SpecVLM prescribe
-   (a drafter trained on reference texts drafts what the target would not say); `--answers dataset` (MSD's
-   default) takes the world's own long answers instead. Cached in --work-dir under a
-   fingerprint of the target's weights (`mmspec.hf_loading.folder_fingerprint`), so another target never reuses
-   them.
+   up to --answer-max-tokens tokens), or with `--data` the rows of a user's JSON Lines / LLaVA JSON / `datasets`
+   folder (`vlm.user_data`; --eval-prompts of them held out for the eval): drafters learn the target's own
+   outputs (self-distillation), as ViSpec, SpecVLM and EAGLE-3 prescribe (a drafter trained on reference texts
+   drafts what the target would not say); `--answers dataset` (MSD's default) takes the data's own answers
+   instead. Cached in --work-dir under a fingerprint of the target's weights (`mmspec.hf_loading.folder_fingerprint`)
+   and of the data, so another target or data never reuses them.
 2. `drafter`: each step runs the frozen target over a batch of (prompt + answer) sequences
    (`vlm.target.prefill_vlm`: merged input embeddings e and final normed features f) and trains the drafter on
    the pairs (e_{i+1}, f_i + noise) to predict f_{i+1} on the positions that draft answer tokens. `--kind eagle`
@@ -23,18 +26,20 @@ Stages (a rerun skips finished ones unless --force):
    its schedule (`vlm.msd.msd_visual_probability`; text steps as vispec's) on the dataset's answers. `--kind
    specvlm`: the elastic compressor and its gate (straight-through Gumbel-softmax) trained with the target as
    online teacher on every batch (`vlm.specvlm`). Layer 0's input norm follows the kind (`--input-norm`).
+   `--group-by-length` draws batches of rows of similar length (`mmspec.world_training.length_grouped_batch`):
+   less padding on data whose answers differ in length.
    Resumable state in --work-dir every --checkpoint-every steps (per kind and target; removed once the drafter is
    saved). Learning rates are the world's (1e-3 for these small drafters; the papers use 3e-6 (ViSpec) and 5e-5
    (MSD) for 7B-scale ones).
-3. `eval`: on held-out test scenes, greedy EagleVLM vs the target alone (`SpeculativeVLM`): token-for-token
-   equality, mean acceptance length, step compression; written to training.json and the card README.md.
+3. `eval`: on held-out test scenes (or the held-out --data rows), greedy EagleVLM vs the target alone
+   (`SpeculativeVLM`): token-for-token equality, mean acceptance length, step compression; written to
+   training.json and the card README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from functools import partial
 from pathlib import Path
@@ -48,14 +53,30 @@ from mmspec.errors import check, check_positive_int
 from mmspec.feature_drafter import distribution_l1_loss, feature_drafter_loss, feature_smoothl1
 from mmspec.hf_loading import folder_fingerprint
 from mmspec.model_card import with_metadata
+from mmspec.processes import (
+    average_gradients,
+    process_state,
+    rank_and_count,
+    wait_for_everyone,
+    weigh_share,
+)
 from mmspec.tree import MAX_CHAIN_DEPTH
-from mmspec.world_training import card_head, optimizer_step, record_training_step, resume_training, write_info
+from mmspec.world_training import (
+    card_head,
+    length_grouped_batch,
+    optimizer_step,
+    record_training_step,
+    resume_training,
+    write_info,
+)
+from vlm.drafter_data import answer_cache, answer_source, training_rows
 from vlm.family import DRAFTER_KINDS, drafter_model
 from vlm.msd import msd_visual_probability
-from vlm.pipeline import SpeculativeVLM
+from vlm.pipeline import SpeculativeVLM, load_drafter
 from vlm.target import VLMInputs, prefill_vlm
 from vlm.text_data import read_text_conversations, text_corpus
-from vlm.world import answer_text, world_vqa_examples
+from vlm.user_data import VLMData
+from vlm.world import world_vqa_examples
 
 STAGES = ("data", "drafter", "eval")
 
@@ -67,7 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", default="runs/vlm-drafter", help="scratch: answer cache, resumable state")
     parser.add_argument("--stages", default=",".join(STAGES), help=f"comma-separated subset of {','.join(STAGES)}")
     parser.add_argument("--force", action="store_true", help="redo finished stages")
-    parser.add_argument("--num-train", type=int, default=2000, help="target-answered training questions")
+    parser.add_argument("--data", default=None, metavar="DATA",
+                        help="your own rows: JSON Lines, a LLaVA-style JSON list or a datasets folder of (image, "
+                             "conversation) rows (vlm.user_data); default: the embedded world's questions")
+    parser.add_argument("--image-folder", default=None, metavar="DIR",
+                        help="where --data's relative image paths start (default: the data file's folder)")
+    parser.add_argument("--num-train", type=int, default=None,
+                        help="training rows: world questions (default 2000), or the first N of --data's training "
+                             "rows (default all)")
     parser.add_argument("--answer-max-tokens", type=int, default=96)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch-size", type=int, default=16)
@@ -90,97 +118,69 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--answers", default="auto", choices=("auto", "target", "dataset"),
                         help="training answers: the target's own greedy long answers, or the dataset's long answers; "
                              "auto = dataset for msd (its code), target for the others (ViSpec, SpecVLM)")
+    parser.add_argument("--init-from", default=None, metavar="FOLDER",
+                        help="start from this saved drafter of the same kind and target width (fine-tuning, e.g. a "
+                             "world- or officially-trained drafter on your --data); default: a fresh drafter")
+    parser.add_argument("--group-by-length", action="store_true",
+                        help="batches of rows of similar length (less padding on data of mixed lengths)")
     parser.add_argument("--checkpoint-every", type=int, default=500)
-    parser.add_argument("--eval-prompts", type=int, default=32)
+    parser.add_argument("--eval-prompts", type=int, default=32,
+                        help="held-out eval questions: world test scenes, or rows held out of --data")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda (several processes under accelerate launch / torchrun: one GPU each)")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
-# ------------------------------------------------------------------------------------------------------ data
-def target_answers(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int, quiet: bool,
-                   source: str = "target") -> dict[str, torch.Tensor]:
-    """Long answers to n train-split questions, the target's greedy ones (source "target") or the dataset's
-    (source "dataset", cut at max_tokens): right-padded prompt + answer ids [n, T], lengths [n], prompt lengths
-    [n], images uint8 [n, 3, H, W]."""
-    examples = world_vqa_examples("train", n, seed=seed, long_fraction=1.0)
-    rows, prompt_lengths = [], []
-    tok = vlm.processor.tokenizer
-    bar = tqdm(total=n, desc=f"{source} answers", disable=quiet)
-    for start in range(0, n, 64):
-        chunk = examples[start:start + 64]
-        if source == "target":
-            answers = vlm.generate([ex.image for ex in chunk], [ex.prompt for ex in chunk], max_new_tokens=max_tokens,
-                                   batch_size=64, use_drafter=False).token_ids
-        else:
-            answers = [tok(answer_text(ex.qa, True, tok.eos_token), add_special_tokens=False)["input_ids"][:max_tokens]
-                       for ex in chunk]
-        inputs = vlm.encode([ex.image for ex in chunk], [ex.prompt for ex in chunk])
-        for row, answer in enumerate(answers):
-            length = int(inputs.lengths[row])
-            rows.append(inputs.input_ids[row, :length].tolist() + answer)
-            prompt_lengths.append(length)
-        bar.update(len(chunk))
-    bar.close()
-    width = max(len(r) for r in rows)
-    ids = torch.full((n, width), vlm.processor.tokenizer.pad_token_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, : len(r)] = torch.tensor(r)
-    return {"ids": ids, "lengths": torch.tensor([len(r) for r in rows]), "prompt_lengths": torch.tensor(prompt_lengths),
-            "images": torch.stack([ex.image for ex in examples])}
-
-
-def answer_source(args: argparse.Namespace) -> str:
-    """Where the training answers come from: --answers, or the kind's paper (dataset answers for MSD)."""
-    return args.answers if args.answers != "auto" else ("dataset" if args.kind == "msd" else "target")
-
-
-def answer_cache(vlm: SpeculativeVLM, args: argparse.Namespace, work: Path) -> dict[str, torch.Tensor]:
-    """The training answers (`answer_source`), made once per (target, options) and kept in `work`."""
-    source = answer_source(args)
-    prefix = "answers" if source == "target" else "dataset-answers"
-    path = work / (f"{prefix}-{folder_fingerprint(args.target)}-{args.num_train}-seed{args.seed}"
-                   f"-max{args.answer_max_tokens}.pt")
-    if path.is_file() and not args.force:
-        return torch.load(path, weights_only=True)
-    data = target_answers(vlm, args.num_train, args.seed, args.answer_max_tokens, args.quiet, source)
-    work.mkdir(parents=True, exist_ok=True)
-    torch.save(data, path.with_suffix(".tmp"))
-    os.replace(path.with_suffix(".tmp"), path)
-    return data
-
-
 # --------------------------------------------------------------------------------------------------- training
-def training_batch(vlm: SpeculativeVLM, data: dict, rows: torch.Tensor,
-                   text_only: bool = False) -> tuple[VLMInputs, torch.Tensor]:
-    """VLMInputs of the chosen sequences (trimmed to their longest) and the loss mask of their pairs [B, T-1]:
-    pair i (position i + 1) counts when it predicts an answer token (i + 2 >= prompt length) inside the row.
-    `text_only`: the same sequences without their image tokens and without pixels (a text corpus for the target:
-    its features never see an image)."""
-    lengths, prompt_lengths = data["lengths"][rows], data["prompt_lengths"][rows]
-    ids = data["ids"][rows, : int(lengths.max())]
-    pixels, extras = None, {}
+def row_lengths(vlm: SpeculativeVLM, data: dict, rows: torch.Tensor, text_only: bool) -> torch.Tensor:
+    """[B] tokens of each chosen row as `training_batch` lays it out (without its image tokens when text_only)."""
+    lengths = data["lengths"][rows]
     if text_only:
-        keep = ids != vlm.lm.image_token_id  # [B, T]
-        dropped = (~keep).sum(-1)
-        check(bool((dropped == dropped[0]).all()), "training rows hold different numbers of image tokens.")
-        ids = ids[keep].view(ids.shape[0], -1)
+        lengths = lengths - (data["ids"][rows, : int(lengths.max())] == vlm.lm.image_token_id).sum(-1)
+    return lengths
+
+
+def training_batch(vlm: SpeculativeVLM, data: dict, rows: torch.Tensor, text_only: bool = False,
+                   batch_rows: torch.Tensor | None = None) -> tuple[VLMInputs, torch.Tensor]:
+    """VLMInputs of the chosen sequences (trimmed to the longest of `batch_rows`, default `rows`: a process's share
+    of a data-parallel batch keeps the whole batch's width) on the target's device, and the loss mask of their pairs
+    [B, T-1]: pair i (position i + 1) counts when it predicts an answer token (i + 2 >= prompt length) inside the
+    row. `text_only`: the same sequences without their image tokens and without pixels (a text corpus for the
+    target: its features never see an image)."""
+    batch_rows = rows if batch_rows is None else batch_rows
+    image = vlm.lm.image_token_id
+    width = int(row_lengths(vlm, data, batch_rows, text_only).max())
+    lengths, prompt_lengths = data["lengths"][rows], data["prompt_lengths"][rows]
+    ids = data["ids"][rows, : int(data["lengths"][batch_rows].max())]
+    pixels, extras = None, {}
+    if text_only:  # each row without its image tokens (rows of other image sizes hold other counts), re-padded
+        keep = ids != image  # [B, T]
+        dropped = (~keep).sum(-1)  # [B]
         lengths, prompt_lengths = lengths - dropped, prompt_lengths - dropped
+        kept = torch.full((ids.shape[0], width), vlm.processor.tokenizer.pad_token_id, dtype=ids.dtype)
+        for b in range(ids.shape[0]):
+            kept[b, : int(lengths[b])] = ids[b][keep[b]][: int(lengths[b])]
+        ids = kept
     else:  # the processor's image inputs: pixel_values and what else the target reads (Qwen2-VL's image_grid_thw)
-        images = vlm.processor.image_processor(list(data["images"][rows]), return_tensors="pt")
+        images = vlm.processor.image_processor([data["images"][int(i)] for i in rows], return_tensors="pt")
         pixels = images.pop("pixel_values")
         extras = {k: v for k, v in images.items() if isinstance(v, torch.Tensor)}
-    width = ids.shape[1]
     mask = torch.arange(width) < lengths.unsqueeze(-1)
     pair = torch.arange(width - 1)
     loss_mask = (pair + 2 >= prompt_lengths.unsqueeze(-1)) & (pair + 1 < lengths.unsqueeze(-1))  # [B, T-1]
-    return VLMInputs(ids, mask.long(), pixels, extras), loss_mask
+    device = vlm.lm.device
+    pixels = None if pixels is None else pixels.to(device)
+    extras = {k: v.to(device) for k, v in extras.items()}
+    return VLMInputs(ids.to(device), mask.long().to(device), pixels, extras), loss_mask.to(device)
 
 
 def feature_noise(features: torch.Tensor, lengths: torch.Tensor, width: float, scaling: str,
                   generator: torch.Generator) -> torch.Tensor:
-    """Uniform noise for the input features [B, T, H]: (U - 0.5) * width * 512 / L_b for a row of L_b tokens
-    (EAGLE's code, scaling "eagle"), or (U - 0.5) * width (scaling "fixed")."""
+    """Uniform noise for the input features [B, T, H] (only their shape and dtype are read: a meta tensor gives a
+    data-parallel batch's whole shape), on the CPU: (U - 0.5) * width * 512 / L_b for a row of L_b tokens (EAGLE's
+    code, scaling "eagle"), or (U - 0.5) * width (scaling "fixed")."""
     scale = torch.full(lengths.shape, float(width))  # [B]
     if scaling == "eagle":
         scale = scale * 512 / lengths.float()
@@ -259,9 +259,10 @@ KIND_TEXT = {"eagle": "EagleVLM feature drafter (one Llama decoder layer over [i
                        "feature fused into later text; anti-shortcut training)"}
 
 
-def drafter_state_path(args: argparse.Namespace, work: Path) -> Path:
-    """Where the resumable training state of this kind of drafter for this target lives."""
-    return work / f"{args.kind}-{folder_fingerprint(args.target)}-state.pt"
+def drafter_state_path(args: argparse.Namespace, work: Path, data_id: str | None = None) -> Path:
+    """Where the resumable training state of this kind of drafter for this target (and --data) lives."""
+    data = "" if data_id is None else f"-data{data_id}"
+    return work / f"{args.kind}-{folder_fingerprint(args.target)}{data}-state.pt"
 
 
 TEXT_STAGE_KINDS = ("vispec", "msd")  # the kinds whose schedule has a text-only stage (`--text-data`)
@@ -277,28 +278,41 @@ def text_data_fingerprint(path: str | None) -> str | None:
 
 
 def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, work: Path,
-                  text: dict | None = None) -> tuple[Any, dict]:
+                  text: dict | None = None, data_id: str | None = None, state=None) -> tuple[Any, dict]:
     """Train the drafter (see the module docstring); `text`: the --text-data corpus (`vlm.text_data.text_corpus`)
-    the text-only steps draw from, else they take `data`'s sequences without their image."""
+    the text-only steps draw from, else they take `data`'s sequences without their image; `data_id`: the --data
+    fingerprint (a resumed run must train on the same rows). With several processes (`state`, `mmspec.processes`)
+    every process draws the same batch and noise, runs the target and the drafter on its share of the rows, and
+    weighs its loss by its share of the batch's positions; the averaged gradients are then one process's (eagle,
+    msd: up to float order; vispec's and specvlm's layouts count their own positions, and specvlm's gates draw from
+    a generator per process and step)."""
     torch.manual_seed(args.seed)
     lm = vlm.lm
     norm = {} if args.input_norm == "auto" else {"input_norm": args.input_norm == "on"}
-    drafter = drafter_model(args.kind).for_target(lm, **norm).train()
+    if args.init_from is None:
+        drafter = drafter_model(args.kind).for_target(lm, **norm).train()
+    else:  # the saved drafter's own config (its input norm included), checked against the target by `attach`
+        drafter = load_drafter(args.init_from, args.kind).placed_like(lm.model.lm_head.weight).attach(lm).train()
     loss_fn = LOSSES[args.kind]
     text_steps = int(args.steps * args.text_only_fraction) if args.kind == "vispec" else 0
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
-    state_path = drafter_state_path(args, work)
+    state_path = drafter_state_path(args, work, data_id)
     settings = json.dumps({**{name: getattr(args, name) for name in (
         "kind", "num_train", "answer_max_tokens", "steps", "batch_size", "lr", "noise", "p_weight",
         "text_only_fraction", "input_norm", "noise_scaling", "answers", "seed")},
-        "text_data": text_data_fingerprint(args.text_data)}, sort_keys=True)
+        "text_data": text_data_fingerprint(args.text_data), "data": data_id, "init_from": args.init_from,
+        "group_by_length": args.group_by_length}, sort_keys=True)
     first, seconds, history = resume_training(state_path, settings, drafter, opt, gen, args.force)
     start = time.perf_counter() - seconds
+    rank, count = rank_and_count(state)
     bar = tqdm(range(first, args.steps), desc=f"{args.kind} drafter", initial=first, total=args.steps,
-               disable=args.quiet)
+               disable=args.quiet or rank > 0)
     for step in bar:
-        rows = torch.randint(0, data["ids"].shape[0], (args.batch_size,), generator=gen)
+        if args.group_by_length:
+            rows = length_grouped_batch(step, data["lengths"], args.batch_size, args.seed)
+        else:
+            rows = torch.randint(0, data["ids"].shape[0], (args.batch_size,), generator=gen)
         if args.kind == "msd":  # MSD's schedule: text-only, then visual with a growing probability
             visual = float(torch.rand((), generator=gen)) < msd_visual_probability(step, args.steps)
             stage = "multimodal" if visual else "text"
@@ -307,20 +321,27 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
         source = text if stage == "text" and text is not None else data
         if source is text:
             rows = torch.randint(0, text["ids"].shape[0], (args.batch_size,), generator=gen)
-        inputs, loss_mask = training_batch(vlm, source, rows, text_only=stage == "text")
+        mine = rows[rank::count]  # this process's rows of the batch (all of them in one process)
+        inputs, loss_mask = training_batch(vlm, source, mine, text_only=stage == "text", batch_rows=rows)
         with torch.no_grad():
-            prefill_vlm(lm, inputs, extra_capacity=1)  # lm.last_hidden, lm.prompt_embeds [B, T, H]
-        noise = feature_noise(lm.last_hidden, inputs.lengths, args.noise, args.noise_scaling, gen)
+            prefill_vlm(lm, inputs, extra_capacity=1)  # lm.last_hidden, lm.prompt_embeds [b, T, H]
+        whole = torch.empty((len(rows), *lm.last_hidden.shape[1:]), dtype=lm.last_hidden.dtype, device="meta")
+        noise = feature_noise(whole, row_lengths(vlm, source, rows, stage == "text"), args.noise, args.noise_scaling,
+                              gen)[rank::count].to(lm.device)  # [b, T, H] the whole batch's draws, this share
+        layout_gen = gen if state is None else torch.Generator().manual_seed(args.seed * 1_000_003 + step * 64 + rank)
         loss, *losses = loss_fn(drafter, lm, inputs, loss_mask, noise, args.p_weight, stage,
-                                prompt_lengths=source["prompt_lengths"][rows], generator=gen)
-        optimizer_step(opt, loss, step, args.steps, args.lr, max_grad_norm=0.5)
-        record_training_step(state_path, args.checkpoint_every, step, args.steps, losses, bar, settings, drafter, opt,
-                             gen, time.perf_counter() - start, history)
+                                prompt_lengths=source["prompt_lengths"][mine], generator=layout_gen)
+        loss, losses = weigh_share(loss, tuple(losses), loss_mask.sum(), state)  # by the share's answer positions
+        optimizer_step(opt, loss, step, args.steps, args.lr, max_grad_norm=0.5,
+                       after_backward=lambda: average_gradients(drafter.parameters(), state))
+        record_training_step(state_path, args.checkpoint_every if rank == 0 else 0, step, args.steps, losses, bar,
+                             settings, drafter, opt, gen, time.perf_counter() - start, history)
     last = torch.tensor(history[-50:]).mean(0).tolist() if history else [float("nan")] * 3
     info = {"kind": args.kind, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
             "noise": args.noise, "noise_scaling": args.noise_scaling, "p_weight": args.p_weight,
             "input_norm": bool(drafter.config.input_norm), "answers": answer_source(args),
-            "text_only_steps": text_steps, "text_data": args.text_data,
+            "text_only_steps": text_steps, "text_data": args.text_data, "data": args.data,
+            "group_by_length": args.group_by_length, "init_from": args.init_from,
             "text_data_rows": None if text is None else int(text["ids"].shape[0]),
             "num_train": int(data["ids"].shape[0]), "seconds": time.perf_counter() - start,
             "final_feature_smoothl1": last[0], "final_soft_ce": last[1], "final_top1_agreement": last[2],
@@ -334,12 +355,18 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
 EVAL_CHAIN = MAX_CHAIN_DEPTH  # the eval's greedy chain: the deepest a draft budget drafts (`max_chain_depth`)
 
 
-def evaluate(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int) -> dict:
-    """Greedy speculative vs vanilla on n held-out long-answer questions. The drafter drafts its paper tree every
-    step (`budget="fixed"`): the card reports what the drafter accepts, not what this machine's draft budget would
-    choose (under "auto" a loaded 2-core CPU at batch 16 ran mostly plain steps and read 1.7 tokens a step)."""
-    examples = world_vqa_examples("test", n, seed=seed, long_fraction=1.0)
-    images, prompts = [ex.image for ex in examples], [ex.prompt for ex in examples]
+def evaluate(vlm: SpeculativeVLM, n: int, seed: int, max_tokens: int,
+             held_out: tuple[list, list[str]] | None = None) -> dict:
+    """Greedy speculative vs vanilla on n held-out long-answer world questions, or on `held_out` (images, prompts:
+    the rows held out of --data). The drafter drafts its paper tree every step (`budget="fixed"`): the card reports
+    what the drafter accepts, not what this machine's draft budget would choose (under "auto" a loaded 2-core CPU at
+    batch 16 ran mostly plain steps and read 1.7 tokens a step)."""
+    if held_out is None:
+        examples = world_vqa_examples("test", n, seed=seed, long_fraction=1.0)
+        images, prompts = [ex.image for ex in examples], [ex.prompt for ex in examples]
+    else:
+        images, prompts = held_out
+        n = len(prompts)
     spec = vlm.generate(images, prompts, max_new_tokens=max_tokens, batch_size=16, budget="fixed")
     # a paper tree of d levels emits at most d + 1 tokens a step (MSD's 6.97 of 7), so drafters also draft a greedy
     # chain deeper than any of them: what tells them apart on long, predictable answers
@@ -369,11 +396,17 @@ def target_card_names(model_type: str) -> tuple[str, str]:
 def _card(command: str, info: dict, target_name: str) -> str:
     d = info["drafter"]
     article = "An" if d["kind"] in ("eagle", "msd") else "A"
-    lines = card_head(f"VLM drafter ({d['kind']}) for the world {target_name}",
-                      [f"{article} {KIND_TEXT[d['kind']]} trained on "
-                       + ("the target's own greedy long answers." if d.get("answers", "target") == "target"
-                          else "the world dataset's long answers.")],
-                      command, machine_summary())
+    own = d.get("answers", "target") == "target"
+    if d.get("data"):
+        title = f"VLM drafter ({d['kind']}) for {target_name}"
+        trained_on = (f"the target's own greedy answers to {d['num_train']} rows of {d['data']}." if own
+                      else f"the answers of {d['num_train']} rows of {d['data']}.")
+    else:
+        title = f"VLM drafter ({d['kind']}) for the world {target_name}"
+        trained_on = "the target's own greedy long answers." if own else "the world dataset's long answers."
+    start = f" Fine-tuned from the drafter in {d['init_from']}." if d.get("init_from") else ""
+    lines = card_head(title, [f"{article} {KIND_TEXT[d['kind']]} trained on {trained_on}{start}"], command,
+                      machine_summary())
     lines.append(f"| drafter | fc + 1 decoder layer, input norm {d['input_norm']}, {d['parameters'] / 1e6:.2f}M "
                  f"parameters | {d['steps']} steps x batch {d['batch_size']} on {d['num_train']} answers, feature "
                  f"noise {d['noise']} ({d.get('noise_scaling', 'fixed')} scaling) | {d['seconds']:.0f} s |")
@@ -382,7 +415,8 @@ def _card(command: str, info: dict, target_name: str) -> str:
     ev = info.get("eval")
     if ev:
         tree = ev.get("tree")
-        lines.append(f"Held-out test scenes ({ev['n']} long answers, greedy, {ev['mean_answer_tokens']:.1f} tokens "
+        held = f"rows of {ev['data']}" if ev.get("data") else "test scenes"
+        lines.append(f"Held-out {held} ({ev['n']} long answers, greedy, {ev['mean_answer_tokens']:.1f} tokens "
                      f"on average, the paper's tree {tuple(tree) if tree else ''} as (depth in levels, top_k, "
                      f"total_tokens)): mean acceptance length {ev['mean_acceptance_length']:.2f} (bonus included), "
                      f"step compression {ev['step_compression']:.2f}x, token-for-token equal to the target alone: "
@@ -396,11 +430,22 @@ def _card(command: str, info: dict, target_name: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("num_train", "answer_max_tokens", "steps", "batch_size", "eval_prompts"):
+    for name in ("answer_max_tokens", "steps", "batch_size", "eval_prompts"):
         check_positive_int(f"--{name.replace('_', '-')}", getattr(args, name))
+    if args.num_train is not None:
+        check_positive_int("--num-train", args.num_train)
     stages = [s.strip() for s in args.stages.split(",") if s.strip()]
     unknown = set(stages) - set(STAGES)
     check(stages and not unknown, f"--stages takes a subset of {','.join(STAGES)}, got {args.stages!r}.")
+    user, data_id = None, None
+    if args.data is not None:  # every row and image path checked before the model loads
+        user = VLMData(args.data, args.image_folder)
+        args.num_train, data_id = len(training_rows(args, user)), user.fingerprint()
+    else:
+        check(args.image_folder is None, "--image-folder says where --data's images are; give --data too.")
+        args.num_train = args.num_train or 2000
+    check(args.init_from is None or args.input_norm == "auto", "--input-norm builds a fresh drafter; one started "
+                                                               "--init-from keeps its saved config: leave it out.")
     pairs = None
     if args.text_data is not None:  # (read before the model loads: a bad file is a one-line error at once)
         check(args.kind in TEXT_STAGE_KINDS, f"--text-data feeds the text-only stage of vispec and msd; a "
@@ -410,31 +455,46 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else Path(args.target) / "drafters" / args.kind
     work = Path(args.work_dir)
-    vlm = SpeculativeVLM.from_pretrained(args.target)
+    state = process_state(cpu=args.device == "cpu")  # several processes: accelerate launch / torchrun
+    device = args.device if state is None or args.device == "cpu" else state.device
+    vlm = SpeculativeVLM.from_pretrained(args.target, device=device)
     vlm.model.requires_grad_(False)
     info = json.loads((out / "training.json").read_text()) if (out / "training.json").is_file() else {}
     if "data" in stages or "drafter" in stages:
-        data = answer_cache(vlm, args, work)
+        data = answer_cache(vlm, args, work, user, state)
     if "drafter" in stages and (args.force or not (out / "config.json").is_file()):
         text = None if pairs is None else text_corpus(vlm, pairs, args.answer_max_tokens)
-        drafter, info["drafter"] = train_drafter(vlm, data, args, work, text)
-        with atomic_output_dir(out) as tmp:
-            drafter.save_pretrained(tmp)
-            write_info(tmp / "training.json", info)
-        drafter_state_path(args, work).unlink(missing_ok=True)  # the drafter is saved: its state is done
+        drafter, info["drafter"] = train_drafter(vlm, data, args, work, text, data_id, state)
+        info["drafter"]["processes"] = rank_and_count(state)[1]
+        if rank_and_count(state)[0] == 0:
+            with atomic_output_dir(out) as tmp:
+                drafter.save_pretrained(tmp)
+                write_info(tmp / "training.json", info)
+            drafter_state_path(args, work, data_id).unlink(missing_ok=True)  # the drafter is saved: its state is done
+    wait_for_everyone(state)
+    if rank_and_count(state)[0] > 0:  # the first process evaluates and writes the card
+        return 0
     if "eval" in stages:
-        vlm = SpeculativeVLM.from_pretrained(args.target, args.kind, drafter_path=out)
-        info["eval"] = evaluate(vlm, args.eval_prompts, args.seed, args.answer_max_tokens)
+        vlm = SpeculativeVLM.from_pretrained(args.target, args.kind, drafter_path=out, device=device)
+        held_out = None
+        if user is not None:
+            rows = user.split(args.eval_prompts, args.seed)[1]
+            held_out = [user.image(i) for i in rows], [user.rows[i].question for i in rows]
+        info["eval"] = {**evaluate(vlm, args.eval_prompts, args.seed, args.answer_max_tokens, held_out),
+                        "data": args.data}
         write_info(out / "training.json", info)
         command = explicit_command("mmspec train vlm-drafter", args, [
             "kind", "target", *(["out"] if args.out else []), "num_train", "answer_max_tokens", "steps", "batch_size",
-            "lr", "noise", "noise_scaling", "p_weight", "answers", *(["text_data"] if args.text_data else []), "seed",
-            "threads"])
+            "lr", "noise", "noise_scaling", "p_weight", "answers", *(["text_data"] if args.text_data else []),
+            *(["data", "eval_prompts"] if args.data else []), *(["image_folder"] if args.image_folder else []),
+            *(["init_from"] if args.init_from else []),
+            "seed", "threads"]) + (" --group-by-length" if args.group_by_length else "")
         if "drafter" in info:
             name, tag = target_card_names(vlm.model.config.model_type)
             card_text = with_metadata(
                 _card(command, info, name),
-                pipeline_tag="image-text-to-text", tags=[tag, "speculative-decoding", "world"])
+                pipeline_tag="image-text-to-text",
+                tags=[tag, "speculative-decoding", *([] if args.data else ["world"])])
             (out / "README.md").write_text(card_text)
         print(json.dumps(info["eval"], indent=2))
     print(f"wrote {out}")

@@ -22,6 +22,12 @@ Stages (a rerun skips finished ones unless --force):
 
 The drafter (`image_ar.transformers_ar.eagle.ImageAREagleDrafter`) is saved in MODEL/drafters/eagle (or --out),
 where the pipelines' `from_pretrained` finds it.
+
+Several processes (`torchrun --nproc_per_node N -m mmspec train image-ar-drafter ...` or `accelerate launch`; gloo
+on the CPU, `--device cuda` one GPU each): each samples its share of the prompts (every prompt with its own seeded
+generator, as in one process), and every step each draws the same batch and noise, teacher-forces its share of the
+rows and weighs its loss by its share of the rows; the averaged gradients are one process's (`mmspec.processes`).
+The first process writes checkpoints, the drafter and the card, and runs the eval.
 """
 
 from __future__ import annotations
@@ -45,6 +51,15 @@ from mmspec.feature_drafter import feature_drafter_loss
 from mmspec.hf_loading import folder_fingerprint
 from mmspec.lm import GuidedRunner
 from mmspec.model_card import with_metadata
+from mmspec.processes import (
+    average_gradients,
+    gather_shards,
+    process_state,
+    rank_and_count,
+    shard,
+    wait_for_everyone,
+    weigh_share,
+)
 from mmspec.world_training import card_head, optimizer_step, record_training_step, resume_training, write_info
 
 STAGES = ("data", "drafter", "eval")
@@ -52,7 +67,8 @@ STAGES = ("data", "drafter", "eval")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="a local Janus or Emu3 folder in transformers' layout")
-    parser.add_argument("--prompts", default=None, help="text file, one prompt a line (default: world captions)")
+    parser.add_argument("--prompts", "--data", dest="prompts", default=None,
+                        help="your captions: a text file, one prompt a line (default: world captions)")
     parser.add_argument("--out", default=None, help=f"drafter folder (default: MODEL/{EAGLE_FOLDER.as_posix()})")
     parser.add_argument("--work-dir", default="runs/image-ar-drafter", help="scratch folder (samples, checkpoints)")
     parser.add_argument("--stages", default=",".join(STAGES), help="comma-separated subset of data,drafter,eval")
@@ -68,6 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint-every", type=int, default=250)
     parser.add_argument("--eval-prompts", type=int, default=8, help="held-out prompts for the acceptance measurement")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, or cuda (several processes under accelerate launch / torchrun: one GPU each)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch CPU threads")
     parser.add_argument("--force", action="store_true", help="redo finished stages; ignore a checkpoint")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -93,8 +111,10 @@ def family_top_k(pipe: TransformersImagePipeline) -> int:
 
 
 @torch.no_grad()
-def sample_data(pipe: TransformersImagePipeline, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """The target's own samples of --num-train prompts: {"prompts": [N], "tokens": [N, T]}, cached in work."""
+def sample_data(pipe: TransformersImagePipeline, args: argparse.Namespace, work: Path,
+                state=None) -> dict[str, Any]:
+    """The target's own samples of --num-train prompts: {"prompts": [N], "tokens": [N, T]}, cached in work; with
+    several processes (`state`) each samples its `shard` of the prompts (prompt i with seed seed * 1000003 + i)."""
     top_k = family_top_k(pipe) if args.data_top_k is None else args.data_top_k
     prompts = prompt_list(args.prompts, args.num_train, "train", args.seed)
     text = hashlib.sha256("\n".join(prompts).encode()).hexdigest()[:12]  # the prompts' content, not their file's name
@@ -102,16 +122,19 @@ def sample_data(pipe: TransformersImagePipeline, args: argparse.Namespace, work:
                    f"-k{top_k}.pt")
     if path.is_file() and not args.force:
         return torch.load(path, weights_only=True)
-    tokens = []
-    for start in tqdm(range(0, len(prompts), 16), desc="sampling the target", disable=args.quiet):
-        chunk = prompts[start:start + 16]
-        gens = [torch.Generator().manual_seed(args.seed * 1_000_003 + start + i) for i in range(len(chunk))]
-        tokens.append(pipe(chunk, temperature=args.data_temperature, top_k=top_k, generator=gens,
-                           output_type="latent").tokens.cpu())
-    data = {"prompts": prompts, "tokens": torch.cat(tokens).to(torch.int32)}
-    work.mkdir(parents=True, exist_ok=True)
-    torch.save(data, path.with_suffix(".tmp"))
-    os.replace(path.with_suffix(".tmp"), path)
+    tokens, mine = [], shard(range(len(prompts)), state)
+    for start in tqdm(range(0, len(mine), 16), desc="sampling the target",
+                      disable=args.quiet or rank_and_count(state)[0] > 0):
+        chunk = mine[start:start + 16]
+        gens = [torch.Generator().manual_seed(args.seed * 1_000_003 + i) for i in chunk]
+        tokens += list(pipe([prompts[i] for i in chunk], temperature=args.data_temperature, top_k=top_k,
+                            generator=gens, output_type="latent").tokens.cpu())
+    data = {"prompts": prompts, "tokens": torch.stack(gather_shards(tokens, state)).to(torch.int32)}
+    if rank_and_count(state)[0] == 0:
+        work.mkdir(parents=True, exist_ok=True)
+        torch.save(data, path.with_suffix(".tmp"))
+        os.replace(path.with_suffix(".tmp"), path)
+    wait_for_everyone(state)
     return data
 
 
@@ -134,24 +157,30 @@ def teacher_features(pipe: TransformersImagePipeline, prompts: list[str], tokens
 
 # ------------------------------------------------------------------------------------------------------ train
 def drafter_step_loss(drafter: ImageAREagleDrafter, pipe: TransformersImagePipeline, prompts: list[str],
-                      tokens: torch.Tensor, noise: float, p_weight: float,
-                      generator: torch.Generator) -> tuple[torch.Tensor, ...]:
-    """LANTERN's loss on one batch (see the module docstring): (loss, feature SmoothL1, soft CE, top-1 agreement)."""
+                      tokens: torch.Tensor, noise: float, p_weight: float, generator: torch.Generator,
+                      share: slice = slice(None)) -> tuple[torch.Tensor, ...]:
+    """LANTERN's loss on one batch (see the module docstring): (loss, feature SmoothL1, soft CE, top-1 agreement).
+    `share`: the rows of the batch this process runs (the noise is drawn for the whole batch, this share taken)."""
+    batch = tokens.shape[0]
+    prompts, tokens = prompts[share], tokens[share]
     features = teacher_features(pipe, prompts, tokens).float()  # [R, T, H]
     rows = features.shape[0] // tokens.shape[0]  # 2 with CFG: both halves see the same tokens
     tokens = tokens.to(features.device).repeat(rows, 1)  # [R, T]
     with torch.no_grad():
         embeds = pipe.lm.embed_tokens(tokens[:, :-1]).float()  # [R, T-1, H]
         next_logits = pipe.lm.head(features[:, 1:]).float()  # [R, T-1, V]
-    jitter = (torch.rand(features[:, :-1].shape, generator=generator) - 0.5) * noise
+    t, h = features.shape[1:]
+    jitter = (torch.rand((rows * batch, t - 1, h), generator=generator) - 0.5) * noise  # the whole batch's draws
+    jitter = jitter.view(rows, batch, t - 1, h)[:, share].reshape(-1, t - 1, h)  # [R, T-1, H] this share's
     pred = drafter(embeds, features[:, :-1] + jitter.to(features.device))  # [R, T-1, H]
     return feature_drafter_loss(pred, features[:, 1:], next_logits, drafter.head, p_weight)
 
 
-def train_drafter(pipe: TransformersImagePipeline, data: dict, args: argparse.Namespace,
-                  work: Path) -> tuple[ImageAREagleDrafter, dict]:
+def train_drafter(pipe: TransformersImagePipeline, data: dict, args: argparse.Namespace, work: Path,
+                  state=None) -> tuple[ImageAREagleDrafter, dict]:
     torch.manual_seed(args.seed)
     drafter = ImageAREagleDrafter.for_target(pipe.lm, input_norm=args.input_norm).float().train()
+    rank, count = rank_and_count(state)
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     settings = json.dumps({k: getattr(args, k) for k in ("num_train", "steps", "batch_size", "lr", "noise",
@@ -159,21 +188,27 @@ def train_drafter(pipe: TransformersImagePipeline, data: dict, args: argparse.Na
     state_path = work / f"eagle-{folder_fingerprint(args.model)}-state.pt"
     first, seconds, history = resume_training(state_path, settings, drafter, opt, gen, args.force)
     start = time.perf_counter() - seconds
-    bar = tqdm(range(first, args.steps), desc="eagle drafter", initial=first, total=args.steps, disable=args.quiet)
+    bar = tqdm(range(first, args.steps), desc="eagle drafter", initial=first, total=args.steps,
+               disable=args.quiet or rank > 0)
     for step in bar:
         rows = torch.randint(0, len(data["prompts"]), (args.batch_size,), generator=gen).tolist()
+        share = slice(rank, None, count)  # this process's rows (all of them in one process)
         loss, *losses = drafter_step_loss(drafter, pipe, [data["prompts"][r] for r in rows],
-                                          data["tokens"][rows].long(), args.noise, args.p_weight, gen)
-        optimizer_step(opt, loss, step, args.steps, args.lr, max_grad_norm=0.5)
-        record_training_step(state_path, args.checkpoint_every, step, args.steps, losses, bar, settings, drafter, opt,
-                             gen, time.perf_counter() - start, history)
+                                          data["tokens"][rows].long(), args.noise, args.p_weight, gen, share)
+        loss, losses = weigh_share(loss, tuple(losses), torch.tensor(float(len(rows[share]))), state)
+        optimizer_step(opt, loss, step, args.steps, args.lr, max_grad_norm=0.5,
+                       after_backward=lambda: average_gradients(drafter.parameters(), state))
+        record_training_step(state_path, args.checkpoint_every if rank == 0 else 0, step, args.steps, losses, bar,
+                             settings, drafter, opt, gen, time.perf_counter() - start, history)
     last = torch.tensor(history[-50:]).mean(0).tolist() if history else [float("nan")] * 3
     info = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "noise": args.noise,
             "p_weight": args.p_weight, "input_norm": args.input_norm, "num_train": len(data["prompts"]),
             "seconds": time.perf_counter() - start, "final_feature_smoothl1": last[0], "final_soft_ce": last[1],
             "final_top1_agreement": last[2], "first_top1_agreement": history[0][2] if history else None,
-            "parameters": sum(p.numel() for p in drafter.parameters())}
-    state_path.unlink(missing_ok=True)
+            "parameters": sum(p.numel() for p in drafter.parameters()), "processes": count}
+    wait_for_everyone(state)  # (every process has read the state before the first removes it)
+    if rank == 0:
+        state_path.unlink(missing_ok=True)
     return drafter.eval(), info
 
 
@@ -211,7 +246,7 @@ def _card(command: str, info: dict, model_type: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_pipeline(folder: str) -> TransformersImagePipeline:
+def load_pipeline(folder: str, device: str | torch.device = "cpu") -> TransformersImagePipeline:
     """The Janus or Emu3 pipeline of a model folder (one-line refusal of anything else, before weights load)."""
     from image_ar.transformers_ar import pipeline
     from image_ar.transformers_ar.support import check_image_generator
@@ -219,7 +254,7 @@ def load_pipeline(folder: str) -> TransformersImagePipeline:
 
     found = check_image_generator(read_folder_config(folder, "Janus or Emu3 model"), f"the model in {folder}")
     cls = {"janus": pipeline.JanusPipeline, "emu3": pipeline.Emu3Pipeline}[found]
-    pipe = cls.from_pretrained(folder)
+    pipe = cls.from_pretrained(folder).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -236,17 +271,22 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else Path(args.model) / EAGLE_FOLDER
     work = Path(args.work_dir)
-    pipe = load_pipeline(args.model)
+    state = process_state(cpu=args.device == "cpu")  # several processes: accelerate launch / torchrun
+    pipe = load_pipeline(args.model, args.device if state is None or args.device == "cpu" else state.device)
     pipe.model.requires_grad_(False)
     info = json.loads((out / "training.json").read_text()) if (out / "training.json").is_file() else {}
     if "drafter" in stages and (args.force or not (out / "config.json").is_file()):
-        data = sample_data(pipe, args, work)
-        drafter, info["drafter"] = train_drafter(pipe, data, args, work)
-        with atomic_output_dir(out) as tmp:
-            drafter.save_pretrained(tmp)
-            write_info(tmp / "training.json", info)
+        data = sample_data(pipe, args, work, state)
+        drafter, info["drafter"] = train_drafter(pipe, data, args, work, state)
+        if rank_and_count(state)[0] == 0:
+            with atomic_output_dir(out) as tmp:
+                drafter.save_pretrained(tmp)
+                write_info(tmp / "training.json", info)
     elif "data" in stages:
-        sample_data(pipe, args, work)
+        sample_data(pipe, args, work, state)
+    wait_for_everyone(state)
+    if rank_and_count(state)[0] > 0:  # the first process evaluates and writes the card
+        return 0
     if "eval" in stages:
         check((out / "config.json").is_file(), f"no drafter in {out} to evaluate: run the drafter stage first.")
         pipe.load_eagle_drafter(out)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +32,7 @@ from mmspec.cli.jobs import (
 from mmspec.compile import compile_pipeline
 from mmspec.errors import InputError, check
 from mmspec.families import FamilyRecord
+from mmspec.processes import process_state
 from mmspec.stats import SpecStats, budget_notice
 from mmspec.threads import count_parameters, parse_threads, set_threads
 
@@ -160,18 +160,10 @@ class Runner:
             bar.update(1)
 
 
-def _process_state(device: str):
-    """accelerate's PartialState when launched with several processes (accelerate launch / torchrun), else None."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    from accelerate import PartialState
-
-    return PartialState(cpu=device == "cpu")
-
 def make_images(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dict) -> int:
     """Make the images of a checked command line: its output folder, then `_generate` (a run that wrote nothing
     leaves no folder behind); torch's thread count is restored after."""
-    state = _process_state(args.device)
+    state = process_state(cpu=args.device == "cpu")
     rank = 0 if state is None else state.process_index
     created = not Path(args.out).exists()
     out = prepare_output_dir(args.out)  # fails before any work if the folder is not writable

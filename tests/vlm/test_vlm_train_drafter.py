@@ -247,7 +247,8 @@ def test_train_specvlm(target_dir, tmp_path):
 def test_text_only_batch_runs_the_target_without_the_image(target_dir, tmp_path):
     """The text stage (ViSpec stage 1, MSD's first epochs): the sequences without their image tokens and without
     pixels, the answer positions still the ones that count."""
-    from vlm.train_drafter import answer_cache, training_batch
+    from vlm.drafter_data import answer_cache
+    from vlm.train_drafter import training_batch
 
     vlm = SpeculativeVLM.from_pretrained(target_dir)
     args = vlm_train_drafter.argparse.Namespace(target=str(target_dir), num_train=4, seed=0, answer_max_tokens=6,

@@ -1,0 +1,258 @@
+"""A user's own multimodal rows for `mmspec train vlm-drafter --data DATA`: (one image, a question, the dataset's
+reply when it has one), read from
+
+    data.jsonl                 JSON Lines, one row a line
+    llava_v1_5_mix665k.json    a JSON list of rows (LLaVA's training files)
+    folder/                    a `datasets` folder written by `Dataset.save_to_disk` (of a DatasetDict, its "train")
+
+in any of these row layouts:
+
+    {"image": "coco/1.jpg", "conversations": [{"from": "human", "value": "<image>\\nWhat is here?"},
+                                               {"from": "gpt", "value": "A dog on a sofa."}]}        # LLaVA
+    {"images": ["1.jpg"], "messages": [{"role": "user", "content": [{"type": "image"},
+               {"type": "text", "text": "What is here?"}]}, {"role": "assistant", "content": "A dog."}]}  # chat
+    {"image": "1.jpg", "prompt": "What is here?", "answer": "A dog on a sofa."}  # "answer" may be left out
+
+A row gives its first user turn and the reply after it when there is one (`vlm.text_data.conversation_pair`; later
+turns are not read). The `<image>` marker leaves the question: the target's own prompt format places the image
+(`SpeculativeVLM.prompt_text`). A relative image path is read under `image_folder` (default: the data file's folder);
+a `datasets` folder's image column may hold the images themselves. Every row has exactly one image: text-only
+conversations train through `--text-data`, and rows with several images are refused. `read_vlm_data` checks every
+row and image path before any model loads, with a one-line error naming the row.
+
+    data = read_vlm_data("my_rows.jsonl")
+    image = data.image(0)                        # uint8 [3, H, W]
+    train_rows, held_out = data.split(32, seed=0)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from mmspec.errors import InputError, check
+from vlm.text_data import conversation_pair
+
+IMAGE_MARKER = "<image>"  # LLaVA's marker in its data's questions
+
+
+@dataclass(frozen=True)
+class VLMRow:
+    """One training row: its image (a file path, or the row index of a `datasets` folder's image column), the
+    question without its image marker and the dataset's reply (None where the row has none)."""
+
+    image: str | int
+    question: str
+    answer: str | None
+
+
+def row_image(row: dict, where: str) -> object:
+    """The one image a row names: `image`, a one-element `images`, or a chat part {"type": "image", "image": ...}."""
+    images = row.get("images")
+    if images is None and "image" in row:
+        images = [row["image"]]
+    if images is None:  # chat rows may carry the image inside the user turn
+        parts = [part for turn in row.get("messages", []) if isinstance(turn, dict)
+                 and isinstance(turn.get("content"), list) for part in turn["content"]
+                 if isinstance(part, dict) and part.get("type") == "image" and part.get("image") is not None]
+        images = [part["image"] for part in parts] or None
+    check(images is not None, f"{where}: no image ('image', 'images' or a chat image part); text-only rows train "
+                              "through --text-data.")
+    images = images if isinstance(images, list) else [images]
+    check(len(images) == 1, f"{where}: {len(images)} images in one row; rows with several images are not supported, "
+                            "give one image a row.")
+    return images[0]
+
+
+def parse_row(row: object, where: str, folder: Path) -> VLMRow:
+    """A raw JSON row as a VLMRow with its image path resolved under `folder`; InputError naming `where`."""
+    check(isinstance(row, dict), f"{where}: a row must be a JSON object.")
+    question, answer = conversation_pair(row, where, need_reply=False)
+    question = " ".join(question.replace(IMAGE_MARKER, " ").split())
+    check(question, f"{where}: the question is empty once its {IMAGE_MARKER} marker is taken out.")
+    image = row_image(row, where)
+    check(isinstance(image, str) and image.strip(), f"{where}: the image must be a file path, got {image!r}.")
+    check("://" not in image, f"{where}: {image!r} is a URL; mmspec reads local files only (download it first).")
+    path = Path(image) if Path(image).is_absolute() else folder / image
+    check(path.is_file(), f"{where}: image {path} not found; set --image-folder to the folder the paths start in.")
+    return VLMRow(str(path), question, answer)
+
+
+def json_rows(path: Path) -> list[tuple[str, object]]:
+    """(where, row) of a JSON Lines file or of a JSON file holding a list."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"--data {path}: not UTF-8 text; give JSON Lines, a JSON list or a datasets folder.") from None
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise InputError(f"--data {path}: not JSON ({err.msg} at line {err.lineno}).") from None
+        return [(f"--data {path} row {i}", row) for i, row in enumerate(rows)]
+    out = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                out.append((f"--data {path} line {number}", json.loads(line)))
+            except json.JSONDecodeError as err:
+                raise InputError(f"--data {path} line {number}: not JSON ({err.msg}).") from None
+    return out
+
+
+class VLMData:
+    """The rows of one --data source and how to read their images (see the module docstring)."""
+
+    def __init__(self, source: str | Path, image_folder: str | Path | None = None) -> None:
+        self.source = Path(source)
+        check(self.source.exists(), f"--data {self.source}: no such file or folder.")
+        self.dataset, self.image_column = None, None
+        if self.source.is_dir():
+            self.rows = self.read_dataset_folder()
+        else:
+            folder = Path(image_folder) if image_folder is not None else self.source.parent
+            check(folder.is_dir(), f"--image-folder {folder}: no such folder.")
+            self.rows = [parse_row(row, where, folder) for where, row in json_rows(self.source)]
+        check(self.rows, f"--data {self.source}: no rows.")
+
+    def read_dataset_folder(self) -> list[VLMRow]:
+        """The rows of a `datasets` folder; its images stay in the folder (read by `image`)."""
+        try:
+            from datasets import DatasetDict, Image, load_from_disk
+        except ImportError:
+            raise InputError(f"--data {self.source} is a folder: reading a datasets folder needs the `datasets` "
+                             "package (pip install datasets), or give a JSON Lines file.") from None
+        try:
+            dataset = load_from_disk(str(self.source))
+        except (FileNotFoundError, ValueError) as err:
+            raise InputError(f"--data {self.source}: not a folder written by save_to_disk ({err}).") from None
+        if isinstance(dataset, DatasetDict):
+            check("train" in dataset, f"--data {self.source}: a DatasetDict without a 'train' split "
+                                      f"(splits: {', '.join(dataset)}).")
+            dataset = dataset["train"]
+        column = next((c for c in ("image", "images") if c in dataset.column_names), None)
+        check(column is not None, f"--data {self.source}: no 'image' or 'images' column (columns: "
+                                  f"{', '.join(dataset.column_names)}).")
+        if isinstance(dataset.features[column], Image):  # keep the images encoded: `image` decodes one at a time
+            dataset = dataset.cast_column(column, Image(decode=False))
+        self.dataset, self.image_column = dataset, column
+        rows = []
+        for i, row in enumerate(dataset.remove_columns(column)):
+            where = f"--data {self.source} row {i}"
+            question, answer = conversation_pair(row, where, need_reply=False)
+            question = " ".join(question.replace(IMAGE_MARKER, " ").split())
+            check(question, f"{where}: the question is empty once its {IMAGE_MARKER} marker is taken out.")
+            rows.append(VLMRow(i, question, answer))
+        return rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def image(self, i: int) -> torch.Tensor:
+        """Row i's image as RGB uint8 [3, H, W]; InputError naming the row when it cannot be read."""
+        import PIL.Image
+
+        row = self.rows[i]
+        stored = row.image if self.dataset is None else self.dataset[row.image][self.image_column]
+        if isinstance(stored, list):
+            check(len(stored) == 1, f"--data {self.source} row {i}: {len(stored)} images in one row; give one.")
+            stored = stored[0]
+        if isinstance(stored, dict):  # an encoded datasets image: {"bytes", "path"}
+            stored = io.BytesIO(stored["bytes"]) if stored.get("bytes") else stored.get("path")
+        try:
+            image = stored if isinstance(stored, PIL.Image.Image) else PIL.Image.open(stored)
+            array = np.asarray(image.convert("RGB"))  # [H, W, 3]
+        except (OSError, ValueError, TypeError) as err:
+            raise InputError(f"--data {self.source} row {i}: cannot read its image ({err}).") from None
+        return torch.from_numpy(array.copy()).permute(2, 0, 1)
+
+    def split(self, held_out: int, seed: int) -> tuple[list[int], list[int]]:
+        """(training rows, held-out rows): `held_out` rows drawn by a seeded permutation, the rest for training."""
+        check(0 < held_out < len(self.rows), f"--data {self.source} has {len(self.rows)} rows: it cannot hold out "
+                                             f"{held_out} for the eval and still train; lower --eval-prompts.")
+        order = torch.randperm(len(self.rows), generator=torch.Generator().manual_seed(seed)).tolist()
+        return sorted(order[held_out:]), sorted(order[:held_out])
+
+    def fingerprint(self) -> str:
+        """A hash of the data's rows (file contents, or a datasets folder's files; images by path, not content)."""
+        digest = hashlib.sha256()
+        files = sorted(p for p in self.source.rglob("*") if p.is_file()) if self.source.is_dir() else [self.source]
+        for path in files:
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+        digest.update("\n".join(str(row.image) for row in self.rows).encode())
+        return digest.hexdigest()[:16]
+
+
+class RowImages:
+    """The images of chosen data rows, read on demand (`data["images"]` of a --data training set)."""
+
+    def __init__(self, data: VLMData, rows: list[int]) -> None:
+        self.data, self.rows = data, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data.image(self.rows[int(i)])
+
+
+# ---------------------------------------------------------------------------------------------------- example
+EXAMPLE_QUESTIONS = (  # phrasings the world's question templates (mmspec.data.text) never use
+    "Tell me about this picture. Answer in detail.",
+    "Which colors can you see here? Answer in detail.",
+    "Is anything round in the image? Answer in detail.",
+    "Describe the scene for a blind person.",
+    "What would you call this drawing? Answer in detail.",
+    "Count the shapes and name them. Answer in detail.",
+    "Where should I look first in this image? Answer in detail.",
+    "Write a caption for this image.",
+)
+
+
+def write_example_data(out: str | Path, n: int, seed: int = 0) -> Path:
+    """A --data example in LLaVA's layout: n world scenes of the val split as PNGs under `out`/images and
+    `out`/rows.jsonl asking them questions unlike the world's templates, the scene's caption as the dataset's answer.
+    Returns the rows file."""
+    import PIL.Image
+
+    from mmspec.data import generate_batch
+
+    out = Path(out)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    batch = generate_batch(n, seed, split="val")
+    lines = []
+    for i, (image, caption) in enumerate(zip(batch.images, batch.captions)):
+        name = f"images/scene{i:05d}.png"
+        PIL.Image.fromarray(image.permute(1, 2, 0).numpy()).save(out / name)
+        question = EXAMPLE_QUESTIONS[(i * 7 + seed) % len(EXAMPLE_QUESTIONS)]
+        answer = f"{caption[:1].upper()}{caption[1:]}."
+        lines.append(json.dumps({"image": name, "conversations": [
+            {"from": "human", "value": f"<image>\n{question}"}, {"from": "gpt", "value": answer}]}))
+    (out / "rows.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return out / "rows.jsonl"
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m vlm.user_data",
+                                     description="Write an example --data folder: world scenes with questions unlike "
+                                                 "the world's templates (LLaVA layout).")
+    parser.add_argument("out", help="the folder to write (rows.jsonl and images/)")
+    parser.add_argument("--num", type=int, default=200, help="rows")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = write_example_data(args.out, args.num, args.seed)
+    print(f"wrote {args.num} rows to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
