@@ -1,6 +1,10 @@
 """The drafters' decoder layers: transformers `LlamaDecoderLayer` modules (mmspec's own drafter models, built from
 a Llama config) run through mmspec's attention backends and `StaticKVCache`, with or without a cache.
 
+A layer whose input is wider than its output (EAGLE-3's [e ; g], `mmspec.eagle3`) names where its residual starts
+in its `residual_from` attribute: x[..., residual_from:] is added to the attention's output (0, the whole input,
+for a Llama layer).
+
 The target never runs through here: it runs its own model's forward (`mmspec.hf_cache.run_text_model`).
 """
 
@@ -70,7 +74,8 @@ def finish_module_layer(layer, x: torch.Tensor, out: torch.Tensor) -> torch.Tens
     """A `LlamaDecoderLayer` past its attention, through its own modules: x [B, S, H] the layer's input, out
     [B, Hq, S, D] the attention's output -> the layer's output [B, S, H] (o projection, MLP, both residuals)."""
     b, heads, s, head_dim = out.shape
-    x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(b, s, heads * head_dim))
+    x = x[..., getattr(layer, "residual_from", 0):] + layer.self_attn.o_proj(out.transpose(1, 2).reshape(
+        b, s, heads * head_dim))
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
@@ -141,6 +146,7 @@ class LayerPlan:
     gate_up: tuple[torch.Tensor, torch.Tensor | None]
     o: tuple[torch.Tensor, torch.Tensor | None]
     down: tuple[torch.Tensor, torch.Tensor | None]
+    residual_from: int = 0  # the input channel the residual starts at (see the module docstring)
 
 
 PLAN_PROJECTIONS = (("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
@@ -193,7 +199,8 @@ def inference_plan(layer) -> LayerPlan | None:
     plan = LayerPlan(attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim,
                      attn.head_dim, attn.scaling, None if isinstance(norm, torch.nn.Identity) else norm,
                      layer.post_attention_layernorm, mlp.act_fn, joined(attn.q_proj, attn.k_proj, attn.v_proj),
-                     joined(mlp.gate_proj, mlp.up_proj), own(attn.o_proj), own(mlp.down_proj))
+                     joined(mlp.gate_proj, mlp.up_proj), own(attn.o_proj), own(mlp.down_proj),
+                     getattr(layer, "residual_from", 0))
     layer.__dict__["_mmspec_plan"] = (key, plan)
     return plan
 
@@ -217,7 +224,7 @@ def run_planned_layer(plan: LayerPlan, x: torch.Tensor, cos: torch.Tensor, signe
 def finish_planned_layer(plan: LayerPlan, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """`finish_module_layer` from a plan: x [B, S, H], the attention's output out [B, Hq, S, D] -> [B, S, H]."""
     b, heads, s, head_dim = out.shape
-    x = x + F.linear(out.transpose(1, 2).reshape(b, s, heads * head_dim), *plan.o)
+    x = x[..., plan.residual_from:] + F.linear(out.transpose(1, 2).reshape(b, s, heads * head_dim), *plan.o)
     gate, up = F.linear(plan.post_norm(x), *plan.gate_up).chunk(2, dim=-1)  # [B, S, F] each
     return x + F.linear(plan.act_fn(gate) * up, *plan.down)
 

@@ -1,7 +1,7 @@
 """The VLM family record: the LLaVA target folder, its bench hook, and its methods, declared once here
 (`mmspec.families`): `vanilla` (the target alone) and one method per drafter kind, whose `run` is the drafter model
 class (loaded from `MODEL/drafters/<kind>` or built for a target with `for_target`; its `loop_drafter` is what the
-loop runs). The trained kinds (`DRAFTER_KINDS`: eagle, vispec, msd, specvlm) take the EAGLE-2 tree's parameters
+loop runs). The trained kinds (`DRAFTER_KINDS`: eagle, vispec, msd, specvlm, eagle3) take the EAGLE-2 tree's parameters
 (top_k, depth, total_tokens; None = the drafter's paper tree, `official_tree`) and child_ranking
 (`VLMEagleTreeDrafter`); the training-free ones (`TRAINING_FREE_KINDS`: pld, prompt lookup; sam, its suffix
 automaton; recycle, Token Recycling: `vlm.lookup`) are built from their own parameters, no folder needed. Every
@@ -17,6 +17,7 @@ from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import check
 from mmspec.families import DrafterMethod, FamilyRecord, parameters_of
 from vlm.eagle import VLMEagleDrafter, VLMEagleTreeDrafter
+from vlm.eagle3 import VLMEagle3Drafter
 from vlm.lookup import VLMPromptLookup, VLMSuffixLookup, VLMTokenRecycling
 from vlm.msd import VLMMSDDrafter
 from vlm.specvlm import VLMSpecVLMDrafter
@@ -52,7 +53,8 @@ FAMILY.add("vanilla", None, {}, description="the LLaVA target alone")
 for kind, model, what in (("eagle", VLMEagleDrafter, "EagleVLM drafter"),
                           ("vispec", VLMViSpecDrafter, "ViSpec drafter (compressed image token + global feature)"),
                           ("msd", VLMMSDDrafter, "MSD drafter (raw visual embeddings at image positions)"),
-                          ("specvlm", VLMSpecVLMDrafter, "SpecVLM drafter (gated elastic visual compressor)")):
+                          ("specvlm", VLMSpecVLMDrafter, "SpecVLM drafter (gated elastic visual compressor)"),
+                          ("eagle3", VLMEagle3Drafter, "EAGLE-3 drafter (three fused target layers, its own head)")):
     FAMILY.add(kind, model, {**TREE, **ACCEPT}, description=f"{what}, EAGLE-2 dynamic tree, lossless tree verification")
 FAMILY.add("pld", VLMPromptLookup, {**parameters_of(VLMPromptLookup), **ACCEPT}, trained=False,
            description="prompt lookup: chains copied from the row's own prompt and answer (no model, no training)")

@@ -142,6 +142,30 @@ class CachedVLM:
         self.input_embeddings = model.get_input_embeddings()
         self.last_hidden: torch.Tensor | None = None  # [B, S, H] post-norm features of the last forward
         self.prompt_embeds: torch.Tensor | None = None  # [B, P, H] merged input embeddings of the last prefill
+        self.layer_inputs: dict[int, torch.Tensor] = {}  # captured layers' inputs of the last forward (EAGLE-3)
+        self.aux_layer_ids: tuple[int, ...] = ()
+
+    def capture_layer_inputs(self, layer_ids: tuple[int, ...]) -> None:
+        """Keep the inputs of these text-model decoder layers at every forward (transformers' `hidden_states[i]`:
+        what an EAGLE-3 drafter fuses, `mmspec.eagle3`), read as `last_aux`. A forward pre-hook on each layer (the
+        model's own forward is untouched); capturing again with the same ids adds nothing."""
+        layers = self.text.layers
+        check(all(0 <= i < len(layers) for i in layer_ids), f"the drafter fuses the inputs of layers "
+                                                            f"{list(layer_ids)}, but the target has {len(layers)}.")
+        for i in sorted(set(layer_ids) - set(self.layer_inputs)):
+            self.layer_inputs[i] = None
+
+            def keep(module, args, kwargs, i=i):
+                self.layer_inputs[i] = args[0] if args else kwargs["hidden_states"]
+
+            layers[i].register_forward_pre_hook(keep, with_kwargs=True)
+        self.aux_layer_ids = tuple(layer_ids)
+
+    @property
+    def last_aux(self) -> torch.Tensor | None:
+        """[B, S, 3H] the captured layers' inputs of the last forward, in `aux_layer_ids` order (None before one)."""
+        parts = [self.layer_inputs.get(i) for i in self.aux_layer_ids]
+        return None if not parts or any(p is None for p in parts) else torch.cat(parts, dim=-1)
 
     @property
     def device(self) -> torch.device:

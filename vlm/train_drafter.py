@@ -49,6 +49,7 @@ import torch
 from tqdm.auto import tqdm
 
 from mmspec.data.artifacts import ASSETS_DIR, atomic_output_dir, explicit_command, machine_summary
+from mmspec.eagle3 import TTT_STEPS, draft_vocabulary, ttt_loss
 from mmspec.errors import check, check_positive_int
 from mmspec.feature_drafter import distribution_l1_loss, feature_drafter_loss, feature_smoothl1
 from mmspec.hf_loading import folder_fingerprint
@@ -123,6 +124,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "world- or officially-trained drafter on your --data); default: a fresh drafter")
     parser.add_argument("--group-by-length", action="store_true",
                         help="batches of rows of similar length (less padding on data of mixed lengths)")
+    parser.add_argument("--ttt-steps", type=int, default=TTT_STEPS,
+                        help="eagle3: steps the training-time test unrolls (EAGLE-3 / SpecForge: 7)")
+    parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
+                        help="eagle3: a draft vocabulary of the N most frequent answer tokens (EAGLE-3's 32k for "
+                             "Llama 3's 128k); default: the target's whole vocabulary")
     parser.add_argument("--checkpoint-every", type=int, default=500)
     parser.add_argument("--eval-prompts", type=int, default=32,
                         help="held-out eval questions: world test scenes, or rows held out of --data")
@@ -248,15 +254,35 @@ def specvlm_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise:
     return feature_drafter_loss(pred, targets, next_logits, drafter.head, p_weight, mask)
 
 
+def eagle3_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: torch.Tensor, p_weight: float,
+                step_kind: str, ttt_steps: int = TTT_STEPS, **batch) -> tuple[torch.Tensor, ...]:
+    """EAGLE-3 (`mmspec.eagle3.ttt_loss`): pairs (fused layer inputs a_i, e_{i+1}) over the full sequence, the
+    training-time test unrolled `ttt_steps` steps against the target's distributions (soft cross-entropy alone, as
+    EAGLE-3 trains: no feature regression, no feature noise: the drafter learns from its own outputs instead)."""
+    target_logits = lm.model.lm_head(lm.last_hidden[:, 1:]).float()  # [B, T-1, V] the target's of token i + 2
+    valid = inputs.attention_mask[:, 1:].bool()  # [B, T-1]
+    return ttt_loss(drafter, lm.prompt_embeds[:, 1:], lm.last_aux[:, :-1], target_logits, loss_mask, ttt_steps,
+                    valid=valid)
+
+
 LOSSES = {"eagle": eagle_loss, "vispec": vispec_loss, "msd": partial(eagle_loss, decoupled=True),
-          "specvlm": specvlm_loss}
+          "specvlm": specvlm_loss, "eagle3": eagle3_loss}
 KIND_TEXT = {"eagle": "EagleVLM feature drafter (one Llama decoder layer over [input embedding ; target feature])",
              "msd": "MSD drafter (EAGLE fusion at text positions, raw visual embeddings at image positions; "
                     "two-stage text-then-multimodal schedule)",
              "specvlm": "SpecVLM drafter (EagleVLM + elastic visual compressor picked per input by a "
                         "question-aware gate; online logit distillation)",
              "vispec": "ViSpec drafter (EagleVLM + vision adaptor: one compressed image token, a global image "
-                       "feature fused into later text; anti-shortcut training)"}
+                       "feature fused into later text; anti-shortcut training)",
+             "eagle3": "EAGLE-3 drafter (three target layers fused by fc, one Llama decoder layer over [embedding ; "
+                       "feature], its own head; training-time test)"}
+
+
+def answer_token_counts(data: dict, vocab_size: int) -> torch.Tensor:
+    """[V] how often each token appears in the training answers (after each row's prompt)."""
+    positions = torch.arange(data["ids"].shape[1])  # [T]
+    answer = (positions >= data["prompt_lengths"].unsqueeze(-1)) & (positions < data["lengths"].unsqueeze(-1))
+    return torch.bincount(data["ids"][answer], minlength=vocab_size)[:vocab_size]
 
 
 def drafter_state_path(args: argparse.Namespace, work: Path, data_id: str | None = None) -> Path:
@@ -289,7 +315,11 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
     torch.manual_seed(args.seed)
     lm = vlm.lm
     norm = {} if args.input_norm == "auto" else {"input_norm": args.input_norm == "on"}
-    if args.init_from is None:
+    if args.init_from is None and args.kind == "eagle3":  # its draft vocabulary: the answers' most frequent tokens
+        drafter = drafter_model(args.kind).for_target(lm, draft_vocab_size=args.draft_vocab).train()
+        if args.draft_vocab:
+            drafter.set_draft_vocabulary(draft_vocabulary(answer_token_counts(data, lm.vocab_size), args.draft_vocab))
+    elif args.init_from is None:
         drafter = drafter_model(args.kind).for_target(lm, **norm).train()
     else:  # the saved drafter's own config (its input norm included), checked against the target by `attach`
         drafter = load_drafter(args.init_from, args.kind).placed_like(lm.model.lm_head.weight).attach(lm).train()
@@ -302,6 +332,7 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
         "kind", "num_train", "answer_max_tokens", "steps", "batch_size", "lr", "noise", "p_weight",
         "text_only_fraction", "input_norm", "noise_scaling", "answers", "seed")},
         "text_data": text_data_fingerprint(args.text_data), "data": data_id, "init_from": args.init_from,
+        **({"ttt_steps": args.ttt_steps, "draft_vocab": args.draft_vocab} if args.kind == "eagle3" else {}),
         "group_by_length": args.group_by_length}, sort_keys=True)
     first, seconds, history = resume_training(state_path, settings, drafter, opt, gen, args.force)
     start = time.perf_counter() - seconds
@@ -330,7 +361,8 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
                               gen)[rank::count].to(lm.device)  # [b, T, H] the whole batch's draws, this share
         layout_gen = gen if state is None else torch.Generator().manual_seed(args.seed * 1_000_003 + step * 64 + rank)
         loss, *losses = loss_fn(drafter, lm, inputs, loss_mask, noise, args.p_weight, stage,
-                                prompt_lengths=source["prompt_lengths"][mine], generator=layout_gen)
+                                prompt_lengths=source["prompt_lengths"][mine], generator=layout_gen,
+                                ttt_steps=args.ttt_steps)
         loss, losses = weigh_share(loss, tuple(losses), loss_mask.sum(), state)  # by the share's answer positions
         optimizer_step(opt, loss, step, args.steps, args.lr, max_grad_norm=0.5,
                        after_backward=lambda: average_gradients(drafter.parameters(), state))
@@ -339,7 +371,7 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
     last = torch.tensor(history[-50:]).mean(0).tolist() if history else [float("nan")] * 3
     info = {"kind": args.kind, "steps": args.steps, "batch_size": args.batch_size, "lr": args.lr,
             "noise": args.noise, "noise_scaling": args.noise_scaling, "p_weight": args.p_weight,
-            "input_norm": bool(drafter.config.input_norm), "answers": answer_source(args),
+            "input_norm": bool(getattr(drafter.config, "input_norm", False)), "answers": answer_source(args),
             "text_only_steps": text_steps, "text_data": args.text_data, "data": args.data,
             "group_by_length": args.group_by_length, "init_from": args.init_from,
             "text_data_rows": None if text is None else int(text["ids"].shape[0]),
@@ -348,6 +380,10 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
             "first_feature_smoothl1": history[0][0] if history else None,
             "first_top1_agreement": history[0][2] if history else None,
             "parameters": sum(p.numel() for p in drafter.parameters())}
+    if args.kind == "eagle3":  # its history holds (step 0's soft CE, the TTT steps' mean soft CE, step 0's top-1)
+        info.update(final_feature_smoothl1=None, first_feature_smoothl1=None, final_soft_ce=last[0],
+                    final_ttt_soft_ce=last[1], first_soft_ce=history[0][0] if history else None,
+                    ttt_steps=args.ttt_steps, draft_vocab_size=drafter.lm_head.out_features)
     return drafter.eval(), info
 
 
@@ -395,7 +431,7 @@ def target_card_names(model_type: str) -> tuple[str, str]:
 
 def _card(command: str, info: dict, target_name: str) -> str:
     d = info["drafter"]
-    article = "An" if d["kind"] in ("eagle", "msd") else "A"
+    article = "An" if d["kind"] in ("eagle", "msd", "eagle3") else "A"
     own = d.get("answers", "target") == "target"
     if d.get("data"):
         title = f"VLM drafter ({d['kind']}) for {target_name}"
@@ -407,9 +443,15 @@ def _card(command: str, info: dict, target_name: str) -> str:
     start = f" Fine-tuned from the drafter in {d['init_from']}." if d.get("init_from") else ""
     lines = card_head(title, [f"{article} {KIND_TEXT[d['kind']]} trained on {trained_on}{start}"], command,
                       machine_summary())
-    lines.append(f"| drafter | fc + 1 decoder layer, input norm {d['input_norm']}, {d['parameters'] / 1e6:.2f}M "
-                 f"parameters | {d['steps']} steps x batch {d['batch_size']} on {d['num_train']} answers, feature "
-                 f"noise {d['noise']} ({d.get('noise_scaling', 'fixed')} scaling) | {d['seconds']:.0f} s |")
+    if d["kind"] == "eagle3":
+        lines.append(f"| drafter | fc over 3 target layers + 1 decoder layer + its own head over "
+                     f"{d['draft_vocab_size']} tokens, {d['parameters'] / 1e6:.2f}M parameters | {d['steps']} steps x "
+                     f"batch {d['batch_size']} on {d['num_train']} answers, training-time test of {d['ttt_steps']} "
+                     f"steps | {d['seconds']:.0f} s |")
+    else:
+        lines.append(f"| drafter | fc + 1 decoder layer, input norm {d['input_norm']}, {d['parameters'] / 1e6:.2f}M "
+                     f"parameters | {d['steps']} steps x batch {d['batch_size']} on {d['num_train']} answers, feature "
+                     f"noise {d['noise']} ({d.get('noise_scaling', 'fixed')} scaling) | {d['seconds']:.0f} s |")
     lines += ["", f"Final top-1 agreement with the target (training batches, last 50 steps): "
                   f"{d['final_top1_agreement']:.3f}."]
     ev = info.get("eval")
@@ -444,6 +486,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         check(args.image_folder is None, "--image-folder says where --data's images are; give --data too.")
         args.num_train = args.num_train or 2000
+    check(args.kind != "eagle3" or args.input_norm == "auto", "--input-norm shapes EAGLE-1/2 drafters; EAGLE-3 has "
+                                                               "its own input norms: leave it out.")
+    check(args.ttt_steps >= 1 and (args.draft_vocab is None or args.draft_vocab >= 1),
+          "--ttt-steps and --draft-vocab take positive integers.")
     check(args.init_from is None or args.input_norm == "auto", "--input-norm builds a fresh drafter; one started "
                                                                "--init-from keeps its saved config: leave it out.")
     pairs = None
@@ -485,7 +531,8 @@ def run(args: argparse.Namespace) -> int:
         write_info(out / "training.json", info)
         command = explicit_command("mmspec train vlm-drafter", args, [
             "kind", "target", *(["out"] if args.out else []), "num_train", "answer_max_tokens", "steps", "batch_size",
-            "lr", "noise", "noise_scaling", "p_weight", "answers", *(["text_data"] if args.text_data else []),
+            "lr", *(["ttt_steps", *(["draft_vocab"] if args.draft_vocab else [])] if args.kind == "eagle3" else
+                    ["noise", "noise_scaling", "p_weight"]), "answers", *(["text_data"] if args.text_data else []),
             *(["data", "eval_prompts"] if args.data else []), *(["image_folder"] if args.image_folder else []),
             *(["init_from"] if args.init_from else []),
             "seed", "threads"]) + (" --group-by-length" if args.group_by_length else "")

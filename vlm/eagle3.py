@@ -1,0 +1,72 @@
+"""EAGLE-3 over a VLM target (drafter kind `eagle3`): the model `mmspec.eagle3.Eagle3Drafter` bound to a `CachedVLM`
+(its input embeddings: text tokens and the merged image features, as EagleVLM reads them; the inputs of three of its
+text model's decoder layers, captured by `CachedVLM.capture_layer_inputs`), drafting EAGLE-2 trees through the same
+loop drafter as EagleVLM (`vlm.eagle.VLMEagleTreeDrafter`) whose target features are the fused layer inputs
+[B, S, 3H] (`last_aux`) instead of the final hidden state. The serving engines' VLM drafters are EAGLE-3 heads (vLLM:
+Qwen2.5-VL, Qwen3-VL, Llama 4; SGLang's SpecForge trains them); `mmspec train vlm-drafter --kind eagle3` trains one
+with the training-time test, and `vlm.convert` reads and writes the official format.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mmspec.eagle3 import Eagle3Drafter, default_aux_layers
+from mmspec.errors import InputError, check
+from mmspec.llama_drafter import llama_drafter_config
+from vlm.eagle import SPECVLM_TREE, VLMEagleTreeDrafter
+from vlm.target import CachedVLM
+
+
+class VLMEagle3Drafter(Eagle3Drafter):
+    """EAGLE-3 drafter over a VLM target (see the module docstring); `for_target(lm)` builds one shaped like the
+    target's text model, a loaded one is `attach`ed before use."""
+
+    official_tree = SPECVLM_TREE  # EAGLE-3's code: total_token 60, depth 7 (8 drafted levels), top_k 10
+
+    def image_tokens_attended(self, num_image_tokens: int) -> float:
+        """How many image tokens this drafter attends to per row (its prefill cost): all of them."""
+        return num_image_tokens
+
+    @classmethod
+    def for_target(cls, target: CachedVLM, draft_vocab_size: int | None = None, **overrides: Any) -> VLMEagle3Drafter:
+        """A fresh drafter shaped like the target's text model (the official fused layers 2, L // 2, L - 3),
+        attached to it."""
+        c = target.model.config.text_config
+        config = {**llama_drafter_config(c), "draft_vocab_size": draft_vocab_size,
+                  "aux_layer_ids": default_aux_layers(c.num_hidden_layers), **overrides}
+        return cls(**config).placed_like(target.model.lm_head.weight).attach(target)
+
+    def attach(self, target: CachedVLM) -> VLMEagle3Drafter:
+        """Share the target's token embeddings (not saved) and capture the inputs of the layers it fuses."""
+        if not isinstance(target, CachedVLM):
+            raise InputError(f"attach needs a VLM target (vlm.target.cached_vlm), got {type(target).__name__}.")
+        c = target.model.config.text_config
+        hint = "train one for this target with `mmspec train vlm-drafter --kind eagle3`"
+        check(self.fc.in_features == 3 * c.hidden_size and self.hidden_size == c.hidden_size,
+              f"this EAGLE-3 drafter fuses features of width {self.fc.in_features // 3} into {self.hidden_size}, the "
+              f"target's are {c.hidden_size} wide; {hint}.")
+        self.bind(target, {"vocab_size": c.vocab_size}, hint)
+        target.capture_layer_inputs(tuple(self.config.aux_layer_ids))
+        return self
+
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.target.embed_tokens(tokens)
+
+
+class VLMEagle3TreeDrafter(VLMEagleTreeDrafter):
+    """EAGLE-2 dynamic trees from a `VLMEagle3Drafter`: `VLMEagleTreeDrafter` whose target features are the fused
+    layer inputs [R, S, 3H] the target captured at its last forward."""
+
+    def target_features(self, rows: int, positions: int, when: str) -> torch.Tensor:
+        h = self.target.last_aux
+        if h is None or h.dim() != 3 or tuple(h.shape[:2]) != (rows, positions):
+            raise InputError(f"the EAGLE-3 drafter reads the target's layer inputs of its {when}, expected "
+                             f"[{rows}, {positions}, 3H], got {None if h is None else list(h.shape)}; run it with the "
+                             "pipeline's own target.")
+        return h
+
+
+VLMEagle3Drafter.loop_drafter = VLMEagle3TreeDrafter  # what the loop runs for this drafter model
