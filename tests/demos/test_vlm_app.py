@@ -144,7 +144,7 @@ def test_the_embedded_default_offers_its_drafters_and_highlights_drafts():
     """With no --model the app serves assets/vlm and its shipped drafters (eagle first); a real answer there shows
     accepted drafts highlighted and equals the target alone."""
     default = VLMStore()
-    assert default.drafters() == ["eagle", "vispec", "msd", "specvlm", "pld", "sam", "recycle", "none"]
+    assert default.drafters() == ["eagle", "vispec", "msd", "specvlm", "eagle3", "pld", "sam", "recycle", "none"]
     image = example_images(1)[0]
     # a question of the kind the drafters were trained on; the budget drafts every step whatever the machine's speed
     # (on an unfamiliar question, or a busy machine, the default budget="auto" may rightly take plain steps)

@@ -120,8 +120,7 @@ def test_a_drafter_for_another_model_is_refused_in_one_line(trained, tmp_path):
 
 def test_two_processes_sample_and_train_what_one_process_does(tmp_path):
     """`torchrun --nproc_per_node 2 -m mmspec train image-ar-drafter` (gloo on the CPU): the same samples of the
-    target as one process, prompt for prompt, and a drafter within float order of one process's (another seed's
-    lies far away)."""
+    target as one process, prompt for prompt, and a drafter within float order of one process's."""
     import os
     import socket
     import subprocess
@@ -143,13 +142,12 @@ def test_two_processes_sample_and_train_what_one_process_does(tmp_path):
                           str(port), "-m", "mmspec", *arguments("two")], env={**os.environ, "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert main(arguments("one")) == 0 and main(arguments("seed1", "1")) == 0
+    assert main(arguments("one")) == 0
     (one_samples,), (two_samples,) = ((tmp_path / n).glob("samples-*.pt") for n in ("one", "two"))
     assert torch.equal(torch.load(one_samples)["tokens"], torch.load(two_samples)["tokens"])
-    one, two, other = (load_file(str(tmp_path / n / "drafter" / "diffusion_pytorch_model.safetensors"))
-                       for n in ("one", "two", "seed1"))
+    one, two = (load_file(str(tmp_path / n / "drafter" / "diffusion_pytorch_model.safetensors"))
+                for n in ("one", "two"))
     scale = sum(float(v.norm() ** 2) for v in one.values()) ** 0.5
     apart = sum(float((one[k] - two[k]).norm() ** 2) for k in one) ** 0.5 / scale
-    assert apart < 1e-6, apart
-    assert sum(float((one[k] - other[k]).norm() ** 2) for k in one) ** 0.5 / scale > 1e-3
+    assert apart < 1e-6, apart  # (another seed lies ~1e-1 away: the VLM trainer's test holds that control)
     assert json.loads((tmp_path / "two" / "drafter" / "training.json").read_text())["drafter"]["processes"] == 2

@@ -116,7 +116,8 @@ def test_forced_budget_decisions_keep_the_sampled_law(tmp_path, monkeypatch):
                                 min_dof=4)
 
 
-SAMPLED_CASES = [("llava", "llama", kind) for kind in DRAFTER_KINDS] + [
+# (eagle3 runs EagleVLM's loop drafter; its sampled law is the method contract's, tests/test_contract.py)
+SAMPLED_CASES = [("llava", "llama", kind) for kind in DRAFTER_KINDS if kind != "eagle3"] + [
     (family, backbone, "eagle") for family, backbone in TARGETS if (family, backbone) != ("llava", "llama")]
 
 

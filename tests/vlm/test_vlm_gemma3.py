@@ -63,7 +63,7 @@ def transformers_answers(vlm: SpeculativeVLM, imgs, prompts) -> list[list[int]]:
     return answers
 
 
-@pytest.mark.parametrize("kind", ["eagle", "vispec", "msd", "specvlm"])
+@pytest.mark.parametrize("kind", ["eagle", "vispec", "msd", "specvlm", "eagle3"])
 def test_greedy_answers_equal_transformers_generate_with_a_text_only_row(vlm, kind):
     imgs = [*images(2), None]
     want = transformers_answers(vlm, imgs, PROMPTS)

@@ -99,7 +99,7 @@ def greedy_runs(lm, drafter, inputs: VLMInputs, steps: int):
 
 
 @pytest.mark.parametrize("kind", ["qwen2_vl", "qwen2_5_vl"])
-@pytest.mark.parametrize("drafter_kind", ["eagle", "msd", "vispec"])
+@pytest.mark.parametrize("drafter_kind", ["eagle", "msd", "vispec", "eagle3"])
 def test_greedy_vanilla_and_tree_equal_transformers_generate_on_images_of_three_sizes(kind, drafter_kind):
     model = tiny_qwen_vl(kind)
     inputs = qwen_inputs(ROWS, GRIDS)
