@@ -39,7 +39,7 @@ from mmspec.attention.model_backend import AttentionBackendMixin
 from mmspec.cache import StaticKVCache
 from mmspec.draft_layers import run_llama_layers
 from mmspec.errors import InputError, check
-from mmspec.llama_drafter import TargetBound
+from mmspec.llama_drafter import LlamaFeatureDrafter, TargetBound
 
 DECAY = 0.8  # EAGLE-3's weight of TTT step k's loss: DECAY ** k
 TTT_STEPS = 7  # steps the official training unrolls (SpecForge's ttt_length)
@@ -157,11 +157,7 @@ class Eagle3Drafter(TargetBound, AttentionBackendMixin, ModelMixin, ConfigMixin)
                              f"drafter's outputs [.., {self.hidden_size}], got {list(features.shape)}.")
         return torch.cat([embeds.to(dtype), features.to(dtype)], dim=-1)
 
-    def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
-        attn = self.layers[0].self_attn
-        w = self.fc.weight
-        return StaticKVCache(1, batch_size, attn.k_proj.out_features // attn.head_dim, capacity, attn.head_dim,
-                             w.dtype, w.device)
+    new_cache = LlamaFeatureDrafter.new_cache  # one decoder layer's K/V, in fc's dtype and device
 
     @torch.no_grad()
     def forward_cached(self, tokens: torch.Tensor | None, positions: torch.Tensor, cache: StaticKVCache,

@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import LlavaForConditionalGeneration
+from vlm_dummies import save_tiny_world_llava
 
 from mmspec.cli import main
 from mmspec.draft_layers import run_llama_layers
@@ -20,11 +20,8 @@ from mmspec.errors import InputError
 from vlm.convert import export_official_eagle3, load_official_drafter
 from vlm.eagle3 import VLMEagle3Drafter
 from vlm.pipeline import SpeculativeVLM
-from vlm.world import world_llava_config, world_processor, world_vqa_examples
+from vlm.world import world_vqa_examples
 
-TINY = dict(vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
-            text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-                      num_key_value_heads=2))
 OFFICIAL_KEYS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "midlayer.input_layernorm.weight",
                  "midlayer.hidden_norm.weight", "midlayer.post_attention_layernorm.weight",
                  *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
@@ -34,10 +31,7 @@ OFFICIAL_KEYS = {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d", "mi
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny world LLaVA (6 text layers) with an eagle3 drafter of a 60-token draft vocabulary trained by the CLI."""
-    folder = tmp_path_factory.mktemp("eagle3")
-    torch.manual_seed(0)
-    LlavaForConditionalGeneration(world_llava_config(**TINY)).save_pretrained(folder)
-    world_processor().save_pretrained(folder)
+    folder = save_tiny_world_llava(tmp_path_factory.mktemp("eagle3"), text_layers=6)
     assert main(["train", "vlm-drafter", "--kind", "eagle3", "--target", str(folder), "--work-dir",
                  str(folder / "work"), "--num-train", "24", "--answer-max-tokens", "10", "--batch-size", "8",
                  "--eval-prompts", "4", "--steps", "120", "--lr", "3e-3", "--ttt-steps", "3", "--draft-vocab", "60",

@@ -13,24 +13,17 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlavaForConditionalGeneration
+from vlm_dummies import save_tiny_world_llava
 
 import vlm.train_drafter as vlm_train_drafter
 from mmspec.cli import main
 from vlm.user_data import write_example_data
-from vlm.world import world_llava_config, world_processor
-
-TINY = dict(vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
-            text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2))
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("vlm-processes")
-    torch.manual_seed(0)
-    LlavaForConditionalGeneration(world_llava_config(**TINY)).save_pretrained(folder / "target")
-    world_processor().save_pretrained(folder / "target")
+    save_tiny_world_llava(folder / "target")
     rows = write_example_data(folder / "data", 14)
     return folder, rows
 

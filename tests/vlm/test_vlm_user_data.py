@@ -9,7 +9,7 @@ import json
 import PIL.Image
 import pytest
 import torch
-from transformers import LlavaForConditionalGeneration
+from vlm_dummies import save_tiny_world_llava
 
 from mmspec.data import generate_batch
 from mmspec.errors import InputError
@@ -17,11 +17,7 @@ from mmspec.world_training import length_grouped_batch
 from vlm.drafter_data import answer_cache
 from vlm.train_drafter import training_batch
 from vlm.user_data import VLMData
-from vlm.world import world_llava_config, world_processor
 
-TINY = dict(vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2),
-            text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2))
 QUESTIONS = ("Tell me about this picture.", "Which colors can you see here?", "Is anything round in the image?")
 
 
@@ -46,11 +42,7 @@ def llava_rows(names: list[str]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vlm-target")
-    torch.manual_seed(0)
-    LlavaForConditionalGeneration(world_llava_config(**TINY)).save_pretrained(folder)
-    world_processor().save_pretrained(folder)
-    return folder
+    return save_tiny_world_llava(tmp_path_factory.mktemp("vlm-target"))
 
 
 def test_every_layout_reads_the_same_rows(tmp_path):

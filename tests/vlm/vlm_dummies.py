@@ -115,3 +115,18 @@ def appended_token_law(model, enc: dict, temperature: float):
         return torch.softmax(logits.double() / temperature, -1).numpy()
 
     return next_probs
+
+
+def save_tiny_world_llava(folder, text_layers: int = 2, seed: int = 0):
+    """A tiny random world LLaVA (width 32, `text_layers` text layers) with the world processor saved in `folder`,
+    the layout `mmspec train vlm` writes; returns the folder."""
+    from vlm.world import world_llava_config, world_processor
+
+    torch.manual_seed(seed)
+    config = world_llava_config(vision=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2),
+                                text=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=text_layers,
+                                          num_attention_heads=4, num_key_value_heads=2))
+    LlavaForConditionalGeneration(config).save_pretrained(folder)
+    world_processor().save_pretrained(folder)
+    return folder
