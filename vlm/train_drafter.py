@@ -140,6 +140,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- training
+def default_arguments() -> argparse.Namespace:
+    """The command's options at their defaults (what a run left unset)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser.parse_args([])
+
+
 def row_lengths(vlm: SpeculativeVLM, data: dict, rows: torch.Tensor, text_only: bool) -> torch.Tensor:
     """[B] tokens of each chosen row as `training_batch` lays it out (without its image tokens when text_only)."""
     lengths = data["lengths"][rows]
@@ -488,6 +495,12 @@ def run(args: argparse.Namespace) -> int:
         args.num_train = args.num_train or 2000
     check(args.kind != "eagle3" or args.input_norm == "auto", "--input-norm shapes EAGLE-1/2 drafters; EAGLE-3 has "
                                                                "its own input norms: leave it out.")
+    defaults = vars(default_arguments())
+    changed = [name for name in (("noise", "noise_scaling", "p_weight") if args.kind == "eagle3" else
+                                 ("ttt_steps", "draft_vocab")) if getattr(args, name) != defaults[name]]
+    check(not changed, f"--{changed[0].replace('_', '-') if changed else ''} does not apply to the {args.kind} drafter "
+                       "(eagle3 trains by the training-time test's soft cross-entropy alone; --ttt-steps and "
+                       "--draft-vocab are eagle3's); leave it out.")
     check(args.ttt_steps >= 1 and (args.draft_vocab is None or args.draft_vocab >= 1),
           "--ttt-steps and --draft-vocab take positive integers.")
     check(args.init_from is None or args.input_norm == "auto", "--input-norm builds a fresh drafter; one started "

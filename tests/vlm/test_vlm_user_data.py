@@ -150,7 +150,9 @@ def test_train_on_user_rows_end_to_end(target_dir, tmp_path):
     for extra, message in ((["--eval-prompts", "12"], "cannot hold out 12"),
                            (["--num-train", "10"], "--num-train 10: .* has 9 training rows"),
                            (["--image-folder", str(tmp_path / "nowhere")], "--image-folder .*: no such folder"),
-                           (["--init-from", str(out), "--input-norm", "on"], "keeps its saved config")):
+                           (["--init-from", str(out), "--input-norm", "on"], "keeps its saved config"),
+                           (["--kind", "eagle3", "--noise", "0.3"], "--noise does not apply to the eagle3 drafter"),
+                           (["--ttt-steps", "3"], "--ttt-steps does not apply to the eagle drafter")):
         with pytest.raises(InputError, match=message):
             from vlm.train_drafter import run
             run(parse([*common[2:], *extra]))
