@@ -317,8 +317,8 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
     fingerprint (a resumed run must train on the same rows). With several processes (`state`, `mmspec.processes`)
     every process draws the same batch and noise, runs the target and the drafter on its share of the rows, and
     weighs its loss by its share of the batch's positions; the averaged gradients are then one process's (eagle,
-    msd: up to float order; vispec's and specvlm's layouts count their own positions, and specvlm's gates draw from
-    a generator per process and step)."""
+    msd: up to float order; vispec's and specvlm's layouts and eagle3's later TTT steps and draft vocabulary count
+    their own positions, and specvlm's gates draw from a generator per process and step)."""
     torch.manual_seed(args.seed)
     lm = vlm.lm
     norm = {} if args.input_norm == "auto" else {"input_norm": args.input_norm == "on"}

@@ -89,14 +89,10 @@ def test_checkpoint_state_resume_and_errors(target_dir, tmp_path, monkeypatch):
     finished run removes it; the answer cache is named by the target's fingerprint; clear errors."""
     out, work = tmp_path / "drafter", tmp_path / "work"
     fingerprint = folder_fingerprint(target_dir)
+    from vlm_dummies import interrupted_at
+
     real_step = vlm_train_drafter.optimizer_step
-
-    def crash_at_step_3(opt, loss, step, *args, **kwargs):
-        if step == 3:
-            raise KeyboardInterrupt
-        real_step(opt, loss, step, *args, **kwargs)
-
-    monkeypatch.setattr(vlm_train_drafter, "optimizer_step", crash_at_step_3)
+    monkeypatch.setattr(vlm_train_drafter, "optimizer_step", interrupted_at(real_step, 3))
     assert train(target_dir, work, "--steps", "4", "--checkpoint-every", "2", "--out", str(out),
                  "--stages", "data,drafter") == 130  # the CLI reports the interruption
     state_path = work / f"eagle-{fingerprint}-state.pt"

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file
-from vlm_dummies import save_tiny_world_llava
+from vlm_dummies import interrupted_at, save_tiny_world_llava
 
 import vlm.train_drafter as vlm_train_drafter
 from mmspec.cli import main
@@ -79,13 +79,7 @@ def test_a_run_interrupted_after_a_checkpoint_resumes_to_the_same_drafter(setup,
     common = ("--steps", "7", "--checkpoint-every", "3", "--stages", "data,drafter", "--group-by-length")
     assert main(arguments(folder, rows, "whole", *common)) == 0
     real_step = vlm_train_drafter.optimizer_step
-
-    def killed_at_step_5(opt, loss, step, *args, **kwargs):
-        if step == 5:
-            raise KeyboardInterrupt
-        real_step(opt, loss, step, *args, **kwargs)
-
-    monkeypatch.setattr(vlm_train_drafter, "optimizer_step", killed_at_step_5)
+    monkeypatch.setattr(vlm_train_drafter, "optimizer_step", interrupted_at(real_step, 5))
     assert main(arguments(folder, rows, "resumed", *common)) == 130
     (state,) = (folder / "work-resumed").glob("eagle-*-state.pt")
     assert torch.load(state, weights_only=True)["step"] == 3

@@ -130,3 +130,14 @@ def save_tiny_world_llava(folder, text_layers: int = 2, seed: int = 0):
     LlavaForConditionalGeneration(config).save_pretrained(folder)
     world_processor().save_pretrained(folder)
     return folder
+
+
+def interrupted_at(real_step, at: int):
+    """A trainer's `optimizer_step` that stops the run with KeyboardInterrupt at step `at` (a kill, for a test)."""
+
+    def step_or_stop(opt, loss, step, *args, **kwargs):
+        if step == at:
+            raise KeyboardInterrupt
+        real_step(opt, loss, step, *args, **kwargs)
+
+    return step_or_stop
