@@ -126,7 +126,9 @@ class Eagle3Drafter(TargetBound, AttentionBackendMixin, ModelMixin, ConfigMixin)
 
     @property
     def full_vocabulary(self) -> bool:
-        return self.lm_head.out_features == self.vocab_size and not bool(self.d2t.any())
+        """The draft vocabulary is the target's (V_d = V: distinct increasing ids below V are every id, d2t = 0);
+        read from the sizes, no device read per draft step."""
+        return self.lm_head.out_features == self.vocab_size
 
     # ------------------------------------------------------------------------------------------ target
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -189,12 +191,10 @@ class Eagle3Drafter(TargetBound, AttentionBackendMixin, ModelMixin, ConfigMixin)
 
     @staticmethod
     def from_official_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """An official EAGLE-3 state dict in this model's key layout (`embed_tokens.weight` dropped: the target's
-        embeddings are used; vLLM's `layers.0.` spelling of `midlayer.` read too)."""
+        """An official EAGLE-3 state dict in this model's key layout (vLLM's `layers.0.` spelling of `midlayer.` read
+        too; `embed_tokens.weight` passes as it is: the loader checks it against the target's embeddings)."""
         out = {}
         for key, tensor in state.items():
-            if key == "embed_tokens.weight":
-                continue
             key = key.replace("layers.0.", "midlayer.")
             key = key.replace("midlayer.input_layernorm.", "layers.0.input_layernorm.embeds.")
             key = key.replace("midlayer.hidden_norm.", "layers.0.input_layernorm.hidden.")

@@ -130,8 +130,7 @@ def load_official_drafter(folder: str | Path, target: CachedVLM, kind: str, allo
     state = dict(official_weights(folder, allow_pickle))
     if kind == "eagle3":
         config = official_eagle3_config(folder, target)
-        state = drafter_model(kind).from_official_state(state) | (
-            {"embed_tokens.weight": state["embed_tokens.weight"]} if "embed_tokens.weight" in state else {})
+        state = drafter_model(kind).from_official_state(state)
         vocab = config["draft_vocab_size"] or config["vocab_size"]
         if "d2t" not in state and vocab == config["vocab_size"]:  # a head over the whole vocabulary may omit both
             state["d2t"] = torch.zeros(vocab, dtype=torch.long)

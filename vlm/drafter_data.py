@@ -62,7 +62,7 @@ def answer_source(args: argparse.Namespace) -> str:
     return args.answers if args.answers != "auto" else ("dataset" if args.kind == "msd" else "target")
 
 
-def training_rows(args: argparse.Namespace, user: VLMData | None) -> list[int]:
+def training_rows(args: argparse.Namespace, user: VLMData) -> list[int]:
     """The --data rows a drafter trains on: those not held out for the eval, the first --num-train of them."""
     rows = user.split(args.eval_prompts, args.seed)[0]
     check(args.num_train is None or args.num_train <= len(rows),
@@ -80,7 +80,7 @@ def answer_cache(vlm: SpeculativeVLM, args: argparse.Namespace, work: Path, user
     prefix = "answers" if source == "target" else "dataset-answers"
     tok = vlm.processor.tokenizer
     if user is None:
-        examples = world_vqa_examples("train", args.num_train or 2000, seed=args.seed, long_fraction=1.0)
+        examples = world_vqa_examples("train", args.num_train, seed=args.seed, long_fraction=1.0)
         images = [ex.image for ex in examples]
         prompts = [ex.prompt for ex in examples]
         texts = [answer_text(ex.qa, True, tok.eos_token) for ex in examples]

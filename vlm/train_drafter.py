@@ -386,7 +386,7 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
             "final_feature_smoothl1": last[0], "final_soft_ce": last[1], "final_top1_agreement": last[2],
             "first_feature_smoothl1": history[0][0] if history else None,
             "first_top1_agreement": history[0][2] if history else None,
-            "parameters": sum(p.numel() for p in drafter.parameters())}
+            "parameters": sum(p.numel() for p in drafter.parameters()), "processes": count}
     if args.kind == "eagle3":  # its history holds (step 0's soft CE, the TTT steps' mean soft CE, step 0's top-1)
         info.update(final_feature_smoothl1=None, first_feature_smoothl1=None, final_soft_ce=last[0],
                     final_ttt_soft_ce=last[1], first_soft_ce=history[0][0] if history else None,
@@ -524,7 +524,6 @@ def run(args: argparse.Namespace) -> int:
     if "drafter" in stages and (args.force or not (out / "config.json").is_file()):
         text = None if pairs is None else text_corpus(vlm, pairs, args.answer_max_tokens)
         drafter, info["drafter"] = train_drafter(vlm, data, args, work, text, data_id, state)
-        info["drafter"]["processes"] = rank_and_count(state)[1]
         if rank_and_count(state)[0] == 0:
             with atomic_output_dir(out) as tmp:
                 drafter.save_pretrained(tmp)
