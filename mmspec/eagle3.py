@@ -28,6 +28,7 @@ in heads that carry their own embeddings, not read here: the target's are used).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -148,16 +149,27 @@ class Eagle3Drafter(TargetBound, AttentionBackendMixin, ModelMixin, ConfigMixin)
         return full.index_copy_(-1, self.draft_to_target, logits)
 
     # ------------------------------------------------------------------------------------------ forward
-    def fuse(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        """[e ; g] [R, S, 2H]: g = fc(features) for the target's fused layer inputs [R, S, 3 H_t], the features
-        themselves for the drafter's own outputs [R, S, H]."""
+    def fused_feature(self, features: torch.Tensor) -> torch.Tensor:
+        """g [.., H]: fc(features) for the target's fused layer inputs [.., 3 H_t], the features themselves for the
+        drafter's own outputs [.., H]."""
         dtype = self.fc.weight.dtype
         if features.shape[-1] == self.fc.in_features:
-            features = self.fc(features.to(dtype))
-        elif features.shape[-1] != self.hidden_size or features.shape[:-1] != embeds.shape[:-1]:
+            return self.fc(features.to(dtype))
+        if features.shape[-1] != self.hidden_size:
             raise InputError(f"features must be the target's fused layer inputs [.., {self.fc.in_features}] or the "
                              f"drafter's outputs [.., {self.hidden_size}], got {list(features.shape)}.")
-        return torch.cat([embeds.to(dtype), features.to(dtype)], dim=-1)
+        return features.to(dtype)
+
+    def fuse(self, embeds: torch.Tensor, features: torch.Tensor, direct: torch.Tensor | None = None) -> torch.Tensor:
+        """[e ; g] [R, S, 2H] with g = `fused_feature(features)`; elements where direct [R, S] is set read [e ; e]
+        (an input that enters the layer as itself, its own residual: ViSpec's compressed image tokens)."""
+        g = self.fused_feature(features)
+        if g.shape[:-1] != embeds.shape[:-1]:
+            raise InputError(f"features {list(features.shape)} do not match embeddings {list(embeds.shape)}.")
+        e = embeds.to(g.dtype)
+        if direct is not None:
+            g = torch.where(direct.unsqueeze(-1), e, g)
+        return torch.cat([e, g], dim=-1)
 
     new_cache = LlamaFeatureDrafter.new_cache  # one decoder layer's K/V, in fc's dtype and device
 
@@ -165,16 +177,17 @@ class Eagle3Drafter(TargetBound, AttentionBackendMixin, ModelMixin, ConfigMixin)
     def forward_cached(self, tokens: torch.Tensor | None, positions: torch.Tensor, cache: StaticKVCache,
                        slots: torch.Tensor, mask: torch.Tensor, *, features: torch.Tensor,
                        embeds: torch.Tensor | None = None, logits: bool = True,
-                       query_column: torch.Tensor | None = None) -> torch.Tensor | None:
+                       query_column: torch.Tensor | None = None,
+                       direct: torch.Tensor | None = None) -> torch.Tensor | None:
         """Pairs (tokens [R, S] or their embeddings [R, S, H], features: the target's [R, S, 3 H_t] or the drafter's
         own [R, S, H]) at positions [R, S], written to cache slots [R, S], attending through mask [R, S, T]. Returns
         logits over the target's vocabulary [R, S, V] and sets `last_hidden` (the outputs o) [R, S, H]; logits=False
         only fills the cache; query_column [R]: the outputs of that column of each row alone (as
-        `mmspec.llama_drafter.LlamaFeatureDrafter.forward_cached`)."""
+        `mmspec.llama_drafter.LlamaFeatureDrafter.forward_cached`); direct [R, S]: elements read as `fuse` says."""
         if embeds is None:
             embeds = self.embed_tokens(tokens)
-        x = run_llama_layers(self.layers, self.rotary_emb, self.fuse(embeds, features), positions, mask, cache=cache,
-                             slots=slots, backend=self.attention_backend, cache_only=not logits,
+        x = run_llama_layers(self.layers, self.rotary_emb, self.fuse(embeds, features, direct), positions, mask,
+                             cache=cache, slots=slots, backend=self.attention_backend, cache_only=not logits,
                              query_column=query_column)
         self.last_hidden = None if x is None else x.detach()
         return None if x is None else self.head(x)
@@ -264,15 +277,19 @@ def shifted(x: torch.Tensor, k: int, fill: float | bool = 0) -> torch.Tensor:
 
 
 def ttt_loss(drafter: Eagle3Drafter, embeds: torch.Tensor, aux: torch.Tensor, target_logits: torch.Tensor,
-             mask: torch.Tensor, steps: int = TTT_STEPS, decay: float = DECAY,
-             valid: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+             mask: torch.Tensor, steps: int = TTT_STEPS, decay: float = DECAY, valid: torch.Tensor | None = None,
+             positions: torch.Tensor | None = None, direct: torch.Tensor | None = None,
+             later_features: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """EAGLE-3's training-time-test loss over pairs i = 0..S-1: embeds e_{i+1} [R, S, H] (the next token's),
     aux a_i [R, S, 3 H_t], target_logits [R, S, V] (the target's at position i + 1: its distribution of token i + 2),
     mask [R, S] bool (the pairs that count), valid [R, S] (real elements; default all). Step k scores the drafter's
     distribution of token i + 2 + k against the target's, restricted to the draft vocabulary (positions whose target
     token lies outside it do not count), weight decay^k. Each step runs its S elements through the layer once,
-    attending to the keys and values the earlier steps kept (with their gradients). Returns (loss, step 0's soft CE,
-    the steps' mean soft CE, step 0's top-1 agreement), the last three detached."""
+    attending to the keys and values the earlier steps kept (with their gradients). A compressed layout (ViSpec's
+    adaptor) gives its elements' positions [R, S] (default i + 1; step k's element i sits at element i + k's), the
+    `direct` [R, S] elements of step 0 (`Eagle3Drafter.fuse`) and `later_features`, applied to the drafter's outputs
+    before the next step reads them (as its loop applies them to the outputs it drafts from). Returns (loss, step 0's
+    soft CE, the steps' mean soft CE, step 0's top-1 agreement), the last three detached."""
     from mmspec.attention import attend
     from mmspec.draft_layers import finish_module_layer, rope_rotation, rotate_together
 
@@ -281,12 +298,15 @@ def ttt_loss(drafter: Eagle3Drafter, embeds: torch.Tensor, aux: torch.Tensor, ta
     layer = drafter.layers[0]
     attn = layer.self_attn
     heads, kv_heads = attn.q_proj.out_features // attn.head_dim, attn.k_proj.out_features // attn.head_dim
-    positions = torch.arange(1, s + 1, device=embeds.device).expand(r, s)  # [R, S] pair i at position i + 1
+    if positions is None:
+        positions = torch.arange(1, s + 1, device=embeds.device).expand(r, s)  # [R, S] pair i at position i + 1
     draft_ids = drafter.draft_to_target  # [V_d]
     keys, values, hidden, total, ces, agree0 = [], [], aux, 0.0, [], None
     for k in range(steps):
-        x = drafter.fuse(shifted(embeds, k), hidden)  # [R, S, 2H]
-        cos, signed_sin = (t.unsqueeze(1) for t in rope_rotation(drafter.rotary_emb, x, positions + k))
+        x = drafter.fuse(shifted(embeds, k), hidden, direct if k == 0 else None)  # [R, S, 2H]
+        at = torch.cat([positions[:, k:], positions[:, -1:] + torch.arange(1, k + 1, device=positions.device)],
+                       dim=1)  # [R, S] element i + k's position (past the end: one more each)
+        cos, signed_sin = (t.unsqueeze(1) for t in rope_rotation(drafter.rotary_emb, x, at))
         h = layer.input_layernorm(x)
         q = attn.q_proj(h).view(r, s, heads, attn.head_dim).transpose(1, 2)  # [R, Hq, S, D]
         key = attn.k_proj(h).view(r, s, kv_heads, attn.head_dim).transpose(1, 2)  # [R, Hkv, S, D]
@@ -296,11 +316,13 @@ def ttt_loss(drafter: Eagle3Drafter, embeds: torch.Tensor, aux: torch.Tensor, ta
         out = attend(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), ttt_attention_mask(valid, k),
                      backend=drafter.attention_backend, scale=attn.scaling)  # [R, Hq, S, D]
         hidden = finish_module_layer(layer, x, out)  # [R, S, H] step k's outputs o
+        logp = torch.log_softmax(drafter.draft_logits(hidden), dim=-1)  # [R, S, V_d]
+        if later_features is not None:
+            hidden = later_features(hidden)
         target = shifted(target_logits, k).float()  # [R, S, V]
         p = torch.softmax(target[..., draft_ids], dim=-1)  # [R, S, V_d]
         keep = shifted(mask, k, False) & drafter.t2d[target.argmax(-1)]  # [R, S]
         weight = keep.float() / keep.float().sum().clamp_min(1.0)
-        logp = torch.log_softmax(drafter.draft_logits(hidden), dim=-1)  # [R, S, V_d]
         ce = (-(p * logp).sum(-1) * weight).sum()
         total = total + decay ** k * ce
         ces.append(ce.detach())

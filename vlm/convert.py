@@ -110,8 +110,13 @@ def official_eagle3_config(folder: Path, target: CachedVLM) -> dict:
 
 
 def export_official_eagle3(drafter, out: str | Path) -> Path:
-    """Write an mmspec eagle3 drafter in the official EAGLE-3 layout (config.json + model.safetensors), atomically."""
+    """Write an mmspec eagle3 drafter in the official EAGLE-3 layout (config.json + model.safetensors), atomically;
+    InputError for one with the vision adaptor (the official format and the engines' loaders have none)."""
     from safetensors.torch import save_file
+
+    check(not getattr(drafter, "vision_adaptor", False),
+          "this EAGLE-3 drafter carries ViSpec's vision adaptor, which the official EAGLE-3 format (and vLLM's and "
+          "SGLang's loaders) cannot hold; export a drafter trained without --vision-adaptor.")
 
     with atomic_output_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(drafter.official_config(), indent=2) + "\n")

@@ -5,6 +5,15 @@ loop drafter as EagleVLM (`vlm.eagle.VLMEagleTreeDrafter`) whose target features
 [B, S, 3H] (`last_aux`) instead of the final hidden state. The serving engines' VLM drafters are EAGLE-3 heads (vLLM:
 Qwen2.5-VL, Qwen3-VL, Llama 4; SGLang's SpecForge trains them); `mmspec train vlm-drafter --kind eagle3` trains one
 with the training-time test, and `vlm.convert` reads and writes the official format.
+
+Vision adaptor (an option no paper defines; `num_queries` 2, `mmspec train vlm-drafter --kind eagle3
+--vision-adaptor`): ViSpec's `imadpt` and `img_fc` (`vlm.vispec`) on top of EAGLE-3's fusion. The image run is
+replaced in the drafter's sequence by num_q - 1 compressed tokens, each entering the layer as [c ; c] (its own
+residual, as ViSpec's enter the layer as themselves), and every later text element's g = fc(a) (or the drafter's own
+output o at deeper drafts) becomes img_fc([g ; global image feature]) before the layer reads it. Trained by EAGLE-3's
+training-time test over ViSpec's layout (`vlm.vispec.vispec_layout`): the test's later steps already feed the
+drafter its own outputs, which ViSpec's anti-shortcut pass does for EAGLE-2. The official EAGLE-3 format has no
+adaptor: such a drafter is saved and served by mmspec only.
 """
 
 from __future__ import annotations
@@ -12,12 +21,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from diffusers.configuration_utils import register_to_config
+from torch import nn
 
 from mmspec.eagle3 import Eagle3Drafter, default_aux_layers
 from mmspec.errors import InputError, check
 from mmspec.llama_drafter import llama_drafter_config
 from vlm.eagle import SPECVLM_TREE, VLMEagleTreeDrafter
 from vlm.target import CachedVLM
+from vlm.vispec import ImageAdaptor, VLMViSpecTreeDrafter
 
 
 class VLMEagle3Drafter(Eagle3Drafter):
@@ -26,9 +38,60 @@ class VLMEagle3Drafter(Eagle3Drafter):
 
     official_tree = SPECVLM_TREE  # EAGLE-3's code: total_token 60, depth 7 (8 drafted levels), top_k 10
 
+    @register_to_config
+    def __init__(self, hidden_size: int = 4096, num_attention_heads: int = 32, num_key_value_heads: int | None = None,
+                 intermediate_size: int = 14336, rms_norm_eps: float = 1e-5, rope_theta: float = 500000.0,
+                 max_position_embeddings: int = 8192, vocab_size: int = 128256, draft_vocab_size: int | None = None,
+                 target_hidden_size: int | None = None, aux_layer_ids: tuple[int, ...] = (2, 16, 29),
+                 attention_backend: str | None = None, num_queries: int = 0, qkv_bias: bool = False) -> None:
+        super().__init__(hidden_size, num_attention_heads, num_key_value_heads, intermediate_size, rms_norm_eps,
+                         rope_theta, max_position_embeddings, vocab_size, draft_vocab_size, target_hidden_size,
+                         aux_layer_ids, attention_backend)
+        check(num_queries == 0 or num_queries >= 2, f"the vision adaptor needs at least 2 queries (compressed tokens "
+                                                    f"+ global feature), got {num_queries} (0: no adaptor).")
+        self.global_feature: torch.Tensor | None = None  # [R, H] g of the rows being decoded (set by begin)
+        if num_queries:  # ViSpec's adaptor and img_fc ([I | 0], bias 0: starts as plain EAGLE-3)
+            self.imadpt = ImageAdaptor(hidden_size, num_attention_heads, num_queries, qkv_bias)
+            self.img_fc = nn.Linear(2 * hidden_size, hidden_size)
+            with torch.no_grad():
+                self.img_fc.weight.zero_()
+                self.img_fc.weight[:, :hidden_size] = torch.eye(hidden_size)
+                self.img_fc.bias.zero_()
+
+    @property
+    def vision_adaptor(self) -> bool:
+        return bool(self.config.num_queries)
+
+    @property
+    def loop_drafter(self) -> type:
+        """What the loop runs for this drafter: EAGLE-2 trees, over ViSpec's compressed prompt with the adaptor."""
+        return VLMViSpec3TreeDrafter if self.vision_adaptor else VLMEagle3TreeDrafter
+
     def image_tokens_attended(self, num_image_tokens: int) -> float:
-        """How many image tokens this drafter attends to per row (its prefill cost): all of them."""
-        return num_image_tokens
+        """How many image tokens this drafter attends to per row (its prefill cost): all of them, or the adaptor's
+        num_q - 1 compressed ones."""
+        return self.config.num_queries - 1 if self.vision_adaptor else num_image_tokens
+
+    def compress(self, image_embeds: torch.Tensor,
+                 key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """image_embeds [N, T, H] (key_mask [N, T]) -> (compressed tokens [N, num_q - 1, H], global feature [N, H])."""
+        out = self.imadpt(image_embeds.to(self.fc.weight.dtype), key_mask)
+        return out[:, :-1], out[:, -1]
+
+    def with_global(self, features: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """img_fc([fused_feature(features) ; g]): features [R, S, 3 H_t] (the target's) or [R, S, H] (the
+        drafter's own), g [R, H] or [R, S, H] -> [R, S, H]."""
+        features = self.fused_feature(features)
+        g = g.to(features.dtype)
+        g = g.unsqueeze(1).expand_as(features) if g.dim() == 2 else g
+        return self.img_fc(torch.cat([features, g], dim=-1))
+
+    @torch.no_grad()
+    def forward_cached(self, tokens, positions, cache, slots, mask, *, features, **inputs):
+        """As EAGLE-3's; after the adaptor's `begin`, decoded (text) elements' features are fused with g first."""
+        if self.global_feature is not None:
+            features = self.with_global(features, self.global_feature)
+        return super().forward_cached(tokens, positions, cache, slots, mask, features=features, **inputs)
 
     @classmethod
     def for_target(cls, target: CachedVLM, draft_vocab_size: int | None = None, **overrides: Any) -> VLMEagle3Drafter:
@@ -69,4 +132,6 @@ class VLMEagle3TreeDrafter(VLMEagleTreeDrafter):
         return h
 
 
-VLMEagle3Drafter.loop_drafter = VLMEagle3TreeDrafter  # what the loop runs for this drafter model
+class VLMViSpec3TreeDrafter(VLMEagle3TreeDrafter, VLMViSpecTreeDrafter):
+    """EAGLE-2 trees from a `VLMEagle3Drafter` with the vision adaptor: ViSpec's `begin` (the compressed prompt
+    layout, g, the per-row position offsets) over the fused layer inputs the target captured."""

@@ -1,4 +1,4 @@
-"""`mmspec train vlm-drafter`: train a VLM drafter (EagleVLM, ViSpec, MSD or SpecVLM) for a VLM target on long
+"""`mmspec train vlm-drafter`: train a VLM drafter (EagleVLM, ViSpec, MSD, SpecVLM or EAGLE-3) for a VLM target on long
 answers (the target's own, or the dataset's for MSD, as each method's code does).
 
     mmspec train vlm-drafter --kind eagle --target assets/vlm          # writes assets/vlm/drafters/eagle
@@ -25,7 +25,9 @@ Stages (a rerun skips finished ones unless --force):
    L1-of-distributions loss over the plain and the anti-shortcut pass. `--kind msd`: MSD's decoupled inputs and
    its schedule (`vlm.msd.msd_visual_probability`; text steps as vispec's) on the dataset's answers. `--kind
    specvlm`: the elastic compressor and its gate (straight-through Gumbel-softmax) trained with the target as
-   online teacher on every batch (`vlm.specvlm`). Layer 0's input norm follows the kind (`--input-norm`).
+   online teacher on every batch (`vlm.specvlm`). `--kind eagle3`: EAGLE-3's training-time test over the fused
+   layer inputs (`mmspec.eagle3.ttt_loss`, `--ttt-steps`, `--draft-vocab`), over ViSpec's compressed layout with
+   `--vision-adaptor` (`vlm.eagle3`). Layer 0's input norm follows the kind (`--input-norm`).
    `--group-by-length` draws batches of rows of similar length (`mmspec.world_training.length_grouped_batch`):
    less padding on data whose answers differ in length.
    Resumable state in --work-dir every --checkpoint-every steps (per kind and target; removed once the drafter is
@@ -129,6 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab", type=int, default=None, metavar="N",
                         help="eagle3: a draft vocabulary of the N most frequent answer tokens (EAGLE-3's 32k for "
                              "Llama 3's 128k); default: the target's whole vocabulary")
+    parser.add_argument("--vision-adaptor", action="store_true",
+                        help="eagle3: ViSpec's vision adaptor on EAGLE-3's fusion (one compressed image token and a "
+                             "global image feature; served by mmspec, not in the official EAGLE-3 format)")
     parser.add_argument("--checkpoint-every", type=int, default=500)
     parser.add_argument("--eval-prompts", type=int, default=32,
                         help="held-out eval questions: world test scenes, or rows held out of --data")
@@ -266,10 +271,31 @@ def eagle3_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor, noise: 
     """EAGLE-3 (`mmspec.eagle3.ttt_loss`): pairs (fused layer inputs a_i, e_{i+1}) over the full sequence, the
     training-time test unrolled `ttt_steps` steps against the target's distributions (soft cross-entropy alone, as
     EAGLE-3 trains: no feature regression, no feature noise: the drafter learns from its own outputs instead)."""
+    if drafter.vision_adaptor:
+        return eagle3_adaptor_loss(drafter, lm, inputs, loss_mask, ttt_steps)
     target_logits = lm.model.lm_head(lm.last_hidden[:, 1:]).float()  # [B, T-1, V] the target's of token i + 2
     valid = inputs.attention_mask[:, 1:].bool()  # [B, T-1]
     return ttt_loss(drafter, lm.prompt_embeds[:, 1:], lm.last_aux[:, :-1], target_logits, loss_mask, ttt_steps,
                     valid=valid)
+
+
+def eagle3_adaptor_loss(drafter, lm, inputs: VLMInputs, loss_mask: torch.Tensor,
+                        ttt_steps: int) -> tuple[torch.Tensor, ...]:
+    """EAGLE-3 with ViSpec's vision adaptor (`vlm.eagle3`): the training-time test over ViSpec's layout, element s
+    (position s) pairing e_s with img_fc([fc(a_{s-1}) ; g_s]) (the image run compressed, `vlm.vispec.vispec_layout`)
+    and scored against the target's distribution of token s + 1; the drafter's outputs are fused with the row's g
+    before a later step reads them, as its loop fuses the outputs it drafts from."""
+    from vlm.vispec import vispec_layout
+
+    layout = vispec_layout(drafter, inputs.input_ids, lm.prompt_embeds, lm.last_aux, lm.image_token_id)
+    source = layout["source"]  # [B, L'] element -> its position s in the sequence
+    valid = layout["valid"] & (source < inputs.lengths.unsqueeze(-1))  # [B, L']
+    h = lm.last_hidden.shape[-1]
+    target_logits = lm.model.lm_head(lm.last_hidden.gather(1, source.unsqueeze(-1).expand(-1, -1, h))).float()
+    mask = loss_mask.gather(1, source - 1) & valid  # element s is pair s - 1 of the plain layout
+    g = layout["g"]  # [B, H] (0 in rows without an image)
+    return ttt_loss(drafter, layout["embeds"], layout["features"], target_logits, mask, ttt_steps, valid=valid,
+                    positions=source, direct=layout["direct"], later_features=lambda o: drafter.with_global(o, g))
 
 
 LOSSES = {"eagle": eagle_loss, "vispec": vispec_loss, "msd": partial(eagle_loss, decoupled=True),
@@ -323,7 +349,8 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
     lm = vlm.lm
     norm = {} if args.input_norm == "auto" else {"input_norm": args.input_norm == "on"}
     if args.init_from is None and args.kind == "eagle3":  # its draft vocabulary: the answers' most frequent tokens
-        drafter = drafter_model(args.kind).for_target(lm, draft_vocab_size=args.draft_vocab).train()
+        adaptor = {"num_queries": 2} if args.vision_adaptor else {}  # ViSpec's default: 1 token + the global one
+        drafter = drafter_model(args.kind).for_target(lm, draft_vocab_size=args.draft_vocab, **adaptor).train()
         if args.draft_vocab:
             drafter.set_draft_vocabulary(draft_vocabulary(answer_token_counts(data, lm.vocab_size), args.draft_vocab))
     elif args.init_from is None:
@@ -339,7 +366,8 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
         "kind", "num_train", "answer_max_tokens", "steps", "batch_size", "lr", "noise", "p_weight",
         "text_only_fraction", "input_norm", "noise_scaling", "answers", "seed")},
         "text_data": text_data_fingerprint(args.text_data), "data": data_id, "init_from": args.init_from,
-        **({"ttt_steps": args.ttt_steps, "draft_vocab": args.draft_vocab} if args.kind == "eagle3" else {}),
+        **({"ttt_steps": args.ttt_steps, "draft_vocab": args.draft_vocab, "vision_adaptor": args.vision_adaptor}
+           if args.kind == "eagle3" else {}),
         "group_by_length": args.group_by_length}, sort_keys=True)
     first, seconds, history = resume_training(state_path, settings, drafter, opt, gen, args.force)
     start = time.perf_counter() - seconds
@@ -390,7 +418,8 @@ def train_drafter(vlm: SpeculativeVLM, data: dict, args: argparse.Namespace, wor
     if args.kind == "eagle3":  # its history holds (step 0's soft CE, the TTT steps' mean soft CE, step 0's top-1)
         info.update(final_feature_smoothl1=None, first_feature_smoothl1=None, final_soft_ce=last[0],
                     final_ttt_soft_ce=last[1], first_soft_ce=history[0][0] if history else None,
-                    ttt_steps=args.ttt_steps, draft_vocab_size=drafter.lm_head.out_features)
+                    ttt_steps=args.ttt_steps, draft_vocab_size=drafter.lm_head.out_features,
+                    vision_adaptor=drafter.vision_adaptor)
     return drafter.eval(), info
 
 
@@ -451,7 +480,9 @@ def _card(command: str, info: dict, target_name: str) -> str:
     lines = card_head(title, [f"{article} {KIND_TEXT[d['kind']]} trained on {trained_on}{start}"], command,
                       machine_summary())
     if d["kind"] == "eagle3":
-        lines.append(f"| drafter | fc over 3 target layers + 1 decoder layer + its own head over "
+        adaptor = " + ViSpec's vision adaptor (1 compressed image token, a global image feature)" if d.get(
+            "vision_adaptor") else ""
+        lines.append(f"| drafter | fc over 3 target layers{adaptor} + 1 decoder layer + its own head over "
                      f"{d['draft_vocab_size']} tokens, {d['parameters'] / 1e6:.2f}M parameters | {d['steps']} steps x "
                      f"batch {d['batch_size']} on {d['num_train']} answers, training-time test of {d['ttt_steps']} "
                      f"steps | {d['seconds']:.0f} s |")
@@ -470,7 +501,8 @@ def _card(command: str, info: dict, target_name: str) -> str:
                      f"total_tokens)): mean acceptance length {ev['mean_acceptance_length']:.2f} (bonus included), "
                      f"step compression {ev['step_compression']:.2f}x, token-for-token equal to the target alone: "
                      f"{ev['greedy_equal_to_vanilla']}; the drafter attends to "
-                     f"{ev.get('drafter_image_tokens_attended', 0):g} image tokens per row.")
+                     f"{ev.get('drafter_image_tokens_attended', 0):g} image "
+                     f"token{'' if ev.get('drafter_image_tokens_attended') == 1 else 's'} per row.")
         if ev.get("chain"):
             lines.append(f"A greedy chain of {ev['chain']} drafts on the same answers: mean acceptance length "
                          f"{ev['chain_mean_acceptance_length']:.2f}, step compression "
@@ -496,11 +528,14 @@ def run(args: argparse.Namespace) -> int:
     check(args.kind != "eagle3" or args.input_norm == "auto", "--input-norm shapes EAGLE-1/2 drafters; EAGLE-3 has "
                                                                "its own input norms: leave it out.")
     defaults = vars(default_arguments())
-    changed = [name for name in (("noise", "noise_scaling", "p_weight") if args.kind == "eagle3" else
-                                 ("ttt_steps", "draft_vocab")) if getattr(args, name) != defaults[name]]
+    others = ("noise", "noise_scaling", "p_weight") if args.kind == "eagle3" else ("ttt_steps", "draft_vocab",
+                                                                                  "vision_adaptor")
+    changed = [name for name in others if getattr(args, name) != defaults[name]]
     check(not changed, f"--{changed[0].replace('_', '-') if changed else ''} does not apply to the {args.kind} drafter "
-                       "(eagle3 trains by the training-time test's soft cross-entropy alone; --ttt-steps and "
-                       "--draft-vocab are eagle3's); leave it out.")
+                       "(eagle3 trains by the training-time test's soft cross-entropy alone; --ttt-steps, "
+                       "--draft-vocab and --vision-adaptor are eagle3's); leave it out.")
+    check(args.init_from is None or not args.vision_adaptor, "--vision-adaptor builds a fresh drafter; one started "
+                                                              "--init-from keeps its saved config: leave it out.")
     check(args.ttt_steps >= 1 and (args.draft_vocab is None or args.draft_vocab >= 1),
           "--ttt-steps and --draft-vocab take positive integers.")
     check(args.init_from is None or args.input_norm == "auto", "--input-norm builds a fresh drafter; one started "
@@ -547,7 +582,8 @@ def run(args: argparse.Namespace) -> int:
                     ["noise", "noise_scaling", "p_weight"]), "answers", *(["text_data"] if args.text_data else []),
             *(["data", "eval_prompts"] if args.data else []), *(["image_folder"] if args.image_folder else []),
             *(["init_from"] if args.init_from else []),
-            "seed", "threads"]) + (" --group-by-length" if args.group_by_length else "")
+            "seed", "threads"]) + (" --group-by-length" if args.group_by_length else "") + (
+            " --vision-adaptor" if args.vision_adaptor else "")
         if "drafter" in info:
             name, tag = target_card_names(vlm.model.config.model_type)
             card_text = with_metadata(

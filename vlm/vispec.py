@@ -122,7 +122,9 @@ def vispec_layout(drafter: VLMViSpecDrafter, input_ids: torch.Tensor, embeds: to
     anti-shortcut pass; own[j] = the drafter's prediction of f_j) replaces f_{i-1} at every text element but the
     first. Rows keep different numbers of elements: each row's come first, `valid` [B, L'] marks them. Returns
     embeds, features, direct, positions [B, L'], `source` [B, L'] (= positions: element i's target is f_i),
-    valid, g [B, H], image_tokens [B] and dropped [B] (image positions without a compressed token)."""
+    valid, g [B, H], image_tokens [B] and dropped [B] (image positions without a compressed token). features may be
+    of any width the drafter's `with_global` reads (an EAGLE-3 drafter's: the target's fused layer inputs [B, L, 3H]).
+    """
     b, length = input_ids.shape
     h = embeds.shape[-1]
     n_c = drafter.config.num_queries - 1
@@ -155,7 +157,7 @@ def vispec_layout(drafter: VLMViSpecDrafter, input_ids: torch.Tensor, embeds: to
         tokens, g = None, embeds.new_zeros(b, h)
     index = source.unsqueeze(-1).expand(-1, -1, h)
     pair_embeds = embeds.gather(1, index)  # e_i
-    pair_features = features.gather(1, (index - 1))  # f_{i-1}
+    pair_features = features.gather(1, source.unsqueeze(-1).expand(-1, -1, features.shape[-1]) - 1)  # f_{i-1}
     if shortcut_features is not None:
         own = shortcut_features.gather(1, index - 1)
         later = (torch.arange(source.shape[1], device=source.device) > 0).view(1, -1, 1)
@@ -166,7 +168,7 @@ def vispec_layout(drafter: VLMViSpecDrafter, input_ids: torch.Tensor, embeds: to
         compressed = tokens.gather(1, slot.unsqueeze(-1).expand(-1, -1, h)).to(pair_embeds.dtype)
         pair_embeds = torch.where(direct.unsqueeze(-1), compressed, pair_embeds)
     after = (source > end).unsqueeze(-1)  # [B, L', 1] text after the image
-    g_i = torch.where(after, g.unsqueeze(1).to(pair_features.dtype), torch.zeros_like(pair_features))
+    g_i = torch.where(after, g.unsqueeze(1).to(pair_embeds.dtype), torch.zeros_like(pair_embeds))  # [B, L', H]
     pair_features = drafter.with_global(pair_features, g_i)
     return {"embeds": pair_embeds, "features": pair_features, "direct": direct, "positions": source,
             "source": source, "valid": valid, "g": g, "image_tokens": count, "dropped": dropped}

@@ -57,7 +57,8 @@ def test_shipped_drafter_is_lossless_and_drafts(kind, budget, examples, vanilla,
     monkeypatch.setenv("MMSPEC_CACHE", str(tmp_path))  # budget="auto" times its shapes here
     vlm = SpeculativeVLM.from_pretrained(FOLDER, kind)
     begins, heads_in_begin = [], []  # the loop drafter's begins; its head's calls inside one (their shapes)
-    loop_drafter, begin, head = type(vlm.drafter).loop_drafter, type(vlm.drafter).loop_drafter.begin, vlm.drafter.head
+    loop_drafter = vlm.drafter.loop_drafter  # the class the loop runs for this drafter
+    begin, head = loop_drafter.begin, vlm.drafter.head
 
     def begin_counted(self, *args, **kwargs):
         begins.append(True)

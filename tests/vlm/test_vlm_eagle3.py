@@ -85,16 +85,24 @@ def test_draft_vocabulary_takes_the_most_frequent_tokens():
         draft_vocabulary(counts, 7)
 
 
-def reference_ttt_loss(drafter, embeds, aux, target_logits, mask, steps, valid, sees) -> torch.Tensor:
+def reference_ttt_loss(drafter, embeds, aux, target_logits, mask, steps, valid, sees, positions=None, direct=None,
+                       later=None) -> torch.Tensor:
     """The TTT loss from one forward over steps 0..k concatenated (earlier steps recomputed), `sees(j, i, s)` the
-    [S, S] mask of query step j over key step i; the scoring as the module docstring states it."""
+    [S, S] mask of query step j over key step i; the scoring as the module docstring states it (a compressed
+    layout: positions [R, S], step j's element i at element i + j's, the direct elements of step 0, `later` on the
+    outputs a later step reads)."""
     r, s, _ = embeds.shape
     inputs, hidden, total = [], aux, 0.0
-    positions = torch.arange(1, s + 1).unsqueeze(0)
+    positions = torch.arange(1, s + 1).expand(r, s) if positions is None else positions
+    beyond = positions[:, -1:] + torch.arange(1, steps + 1)  # [R, steps] positions past the last element
+
+    def at(j):
+        return torch.cat([positions, beyond], dim=1)[:, j: j + s]
+
     for k in range(steps):
-        inputs.append(drafter.fuse(shifted(embeds, k), hidden))
+        inputs.append(drafter.fuse(shifted(embeds, k), hidden, direct if k == 0 else None))
         x = torch.cat(inputs, dim=1)
-        pos = torch.cat([positions + j for j in range(k + 1)], dim=1)
+        pos = torch.cat([at(j) for j in range(k + 1)], dim=1)
         full = torch.cat([torch.cat([sees(j, i, s) for i in range(k + 1)], 1) for j in range(k + 1)], 0)
         attention = full.unsqueeze(0) & valid.repeat(1, k + 1).unsqueeze(1)
         hidden = run_llama_layers(drafter.layers, drafter.rotary_emb, x, pos, attention)[:, k * s:]
@@ -103,6 +111,7 @@ def reference_ttt_loss(drafter, embeds, aux, target_logits, mask, steps, valid, 
         keep = shifted(mask, k, False) & drafter.t2d[target.argmax(-1)]
         logp = torch.log_softmax(drafter.draft_logits(hidden), -1)
         total = total + 0.8 ** k * (-(p * logp).sum(-1) * keep).sum() / keep.sum().clamp_min(1)
+        hidden = hidden if later is None else later(hidden)
     return total
 
 
