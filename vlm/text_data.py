@@ -41,6 +41,15 @@ def turn_text(turn: object) -> object:
     return content
 
 
+def later_user_turns(row: dict) -> int:
+    """How many user turns a conversation row holds after its first (the turns `conversation_pair` does not read)."""
+    turns = row.get("conversations", row.get("messages")) if isinstance(row, dict) else None
+    if not isinstance(turns, list):
+        return 0
+    roles = [str(t.get("from", t.get("role", ""))).lower() if isinstance(t, dict) else "" for t in turns]
+    return max(0, sum(role in USER_ROLES for role in roles) - 1)
+
+
 def conversation_pair(row: dict, where: str, need_reply: bool = True) -> tuple[str, str | None]:
     """(prompt, reply) of one corpus row (see the module docstring): its first user turn and the reply after it, in
     `conversations` (ShareGPT), `messages` (chat) or `prompt` / `answer`; the reply is None where the row has none and

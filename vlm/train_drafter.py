@@ -42,6 +42,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -522,6 +524,8 @@ def run(args: argparse.Namespace) -> int:
     if args.data is not None:  # every row and image path checked before the model loads
         user = VLMData(args.data, args.image_folder)
         args.num_train, data_id = len(training_rows(args, user)), user.fingerprint()
+        if user.turns_notice() and os.environ.get("RANK", "0") == "0":  # (the first of several processes says it)
+            print(user.turns_notice(), file=sys.stderr)
     else:
         check(args.image_folder is None, "--image-folder says where --data's images are; give --data too.")
         args.num_train = args.num_train or 2000

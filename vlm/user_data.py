@@ -14,9 +14,10 @@ in any of these row layouts:
     {"image": "1.jpg", "prompt": "What is here?", "answer": "A dog on a sofa."}  # "answer" may be left out
 
 A row gives its first user turn and the reply after it when there is one (`vlm.text_data.conversation_pair`; later
-turns are not read). The `<image>` marker leaves the question: the target's own prompt format places the image
-(`SpeculativeVLM.prompt_text`). A relative image path is read under `image_folder` (default: the data file's folder);
-a `datasets` folder's image column may hold the images themselves. Every row has exactly one image: text-only
+turns are not read, and `VLMData.turns_notice` says how many rows hold them). The `<image>` marker leaves the
+question: the target's own prompt format places the image (`SpeculativeVLM.prompt_text`). A relative image path is
+read under `image_folder` (default: the data file's folder); a `datasets` folder's image column may hold the images
+themselves. Every row has exactly one image: text-only
 conversations train through `--text-data`, and rows with several images are refused. `read_vlm_data` checks every
 row and image path before any model loads, with a one-line error naming the row.
 
@@ -37,7 +38,7 @@ import numpy as np
 import torch
 
 from mmspec.errors import InputError, check
-from vlm.text_data import conversation_pair
+from vlm.text_data import conversation_pair, later_user_turns
 
 IMAGE_MARKER = "<image>"  # LLaVA's marker in its data's questions
 
@@ -118,8 +119,17 @@ class VLMData:
         else:
             folder = Path(image_folder) if image_folder is not None else self.source.parent
             check(folder.is_dir(), f"--image-folder {folder}: no such folder.")
-            self.rows = [parse_row(row, where, folder) for where, row in json_rows(self.source)]
+            raw = json_rows(self.source)
+            self.rows = [parse_row(row, where, folder) for where, row in raw]
+            self.multi_turn_rows = sum(later_user_turns(row) > 0 for _, row in raw)
         check(self.rows, f"--data {self.source}: no rows.")
+
+    def turns_notice(self) -> str | None:
+        """One line saying how many rows hold turns after the first (which training does not read), or None."""
+        if not self.multi_turn_rows:
+            return None
+        return (f"--data {self.source}: {self.multi_turn_rows} of {len(self.rows)} rows hold more than one exchange; "
+                "each trains on its first user turn and the reply after it (later turns are not read).")
 
     def read_dataset_folder(self) -> list[VLMRow]:
         """The rows of a `datasets` folder; its images stay in the folder (read by `image`)."""
@@ -142,9 +152,10 @@ class VLMData:
         if isinstance(dataset.features[column], Image):  # keep the images encoded: `image` decodes one at a time
             dataset = dataset.cast_column(column, Image(decode=False))
         self.dataset, self.image_column = dataset, column
-        rows = []
+        rows, self.multi_turn_rows = [], 0
         for i, row in enumerate(dataset.remove_columns(column)):
             where = f"--data {self.source} row {i}"
+            self.multi_turn_rows += later_user_turns(row) > 0
             question, answer = conversation_pair(row, where, need_reply=False)
             question = " ".join(question.replace(IMAGE_MARKER, " ").split())
             check(question, f"{where}: the question is empty once its {IMAGE_MARKER} marker is taken out.")

@@ -78,6 +78,13 @@ def test_every_layout_reads_the_same_rows(tmp_path):
     assert [r.answer for r in unanswered.rows] == [None] * 4 and unanswered.fingerprint() != first.fingerprint()
     train, held = first.split(1, seed=0)
     assert sorted(train + held) == [0, 1, 2, 3] and len(held) == 1 and first.split(1, seed=0) == (train, held)
+    # later turns are not read, and the data says so in one line
+    assert all(data.turns_notice() is None for data in sources)
+    rows[2]["conversations"] += [{"from": "human", "value": "And the shape?"}, {"from": "gpt", "value": "A cross."}]
+    (tmp_path / "images" / "turns.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    turns = VLMData(tmp_path / "images" / "turns.jsonl")
+    assert turns.rows[2] == first.rows[2]  # its first exchange
+    assert "1 of 4 rows hold more than one exchange" in turns.turns_notice() and "\n" not in turns.turns_notice()
 
 
 @pytest.mark.parametrize("row, message", [
