@@ -17,11 +17,11 @@ A row gives its first user turn and the reply after it when there is one (`vlm.t
 turns are not read, and `VLMData.turns_notice` says how many rows hold them). The `<image>` marker leaves the
 question: the target's own prompt format places the image (`SpeculativeVLM.prompt_text`). A relative image path is
 read under `image_folder` (default: the data file's folder); a `datasets` folder's image column may hold the images
-themselves. Every row has exactly one image: text-only
-conversations train through `--text-data`, and rows with several images are refused. `read_vlm_data` checks every
-row and image path before any model loads, with a one-line error naming the row.
+themselves. Every row has exactly one image: text-only conversations train through `--text-data`, and rows with
+several images are refused. `VLMData` checks every row and image path before any model loads, with a one-line error
+naming the row.
 
-    data = read_vlm_data("my_rows.jsonl")
+    data = VLMData("my_rows.jsonl")
     image = data.image(0)                        # uint8 [3, H, W]
     train_rows, held_out = data.split(32, seed=0)
 """
