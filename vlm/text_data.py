@@ -74,16 +74,25 @@ def conversation_pair(row: dict, where: str, need_reply: bool = True) -> tuple[s
     return prompt.strip(), None if reply is None else reply.strip()
 
 
-def read_text_conversations(path: str | Path) -> list[tuple[str, str]]:
-    """Every (prompt, reply) of a corpus file; InputError (one line) for a missing, unreadable or empty file or a bad
-    line, naming the line."""
+def turns_notice(source: str, multi_turn: int, total: int) -> str | None:
+    """One line saying that `multi_turn` of `total` rows of `source` hold turns after their first exchange, which
+    training does not read (None when none do)."""
+    if not multi_turn:
+        return None
+    return (f"{source}: {multi_turn} of {total} rows hold more than one exchange; each trains on its first user turn "
+            "and the reply after it (later turns are not read).")
+
+
+def read_text_conversations(path: str | Path) -> tuple[list[tuple[str, str]], str | None]:
+    """Every (prompt, reply) of a corpus file and the file's `turns_notice`; InputError (one line) for a missing,
+    unreadable or empty file or a bad line, naming the line."""
     path = Path(path)
     check(path.is_file(), f"--text-data {path}: no such file.")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError:
         raise InputError(f"--text-data {path}: not UTF-8 text; give a JSON Lines file.") from None
-    pairs = []
+    pairs, multi_turn = [], 0
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -93,8 +102,9 @@ def read_text_conversations(path: str | Path) -> list[tuple[str, str]]:
             raise InputError(f"--text-data {path} line {number}: not JSON ({err.msg}).") from None
         check(isinstance(row, dict), f"--text-data {path} line {number}: a row must be a JSON object.")
         pairs.append(conversation_pair(row, f"--text-data {path} line {number}"))
+        multi_turn += later_user_turns(row) > 0
     check(pairs, f"--text-data {path}: no conversations in the file.")
-    return pairs
+    return pairs, turns_notice(f"--text-data {path}", multi_turn, len(pairs))
 
 
 def text_corpus(vlm, pairs: list[tuple[str, str]], max_tokens: int) -> dict[str, torch.Tensor]:

@@ -548,7 +548,9 @@ def run(args: argparse.Namespace) -> int:
     if args.text_data is not None:  # (read before the model loads: a bad file is a one-line error at once)
         check(args.kind in TEXT_STAGE_KINDS, f"--text-data feeds the text-only stage of vispec and msd; a "
                                              f"{args.kind} drafter trains on multimodal sequences only.")
-        pairs = read_text_conversations(args.text_data)
+        pairs, notice = read_text_conversations(args.text_data)
+        if notice and os.environ.get("RANK", "0") == "0":
+            print(notice, file=sys.stderr)
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out) if args.out else Path(args.target) / "drafters" / args.kind

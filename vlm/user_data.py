@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from mmspec.errors import InputError, check
-from vlm.text_data import conversation_pair, later_user_turns
+from vlm.text_data import conversation_pair, later_user_turns, turns_notice
 
 IMAGE_MARKER = "<image>"  # LLaVA's marker in its data's questions
 
@@ -126,10 +126,7 @@ class VLMData:
 
     def turns_notice(self) -> str | None:
         """One line saying how many rows hold turns after the first (which training does not read), or None."""
-        if not self.multi_turn_rows:
-            return None
-        return (f"--data {self.source}: {self.multi_turn_rows} of {len(self.rows)} rows hold more than one exchange; "
-                "each trains on its first user turn and the reply after it (later turns are not read).")
+        return turns_notice(f"--data {self.source}", self.multi_turn_rows, len(self.rows))
 
     def read_dataset_folder(self) -> list[VLMRow]:
         """The rows of a `datasets` folder; its images stay in the folder (read by `image`)."""

@@ -306,8 +306,13 @@ def test_the_text_stage_trains_on_a_text_corpus(target_dir, tmp_path):
 
     corpus = tmp_path / "text.jsonl"
     assert write_corpus([str(corpus), "--num", "16"]) == 0
-    pairs = read_text_conversations(corpus)
-    assert len(pairs) == 16 and pairs[0][0].endswith("Answer in detail.")
+    pairs, notice = read_text_conversations(corpus)
+    assert len(pairs) == 16 and pairs[0][0].endswith("Answer in detail.") and notice is None
+    two = {"conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."},
+                             {"from": "human", "value": "And?"}, {"from": "gpt", "value": "Bye."}]}
+    (tmp_path / "turns.jsonl").write_text(corpus.read_text() + json.dumps(two) + "\n")
+    pairs2, notice = read_text_conversations(tmp_path / "turns.jsonl")
+    assert pairs2[-1] == ("Hi?", "Hello.") and "1 of 17 rows hold more than one exchange" in notice
     vlm = SpeculativeVLM.from_pretrained(target_dir)
     data = text_corpus(vlm, pairs, 8)
     tok = vlm.processor.tokenizer
