@@ -24,7 +24,7 @@ def pipe():
 def test_generate_cspd_on_the_embedded_default(tmp_path):
     out = tmp_path / "mar"
     assert main(["generate", "--family", "mar", "--method", "cspd", "--classes", "0,7", "--num-images", "1",
-                 "--method-arg", "gamma=4", "--method-arg", "num_sampling_steps=25", "--out", str(out),
+                 "--method-arg", "gamma=4", "--method-arg", "num_sampling_steps=10", "--out", str(out),
                  "--quiet"]) == 0
     assert len(list((out / "images").glob("*.png"))) == 2
     stats = json.loads((out / "stats.json").read_text())["stats"]
