@@ -22,17 +22,16 @@ from typing import Any
 
 import torch
 from diffusers.configuration_utils import register_to_config
-from torch import nn
 
 from mmspec.eagle3 import Eagle3Drafter, default_aux_layers
 from mmspec.errors import InputError, check
 from mmspec.llama_drafter import llama_drafter_config
 from vlm.eagle import SPECVLM_TREE, VLMEagleTreeDrafter
 from vlm.target import CachedVLM
-from vlm.vispec import ImageAdaptor, VLMViSpecTreeDrafter
+from vlm.vispec import VisionAdaptor, VLMViSpecTreeDrafter
 
 
-class VLMEagle3Drafter(Eagle3Drafter):
+class VLMEagle3Drafter(VisionAdaptor, Eagle3Drafter):
     """EAGLE-3 drafter over a VLM target (see the module docstring); `for_target(lm)` builds one shaped like the
     target's text model, a loaded one is `attach`ed before use."""
 
@@ -49,14 +48,8 @@ class VLMEagle3Drafter(Eagle3Drafter):
                          aux_layer_ids, attention_backend)
         check(num_queries == 0 or num_queries >= 2, f"the vision adaptor needs at least 2 queries (compressed tokens "
                                                     f"+ global feature), got {num_queries} (0: no adaptor).")
-        self.global_feature: torch.Tensor | None = None  # [R, H] g of the rows being decoded (set by begin)
-        if num_queries:  # ViSpec's adaptor and img_fc ([I | 0], bias 0: starts as plain EAGLE-3)
-            self.imadpt = ImageAdaptor(hidden_size, num_attention_heads, num_queries, qkv_bias)
-            self.img_fc = nn.Linear(2 * hidden_size, hidden_size)
-            with torch.no_grad():
-                self.img_fc.weight.zero_()
-                self.img_fc.weight[:, :hidden_size] = torch.eye(hidden_size)
-                self.img_fc.bias.zero_()
+        if num_queries:  # ViSpec's adaptor and img_fc (`vlm.vispec.VisionAdaptor`; starts as plain EAGLE-3)
+            self.add_vision_adaptor(hidden_size, num_attention_heads, num_queries, qkv_bias, fc_bias=True)
 
     @property
     def vision_adaptor(self) -> bool:
@@ -72,26 +65,9 @@ class VLMEagle3Drafter(Eagle3Drafter):
         num_q - 1 compressed ones."""
         return self.config.num_queries - 1 if self.vision_adaptor else num_image_tokens
 
-    def compress(self, image_embeds: torch.Tensor,
-                 key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """image_embeds [N, T, H] (key_mask [N, T]) -> (compressed tokens [N, num_q - 1, H], global feature [N, H])."""
-        out = self.imadpt(image_embeds.to(self.fc.weight.dtype), key_mask)
-        return out[:, :-1], out[:, -1]
-
-    def with_global(self, features: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """img_fc([fused_feature(features) ; g]): features [R, S, 3 H_t] (the target's) or [R, S, H] (the
-        drafter's own), g [R, H] or [R, S, H] -> [R, S, H]."""
-        features = self.fused_feature(features)
-        g = g.to(features.dtype)
-        g = g.unsqueeze(1).expand_as(features) if g.dim() == 2 else g
-        return self.img_fc(torch.cat([features, g], dim=-1))
-
-    @torch.no_grad()
-    def forward_cached(self, tokens, positions, cache, slots, mask, *, features, **inputs):
-        """As EAGLE-3's; after the adaptor's `begin`, decoded (text) elements' features are fused with g first."""
-        if self.global_feature is not None:
-            features = self.with_global(features, self.global_feature)
-        return super().forward_cached(tokens, positions, cache, slots, mask, features=features, **inputs)
+    def feature_to_fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """g = fc(a) of the target's fused layer inputs [.., 3 H_t], or the drafter's own outputs [.., H]."""
+        return self.fused_feature(features)
 
     @classmethod
     def for_target(cls, target: CachedVLM, draft_vocab_size: int | None = None, **overrides: Any) -> VLMEagle3Drafter:

@@ -64,7 +64,52 @@ class ImageAdaptor(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(n, -1, h))
 
 
-class VLMViSpecDrafter(VLMEagleDrafter):
+class VisionAdaptor:
+    """ViSpec's vision awareness, mixed into a feature drafter model (before its base class): `imadpt` compresses an
+    image run into num_q - 1 tokens and a global feature g (`compress`), `img_fc` ([I | 0], bias 0 at the start:
+    the plain drafter) fuses g into a text element's feature (`with_global`), and `forward_cached` fuses it into
+    every decoded element once the loop drafter's `begin` has set `global_feature` [R, H]."""
+
+    global_feature: torch.Tensor | None = None
+
+    def add_vision_adaptor(self, hidden_size: int, num_heads: int, num_queries: int, qkv_bias: bool,
+                           fc_bias: bool) -> None:
+        self.imadpt = ImageAdaptor(hidden_size, num_heads, num_queries, qkv_bias)
+        self.img_fc = nn.Linear(2 * hidden_size, hidden_size, bias=fc_bias)
+        with torch.no_grad():
+            self.img_fc.weight.zero_()
+            self.img_fc.weight[:, :hidden_size] = torch.eye(hidden_size)
+            if self.img_fc.bias is not None:
+                self.img_fc.bias.zero_()
+        self.global_feature = None  # [R, H] g of the rows being decoded (set by begin)
+
+    def feature_to_fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The [.., H] feature img_fc reads for `features` (the features themselves; EAGLE-3: fc of its inputs)."""
+        return features
+
+    def compress(self, image_embeds: torch.Tensor,
+                 key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """image_embeds [N, T, H] (key_mask [N, T]: True = part of the run) -> (compressed tokens
+        [N, num_q - 1, H], global feature g [N, H])."""
+        out = self.imadpt(image_embeds.to(self.fc.weight.dtype), key_mask)
+        return out[:, :-1], out[:, -1]
+
+    def with_global(self, features: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        """img_fc([feature_to_fuse(features) ; g]): features [R, S, F], g [R, H] or [R, S, H] -> [R, S, H]."""
+        features = self.feature_to_fuse(features)
+        g = g.to(features.dtype)
+        g = g.unsqueeze(1).expand_as(features) if g.dim() == 2 else g
+        return self.img_fc(torch.cat([features, g], dim=-1))
+
+    @torch.no_grad()
+    def forward_cached(self, tokens, positions, cache, slots, mask, *, features, **inputs):
+        """As the drafter's own; after `begin`, decoded (text) elements' features are fused with g first."""
+        if self.global_feature is not None:
+            features = self.with_global(features, self.global_feature)
+        return super().forward_cached(tokens, positions, cache, slots, mask, features=features, **inputs)
+
+
+class VLMViSpecDrafter(VisionAdaptor, VLMEagleDrafter):
     """EagleVLM drafter + vision adaptor `imadpt` + `img_fc` (see the module docstring)."""
 
     official_tree = VISPEC_TREE
@@ -83,34 +128,7 @@ class VLMViSpecDrafter(VLMEagleDrafter):
                          rope_theta, max_position_embeddings, vocab_size, input_norm, fc_bias, attention_backend)
         check(num_queries >= 2, f"ViSpec needs at least 2 queries (compressed tokens + global feature), got "
                                 f"{num_queries}.")
-        self.imadpt = ImageAdaptor(hidden_size, num_attention_heads, num_queries, qkv_bias)
-        self.img_fc = nn.Linear(2 * hidden_size, hidden_size, bias=fc_bias)
-        with torch.no_grad():  # [I | 0], bias 0: starts as the plain EAGLE feature
-            self.img_fc.weight.zero_()
-            self.img_fc.weight[:, :hidden_size] = torch.eye(hidden_size)
-            if self.img_fc.bias is not None:
-                self.img_fc.bias.zero_()
-        self.global_feature: torch.Tensor | None = None  # [R, H] g of the rows being decoded (set by begin)
-
-    def compress(self, image_embeds: torch.Tensor,
-                 key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """image_embeds [N, T, H] (key_mask [N, T]: True = part of the run) -> (compressed tokens
-        [N, num_q - 1, H], global feature g [N, H])."""
-        out = self.imadpt(image_embeds.to(self.fc.weight.dtype), key_mask)
-        return out[:, :-1], out[:, -1]
-
-    def with_global(self, features: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        """img_fc([features ; g]): features [R, S, H], g [R, H] or [R, S, H] -> [R, S, H]."""
-        g = g.to(features.dtype)
-        g = g.unsqueeze(1).expand_as(features) if g.dim() == 2 else g
-        return self.img_fc(torch.cat([features, g], dim=-1))
-
-    @torch.no_grad()
-    def forward_cached(self, tokens, positions, cache, slots, mask, *, features, **inputs):
-        """As EagleVLM's; after `begin`, decoded (text) elements' features are fused with g first."""
-        if self.global_feature is not None:
-            features = self.with_global(features, self.global_feature)
-        return super().forward_cached(tokens, positions, cache, slots, mask, features=features, **inputs)
+        self.add_vision_adaptor(hidden_size, num_attention_heads, num_queries, qkv_bias, fc_bias)
 
 
 def vispec_layout(drafter: VLMViSpecDrafter, input_ids: torch.Tensor, embeds: torch.Tensor, features: torch.Tensor,

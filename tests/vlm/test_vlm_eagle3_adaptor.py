@@ -10,20 +10,22 @@ import json
 import pytest
 import torch
 from test_vlm_eagle3 import reference_ttt_loss
-from vlm_dummies import IMAGE_TOKEN, batch, greedy_vanilla_and_tree, prompt, save_tiny_world_llava, tiny_llava
+from vlm_dummies import (
+    assert_root_is_the_layout_forward,
+    greedy_vanilla_and_tree,
+    prompt,
+    save_tiny_world_llava,
+    tiny_llava,
+)
 
 from mmspec.cli import main
 from mmspec.draft_layers import run_llama_layers
 from mmspec.eagle3 import ttt_loss
 from mmspec.errors import InputError
-from mmspec.lm import LMTarget
-from mmspec.loop import DecodeState
-from mmspec.sampling import SamplingParams
 from vlm.convert import export_official_eagle3
 from vlm.eagle3 import VLMEagle3Drafter, VLMViSpec3TreeDrafter
 from vlm.pipeline import SpeculativeVLM
-from vlm.target import LlavaCachedLM, prefill_vlm
-from vlm.vispec import vispec_layout
+from vlm.target import LlavaCachedLM
 
 ROWS = [prompt([7, 8, 20], [9], 16), prompt([12], [13, 30, 31, 32], 16), prompt([], [5], 16)]
 
@@ -84,26 +86,14 @@ def test_cached_root_equals_the_layout_forward():
     lm = LlavaCachedLM(tiny_llava(seed=2))
     drafter = adaptor_drafter(lm, seed=1)
     assert drafter.image_tokens_attended(576) == 1 and drafter.loop_drafter is VLMViSpec3TreeDrafter
-    rows, pixels = ROWS[:2], torch.rand(2, 3, 32, 32)
-    inputs = batch(rows, pixels)
-    LMTarget(lm, SamplingParams(temperature=0.0), 4, prefill_fn=prefill_vlm).prefill(inputs)
-    aux, embeds = lm.last_aux.clone(), lm.prompt_embeds.clone()  # [B, P, 3H], [B, P, H]
-    tree = VLMViSpec3TreeDrafter(drafter, lm, SamplingParams(temperature=0.0), top_k=2, depth=2, total_tokens=4)
-    state = DecodeState.new(2, 4, "cpu")
-    state.last_token = torch.tensor([40, 41])
-    tree.begin(inputs, state)
-    _, root_hidden, _ = tree.run_pending()
-    for b, r in enumerate(rows):
-        n = len(r)
-        ids = torch.tensor([r + [int(state.last_token[b])]])
-        seq_embeds = torch.cat([embeds[b: b + 1, :n], lm.text.embed_tokens(state.last_token[b: b + 1])[:, None]], 1)
-        seq_aux = torch.cat([aux[b: b + 1, :n], torch.zeros(1, 1, aux.shape[-1])], 1)  # a_n is never read
-        with torch.no_grad():
-            layout = vispec_layout(drafter, ids, seq_embeds, seq_aux, IMAGE_TOKEN)
-            x = drafter.fuse(layout["embeds"], layout["features"], layout["direct"])
-            causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril().unsqueeze(0)
-            h = run_llama_layers(drafter.layers, drafter.rotary_emb, x, layout["positions"], causal)
-        torch.testing.assert_close(root_hidden[b], h[0, -1], atol=1e-5, rtol=1e-5)
+
+    def layout_forward(layout):
+        x = drafter.fuse(layout["embeds"], layout["features"], layout["direct"])
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool).tril().unsqueeze(0)
+        return run_llama_layers(drafter.layers, drafter.rotary_emb, x, layout["positions"], causal)
+
+    assert_root_is_the_layout_forward(lm, drafter, ROWS[:2], torch.rand(2, 3, 32, 32), layout_forward,
+                                      features_of=lambda lm: lm.last_aux)
 
 
 @pytest.mark.parametrize("batch_size", [1, 3])

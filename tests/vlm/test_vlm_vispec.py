@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vlm_dummies import IMAGE_TOKEN, batch, greedy_vanilla_and_tree, prompt, tiny_llava
+from vlm_dummies import (
+    IMAGE_TOKEN,
+    assert_root_is_the_layout_forward,
+    batch,
+    greedy_vanilla_and_tree,
+    prompt,
+    tiny_llava,
+)
 
-from mmspec.lm import LMTarget
-from mmspec.loop import DecodeState
 from mmspec.sampling import SamplingParams
 from vlm.target import LlavaCachedLM, prefill_vlm
 from vlm.vispec import VLMViSpecDrafter, VLMViSpecTreeDrafter, vispec_layout
@@ -120,25 +125,8 @@ def test_greedy_vispec_equals_greedy_vanilla(batch_size, num_queries):
 def test_cached_root_equals_the_layout_forward():
     """After begin, the drafter's output at the root pair equals its training forward over the layout of the prompt
     followed by the first generated token (compressed image, true positions, g on the text after it)."""
-    model = tiny_llava(seed=2)
-    lm = LlavaCachedLM(model)
+    lm = LlavaCachedLM(tiny_llava(seed=2))
     torch.manual_seed(1)
     drafter = trained_looking(VLMViSpecDrafter.for_target(lm))
-    rows, pixels = ROWS[:2], torch.rand(2, 3, 32, 32)
-    inputs = batch(rows, pixels)
-    LMTarget(lm, SamplingParams(temperature=0.0), 4, prefill_fn=prefill_vlm).prefill(inputs)
-    features, embeds = lm.last_hidden.clone(), lm.prompt_embeds.clone()
-    tree = VLMViSpecTreeDrafter(drafter, lm, SamplingParams(temperature=0.0), top_k=2, depth=2, total_tokens=4)
-    state = DecodeState.new(2, 4, "cpu")
-    state.last_token = torch.tensor([40, 41])
-    tree.begin(inputs, state)
-    _, root_hidden, _ = tree.run_pending()
-    for b, r in enumerate(rows):
-        n = len(r)
-        ids = torch.tensor([r + [int(state.last_token[b])]])
-        seq_embeds = torch.cat([embeds[b: b + 1, :n], lm.text.embed_tokens(state.last_token[b: b + 1])[:, None]], 1)
-        seq_features = torch.cat([features[b: b + 1, :n], torch.zeros(1, 1, 32)], 1)  # f_n is never read
-        with torch.no_grad():
-            layout = vispec_layout(drafter, ids, seq_embeds, seq_features, IMAGE_TOKEN)
-            h = drafter(layout["embeds"], layout["features"], layout["positions"], direct=layout["direct"])
-        torch.testing.assert_close(root_hidden[b], h[0, -1], atol=1e-5, rtol=1e-5)
+    assert_root_is_the_layout_forward(lm, drafter, ROWS[:2], torch.rand(2, 3, 32, 32), lambda layout: drafter(
+        layout["embeds"], layout["features"], layout["positions"], direct=layout["direct"]))

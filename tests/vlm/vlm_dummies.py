@@ -53,6 +53,35 @@ def greedy_vanilla_and_tree(lm, tree_cls, drafter, rows: list[list[int]], pixels
     return vanilla, spec
 
 
+def assert_root_is_the_layout_forward(lm, drafter, rows: list[list[int]], pixels: torch.Tensor, layout_forward,
+                                      features_of=lambda lm: lm.last_hidden) -> None:
+    """After the loop drafter's `begin` on `rows`, the root pair's output of each row equals the last element of
+    `layout_forward(layout)` [1, L', H] over ViSpec's layout (`vlm.vispec.vispec_layout`) of the row's prompt and
+    its first token: the drafter's training view. `features_of(lm)`: the target features the drafter reads."""
+    from mmspec.lm import LMTarget
+    from mmspec.loop import DecodeState
+    from mmspec.sampling import SamplingParams
+    from vlm.target import prefill_vlm
+    from vlm.vispec import vispec_layout
+
+    inputs = batch(rows, pixels)
+    LMTarget(lm, SamplingParams(temperature=0.0), 4, prefill_fn=prefill_vlm).prefill(inputs)
+    features, embeds = features_of(lm).clone(), lm.prompt_embeds.clone()  # [B, P, F], [B, P, H]
+    tree = drafter.loop_drafter(drafter, lm, SamplingParams(temperature=0.0), top_k=2, depth=2, total_tokens=4)
+    state = DecodeState.new(len(rows), 4, "cpu")
+    state.last_token = torch.arange(40, 40 + len(rows))
+    tree.begin(inputs, state)
+    _, root_hidden, _ = tree.run_pending()
+    for b, r in enumerate(rows):
+        n = len(r)
+        ids = torch.tensor([r + [int(state.last_token[b])]])
+        seq_embeds = torch.cat([embeds[b: b + 1, :n], lm.text.embed_tokens(state.last_token[b: b + 1])[:, None]], 1)
+        seq_features = torch.cat([features[b: b + 1, :n], torch.zeros(1, 1, features.shape[-1])], 1)  # never read
+        with torch.no_grad():
+            h = layout_forward(vispec_layout(drafter, ids, seq_embeds, seq_features, IMAGE_TOKEN))
+        torch.testing.assert_close(root_hidden[b], h[0, -1], atol=1e-5, rtol=1e-5)
+
+
 TREE_PATHS = {0: [0], 1: [0, 1], 2: [0, 2], 3: [0, 1, 3]}  # node -> root-to-node path of `verify_example_tree`
 
 
