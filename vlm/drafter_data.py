@@ -71,14 +71,58 @@ def training_rows(args: argparse.Namespace, user: VLMData) -> list[int]:
     return rows[: args.num_train]
 
 
+def data_id(user: VLMData) -> str:
+    """What identifies a --data source's training examples: its fingerprint, and whether its later exchanges are
+    examples too (rows of several exchanges read whole)."""
+    whole = user.turns == "all" and user.multi_turn_rows > 0
+    return user.fingerprint() + ("-turns" if whole else "")
+
+
+def conversation_answers(vlm: SpeculativeVLM, user: VLMData, rows: list[int], source: str, max_tokens: int,
+                         quiet: bool, state=None) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """One example per exchange of each row (rows read whole, `VLMData(turns="all")`), in row order: exchange n's
+    prompt holds the exchanges before it (`SpeculativeVLM.conversation_text`) and its answer is the target's greedy
+    one given that history, the target's own earlier answers in it (source "target", as SpecForge regenerates
+    conversations turn by turn), or the data's. Returns `target_answers`' tensors over the examples and each
+    example's row."""
+    tok = vlm.processor.tokenizer
+    turns = {i: [(user.rows[i].question, user.rows[i].answer), *user.rows[i].later] for i in rows}
+    missing = [(i, n) for i in rows for n, (_, a) in enumerate(turns[i], 1) if a is None]
+    check(source == "target" or not missing, f"--answers dataset: --data row {missing[0][0] if missing else 0} "
+                                             f"exchange {missing[0][1] if missing else 0} has no answer; give every "
+                                             "exchange one, or let the target answer (--answers target).")
+    history: dict[int, list[tuple[str, str]]] = {i: [] for i in rows}
+    parts: dict[tuple[int, int], tuple[list[int], int]] = {}
+    for n in range(max(len(t) for t in turns.values())):
+        now = [i for i in rows if n < len(turns[i])]
+        prompts = [vlm.conversation_text(history[i], turns[i][n][0]) for i in now]
+        texts = None if source == "target" else [turns[i][n][1] + tok.eos_token for i in now]
+        data = target_answers(vlm, RowImages(user, now), prompts, texts, max_tokens, quiet, state)
+        for j, i in enumerate(now):
+            length, prompt_length = int(data["lengths"][j]), int(data["prompt_lengths"][j])
+            ids = data["ids"][j, :length].tolist()
+            parts[i, n] = ids, prompt_length
+            reply = (tok.decode(ids[prompt_length:], skip_special_tokens=True) if source == "target"
+                     else turns[i][n][1])
+            history[i].append((turns[i][n][0], reply))
+    order = [(i, n) for i in rows for n in range(len(turns[i]))]
+    ids = torch.full((len(order), max(len(parts[k][0]) for k in order)), tok.pad_token_id, dtype=torch.long)
+    for row, key in enumerate(order):
+        ids[row, : len(parts[key][0])] = torch.tensor(parts[key][0])
+    return ({"ids": ids, "lengths": torch.tensor([len(parts[k][0]) for k in order]),
+             "prompt_lengths": torch.tensor([parts[k][1] for k in order])}, [i for i, _ in order])
+
+
 def answer_cache(vlm: SpeculativeVLM, args: argparse.Namespace, work: Path, user: VLMData | None = None,
                  state=None) -> dict[str, torch.Tensor]:
     """The training answers (`answer_source`) of the world's questions or of the --data rows `user`, made once per
-    (target, data, options) and kept in `work`; "images" holds the rows' images (world: a tensor [n, 3, H, W];
-    --data: `RowImages`, read on demand)."""
+    (target, data, options) and kept in `work`; "images" holds the examples' images (world: a tensor [n, 3, H, W];
+    --data: `RowImages`, read on demand). --data rows of several exchanges read whole give one example per exchange
+    (`conversation_answers`)."""
     source = answer_source(args)
     prefix = "answers" if source == "target" else "dataset-answers"
     tok = vlm.processor.tokenizer
+    whole = user is not None and user.turns == "all" and user.multi_turn_rows > 0
     if user is None:
         examples = world_vqa_examples("train", args.num_train, seed=args.seed, long_fraction=1.0)
         images = [ex.image for ex in examples]
@@ -89,17 +133,22 @@ def answer_cache(vlm: SpeculativeVLM, args: argparse.Namespace, work: Path, user
         rows = training_rows(args, user)
         images, prompts = RowImages(user, rows), [user.rows[i].question for i in rows]
         missing = [i for i in rows if user.rows[i].answer is None]
-        check(source == "target" or not missing, f"--answers dataset: --data row {missing[0] if missing else 0} has "
-                                                 "no answer; give every row one, or let the target answer (--answers "
-                                                 "target).")
+        check(source == "target" or whole or not missing,
+              f"--answers dataset: --data row {missing[0] if missing else 0} has no answer; give every row one, or "
+              "let the target answer (--answers target).")
         texts = [None if user.rows[i].answer is None else user.rows[i].answer + tok.eos_token for i in rows]
-        what = f"data{user.fingerprint()}-{len(rows)}-seed{args.seed}"
+        what = f"data{data_id(user)}-{len(rows)}-seed{args.seed}"
     path = work / f"{prefix}-{folder_fingerprint(args.target)}-{what}-max{args.answer_max_tokens}.pt"
     if path.is_file() and not args.force:
         data = torch.load(path, weights_only=True)
     else:
-        data = target_answers(vlm, images, prompts, None if source == "target" else texts, args.answer_max_tokens,
-                              args.quiet, state)
+        if whole:
+            data, example_rows = conversation_answers(vlm, user, rows, source, args.answer_max_tokens, args.quiet,
+                                                      state)
+            data["example_rows"] = torch.tensor(example_rows)
+        else:
+            data = target_answers(vlm, images, prompts, None if source == "target" else texts,
+                                  args.answer_max_tokens, args.quiet, state)
         if user is None:
             data["images"] = torch.stack(images)
         if rank_and_count(state)[0] == 0:
@@ -108,5 +157,5 @@ def answer_cache(vlm: SpeculativeVLM, args: argparse.Namespace, work: Path, user
             os.replace(path.with_suffix(".tmp"), path)
         wait_for_everyone(state)
     if user is not None:
-        data["images"] = images
+        data["images"] = RowImages(user, data.pop("example_rows").tolist()) if whole else images
     return data

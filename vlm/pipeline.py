@@ -179,6 +179,27 @@ class SpeculativeVLM:
         text = build_prompt(prompt.strip(), long=False).replace("<image>", marker)
         return text if with_image else text.replace(f"{marker}\n", "")
 
+    def conversation_text(self, history: Sequence[tuple[str, str]], question: str) -> str:
+        """The prompt of a later question of a conversation about one image, as the target reads it: the earlier
+        exchanges (question, answer), the image in the first user turn, then `question`; by the tokenizer's chat
+        template when it has one, else LLaVA-1.5's conversation format (`USER: <image>\nq1 ASSISTANT: a1</s>USER:
+        q2 ASSISTANT:`, the tokenizer's eos after each answer). No history: `prompt_text(question)`."""
+        if not history:
+            return self.prompt_text(question)
+        tok = self.processor.tokenizer
+        if getattr(tok, "chat_template", None):
+            messages = []
+            for n, (asked, answer) in enumerate(history):
+                content = ([{"type": "image"}] if n == 0 else []) + [{"type": "text", "text": asked.strip()}]
+                messages += [{"role": "user", "content": content},
+                             {"role": "assistant", "content": [{"type": "text", "text": answer.strip()}]}]
+            messages.append({"role": "user", "content": [{"type": "text", "text": question.strip()}]})
+            return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self.prompt_text(history[0][0])
+        for (_, answer), asked in zip(history, [q for q, _ in history[1:]] + [question]):
+            text += f" {answer.strip()}{tok.eos_token}USER: {asked.strip()} ASSISTANT:"
+        return text
+
     def encode(self, images: Sequence | None, prompts: Sequence[str]) -> VLMInputs:
         """Right-padded VLMInputs for images (PIL images, uint8 [3, H, W] tensors or arrays; None for a text-only
         row, or images=None for all) and prompts."""

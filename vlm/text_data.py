@@ -41,8 +41,48 @@ def turn_text(turn: object) -> object:
     return content
 
 
+def raw_exchanges(row: dict, where: str) -> list[tuple[object, object]]:
+    """One row's exchanges as written, in order: (a user turn's text, the text of the reply right after it or None),
+    from `conversations` (ShareGPT), `messages` (chat) or `prompt` / `answer` (one exchange); unchecked."""
+    if "prompt" in row:
+        return [(row["prompt"], row.get("answer"))]
+    turns = row.get("conversations", row.get("messages"))
+    check(isinstance(turns, list), f"{where}: a row needs 'conversations' (ShareGPT), 'messages' (chat) or "
+                                   "'prompt' and 'answer'.")
+    roles = [str(t.get("from", t.get("role", ""))).lower() if isinstance(t, dict) else "" for t in turns]
+    users = [i for i, role in enumerate(roles) if role in USER_ROLES]
+    check(users, f"{where}: no user turn ('from' human or 'role' user).")
+    return [(turn_text(turns[i]), turn_text(turns[i + 1]) if i + 1 < len(turns) and roles[i + 1] in REPLY_ROLES
+             else None) for i in users]
+
+
+def checked_exchange(exchange: tuple[object, object], where: str, need_reply: bool) -> tuple[str, str | None]:
+    """(prompt, reply) stripped; InputError naming `where` for an empty prompt or reply, or a missing needed reply."""
+    prompt, reply = exchange
+    check(isinstance(prompt, str) and prompt.strip(), f"{where}: the prompt must be a non-empty string.")
+    check(reply is None or (isinstance(reply, str) and reply.strip()), f"{where}: the reply must be a non-empty "
+                                                                        "string.")
+    check(reply is not None or not need_reply,
+          f"{where}: no reply after the user turn ('from' gpt or 'role' assistant, or 'answer').")
+    return prompt.strip(), None if reply is None else reply.strip()
+
+
+def conversation_pair(row: dict, where: str, need_reply: bool = True) -> tuple[str, str | None]:
+    """(prompt, reply) of one row's first exchange (`raw_exchanges`); the later ones are not read. The reply is None
+    where the row has none and `need_reply` is False; InputError naming `where` otherwise."""
+    return checked_exchange(raw_exchanges(row, where)[0], where, need_reply)
+
+
+def conversation_turns(row: dict, where: str) -> list[tuple[str, str | None]]:
+    """Every exchange of one row, each checked as `conversation_pair` checks the first (exchange n named from the
+    second on); a reply may be missing (None)."""
+    exchanges = raw_exchanges(row, where)
+    return [checked_exchange(e, where if n == 1 else f"{where} (exchange {n})", False)
+            for n, e in enumerate(exchanges, 1)]
+
+
 def later_user_turns(row: dict) -> int:
-    """How many user turns a conversation row holds after its first (the turns `conversation_pair` does not read)."""
+    """How many user turns a conversation row holds after its first."""
     turns = row.get("conversations", row.get("messages")) if isinstance(row, dict) else None
     if not isinstance(turns, list):
         return 0
@@ -50,35 +90,14 @@ def later_user_turns(row: dict) -> int:
     return max(0, sum(role in USER_ROLES for role in roles) - 1)
 
 
-def conversation_pair(row: dict, where: str, need_reply: bool = True) -> tuple[str, str | None]:
-    """(prompt, reply) of one corpus row (see the module docstring): its first user turn and the reply after it, in
-    `conversations` (ShareGPT), `messages` (chat) or `prompt` / `answer`; the reply is None where the row has none and
-    `need_reply` is False. InputError naming `where` otherwise."""
-    if "prompt" in row:
-        prompt, reply = row["prompt"], row.get("answer")
-    else:
-        turns = row.get("conversations", row.get("messages"))
-        check(isinstance(turns, list), f"{where}: a row needs 'conversations' (ShareGPT), 'messages' (chat) or "
-                                       "'prompt' and 'answer'.")
-        roles = [str(t.get("from", t.get("role", ""))).lower() if isinstance(t, dict) else "" for t in turns]
-        first = next((i for i, role in enumerate(roles) if role in USER_ROLES), None)
-        check(first is not None, f"{where}: no user turn ('from' human or 'role' user).")
-        prompt = turn_text(turns[first])
-        has_reply = first + 1 < len(turns) and roles[first + 1] in REPLY_ROLES
-        reply = turn_text(turns[first + 1]) if has_reply else None
-    check(isinstance(prompt, str) and prompt.strip(), f"{where}: the prompt must be a non-empty string.")
-    check(reply is None or (isinstance(reply, str) and reply.strip()),
-          f"{where}: the reply must be a non-empty string.")
-    check(reply is not None or not need_reply,
-          f"{where}: no reply after the user turn ('from' gpt or 'role' assistant, or 'answer').")
-    return prompt.strip(), None if reply is None else reply.strip()
-
-
-def turns_notice(source: str, multi_turn: int, total: int) -> str | None:
-    """One line saying that `multi_turn` of `total` rows of `source` hold turns after their first exchange, which
-    training does not read (None when none do)."""
+def turns_notice(source: str, multi_turn: int, total: int, read: bool = False) -> str | None:
+    """One line saying that `multi_turn` of `total` rows of `source` hold exchanges after their first, and whether
+    training reads them (`read`) or not (None when no row does)."""
     if not multi_turn:
         return None
+    if read:
+        return (f"{source}: {multi_turn} of {total} rows hold more than one exchange; each exchange trains as one "
+                "example, the exchanges before it in its prompt (--turns first: the first exchange only).")
     return (f"{source}: {multi_turn} of {total} rows hold more than one exchange; each trains on its first user turn "
             "and the reply after it (later turns are not read).")
 

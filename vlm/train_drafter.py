@@ -8,7 +8,8 @@ answers (the target's own, or the dataset's for MSD, as each method's code does)
 Stages (a rerun skips finished ones unless --force):
 1. `data`: the target answers --num-train world questions (train split, the long-answer prompt, greedy,
    up to --answer-max-tokens tokens), or with `--data` the rows of a user's JSON Lines / LLaVA JSON / `datasets`
-   folder (`vlm.user_data`; --eval-prompts of them held out for the eval): drafters learn the target's own
+   folder (`vlm.user_data`; --eval-prompts of them held out for the eval; a row of several exchanges gives one
+   example per exchange, the exchanges before it in its prompt, unless `--turns first`): drafters learn the target's own
    outputs (self-distillation), as ViSpec, SpecVLM and EAGLE-3 prescribe (a drafter trained on reference texts
    drafts what the target would not say); `--answers dataset` (MSD's default) takes the data's own answers
    instead. Cached in --work-dir under a fingerprint of the target's weights (`mmspec.hf_loading.folder_fingerprint`)
@@ -75,12 +76,13 @@ from mmspec.world_training import (
     write_info,
 )
 from vlm.drafter_data import answer_cache, answer_source, training_rows
+from vlm.drafter_data import data_id as data_identity
 from vlm.family import DRAFTER_KINDS, drafter_model
 from vlm.msd import msd_visual_probability
 from vlm.pipeline import SpeculativeVLM, load_drafter
 from vlm.target import VLMInputs, prefill_vlm
 from vlm.text_data import read_text_conversations, text_corpus
-from vlm.user_data import VLMData
+from vlm.user_data import TURNS, VLMData
 from vlm.world import world_vqa_examples
 
 STAGES = ("data", "drafter", "eval")
@@ -96,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", default=None, metavar="DATA",
                         help="your own rows: JSON Lines, a LLaVA-style JSON list or a datasets folder of (image, "
                              "conversation) rows (vlm.user_data); default: the embedded world's questions")
+    parser.add_argument("--turns", default="all", choices=TURNS,
+                        help="--data rows of several exchanges: all = one training example per exchange (the "
+                             "exchanges before it in its prompt), first = the first exchange only")
     parser.add_argument("--image-folder", default=None, metavar="DIR",
                         help="where --data's relative image paths start (default: the data file's folder)")
     parser.add_argument("--num-train", type=int, default=None,
@@ -522,12 +527,13 @@ def run(args: argparse.Namespace) -> int:
     check(stages and not unknown, f"--stages takes a subset of {','.join(STAGES)}, got {args.stages!r}.")
     user, data_id = None, None
     if args.data is not None:  # every row and image path checked before the model loads
-        user = VLMData(args.data, args.image_folder)
-        args.num_train, data_id = len(training_rows(args, user)), user.fingerprint()
+        user = VLMData(args.data, args.image_folder, args.turns)
+        args.num_train, data_id = len(training_rows(args, user)), data_identity(user)
         if user.turns_notice() and os.environ.get("RANK", "0") == "0":  # (the first of several processes says it)
             print(user.turns_notice(), file=sys.stderr)
     else:
         check(args.image_folder is None, "--image-folder says where --data's images are; give --data too.")
+        check(args.turns == "all", "--turns says which exchanges of --data's rows train; give --data too.")
         args.num_train = args.num_train or 2000
     check(args.kind != "eagle3" or args.input_norm == "auto", "--input-norm shapes EAGLE-1/2 drafters; EAGLE-3 has "
                                                                "its own input norms: leave it out.")
@@ -587,6 +593,7 @@ def run(args: argparse.Namespace) -> int:
             "lr", *(["ttt_steps", *(["draft_vocab"] if args.draft_vocab else [])] if args.kind == "eagle3" else
                     ["noise", "noise_scaling", "p_weight"]), "answers", *(["text_data"] if args.text_data else []),
             *(["data", "eval_prompts"] if args.data else []), *(["image_folder"] if args.image_folder else []),
+            *(["turns"] if args.turns != "all" else []),
             *(["init_from"] if args.init_from else []),
             "seed", "threads"]) + (" --group-by-length" if args.group_by_length else "") + (
             " --vision-adaptor" if args.vision_adaptor else "")

@@ -13,8 +13,9 @@ in any of these row layouts:
                {"type": "text", "text": "What is here?"}]}, {"role": "assistant", "content": "A dog."}]}  # chat
     {"image": "1.jpg", "prompt": "What is here?", "answer": "A dog on a sofa."}  # "answer" may be left out
 
-A row gives its first user turn and the reply after it when there is one (`vlm.text_data.conversation_pair`; later
-turns are not read, and `VLMData.turns_notice` says how many rows hold them). The `<image>` marker leaves the
+A row gives its exchanges (a user turn and the reply after it when there is one; `vlm.text_data.conversation_turns`):
+the first as `question` / `answer`, the later ones in `later` (`turns="first"`: not read); `VLMData.turns_notice`
+says how many rows hold several and which are read. The `<image>` marker leaves the
 question: the target's own prompt format places the image (`SpeculativeVLM.prompt_text`). A relative image path is
 read under `image_folder` (default: the data file's folder); a `datasets` folder's image column may hold the images
 themselves. Every row has exactly one image: text-only conversations train through `--text-data`, and rows with
@@ -38,19 +39,22 @@ import numpy as np
 import torch
 
 from mmspec.errors import InputError, check
-from vlm.text_data import conversation_pair, later_user_turns, turns_notice
+from vlm.text_data import conversation_pair, conversation_turns, later_user_turns, turns_notice
 
 IMAGE_MARKER = "<image>"  # LLaVA's marker in its data's questions
+TURNS = ("all", "first")  # a row's exchanges read: every one (one training example each), or the first
 
 
 @dataclass(frozen=True)
 class VLMRow:
-    """One training row: its image (a file path, or the row index of a `datasets` folder's image column), the
-    question without its image marker and the dataset's reply (None where the row has none)."""
+    """One training row: its image (a file path, or the row index of a `datasets` folder's image column), the first
+    question without its image marker, the dataset's reply (None where the row has none) and, when its conversation
+    is read whole, the later exchanges (question, reply or None)."""
 
     image: str | int
     question: str
     answer: str | None
+    later: tuple[tuple[str, str | None], ...] = ()
 
 
 def row_image(row: dict, where: str) -> object:
@@ -71,18 +75,29 @@ def row_image(row: dict, where: str) -> object:
     return images[0]
 
 
-def parse_row(row: object, where: str, folder: Path) -> VLMRow:
-    """A raw JSON row as a VLMRow with its image path resolved under `folder`; InputError naming `where`."""
-    check(isinstance(row, dict), f"{where}: a row must be a JSON object.")
-    question, answer = conversation_pair(row, where, need_reply=False)
+def row_exchanges(row: dict, where: str, whole: bool) -> tuple[str, str | None, tuple]:
+    """(first question without its image marker, its reply, the later exchanges: read when `whole`)."""
+    exchanges = conversation_turns(row, where) if whole else [conversation_pair(row, where, need_reply=False)]
+    (question, answer), later = exchanges[0], tuple(exchanges[1:])
     question = " ".join(question.replace(IMAGE_MARKER, " ").split())
     check(question, f"{where}: the question is empty once its {IMAGE_MARKER} marker is taken out.")
+    for n, (text, _) in enumerate(later, 2):
+        check(IMAGE_MARKER not in text, f"{where} (exchange {n}): an {IMAGE_MARKER} marker after the first exchange; "
+                                        "rows hold one image, asked about from the first question on.")
+    return question, answer, later
+
+
+def parse_row(row: object, where: str, folder: Path, whole: bool = True) -> VLMRow:
+    """A raw JSON row as a VLMRow with its image path resolved under `folder` (`whole`: every exchange read);
+    InputError naming `where`."""
+    check(isinstance(row, dict), f"{where}: a row must be a JSON object.")
+    question, answer, later = row_exchanges(row, where, whole)
     image = row_image(row, where)
     check(isinstance(image, str) and image.strip(), f"{where}: the image must be a file path, got {image!r}.")
     check("://" not in image, f"{where}: {image!r} is a URL; mmspec reads local files only (download it first).")
     path = Path(image) if Path(image).is_absolute() else folder / image
     check(path.is_file(), f"{where}: image {path} not found; set --image-folder to the folder the paths start in.")
-    return VLMRow(str(path), question, answer)
+    return VLMRow(str(path), question, answer, later)
 
 
 def json_rows(path: Path) -> list[tuple[str, object]]:
@@ -110,8 +125,9 @@ def json_rows(path: Path) -> list[tuple[str, object]]:
 class VLMData:
     """The rows of one --data source and how to read their images (see the module docstring)."""
 
-    def __init__(self, source: str | Path, image_folder: str | Path | None = None) -> None:
-        self.source = Path(source)
+    def __init__(self, source: str | Path, image_folder: str | Path | None = None, turns: str = "all") -> None:
+        check(turns in TURNS, f"turns must be one of {', '.join(TURNS)}, got {turns!r}.")
+        self.source, self.turns = Path(source), turns
         check(self.source.exists(), f"--data {self.source}: no such file or folder.")
         self.dataset, self.image_column = None, None
         if self.source.is_dir():
@@ -120,13 +136,13 @@ class VLMData:
             folder = Path(image_folder) if image_folder is not None else self.source.parent
             check(folder.is_dir(), f"--image-folder {folder}: no such folder.")
             raw = json_rows(self.source)
-            self.rows = [parse_row(row, where, folder) for where, row in raw]
+            self.rows = [parse_row(row, where, folder, turns == "all") for where, row in raw]
             self.multi_turn_rows = sum(later_user_turns(row) > 0 for _, row in raw)
         check(self.rows, f"--data {self.source}: no rows.")
 
     def turns_notice(self) -> str | None:
         """One line saying how many rows hold turns after the first (which training does not read), or None."""
-        return turns_notice(f"--data {self.source}", self.multi_turn_rows, len(self.rows))
+        return turns_notice(f"--data {self.source}", self.multi_turn_rows, len(self.rows), self.turns == "all")
 
     def read_dataset_folder(self) -> list[VLMRow]:
         """The rows of a `datasets` folder; its images stay in the folder (read by `image`)."""
@@ -153,10 +169,7 @@ class VLMData:
         for i, row in enumerate(dataset.remove_columns(column)):
             where = f"--data {self.source} row {i}"
             self.multi_turn_rows += later_user_turns(row) > 0
-            question, answer = conversation_pair(row, where, need_reply=False)
-            question = " ".join(question.replace(IMAGE_MARKER, " ").split())
-            check(question, f"{where}: the question is empty once its {IMAGE_MARKER} marker is taken out.")
-            rows.append(VLMRow(i, question, answer))
+            rows.append(VLMRow(i, *row_exchanges(row, where, self.turns == "all")))
         return rows
 
     def __len__(self) -> int:

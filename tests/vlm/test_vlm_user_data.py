@@ -78,13 +78,15 @@ def test_every_layout_reads_the_same_rows(tmp_path):
     assert [r.answer for r in unanswered.rows] == [None] * 4 and unanswered.fingerprint() != first.fingerprint()
     train, held = first.split(1, seed=0)
     assert sorted(train + held) == [0, 1, 2, 3] and len(held) == 1 and first.split(1, seed=0) == (train, held)
-    # later turns are not read, and the data says so in one line
+    # rows of several exchanges: read whole or their first exchange, and the data says which in one line
     assert all(data.turns_notice() is None for data in sources)
     rows[2]["conversations"] += [{"from": "human", "value": "And the shape?"}, {"from": "gpt", "value": "A cross."}]
     (tmp_path / "images" / "turns.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    turns = VLMData(tmp_path / "images" / "turns.jsonl")
-    assert turns.rows[2] == first.rows[2]  # its first exchange
-    assert "1 of 4 rows hold more than one exchange" in turns.turns_notice() and "\n" not in turns.turns_notice()
+    turns, firsts = (VLMData(tmp_path / "images" / "turns.jsonl", turns=t) for t in ("all", "first"))
+    assert turns.rows[2].later == (("And the shape?", "A cross."),) and firsts.rows[2] == first.rows[2]
+    for data, says in ((turns, "each exchange trains as one example"), (firsts, "later turns are not read")):
+        notice = data.turns_notice()
+        assert "1 of 4 rows hold more than one exchange" in notice and says in notice and "\n" not in notice
 
 
 @pytest.mark.parametrize("row, message", [
@@ -174,6 +176,64 @@ def test_train_on_user_rows_end_to_end(target_dir, tmp_path):
     # a text-only batch of rows whose images differ in size drops each row's own image tokens
     inputs, mask = training_batch(vlm, data, torch.tensor([0, 1]), text_only=True)
     assert not (inputs.input_ids == vlm.lm.image_token_id).any() and inputs.pixel_values is None
+
+
+def test_conversations_train_one_example_per_exchange(target_dir, tmp_path):
+    """Rows of several exchanges read whole: one example per exchange, in row order, its prompt the conversation so
+    far in the target's format with the target's own earlier answers (greedy, regenerated turn by turn), or the
+    data's with --answers dataset; --turns first keeps each row's first exchange; the training runs on them."""
+    from mmspec.cli import main
+    from vlm.drafter_data import data_id
+    from vlm.pipeline import SpeculativeVLM
+
+    names = write_images(tmp_path / "images", 5)
+    rows = llava_rows(names)
+    for i in (0, 3):  # two rows of three exchanges, the last one of row 3 unanswered
+        rows[i]["conversations"] += [{"from": "human", "value": "What else?"}, {"from": "gpt", "value": "A square."},
+                                     {"from": "human", "value": "Is it large?"}]
+        if i == 0:
+            rows[i]["conversations"].append({"from": "gpt", "value": "It is small."})
+    data_file = tmp_path / "images" / "rows.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    user = VLMData(data_file)
+    assert user.rows[0].later == (("What else?", "A square."), ("Is it large?", "It is small."))
+    assert user.rows[3].later[-1] == ("Is it large?", None) and "one example" in user.turns_notice()
+    assert VLMData(data_file, turns="first").rows[0].later == () and data_id(user) != data_id(VLMData(
+        data_file, turns="first"))
+    vlm = SpeculativeVLM.from_pretrained(target_dir)
+    tok = vlm.processor.tokenizer
+    history = [("Tell me about this picture.", "Scene 0 holds a shape."), ("What else?", "A square.")]
+    assert vlm.conversation_text(history, "Is it large?") == (
+        vlm.prompt_text("Tell me about this picture.") + f" Scene 0 holds a shape.{tok.eos_token}USER: What else? "
+        f"ASSISTANT: A square.{tok.eos_token}USER: Is it large? ASSISTANT:")  # LLaVA-1.5's format (no template)
+    common = ["--target", str(target_dir), "--data", str(data_file), "--eval-prompts", "1", "--answer-max-tokens",
+              "6", "--quiet"]
+    held = user.split(1, seed=0)[1][0]
+    train = [i for i in range(5) if i != held]
+    work = tmp_path / "work"
+    data = answer_cache(vlm, parse([*common, "--work-dir", str(work)]), work, user)
+    exchanges = [(i, n) for i in train for n in range(1 + len(user.rows[i].later))]
+    assert data["ids"].shape[0] == len(exchanges) and len(data["images"]) == len(exchanges)
+    seen = 0
+    for i, n in exchanges:  # each example's prompt: the conversation so far with the target's own answers
+        if n == 0:
+            answers = []
+        length, start = int(data["lengths"][seen]), int(data["prompt_lengths"][seen])
+        ids = data["ids"][seen, :length].tolist()
+        asked = user.rows[i].question if n == 0 else user.rows[i].later[n - 1][0]
+        prompt = vlm.encode([user.image(i)], [vlm.conversation_text(answers, asked)]).input_ids[0].tolist()
+        assert ids[:start] == prompt, (i, n)
+        answers.append((asked, tok.decode(ids[start:], skip_special_tokens=True)))
+        seen += 1
+    assert all(torch.equal(data["images"][k], user.image(i)) for k, (i, _) in enumerate(exchanges))
+    dataset = answer_cache(vlm, parse([*common, "--work-dir", str(work), "--answers", "dataset", "--turns", "first"]),
+                           work, VLMData(data_file, turns="first"))
+    assert dataset["ids"].shape[0] == 4  # one example a row
+    with pytest.raises(InputError, match="row 3 exchange 3 has no answer"):
+        answer_cache(vlm, parse([*common, "--work-dir", str(work), "--answers", "dataset"]), work, user)
+    assert main(["train", "vlm-drafter", *common, "--work-dir", str(work), "--out", str(tmp_path / "d"), "--steps",
+                 "2", "--batch-size", "4"]) == 0
+    assert json.loads((tmp_path / "d" / "training.json").read_text())["drafter"]["num_train"] == len(exchanges)
 
 
 def parse(argv: list[str]):
