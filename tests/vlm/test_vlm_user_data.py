@@ -259,3 +259,23 @@ def test_length_grouped_batches():
     assert spread < random_spread / 10
     assert not torch.equal(length_grouped_batch(125, lengths, 8, seed=1), batches[0])  # the next epoch reshuffles
     assert length_grouped_batch(0, lengths[:3], 8, seed=0).numel() == 8  # fewer rows than a batch repeat
+
+
+def test_a_conversation_follows_the_targets_chat_template():
+    """With a chat template, a later question's prompt is the template's rendering of the conversation so far (the
+    image in the first user turn alone, each answer an assistant turn, then the generation prompt), and the
+    processor expands the one image."""
+    from vlm.tiny import tiny_vlm
+
+    vlm = tiny_vlm("llava")
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}{% if c['type'] == "
+                "'image' %}<image>{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    vlm.processor.chat_template = vlm.processor.tokenizer.chat_template = template
+    text = vlm.conversation_text([("What is it?", "A cat."), ("Where?", "On a mat.")], "And the color?")
+    assert text == ("<|im_start|>user\n<image>What is it?<|im_end|>\n<|im_start|>assistant\nA cat.<|im_end|>\n"
+                    "<|im_start|>user\nWhere?<|im_end|>\n<|im_start|>assistant\nOn a mat.<|im_end|>\n"
+                    "<|im_start|>user\nAnd the color?<|im_end|>\n<|im_start|>assistant\n")
+    assert vlm.conversation_text([], "What is it?") == vlm.prompt_text("What is it?")
+    inputs = vlm.encode([torch.zeros(3, 32, 32, dtype=torch.uint8)], [text])
+    assert int((inputs.input_ids == vlm.lm.image_token_id).sum()) == vlm.image_tokens_per_image > 1
