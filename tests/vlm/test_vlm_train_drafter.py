@@ -264,7 +264,7 @@ def test_text_only_batch_runs_the_target_without_the_image(target_dir, tmp_path)
 
 
 def test_feature_noise_follows_eagles_length_scaling():
-    from vlm.train_drafter import feature_noise
+    from vlm.drafter_losses import feature_noise
 
     features, lengths = torch.zeros(2, 64, 8), torch.tensor([64, 256])
     noise = feature_noise(features, lengths, 0.2, "eagle", torch.Generator().manual_seed(0))
