@@ -95,7 +95,7 @@ def conversation_answers(vlm: SpeculativeVLM, user: VLMData, rows: list[int], so
     parts: dict[tuple[int, int], tuple[list[int], int]] = {}
     for n in range(max(len(t) for t in turns.values())):
         now = [i for i in rows if n < len(turns[i])]
-        prompts = [vlm.conversation_text(history[i], turns[i][n][0]) for i in now]
+        prompts = [vlm.conversation_text(history[i], turns[i][n][0], user.image_count(i)) for i in now]
         texts = None if source == "target" else [turns[i][n][1] + tok.eos_token for i in now]
         data = target_answers(vlm, RowImages(user, now), prompts, texts, max_tokens, quiet, state)
         for j, i in enumerate(now):

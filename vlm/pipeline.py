@@ -160,11 +160,12 @@ class SpeculativeVLM:
         """What one image is in a prompt's text before the processor expands it (`vlm.world.image_marker`)."""
         return image_marker(self.processor)
 
-    def prompt_text(self, prompt: str, with_image: bool = True) -> str:
+    def prompt_text(self, prompt: str, with_image: bool = True, images: int = 1) -> str:
         """`prompt` as the target reads it. A prompt holding the image marker is used as given (`<image>` stands
         for the model's marker, e.g. Qwen2-VL's `<|vision_start|><|image_pad|><|vision_end|>`); any other is a raw
         question, formatted by the tokenizer's chat template when it has one, else by LLaVA-1.5's conversation
-        format (`vlm.world.build_prompt`) with the model's image marker, or without one for a text-only row."""
+        format (`vlm.world.build_prompt`) with the model's image marker (`images` of them, one a line, for a row of
+        several images), or without one for a text-only row."""
         check(isinstance(prompt, str) and prompt.strip(), "every prompt must be a non-empty string.")
         marker = self.image_marker()
         if "<image>" in prompt and marker != "<image>" and marker not in prompt:  # world prompts, any model
@@ -173,52 +174,55 @@ class SpeculativeVLM:
             check(with_image, f"a prompt holds the image marker {marker!r} but its image is None.")
             return prompt
         if getattr(self.processor.tokenizer, "chat_template", None):
-            content = ([{"type": "image"}] if with_image else []) + [{"type": "text", "text": prompt.strip()}]
+            content = [{"type": "image"}] * (images if with_image else 0) + [{"type": "text", "text": prompt.strip()}]
             return self.processor.apply_chat_template([{"role": "user", "content": content}],
                                                       add_generation_prompt=True, tokenize=False)
-        text = build_prompt(prompt.strip(), long=False).replace("<image>", marker)
+        text = build_prompt(prompt.strip(), long=False).replace("<image>", "\n".join([marker] * images))
         return text if with_image else text.replace(f"{marker}\n", "")
 
-    def conversation_text(self, history: Sequence[tuple[str, str]], question: str) -> str:
-        """The prompt of a later question of a conversation about one image, as the target reads it: the earlier
+    def conversation_text(self, history: Sequence[tuple[str, str]], question: str, images: int = 1) -> str:
+        """The prompt of a later question of a conversation about its image(s), as the target reads it: the earlier
         exchanges (question, answer), the image in the first user turn, then `question`; by the tokenizer's chat
         template when it has one, else LLaVA-1.5's conversation format (`USER: <image>\nq1 ASSISTANT: a1</s>USER:
-        q2 ASSISTANT:`, the tokenizer's eos after each answer). No history: `prompt_text(question)`."""
+        q2 ASSISTANT:`, the tokenizer's eos after each answer); `images` of them in a row of several. No history:
+        `prompt_text(question)`."""
         if not history:
-            return self.prompt_text(question)
+            return self.prompt_text(question, images=images)
         tok = self.processor.tokenizer
         if getattr(tok, "chat_template", None):
             messages = []
             for n, (asked, answer) in enumerate(history):
-                content = ([{"type": "image"}] if n == 0 else []) + [{"type": "text", "text": asked.strip()}]
+                content = [{"type": "image"}] * (images if n == 0 else 0) + [{"type": "text", "text": asked.strip()}]
                 messages += [{"role": "user", "content": content},
                              {"role": "assistant", "content": [{"type": "text", "text": answer.strip()}]}]
             messages.append({"role": "user", "content": [{"type": "text", "text": question.strip()}]})
             return self.processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        text = self.prompt_text(history[0][0])
+        text = self.prompt_text(history[0][0], images=images)
         for (_, answer), asked in zip(history, [q for q, _ in history[1:]] + [question]):
             text += f" {answer.strip()}{tok.eos_token}USER: {asked.strip()} ASSISTANT:"
         return text
 
     def encode(self, images: Sequence | None, prompts: Sequence[str]) -> VLMInputs:
-        """Right-padded VLMInputs for images (PIL images, uint8 [3, H, W] tensors or arrays; None for a text-only
-        row, or images=None for all) and prompts."""
+        """Right-padded VLMInputs for images (per prompt: a PIL image, uint8 [3, H, W] tensor or array, a list of
+        them for a row of several images, or None for a text-only row; images=None for all) and prompts."""
         images = [None] * len(prompts) if images is None else list(images)
         check(len(images) == len(prompts), f"{len(images)} images for {len(prompts)} prompts; give one image "
-                                           "(or None) per prompt.")
-        texts = [self.prompt_text(p, image is not None) for image, p in zip(images, prompts)]
-        given = [image for image in images if image is not None]
+                                           "(a list for several, or None) per prompt.")
+        per_row = [[] if image is None else list(image) if isinstance(image, (list, tuple)) else [image]
+                   for image in images]
+        texts = [self.prompt_text(p, bool(row), max(1, len(row))) for row, p in zip(per_row, prompts)]
+        given = [image for row in per_row for image in row]
         tok = self.processor.tokenizer
         side = tok.padding_side
         tok.padding_side = "right"
         try:
             if given and self.lm.images_nested_per_row:  # processors that want a list of images per prompt
-                given = [[] if image is None else [image] for image in images]
+                given = per_row
             enc = self.processor(images=given or None, text=texts, return_tensors="pt", padding=True)
         finally:
             tok.padding_side = side
         if given:
-            n_images = sum(image is not None for image in images)
+            n_images = len(given) if not self.lm.images_nested_per_row else sum(map(len, per_row))
             self.image_tokens_per_image = float((enc["input_ids"] == self.lm.image_token_id).sum()) / n_images
         extras = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask", "pixel_values")
                   and isinstance(v, torch.Tensor)}
@@ -252,13 +256,13 @@ class SpeculativeVLM:
                  child_ranking: str = "raw", budget: str | None = None, *, accept: str = "coupled",
                  num_speculative_tokens: int | None = None, method: str | None = None, **transformers_kwargs):
         """Two forms. `generate(images, prompts, ...)`: answers for (image, prompt) pairs (an image may be None:
-        a text-only row) as a `VLMOutput`; temperature (default 0: greedy), top_p, top_k; max_new_tokens default
-        128. `generate(**processor_outputs, ...)` (or `generate(input_ids, ...)`): transformers' form
-        (`vlm.hf_generate`): the processor's input_ids, attention_mask, pixel_values and other model inputs, and
-        every keyword of transformers' `generate` (generation_config, its fields, logits_processor,
-        stopping_criteria, prefix_allowed_tokens_fn, streamer, tokenizer for stop_strings), honoured as
-        `model.generate` does or refused in one line; the result is what `model.generate` returns, the statistics
-        stay in `self.last_stats`.
+        a text-only row, or a list of images: a row of several) as a `VLMOutput`; temperature (default 0: greedy),
+        top_p, top_k; max_new_tokens default 128. `generate(**processor_outputs, ...)` (or `generate(input_ids,
+        ...)`): transformers' form (`vlm.hf_generate`): the processor's input_ids, attention_mask, pixel_values and
+        other model inputs, and every keyword of transformers' `generate` (generation_config, its fields,
+        logits_processor, stopping_criteria, prefix_allowed_tokens_fn, streamer, tokenizer for stop_strings),
+        honoured as `model.generate` does or refused in one line; the result is what `model.generate` returns, the
+        statistics stay in `self.last_stats`.
 
         Both: `tree` = (depth, top_k, total_tokens) of the EAGLE-2 draft tree, depth in drafted levels (EAGLE's
         code's depth + 1); None (or a None entry) takes the drafter's paper setting (`official_tree`);
@@ -294,7 +298,7 @@ class SpeculativeVLM:
         check(prompts is not None and len(prompts) > 0, "no prompts given.")
         images = [None] * len(prompts) if images is None else list(images)
         check(len(images) == len(prompts), f"{len(images)} images for {len(prompts)} prompts; give one image "
-                                           "(or None) per prompt.")
+                                           "(a list for several, or None) per prompt.")
         max_new_tokens = 128 if max_new_tokens is None else max_new_tokens
         check_positive_int("max_new_tokens", max_new_tokens)
         params = SamplingParams(0.0 if temperature is None else temperature, top_k or 0,

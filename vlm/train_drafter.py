@@ -188,7 +188,9 @@ def training_batch(vlm: SpeculativeVLM, data: dict, rows: torch.Tensor, text_onl
             kept[b, : int(lengths[b])] = ids[b][keep[b]][: int(lengths[b])]
         ids = kept
     else:  # the processor's image inputs: pixel_values and what else the target reads (Qwen2-VL's image_grid_thw)
-        images = vlm.processor.image_processor([data["images"][int(i)] for i in rows], return_tensors="pt")
+        per_row = [data["images"][int(i)] for i in rows]  # an image, or a list for a row of several
+        images = vlm.processor.image_processor([im for row in per_row for im in (row if isinstance(row, list) else
+                                                                                 [row])], return_tensors="pt")
         pixels = images.pop("pixel_values")
         extras = {k: v for k, v in images.items() if isinstance(v, torch.Tensor)}
     mask = torch.arange(width) < lengths.unsqueeze(-1)
@@ -224,6 +226,7 @@ def drafter_state_path(args: argparse.Namespace, work: Path, data_id: str | None
     return work / f"{args.kind}-{folder_fingerprint(args.target)}{data}-state.pt"
 
 
+ONE_IMAGE_RUN_KINDS = ("vispec", "specvlm")  # drafters whose layout compresses one image run a row
 TEXT_STAGE_KINDS = ("vispec", "msd")  # the kinds whose schedule has a text-only stage (`--text-data`)
 
 
@@ -422,6 +425,12 @@ def run(args: argparse.Namespace) -> int:
     if args.data is not None:  # every row and image path checked before the model loads
         user = VLMData(args.data, args.image_folder, args.turns)
         args.num_train, data_id = len(training_rows(args, user)), data_identity(user)
+        several = user.rows_with_several_images()
+        one_run = args.kind in ONE_IMAGE_RUN_KINDS or (args.kind == "eagle3" and args.vision_adaptor)
+        check(not (several and one_run), f"--data {args.data}: {several} rows hold several images, but a "
+                                         f"{args.kind}{' --vision-adaptor' if args.kind == 'eagle3' else ''} drafter "
+                                         "lays out one image run a row (its paper's design); train eagle, msd or "
+                                         "eagle3 on them, or give one image a row.")
         if user.turns_notice() and os.environ.get("RANK", "0") == "0":  # (the first of several processes says it)
             print(user.turns_notice(), file=sys.stderr)
     else:

@@ -18,9 +18,9 @@ the first as `question` / `answer`, the later ones in `later` (`turns="first"`: 
 says how many rows hold several and which are read. The `<image>` marker leaves the
 question: the target's own prompt format places the image (`SpeculativeVLM.prompt_text`). A relative image path is
 read under `image_folder` (default: the data file's folder); a `datasets` folder's image column may hold the images
-themselves. Every row has exactly one image: text-only conversations train through `--text-data`, and rows with
-several images are refused. `VLMData` checks every row and image path before any model loads, with a one-line error
-naming the row.
+themselves. A row holds one image or several (an `images` list, chat image parts, a folder's image lists: `image`
+returns a list for those); text-only conversations train through `--text-data`. `VLMData` checks every row and image
+path before any model loads, with a one-line error naming the row.
 
     data = VLMData("my_rows.jsonl")
     image = data.image(0)                        # uint8 [3, H, W]
@@ -47,18 +47,19 @@ TURNS = ("all", "first")  # a row's exchanges read: every one (one training exam
 
 @dataclass(frozen=True)
 class VLMRow:
-    """One training row: its image (a file path, or the row index of a `datasets` folder's image column), the first
+    """One training row: its image (a file path, a tuple of them for a row of several images, or the row index of a
+    `datasets` folder's image column), the first
     question without its image marker, the dataset's reply (None where the row has none) and, when its conversation
     is read whole, the later exchanges (question, reply or None)."""
 
-    image: str | int
+    image: str | int | tuple[str, ...]
     question: str
     answer: str | None
     later: tuple[tuple[str, str | None], ...] = ()
 
 
-def row_image(row: dict, where: str) -> object:
-    """The one image a row names: `image`, a one-element `images`, or a chat part {"type": "image", "image": ...}."""
+def row_images(row: dict, where: str) -> list:
+    """The images a row names, in order: `image`, `images`, or chat parts {"type": "image", "image": ...}."""
     images = row.get("images")
     if images is None and "image" in row:
         images = [row["image"]]
@@ -70,9 +71,8 @@ def row_image(row: dict, where: str) -> object:
     check(images is not None, f"{where}: no image ('image', 'images' or a chat image part); text-only rows train "
                               "through --text-data.")
     images = images if isinstance(images, list) else [images]
-    check(len(images) == 1, f"{where}: {len(images)} images in one row; rows with several images are not supported, "
-                            "give one image a row.")
-    return images[0]
+    check(len(images) > 0, f"{where}: an empty 'images' list; text-only rows train through --text-data.")
+    return images
 
 
 def row_exchanges(row: dict, where: str, whole: bool) -> tuple[str, str | None, tuple]:
@@ -92,12 +92,15 @@ def parse_row(row: object, where: str, folder: Path, whole: bool = True) -> VLMR
     InputError naming `where`."""
     check(isinstance(row, dict), f"{where}: a row must be a JSON object.")
     question, answer, later = row_exchanges(row, where, whole)
-    image = row_image(row, where)
-    check(isinstance(image, str) and image.strip(), f"{where}: the image must be a file path, got {image!r}.")
-    check("://" not in image, f"{where}: {image!r} is a URL; mmspec reads local files only (download it first).")
-    path = Path(image) if Path(image).is_absolute() else folder / image
-    check(path.is_file(), f"{where}: image {path} not found; set --image-folder to the folder the paths start in.")
-    return VLMRow(str(path), question, answer, later)
+    paths = []
+    for image in row_images(row, where):
+        check(isinstance(image, str) and image.strip(), f"{where}: the image must be a file path, got {image!r}.")
+        check("://" not in image, f"{where}: {image!r} is a URL; mmspec reads local files only (download it first).")
+        path = Path(image) if Path(image).is_absolute() else folder / image
+        check(path.is_file(), f"{where}: image {path} not found; set --image-folder to the folder the paths start "
+                              "in.")
+        paths.append(str(path))
+    return VLMRow(paths[0] if len(paths) == 1 else tuple(paths), question, answer, later)
 
 
 def json_rows(path: Path) -> list[tuple[str, object]]:
@@ -140,6 +143,27 @@ class VLMData:
             self.multi_turn_rows = sum(later_user_turns(row) > 0 for _, row in raw)
         check(self.rows, f"--data {self.source}: no rows.")
 
+    def image_count(self, i: int) -> int:
+        """How many images row i holds (a `datasets` folder's read from its Arrow list length, none decoded)."""
+        row = self.rows[i]
+        if self.dataset is None:
+            return len(row.image) if isinstance(row.image, tuple) else 1
+        value = self.dataset.data.column(self.image_column)[row.image].as_py() if str(
+            self.dataset.data.column(self.image_column).type).startswith(("list", "large_list")) else None
+        return 1 if value is None else len(value)
+
+    def rows_with_several_images(self) -> int:
+        """How many rows hold more than one image (a `datasets` folder's counted from its Arrow list lengths, no
+        image decoded)."""
+        if self.dataset is None:
+            return sum(isinstance(row.image, tuple) for row in self.rows)
+        import pyarrow.compute as pc
+
+        column = self.dataset.data.column(self.image_column)
+        if not str(column.type).startswith(("list", "large_list")):
+            return 0
+        return int(pc.sum(pc.greater(pc.list_value_length(column), 1)).as_py() or 0)
+
     def turns_notice(self) -> str | None:
         """One line saying how many rows hold turns after the first (which training does not read), or None."""
         return turns_notice(f"--data {self.source}", self.multi_turn_rows, len(self.rows), self.turns == "all")
@@ -175,15 +199,21 @@ class VLMData:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def image(self, i: int) -> torch.Tensor:
-        """Row i's image as RGB uint8 [3, H, W]; InputError naming the row when it cannot be read."""
-        import PIL.Image
-
+    def image(self, i: int) -> torch.Tensor | list[torch.Tensor]:
+        """Row i's image as RGB uint8 [3, H, W], or a list of them for a row of several; InputError naming the row
+        when one cannot be read."""
         row = self.rows[i]
         stored = row.image if self.dataset is None else self.dataset[row.image][self.image_column]
-        if isinstance(stored, list):
-            check(len(stored) == 1, f"--data {self.source} row {i}: {len(stored)} images in one row; give one.")
-            stored = stored[0]
+        if isinstance(stored, (list, tuple)):
+            check(len(stored) > 0, f"--data {self.source} row {i}: no image.")
+            images = [self.read_image(one, i) for one in stored]
+            return images[0] if len(images) == 1 else images
+        return self.read_image(stored, i)
+
+    def read_image(self, stored: object, i: int) -> torch.Tensor:
+        """One stored image (a path, PIL image or encoded datasets image) as RGB uint8 [3, H, W]."""
+        import PIL.Image
+
         if isinstance(stored, dict):  # an encoded datasets image: {"bytes", "path"}
             stored = io.BytesIO(stored["bytes"]) if stored.get("bytes") else stored.get("path")
         try:
