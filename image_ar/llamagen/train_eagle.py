@@ -212,7 +212,8 @@ def batch_condition(pipe: LlamaGenPipeline, data: dict[str, torch.Tensor],
         return data["labels"][rows].long(), None
     from image_ar.llamagen.text import caption_condition
 
-    return caption_condition(pipe.text_encoder, data["text_ids"][rows], data["masks"][rows])
+    device = next(pipe.text_encoder.parameters()).device
+    return caption_condition(pipe.text_encoder, data["text_ids"][rows].to(device), data["masks"][rows].to(device))
 
 # ----------------------------------------------------------------------------------------------------- steps
 @torch.no_grad()
