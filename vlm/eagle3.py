@@ -56,6 +56,11 @@ class VLMEagle3Drafter(VisionAdaptor, Eagle3Drafter):
         return bool(self.config.num_queries)
 
     @property
+    def one_image_run(self) -> bool:
+        """With the adaptor, ViSpec's layout: one image run a row."""
+        return self.vision_adaptor
+
+    @property
     def loop_drafter(self) -> type:
         """What the loop runs for this drafter: EAGLE-2 trees, over ViSpec's compressed prompt with the adaptor."""
         return VLMViSpec3TreeDrafter if self.vision_adaptor else VLMEagle3TreeDrafter

@@ -304,6 +304,11 @@ class SpeculativeVLM:
         params = SamplingParams(0.0 if temperature is None else temperature, top_k or 0,
                                 1.0 if top_p is None else top_p)
         eos = self.processor.tokenizer.eos_token_id
+        several = next((i for i, image in enumerate(images) if isinstance(image, (list, tuple)) and len(image) > 1),
+                       None)
+        check(several is None or not (use_drafter and getattr(self.drafter, "one_image_run", False)),
+              f"row {several} holds several images, but this {type(self.drafter).__name__} lays out one image run a "
+              "row; give it one image, or use an eagle, msd or eagle3 drafter (use_drafter=False: the target alone).")
         out = VLMOutput([], [], [], SpecStats())
         batches = []  # every batch encoded and checked before any is generated
         for start in range(0, len(prompts), batch_size):

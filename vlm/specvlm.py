@@ -125,6 +125,7 @@ class VLMSpecVLMDrafter(VLMEagleDrafter):
     norm by default (SpecVLM's EagleVLM adds it)."""
 
     official_tree = SPECVLM_TREE
+    one_image_run = True  # its compressor pools one image run a row
 
     def image_tokens_attended(self, num_image_tokens: int) -> float:
         """The compressed size the gate chose (the last batch's rows averaged)."""

@@ -113,6 +113,7 @@ class VLMViSpecDrafter(VisionAdaptor, VLMEagleDrafter):
     """EagleVLM drafter + vision adaptor `imadpt` + `img_fc` (see the module docstring)."""
 
     official_tree = VISPEC_TREE
+    one_image_run = True  # its layout compresses one image run a row
 
     def image_tokens_attended(self, num_image_tokens: int) -> float:
         """num_q - 1 compressed image tokens per row."""

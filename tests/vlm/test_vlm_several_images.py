@@ -82,3 +82,16 @@ def test_data_rows_of_several_images_train_an_eagle_drafter(tmp_path, capsys):
     counts = (torch.load(cache, weights_only=True)["ids"] == image_id).sum(-1).tolist()
     assert counts == [data.image_count(i) * counts[[data.image_count(j) for j in train].index(1)] for i in train]
     assert any(data.image_count(i) == 2 for i in train)  # a row of two images trained
+
+
+def test_a_drafter_of_one_image_run_refuses_a_row_of_several_before_any_work():
+    from mmspec.errors import InputError
+
+    vlm = tiny_vlm("llava")
+    vlm.drafter = drafter_model("vispec").for_target(vlm.lm).eval()
+    pictures = images(2)
+    with pytest.raises(InputError, match="row 1 holds several images") as err:
+        vlm.generate([pictures[0], pictures], ["One?", "Two?"], max_new_tokens=4)
+    assert "\n" not in str(err.value)
+    assert len(vlm.generate([pictures[0], pictures], ["One?", "Two?"], max_new_tokens=4,
+                            use_drafter=False).token_ids) == 2
