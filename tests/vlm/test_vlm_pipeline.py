@@ -88,7 +88,7 @@ def test_a_folder_in_another_parameter_layout_is_refused_not_loaded_half_random(
 
 
 def test_bad_input(vlm, tmp_path):
-    with pytest.raises(InputError, match="one image \\(or None\\) per prompt"):
+    with pytest.raises(InputError, match="one image \\(a list for several, or None\\) per prompt"):
         vlm.generate(world_images(2), QUESTIONS[:1])
     with pytest.raises(InputError, match="non-empty"):
         vlm.generate(world_images(1), ["  "])
