@@ -35,9 +35,11 @@ ANSWERS = "answers.jsonl"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--image", default=None, help="an image file (PNG, JPEG, ...)")
+    parser.add_argument("--image", action="append", default=None,
+                        help="an image file (PNG, JPEG, ...); repeat it for a question about several images")
     parser.add_argument("--prompt", default=None, help="the question (wrapped as 'USER: <image>\\n... ASSISTANT:')")
-    parser.add_argument("--job", default=None, help="a .jsonl / .csv job file with columns id, image, prompt")
+    parser.add_argument("--job", default=None, help="a .jsonl / .csv job file with columns id, image, prompt "
+                                                    "(a JSON Lines row's image may be a list of files)")
     parser.add_argument("--out", default=None, help="output folder of a job (answers.jsonl, stats.json)")
     parser.add_argument("--model", default=None, help="target folder or a hub id in the local Hugging Face cache "
                                                       "(default: the embedded assets/vlm)")
@@ -91,6 +93,11 @@ def load_image(path: str | Path):
             return image.convert("RGB")
     except (PIL.Image.UnidentifiedImageError, OSError):
         raise InputError(f"{path} is not an image file PIL can read (PNG, JPEG, BMP, ...).") from None
+
+
+def load_images(paths: str | Path | list):
+    """`load_image` of one path, or a list of them for a row of several images."""
+    return [load_image(p) for p in paths] if isinstance(paths, list) else load_image(paths)
 
 
 def parse_tree(text: str | None) -> tuple[int, int, int] | None:
@@ -171,7 +178,7 @@ def answer(args: argparse.Namespace) -> int:
     check(single != (args.job is not None), "pass either --image and --prompt, or --job (with --out).")
     if single:
         check(args.image is not None and args.prompt, "a single question needs both --image and --prompt.")
-        image = load_image(args.image)
+        image = load_images(args.image if len(args.image) > 1 else args.image[0])
         vlm = load_vlm(args)
         stream = (lambda row, text, ids: print(text, end="", flush=True)) if args.stream else None
         start = time.perf_counter()
@@ -233,7 +240,7 @@ def readable_rows(rows, skip_bad: bool) -> tuple[list, list[str]]:
     good, bad = [], []
     for row in rows:
         try:
-            load_image(row.inputs["image"])
+            load_images(row.inputs["image"])
             good.append(row)
         except InputError as err:
             bad.append(f"{row.id}: {err}")
@@ -248,7 +255,7 @@ def fitting_rows(vlm, rows, max_new_tokens: int, skip_bad: bool) -> tuple[list, 
     as "id: what is wrong" (InputError naming the first unless `skip_bad`): checked before any row is answered."""
     good, bad = [], []
     for row in rows:
-        inputs = vlm.encode([load_image(row.inputs["image"])], [row.inputs["prompt"]])
+        inputs = vlm.encode([load_images(row.inputs["image"])], [row.inputs["prompt"]])
         try:
             vlm.check_room(inputs, max_new_tokens)
             good.append(row)
@@ -270,13 +277,17 @@ def run_job(args: argparse.Namespace, tree: tuple[int, int, int] | None) -> int:
 
     def parse_inputs(fields: dict) -> dict:
         for name in ("image", "prompt"):
-            if not str(fields.get(name, "")).strip():
+            if not fields.get(name) or not str(fields.get(name, "")).strip():
                 raise ValueError(f"missing '{name}'")
-        path = Path(str(fields["image"]))
-        path = path if path.is_absolute() else job.parent / path
-        if not path.is_file():
-            raise ValueError(f"image {path} does not exist")
-        return {"image": str(path), "prompt": str(fields["prompt"])}
+        given = fields["image"] if isinstance(fields["image"], list) else [fields["image"]]
+        paths = []
+        for image in given:
+            path = Path(str(image))
+            path = path if path.is_absolute() else job.parent / path
+            if not path.is_file():
+                raise ValueError(f"image {path} does not exist")
+            paths.append(str(path))
+        return {"image": paths if isinstance(fields["image"], list) else paths[0], "prompt": str(fields["prompt"])}
 
     resolve_drafter(args)
     args.budget = job_budget(args.budget, "auto", args.accept != "coupled" and args.temperature > 0
@@ -313,7 +324,7 @@ def run_job(args: argparse.Namespace, tree: tuple[int, int, int] | None) -> int:
 
     try:
         for chunk in tqdm(todo, desc="vlm", unit="batch"):
-            images = [load_image(row.inputs["image"]) for row in chunk]
+            images = [load_images(row.inputs["image"]) for row in chunk]
             result = vlm.generate(images, [row.inputs["prompt"] for row in chunk], args.max_new_tokens,
                                   args.temperature, args.top_p, tree=tree, batch_size=len(chunk),
                                   generator=[torch.Generator().manual_seed(row.seed) for row in chunk],

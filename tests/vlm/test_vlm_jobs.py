@@ -172,3 +172,27 @@ def test_a_single_question_longer_than_the_models_positions_is_refused(folder, t
                  str(folder / "scene0.png"), "--prompt", "describe the scene " * 200]) == 2
     err = capsys.readouterr().err.strip()
     assert "positions" in err and len(err.splitlines()) == 1
+
+
+def test_questions_about_several_images(folder, tmp_path, capsys):
+    """`--image` repeated asks about several images, and a JSON Lines job row may name a list: the answers are the
+    target's own for the same images (`SpeculativeVLM.generate` with a list for the row), and the job resumes."""
+    vlm = SpeculativeVLM.from_pretrained(folder / "model")
+    pictures = [PIL.Image.open(folder / f"scene{i}.png").convert("RGB") for i in (0, 1)]
+    want = vlm.generate([pictures], ["Which one is larger?"], max_new_tokens=8, use_drafter=False).texts[0]
+    capsys.readouterr()
+    assert main(["vlm", "--model", str(folder / "model"), "--image", str(folder / "scene0.png"), "--image",
+                 str(folder / "scene1.png"), "--prompt", "Which one is larger?", "--max-new-tokens", "8",
+                 "--threads", "1"]) == 0
+    assert capsys.readouterr().out.strip() == want.strip()
+    rows = scenes(3)
+    rows[1]["image"] = ["scene0.png", "scene1.png"]
+    job = write_job(tmp_path, "job.jsonl", rows)
+    for i in range(2):
+        (tmp_path / f"scene{i}.png").write_bytes((folder / f"scene{i}.png").read_bytes())
+    (tmp_path / "scene2.png").write_bytes((folder / "scene2.png").read_bytes())
+    assert run_job(folder, job, tmp_path / "out") == 0
+    got = answers(tmp_path / "out")
+    alone = vlm.generate([pictures], [QUESTION], max_new_tokens=8, use_drafter=False).texts[0]
+    assert got["q1"] == alone and len(got) == 3
+    assert run_job(folder, job, tmp_path / "out") == 0 and answers(tmp_path / "out") == got  # resumed: nothing new
