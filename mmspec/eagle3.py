@@ -37,8 +37,6 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from mmspec.attention.model_backend import AttentionBackendMixin
-from mmspec.cache import StaticKVCache
-from mmspec.draft_layers import run_llama_layers
 from mmspec.errors import InputError, check
 from mmspec.llama_drafter import LlamaFeatureDrafter, TargetBound
 
@@ -172,25 +170,9 @@ class Eagle3Drafter(TargetBound, AttentionBackendMixin, ModelMixin, ConfigMixin)
         return torch.cat([e, g], dim=-1)
 
     new_cache = LlamaFeatureDrafter.new_cache  # one decoder layer's K/V, in fc's dtype and device
-
-    @torch.no_grad()
-    def forward_cached(self, tokens: torch.Tensor | None, positions: torch.Tensor, cache: StaticKVCache,
-                       slots: torch.Tensor, mask: torch.Tensor, *, features: torch.Tensor,
-                       embeds: torch.Tensor | None = None, logits: bool = True,
-                       query_column: torch.Tensor | None = None,
-                       direct: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Pairs (tokens [R, S] or their embeddings [R, S, H], features: the target's [R, S, 3 H_t] or the drafter's
-        own [R, S, H]) at positions [R, S], written to cache slots [R, S], attending through mask [R, S, T]. Returns
-        logits over the target's vocabulary [R, S, V] and sets `last_hidden` (the outputs o) [R, S, H]; logits=False
-        only fills the cache; query_column [R]: the outputs of that column of each row alone (as
-        `mmspec.llama_drafter.LlamaFeatureDrafter.forward_cached`); direct [R, S]: elements read as `fuse` says."""
-        if embeds is None:
-            embeds = self.embed_tokens(tokens)
-        x = run_llama_layers(self.layers, self.rotary_emb, self.fuse(embeds, features, direct), positions, mask,
-                             cache=cache, slots=slots, backend=self.attention_backend, cache_only=not logits,
-                             query_column=query_column)
-        self.last_hidden = None if x is None else x.detach()
-        return None if x is None else self.head(x)
+    # pairs (tokens or embeddings, features: the target's [R, S, 3 H_t] or the drafter's own [R, S, H]) through the
+    # layer with the cache, as EAGLE-1/2's: logits over the target's vocabulary (`head`), `last_hidden` the outputs o
+    forward_cached = LlamaFeatureDrafter.forward_cached
 
     # ------------------------------------------------------------------------------------------ format
     def to_official_state(self) -> dict[str, torch.Tensor]:

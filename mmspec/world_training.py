@@ -53,6 +53,17 @@ def length_grouped_batch(step: int, lengths: torch.Tensor, batch_size: int, seed
     return batches[torch.randperm(per_epoch, generator=gen)[index]]
 
 
+def prompt_list(path: str | None, n: int, split: str, seed: int) -> list[str]:
+    """n prompts for an image trainer's `--prompts`: the file's lines cycled (InputError when there is no file or it
+    holds none), or world captions of `split`."""
+    if path is None:
+        return list(generate_batch(n, seed, split=split, image_size=IMAGE_SIZE).captions)
+    check(Path(path).is_file(), f"--prompts {path}: no such file (one prompt a line).")
+    lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    check(len(lines) > 0, f"--prompts {path} holds no prompt.")
+    return [lines[i % len(lines)] for i in range(n)]
+
+
 def world_images(n: int, seed: int, split: str, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """n single-object world images as float [-1, 1] [n, 3, 32, 32] and their class labels [n]."""
     batch = generate_batch(n, seed, split=split, start=start, image_size=IMAGE_SIZE, with_text=False)

@@ -74,8 +74,7 @@ def training_rows(args: argparse.Namespace, user: VLMData) -> list[int]:
 def data_id(user: VLMData) -> str:
     """What identifies a --data source's training examples: its fingerprint, and whether its later exchanges are
     examples too (rows of several exchanges read whole)."""
-    whole = user.turns == "all" and user.multi_turn_rows > 0
-    return user.fingerprint() + ("-turns" if whole else "")
+    return user.fingerprint() + ("-turns" if user.reads_later_exchanges else "")
 
 
 def conversation_answers(vlm: SpeculativeVLM, user: VLMData, rows: list[int], source: str, max_tokens: int,
@@ -122,7 +121,7 @@ def answer_cache(vlm: SpeculativeVLM, args: argparse.Namespace, work: Path, user
     source = answer_source(args)
     prefix = "answers" if source == "target" else "dataset-answers"
     tok = vlm.processor.tokenizer
-    whole = user is not None and user.turns == "all" and user.multi_turn_rows > 0
+    whole = user is not None and user.reads_later_exchanges
     if user is None:
         examples = world_vqa_examples("train", args.num_train, seed=args.seed, long_fraction=1.0)
         images = [ex.image for ex in examples]

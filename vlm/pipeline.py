@@ -222,7 +222,7 @@ class SpeculativeVLM:
         finally:
             tok.padding_side = side
         if given:
-            n_images = len(given) if not self.lm.images_nested_per_row else sum(map(len, per_row))
+            n_images = sum(map(len, per_row))
             self.image_tokens_per_image = float((enc["input_ids"] == self.lm.image_token_id).sum()) / n_images
         extras = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask", "pixel_values")
                   and isinstance(v, torch.Tensor)}

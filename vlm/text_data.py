@@ -67,27 +67,11 @@ def checked_exchange(exchange: tuple[object, object], where: str, need_reply: bo
     return prompt.strip(), None if reply is None else reply.strip()
 
 
-def conversation_pair(row: dict, where: str, need_reply: bool = True) -> tuple[str, str | None]:
-    """(prompt, reply) of one row's first exchange (`raw_exchanges`); the later ones are not read. The reply is None
-    where the row has none and `need_reply` is False; InputError naming `where` otherwise."""
-    return checked_exchange(raw_exchanges(row, where)[0], where, need_reply)
-
-
-def conversation_turns(row: dict, where: str) -> list[tuple[str, str | None]]:
-    """Every exchange of one row, each checked as `conversation_pair` checks the first (exchange n named from the
-    second on); a reply may be missing (None)."""
-    exchanges = raw_exchanges(row, where)
+def conversation_turns(exchanges: list[tuple[object, object]], where: str) -> list[tuple[str, str | None]]:
+    """A row's `raw_exchanges`, each checked as `checked_exchange` checks one (exchange n named from the second on);
+    a reply may be missing (None)."""
     return [checked_exchange(e, where if n == 1 else f"{where} (exchange {n})", False)
             for n, e in enumerate(exchanges, 1)]
-
-
-def later_user_turns(row: dict) -> int:
-    """How many user turns a conversation row holds after its first."""
-    turns = row.get("conversations", row.get("messages")) if isinstance(row, dict) else None
-    if not isinstance(turns, list):
-        return 0
-    roles = [str(t.get("from", t.get("role", ""))).lower() if isinstance(t, dict) else "" for t in turns]
-    return max(0, sum(role in USER_ROLES for role in roles) - 1)
 
 
 def turns_notice(source: str, multi_turn: int, total: int, read: bool = False) -> str | None:
@@ -120,8 +104,9 @@ def read_text_conversations(path: str | Path) -> tuple[list[tuple[str, str]], st
         except json.JSONDecodeError as err:
             raise InputError(f"--text-data {path} line {number}: not JSON ({err.msg}).") from None
         check(isinstance(row, dict), f"--text-data {path} line {number}: a row must be a JSON object.")
-        pairs.append(conversation_pair(row, f"--text-data {path} line {number}"))
-        multi_turn += later_user_turns(row) > 0
+        exchanges = raw_exchanges(row, f"--text-data {path} line {number}")
+        pairs.append(checked_exchange(exchanges[0], f"--text-data {path} line {number}", need_reply=True))
+        multi_turn += len(exchanges) > 1
     check(pairs, f"--text-data {path}: no conversations in the file.")
     return pairs, turns_notice(f"--text-data {path}", multi_turn, len(pairs))
 

@@ -13,10 +13,10 @@ in any of these row layouts:
                {"type": "text", "text": "What is here?"}]}, {"role": "assistant", "content": "A dog."}]}  # chat
     {"image": "1.jpg", "prompt": "What is here?", "answer": "A dog on a sofa."}  # "answer" may be left out
 
-A row gives its exchanges (a user turn and the reply after it when there is one; `vlm.text_data.conversation_turns`):
+A row gives its exchanges (a user turn and the reply after it when there is one; `vlm.text_data.raw_exchanges`):
 the first as `question` / `answer`, the later ones in `later` (`turns="first"`: not read); `VLMData.turns_notice`
-says how many rows hold several and which are read. The `<image>` marker leaves the
-question: the target's own prompt format places the image (`SpeculativeVLM.prompt_text`). A relative image path is
+says how many rows hold several and which are read. The `<image>` marker leaves the question: the target's own
+prompt format places the image (`SpeculativeVLM.prompt_text`). A relative image path is
 read under `image_folder` (default: the data file's folder); a `datasets` folder's image column may hold the images
 themselves. A row holds one image or several (an `images` list, chat image parts, a folder's image lists: `image`
 returns a list for those); text-only conversations train through `--text-data`. `VLMData` checks every row and image
@@ -29,17 +29,18 @@ path before any model loads, with a one-line error naming the row.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from mmspec.errors import InputError, check
-from vlm.text_data import conversation_pair, conversation_turns, later_user_turns, turns_notice
+from vlm.text_data import checked_exchange, conversation_turns, raw_exchanges, turns_notice
 
 IMAGE_MARKER = "<image>"  # LLaVA's marker in its data's questions
 TURNS = ("all", "first")  # a row's exchanges read: every one (one training example each), or the first
@@ -48,14 +49,14 @@ TURNS = ("all", "first")  # a row's exchanges read: every one (one training exam
 @dataclass(frozen=True)
 class VLMRow:
     """One training row: its image (a file path, a tuple of them for a row of several images, or the row index of a
-    `datasets` folder's image column), the first
-    question without its image marker, the dataset's reply (None where the row has none) and, when its conversation
-    is read whole, the later exchanges (question, reply or None)."""
+    `datasets` folder's image column), the first question without its image marker, the dataset's reply (None where
+    the row has none) and, when its conversation is read whole, the later exchanges (question, reply or None)."""
 
     image: str | int | tuple[str, ...]
     question: str
     answer: str | None
     later: tuple[tuple[str, str | None], ...] = ()
+    exchanges: int = field(default=1, compare=False)  # how many the row holds, read or not (not its content)
 
 
 def row_images(row: dict, where: str) -> list:
@@ -75,23 +76,25 @@ def row_images(row: dict, where: str) -> list:
     return images
 
 
-def row_exchanges(row: dict, where: str, whole: bool) -> tuple[str, str | None, tuple]:
-    """(first question without its image marker, its reply, the later exchanges: read when `whole`)."""
-    exchanges = conversation_turns(row, where) if whole else [conversation_pair(row, where, need_reply=False)]
+def row_exchanges(row: dict, where: str, whole: bool) -> tuple[str, str | None, tuple, int]:
+    """(first question without its image marker, its reply, the later exchanges: read when `whole`, how many
+    exchanges the row holds)."""
+    raw = raw_exchanges(row, where)
+    exchanges = conversation_turns(raw, where) if whole else [checked_exchange(raw[0], where, need_reply=False)]
     (question, answer), later = exchanges[0], tuple(exchanges[1:])
     question = " ".join(question.replace(IMAGE_MARKER, " ").split())
     check(question, f"{where}: the question is empty once its {IMAGE_MARKER} marker is taken out.")
     for n, (text, _) in enumerate(later, 2):
         check(IMAGE_MARKER not in text, f"{where} (exchange {n}): an {IMAGE_MARKER} marker after the first exchange; "
-                                        "rows hold one image, asked about from the first question on.")
-    return question, answer, later
+                                        "a row's images are asked about from its first question on.")
+    return question, answer, later, len(raw)
 
 
 def parse_row(row: object, where: str, folder: Path, whole: bool = True) -> VLMRow:
     """A raw JSON row as a VLMRow with its image path resolved under `folder` (`whole`: every exchange read);
     InputError naming `where`."""
     check(isinstance(row, dict), f"{where}: a row must be a JSON object.")
-    question, answer, later = row_exchanges(row, where, whole)
+    fields = row_exchanges(row, where, whole)
     paths = []
     for image in row_images(row, where):
         check(isinstance(image, str) and image.strip(), f"{where}: the image must be a file path, got {image!r}.")
@@ -100,7 +103,7 @@ def parse_row(row: object, where: str, folder: Path, whole: bool = True) -> VLMR
         check(path.is_file(), f"{where}: image {path} not found; set --image-folder to the folder the paths start "
                               "in.")
         paths.append(str(path))
-    return VLMRow(paths[0] if len(paths) == 1 else tuple(paths), question, answer, later)
+    return VLMRow(paths[0] if len(paths) == 1 else tuple(paths), *fields)
 
 
 def json_rows(path: Path) -> list[tuple[str, object]]:
@@ -138,31 +141,39 @@ class VLMData:
         else:
             folder = Path(image_folder) if image_folder is not None else self.source.parent
             check(folder.is_dir(), f"--image-folder {folder}: no such folder.")
-            raw = json_rows(self.source)
-            self.rows = [parse_row(row, where, folder, turns == "all") for where, row in raw]
-            self.multi_turn_rows = sum(later_user_turns(row) > 0 for _, row in raw)
+            self.rows = [parse_row(row, where, folder, turns == "all") for where, row in json_rows(self.source)]
         check(self.rows, f"--data {self.source}: no rows.")
 
-    def image_count(self, i: int) -> int:
-        """How many images row i holds (a `datasets` folder's read from its Arrow list length, none decoded)."""
-        row = self.rows[i]
+    @functools.cached_property
+    def image_counts(self) -> tuple[int, ...]:
+        """How many images each row holds (a `datasets` folder's from its image column's Arrow list lengths, no
+        image decoded); read once."""
         if self.dataset is None:
-            return len(row.image) if isinstance(row.image, tuple) else 1
-        value = self.dataset.data.column(self.image_column)[row.image].as_py() if str(
-            self.dataset.data.column(self.image_column).type).startswith(("list", "large_list")) else None
-        return 1 if value is None else len(value)
-
-    def rows_with_several_images(self) -> int:
-        """How many rows hold more than one image (a `datasets` folder's counted from its Arrow list lengths, no
-        image decoded)."""
-        if self.dataset is None:
-            return sum(isinstance(row.image, tuple) for row in self.rows)
+            return tuple(len(row.image) if isinstance(row.image, tuple) else 1 for row in self.rows)
         import pyarrow.compute as pc
 
         column = self.dataset.data.column(self.image_column)
         if not str(column.type).startswith(("list", "large_list")):
-            return 0
-        return int(pc.sum(pc.greater(pc.list_value_length(column), 1)).as_py() or 0)
+            return (1,) * len(self.rows)
+        lengths = pc.list_value_length(column).to_pylist()  # [rows of the folder]
+        return tuple(lengths[row.image] for row in self.rows)
+
+    def image_count(self, i: int) -> int:
+        """How many images row i holds."""
+        return self.image_counts[i]
+
+    def rows_with_several_images(self) -> int:
+        return sum(n > 1 for n in self.image_counts)
+
+    @property
+    def multi_turn_rows(self) -> int:
+        """How many rows hold more than one exchange."""
+        return sum(row.exchanges > 1 for row in self.rows)
+
+    @property
+    def reads_later_exchanges(self) -> bool:
+        """Whether later exchanges are training examples too (read whole, and some row holds them)."""
+        return self.turns == "all" and self.multi_turn_rows > 0
 
     def turns_notice(self) -> str | None:
         """One line saying how many rows hold turns after the first (which training does not read), or None."""
@@ -189,10 +200,9 @@ class VLMData:
         if isinstance(dataset.features[column], Image):  # keep the images encoded: `image` decodes one at a time
             dataset = dataset.cast_column(column, Image(decode=False))
         self.dataset, self.image_column = dataset, column
-        rows, self.multi_turn_rows = [], 0
+        rows = []
         for i, row in enumerate(dataset.remove_columns(column)):
             where = f"--data {self.source} row {i}"
-            self.multi_turn_rows += later_user_turns(row) > 0
             rows.append(VLMRow(i, *row_exchanges(row, where, self.turns == "all")))
         return rows
 

@@ -66,6 +66,7 @@ from mmspec.processes import (
     wait_for_everyone,
     weigh_share,
 )
+from mmspec.world_training import prompt_list
 
 COMPONENT = "eagle_drafter"
 COMPONENT_ENTRY = ["image_ar.llamagen.eagle", "LlamaGenEagleDrafter"]
@@ -133,31 +134,19 @@ def world_sequences(pipe: LlamaGenPipeline, n: int, seed: int, quiet: bool = Tru
     return dict(zip(("ids", "labels"), tokenize(pipe.vqvae, n, seed)))
 
 
-def caption_list(path: str | None, n: int, seed: int) -> list[str]:
-    """n captions: the file's lines cycled (InputError when it has none), or world train captions."""
-    if path is None:
-        from mmspec.data import generate_batch
-        from mmspec.world_training import IMAGE_SIZE
-
-        return list(generate_batch(n, seed, split="train", image_size=IMAGE_SIZE).captions)
-    check(Path(path).is_file(), f"--prompts {path}: no such file (one caption a line).")
-    lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
-    check(len(lines) > 0, f"--prompts {path} holds no caption.")
-    return [lines[i % len(lines)] for i in range(n)]
-
-
 @torch.no_grad()
 def target_sequences(pipe: LlamaGenPipeline, n: int, args: argparse.Namespace,
                      state=None) -> dict[str, torch.Tensor]:
     """The target's own samples (vanilla decoding at --data-guidance / --data-temperature), sample i with its own
     generator (seed * 1000003 + i), each process its `shard`: c2i {"ids": tokens [n, block_size] int16, "labels":
-    uniform random labels [n]}; t2i {"ids", "text_ids" [n, L], "masks" [n, L]} of the captions (`caption_list`)."""
+    uniform random labels [n]}; t2i {"ids", "text_ids" [n, L], "masks" [n, L]} of the captions
+    (`mmspec.world_training.prompt_list`)."""
     from image_ar.llamagen.text import tokenize_captions
 
     config = pipe.transformer.config
     t2i = config.model_type == "t2i"
     if t2i:
-        captions = caption_list(args.prompts, n, args.seed)
+        captions = prompt_list(args.prompts, n, "train", args.seed)
         calls = [{"prompt": c} for c in captions]
     else:
         labels = torch.randint(0, config.num_classes, (n,), generator=torch.Generator().manual_seed(args.seed))
@@ -188,15 +177,16 @@ def training_data(pipe: LlamaGenPipeline, args: argparse.Namespace, work: Path,
     if args.data == "target":
         name += f"-g{args.data_guidance}-t{args.data_temperature}"
         if args.prompts is not None:
-            text = "\n".join(caption_list(args.prompts, args.num_train_sequences, args.seed))
+            text = "\n".join(prompt_list(args.prompts, args.num_train_sequences, "train", args.seed))
             name += "-" + hashlib.sha256(text.encode()).hexdigest()[:12]
     cache = work / f"sequences-{name}.pt"
+    first = rank_and_count(state)[0] == 0
     if not cache.is_file() or args.force:
-        if args.data == "world":
-            data = world_sequences(pipe, args.num_train_sequences, args.seed, args.quiet)
-        else:
+        if args.data == "target":  # every process samples its share
             data = target_sequences(pipe, args.num_train_sequences, args, state)
-        if rank_and_count(state)[0] == 0:
+        elif first:  # the world's images tokenized once, by the first process
+            data = world_sequences(pipe, args.num_train_sequences, args.seed, args.quiet)
+        if first:
             torch.save(data, cache.with_suffix(".tmp"))
             os.replace(cache.with_suffix(".tmp"), cache)
         wait_for_everyone(state)
@@ -336,7 +326,7 @@ def eval_conditions(pipe: LlamaGenPipeline, n: int, seed: int,
     from mmspec.world_training import IMAGE_SIZE
 
     if prompts is not None:
-        return {"prompt": caption_list(prompts, n, seed)}, None
+        return {"prompt": prompt_list(prompts, n, "train", seed)}, None
     if pipe.transformer.config.model_type == "t2i":
         batch = generate_batch(n, seed, split="val", image_size=IMAGE_SIZE)
         return {"prompt": batch.captions}, lambda images: attribute_agreement(images, batch)["all_attributes"]
@@ -442,7 +432,7 @@ def run(args: argparse.Namespace) -> int:
     check(args.prompts is None or args.data == "target",
           "--prompts are sampled by the target: use --data target (or leave --data out).")
     if args.prompts is not None:
-        caption_list(args.prompts, 1, args.seed)  # a bad file fails before the model loads
+        prompt_list(args.prompts, 1, "train", args.seed)  # a bad file fails before the model loads
     start = time.perf_counter()
     torch.set_num_threads(args.threads)
     pipeline_dir = Path(args.pipeline)
@@ -464,8 +454,6 @@ def run(args: argparse.Namespace) -> int:
     pipe.to(args.device if state is None or args.device == "cpu" else state.device)
     target = pipe.transformer.eval().requires_grad_(False)
     t2i = target.config.model_type == "t2i"
-    check(t2i or args.prompts is None, "--prompts are captions for a text-to-image pipeline; this one is "
-                                       "class-conditional.")
     data = training_data(pipe, args, work, state)
     drafter, train_info = train_drafter(pipe, data, args, work, state)
     if rank_and_count(state)[0] > 0:  # the first process measures and writes

@@ -60,7 +60,14 @@ from mmspec.processes import (
     wait_for_everyone,
     weigh_share,
 )
-from mmspec.world_training import card_head, optimizer_step, record_training_step, resume_training, write_info
+from mmspec.world_training import (
+    card_head,
+    optimizer_step,
+    prompt_list,
+    record_training_step,
+    resume_training,
+    write_info,
+)
 
 STAGES = ("data", "drafter", "eval")
 
@@ -92,18 +99,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ data
-def prompt_list(path: str | None, n: int, split: str, seed: int) -> list[str]:
-    """n prompts: the file's lines cycled (InputError when it has none), or world captions of `split`."""
-    if path is None:
-        from mmspec.data import generate_batch
-
-        return list(generate_batch(n, seed, split=split, image_size=32).captions)
-    check(Path(path).is_file(), f"--prompts {path}: no such file (one prompt a line).")
-    lines = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
-    check(len(lines) > 0, f"--prompts {path} holds no prompt.")
-    return [lines[i % len(lines)] for i in range(n)]
-
-
 def family_top_k(pipe: TransformersImagePipeline) -> int:
     from image_ar.transformers_ar.family import EMU3_DEFAULTS, JANUS_DEFAULTS
 

@@ -81,7 +81,7 @@ def test_bad_captions_are_refused_in_one_line_before_a_model_loads(t2i_folder, t
     (tmp_path / "empty.txt").write_text("\n \n")
     LlamaGenPipeline(**get_dummy_components()).save_pretrained(tmp_path / "c2i")
     for extra, message in ((["--prompts", str(tmp_path / "missing.txt")], "no such file"),
-                           (["--prompts", str(tmp_path / "empty.txt")], "holds no caption"),
+                           (["--prompts", str(tmp_path / "empty.txt")], "holds no prompt"),
                            (["--data", "world"], "use --data target"),
                            (["--pipeline", str(tmp_path / "c2i")], "class-conditional")):
         assert main(arguments(t2i_folder, "x") + extra) == 2
