@@ -5,21 +5,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 
 from demos.common import launch
+from mmspec.testing import free_port
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def serve(app) -> Iterator[str]:

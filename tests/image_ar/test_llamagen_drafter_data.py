@@ -5,10 +5,6 @@ processes train the drafter one process trains (within float order)."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +13,7 @@ from safetensors.torch import load_file
 
 from image_ar.llamagen.pipeline import LlamaGenPipeline
 from mmspec.cli import main
+from mmspec.testing import torchrun_mmspec
 
 CAPTIONS = ["a red circle on a blue background", "a small green square", "the large blue cross",
             "a green circle on the red background", "a large square"]
@@ -60,12 +57,7 @@ def test_the_drafter_trains_on_the_targets_samples_of_the_users_captions(t2i_fol
 def test_two_processes_train_the_drafter_one_process_trains(t2i_folder):
     if not (t2i_folder / "one").is_dir():
         assert main(arguments(t2i_folder, "one", "--eval-images", "2")) == 0
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(port), "-m", "mmspec", *arguments(t2i_folder, "two", "--eval-images", "0")],
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    run = torchrun_mmspec(arguments(t2i_folder, "two", "--eval-images", "0"))
     assert run.returncode == 0, run.stderr[-3000:]
     (one_cache,), (two_cache,) = ((t2i_folder / f"work-{n}").glob("sequences-*.pt") for n in ("one", "two"))
     for key in ("ids", "text_ids", "masks"):

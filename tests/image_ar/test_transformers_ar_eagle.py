@@ -121,12 +121,9 @@ def test_a_drafter_for_another_model_is_refused_in_one_line(trained, tmp_path):
 def test_two_processes_sample_and_train_what_one_process_does(tmp_path):
     """`torchrun --nproc_per_node 2 -m mmspec train image-ar-drafter` (gloo on the CPU): the same samples of the
     target as one process, prompt for prompt, and a drafter within float order of one process's."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
     from safetensors.torch import load_file
+
+    from mmspec.testing import torchrun_mmspec
 
     tiny_janus_pipeline().save_pretrained(tmp_path / "model")
 
@@ -135,12 +132,7 @@ def test_two_processes_sample_and_train_what_one_process_does(tmp_path):
                 "--out", str(tmp_path / name / "drafter"), "--num-train", "6", "--steps", "5", "--batch-size", "4",
                 "--stages", "data,drafter", "--seed", seed, "--threads", "1", "--quiet"]
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(port), "-m", "mmspec", *arguments("two")], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                         capture_output=True, text=True, timeout=600)
+    run = torchrun_mmspec(arguments("two"))
     assert run.returncode == 0, run.stderr[-3000:]
     assert main(arguments("one")) == 0
     (one_samples,), (two_samples,) = ((tmp_path / n).glob("samples-*.pt") for n in ("one", "two"))

@@ -5,10 +5,6 @@ checkpoint resumes to the very drafter an uninterrupted run makes."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,6 +13,7 @@ from vlm_dummies import interrupted_at, save_tiny_world_llava
 
 import vlm.train_drafter as vlm_train_drafter
 from mmspec.cli import main
+from mmspec.testing import torchrun_mmspec
 from vlm.user_data import write_example_data
 
 
@@ -34,12 +31,6 @@ def arguments(folder, rows, name: str, *extra: str) -> list[str]:
             "--batch-size", "6", "--lr", "3e-3", "--seed", "0", "--quiet", *extra]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def weights(folder) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "diffusion_pytorch_model.safetensors"))
 
@@ -47,11 +38,8 @@ def weights(folder) -> dict[str, torch.Tensor]:
 def test_two_processes_train_the_drafter_one_process_trains(setup):
     folder, rows = setup
     assert main(arguments(folder, rows, "one", "--steps", "8", "--stages", "data,drafter", "--threads", "1")) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                          str(free_port()), "-m", "mmspec", *arguments(folder, rows, "two", "--steps", "8", "--stages",
-                                                                        "data,drafter,eval", "--threads", "1")],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = torchrun_mmspec(arguments(folder, rows, "two", "--steps", "8", "--stages", "data,drafter,eval", "--threads",
+                                    "1"))
     assert run.returncode == 0, run.stderr[-3000:]
     # the sharded answers are the single process's, row for row
     (one_cache,) = (folder / "work-one").glob("answers-*.pt")
