@@ -1,20 +1,24 @@
 """The LDM / taming-transformers convolutional encoder and decoder shared by the image tokenizers: LlamaGen's VQ
-(`image_ar.llamagen.vq`) and VAR's multi-scale VQVAE (`image_ar.var.vqvae`) use the same modules.
+(`image_ar.llamagen.vq`, also Chameleon's VQGAN through its preset), and VAR's multi-scale VQVAE
+(`image_ar.var.vqvae`) use the same modules.
 
     Encoder: conv_in; one level per ch_mult entry (num_res_blocks ResnetBlocks, + an AttnBlock after each of them
-             at the lowest resolution, + a stride-2 Downsample except at the last level); mid = Resnet, Attn,
-             Resnet; GroupNorm, swish, conv_out                     [B, 3, H, W] -> [B, z_channels, H / f, W / f]
+             at the lowest resolution when `level_attention`, + a stride-2 Downsample except at the last level);
+             mid = Resnet, Attn, Resnet; GroupNorm, swish, conv_out [B, 3, H, W] -> [B, z_channels, H / f, W / f]
     Decoder: the mirror image with num_res_blocks + 1 blocks per level and nearest-neighbour x2 Upsample
                                                                     [B, z_channels, h, w] -> [B, 3, h * f, w * f]
 
-f = 2 ** (len(ch_mult) - 1). Module names follow LlamaGen's official keys (`conv_blocks.{i}.res.{j}`,
-`...attn.{j}.q`, `mid.{0,1,2}`, `nin_shortcut`); VAR's converter maps its own names onto them. Attention uses
-`F.scaled_dot_product_attention` (scale 1/sqrt(C), as the official code).
+f = 2 ** (len(ch_mult) - 1). `level_attention` False is taming's `attn_resolutions: []` (Chameleon's VQGAN): the
+mid block keeps its attention. Module names follow LlamaGen's official keys (`conv_blocks.{i}.res.{j}`,
+`...attn.{j}.q`, `mid.{0,1,2}`, `nin_shortcut`); `rename_taming_keys` maps taming's own names (VAR's and
+Chameleon's checkpoints) onto them. Attention uses `F.scaled_dot_product_attention` (scale 1/sqrt(C), as the
+official code).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -127,7 +131,7 @@ class Encoder(nn.Module):
     """[B, in_channels, H, W] -> [B, z_channels, H / f, W / f]."""
 
     def __init__(self, in_channels: int, ch: int, ch_mult: Sequence[int], num_res_blocks: int, z_channels: int,
-                 dropout: float, groups: int) -> None:
+                 dropout: float, groups: int, level_attention: bool = True) -> None:
         super().__init__()
         self.conv_in = nn.Conv2d(in_channels, ch, kernel_size=3, stride=1, padding=1)
         last = len(ch_mult) - 1
@@ -138,7 +142,8 @@ class Encoder(nn.Module):
             res = nn.ModuleList()
             for j in range(num_res_blocks):
                 res.append(ResnetBlock(block_in if j == 0 else block_out, block_out, dropout, groups))
-            attn = nn.ModuleList([AttnBlock(block_out, groups) for _ in range(num_res_blocks)] if level == last else [])
+            n_attn = num_res_blocks if level == last and level_attention else 0
+            attn = nn.ModuleList([AttnBlock(block_out, groups) for _ in range(n_attn)])
             resample = ("downsample", Downsample(block_out)) if level != last else None
             self.conv_blocks.append(_Level(res, attn, resample))
             block_in = block_out
@@ -159,7 +164,7 @@ class Decoder(nn.Module):
     """[B, z_channels, h, w] -> [B, out_channels, h * f, w * f]; `conv_blocks[0]` is the lowest resolution."""
 
     def __init__(self, out_channels: int, ch: int, ch_mult: Sequence[int], num_res_blocks: int, z_channels: int,
-                 dropout: float, groups: int) -> None:
+                 dropout: float, groups: int, level_attention: bool = True) -> None:
         super().__init__()
         last = len(ch_mult) - 1
         block_in = ch * ch_mult[last]
@@ -171,7 +176,7 @@ class Decoder(nn.Module):
             res = nn.ModuleList()
             for j in range(num_res_blocks + 1):
                 res.append(ResnetBlock(block_in if j == 0 else block_out, block_out, dropout, groups))
-            n_attn = num_res_blocks + 1 if level == last else 0
+            n_attn = num_res_blocks + 1 if level == last and level_attention else 0
             attn = nn.ModuleList([AttnBlock(block_out, groups) for _ in range(n_attn)])
             resample = ("upsample", Upsample(block_out)) if level != 0 else None
             self.conv_blocks.append(_Level(res, attn, resample))
@@ -186,3 +191,38 @@ class Decoder(nn.Module):
         for level in self.conv_blocks:
             h = level(h)
         return self.conv_out(F.silu(self.norm_out(h)))  # [B, out_channels, H, W]
+
+
+_MID = {"block_1": "0", "attn_1": "1", "block_2": "2"}
+
+
+def taming_levels(sd: Mapping[str, object], prefix: str) -> int:
+    """How many `{prefix}.{i}.` levels a taming state dict holds (0 when none)."""
+    found = [int(m.group(1)) for k in sd if (m := re.match(rf"^{re.escape(prefix)}\.(\d+)\.", k))]
+    return 1 + max(found) if found else 0
+
+
+def rename_taming_keys(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A taming-transformers autoencoder's keys -> this module's (other keys pass unchanged):
+
+        encoder.down.{i}.block.{j}.* / attn.{j}.* / downsample.conv -> encoder.conv_blocks.{i}.res.{j} / attn.{j} / ...
+        {encoder,decoder}.mid.block_1 / attn_1 / block_2             -> .mid.0 / .mid.1 / .mid.2
+        decoder.up.{i}.*  -> decoder.conv_blocks.{n - 1 - i}.* (taming's `up[i]` is resolution level i; here the
+                             decoder lists its levels from the lowest resolution), block.{j} -> res.{j}
+        ...attn.{j}.qkv   -> ...attn.{j}.{q,k,v} (VAR's fused 1x1 conv split in three along its output channels)
+    """
+    n_up = taming_levels(sd, "decoder.up")
+    out: dict[str, torch.Tensor] = {}
+    for key, value in sd.items():
+        new = re.sub(r"^encoder\.down\.(\d+)\.block\.", r"encoder.conv_blocks.\1.res.", key)
+        new = re.sub(r"^encoder\.down\.(\d+)\.", r"encoder.conv_blocks.\1.", new)
+        new = re.sub(r"^decoder\.up\.(\d+)\.", lambda m: f"decoder.conv_blocks.{n_up - 1 - int(m.group(1))}.", new)
+        new = re.sub(r"^(decoder\.conv_blocks\.\d+)\.block\.", r"\1.res.", new)
+        new = re.sub(r"^(encoder|decoder)\.mid\.(block_1|attn_1|block_2)\.",
+                     lambda m: f"{m.group(1)}.mid.{_MID[m.group(2)]}.", new)
+        if re.search(r"\.qkv\.(weight|bias)$", new):
+            for name, part in zip("qkv", value.chunk(3, dim=0)):
+                out[re.sub(r"\.qkv\.", f".{name}.", new)] = part.clone()
+        else:
+            out[new] = value
+    return out

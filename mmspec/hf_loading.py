@@ -53,10 +53,12 @@ def resolve_model_folder(name: str | Path, what: str) -> Path:
                          "HF_HUB_CACHE choose the cache) or give its folder.") from None
 
 
-def read_folder_config(folder: str | Path, what: str, made_by: str = "transformers' save_pretrained") -> dict:
-    """config.json of a transformers folder as a dict (InputError when the folder or its processor is missing)."""
+def read_folder_config(folder: str | Path, what: str, made_by: str = "transformers' save_pretrained",
+                       processor_files: tuple[str, ...] = PROCESSOR_FILES) -> dict:
+    """config.json of a transformers folder as a dict (InputError when the folder or its processor, one of
+    `processor_files`, is missing)."""
     folder = Path(folder)
-    check((folder / "config.json").is_file() and any((folder / name).is_file() for name in PROCESSOR_FILES),
+    check((folder / "config.json").is_file() and any((folder / name).is_file() for name in processor_files),
           f"no {what} in {folder}: expected a transformers folder with config.json and its processor (made by "
           f"{made_by}).")
     try:

@@ -172,6 +172,18 @@ class Emu3Case(TransformersImageCase):
         return tiny_emu3_pipeline()
 
 
+class LuminaMGPTCase(TransformersImageCase):
+    family = "lumina-mgpt"
+    guidance_scale, top_k = 3.0, 0
+    exact = {**TransformersImageCase.exact, "sjd": [{}, {"window": 6, "init": "repeat_horizon"}, {"accept": "gsd"}]}
+    law_variants: dict = {}  # (Janus samples SJD's coupled law; Lumina's 21-token images cost what Emu3's do)
+
+    def tiny(self):
+        from image_ar.transformers_ar.tiny import tiny_lumina_mgpt_pipeline
+
+        return tiny_lumina_mgpt_pipeline()
+
+
 class VARCase(ContractCase):
     """VAR and CoDe: one forward per scale; CoDe with the same model on both sides is vanilla at every split."""
 
@@ -378,4 +390,5 @@ class VLMCase(ContractCase):
 
 
 CASES: dict[str, ContractCase] = {case.family: case for case in (
-    LlamaGenCase(), LlamaGenT2ICase(), JanusCase(), Emu3Case(), VARCase(), MARCase(), ToyCase(), VLMCase())}
+    LlamaGenCase(), LlamaGenT2ICase(), JanusCase(), Emu3Case(), LuminaMGPTCase(), VARCase(), MARCase(), ToyCase(),
+    VLMCase())}

@@ -32,7 +32,8 @@ from mmspec.verify import GSDRule, LanternRule, LosslessRule, get_rule, rule_kee
 
 def test_the_installed_families_and_their_commands_are_found():
     assert {"llamagen", "mar", "toy", "var", "vlm"} <= set(available_families())
-    assert set(available_families("generate")) == {"emu3", "janus", "llamagen", "llamagen-t2i", "mar", "var"}
+    assert set(available_families("generate")) == {"emu3", "janus", "llamagen", "llamagen-t2i", "lumina-mgpt", "mar",
+                                                    "var"}
     t2i = get_family("llamagen-t2i")  # the t2i family shares the class-conditional one's method records
     assert t2i.condition == "prompt" and t2i.methods is get_family("llamagen").methods
     assert {"llamagen", "mar", "toy", "var", "vlm"} <= set(available_families("bench"))
@@ -115,7 +116,7 @@ def test_method_records_are_typed_by_what_they_build_and_say_what_they_need(monk
     from image_ar.llamagen.pipeline import LlamaGenPipeline
 
     kinds = {name: {type(m) for m in get_family(name).methods.values()} for name in available_families()}
-    assert kinds["llamagen"] == kinds["janus"] == kinds["emu3"] == kinds["toy"] == {LoopMethod}
+    assert kinds["llamagen"] == kinds["janus"] == kinds["emu3"] == kinds["lumina-mgpt"] == kinds["toy"] == {LoopMethod}
     assert kinds["var"] == kinds["mar"] == {CallMethod} and kinds["vlm"] == {DrafterMethod}
     assert get_family("vlm").methods["vanilla"].drafter_model is None
     assert get_family("var").get_method("code").needs == ("refiner",)

@@ -60,6 +60,11 @@ __all__ = [
 PRESETS: dict[str, dict[str, Any]] = {
     "vq_16": {"encoder_ch_mult": (1, 1, 2, 2, 4), "decoder_ch_mult": (1, 1, 2, 2, 4)},
     "vq_8": {"encoder_ch_mult": (1, 2, 2, 4), "decoder_ch_mult": (1, 2, 2, 4)},
+    # Chameleon's VQGAN (Meta's `vqgan.yaml`, Lumina-mGPT's image tokenizer): taming's VQModel with 8192 codes of
+    # 256 dims compared unnormalised (its legacy quantizer), attention only in the mid blocks
+    "chameleon": {"encoder_ch_mult": (1, 1, 2, 2, 4), "decoder_ch_mult": (1, 1, 2, 2, 4), "codebook_size": 8192,
+                  "codebook_embed_dim": 256, "codebook_l2_norm": False, "codebook_show_usage": False,
+                  "level_attention": False},
 }
 # ch_mult of the tiny test/example models per downsample factor (`LlamaGenVQ.tiny`).
 TINY_CH_MULT: dict[int, tuple[int, ...]] = {
@@ -214,7 +219,8 @@ class LlamaGenVQ(SlicedDecodeMixin, ModelMixin, ConfigMixin):
         entropy_loss_ratio (0.0: off), encoder_ch_mult / decoder_ch_mult ((1, 1, 2, 2, 4)), z_channels (256),
         dropout_p (0.0), in_channels / out_channels (3), ch (128: base width), num_res_blocks (2 per encoder
         level; the decoder uses num_res_blocks + 1 = 3, as official), norm_num_groups (32, official; tiny models
-        use fewer, since every width ch * mult must be divisible by it).
+        use fewer, since every width ch * mult must be divisible by it), level_attention (True: attention after
+        each block of the lowest-resolution level, as LlamaGen; False: none there, taming's `attn_resolutions: []`).
 
     Images are [B, 3, H, W] in [-1, 1] with H and W multiples of `downsample_factor`; token grids are
     [B, h, w] = [B, H / f, W / f] in raster order when flattened.
@@ -238,15 +244,17 @@ class LlamaGenVQ(SlicedDecodeMixin, ModelMixin, ConfigMixin):
         ch: int = 128,
         num_res_blocks: int = 2,
         norm_num_groups: int = 32,
+        level_attention: bool = True,
     ) -> None:
         super().__init__()
         _check_config(codebook_size, codebook_embed_dim, commit_loss_beta, entropy_loss_ratio, encoder_ch_mult,
                       decoder_ch_mult, z_channels, dropout_p, in_channels, out_channels, ch, num_res_blocks,
                       norm_num_groups)
+        check(isinstance(level_attention, bool), f"level_attention must be a bool, got {level_attention!r}.")
         self.encoder = Encoder(in_channels, ch, tuple(encoder_ch_mult), num_res_blocks, z_channels, dropout_p,
-                               norm_num_groups)
+                               norm_num_groups, level_attention)
         self.decoder = Decoder(out_channels, ch, tuple(decoder_ch_mult), num_res_blocks, z_channels, dropout_p,
-                               norm_num_groups)
+                               norm_num_groups, level_attention)
         self.quantize = VectorQuantizer(codebook_size, codebook_embed_dim, commit_loss_beta, entropy_loss_ratio,
                                         codebook_l2_norm, codebook_show_usage)
         self.quant_conv = nn.Conv2d(z_channels, codebook_embed_dim, kernel_size=1)
@@ -265,7 +273,7 @@ class LlamaGenVQ(SlicedDecodeMixin, ModelMixin, ConfigMixin):
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> LlamaGenVQ:
-        """Build `PRESETS[name]` ('vq_16' or 'vq_8') with config `overrides` (e.g. codebook_size=...)."""
+        """Build `PRESETS[name]` ('vq_16', 'vq_8' or 'chameleon') with config `overrides` (e.g. codebook_size=...)."""
         if name not in PRESETS:
             raise InputError(f"preset {name!r} is unknown; use one of {sorted(PRESETS)}.")
         return cls(**{**PRESETS[name], **overrides})

@@ -1,4 +1,5 @@
-"""Bench families `janus` and `emu3`: a local model folder side by side with every method it runs, in one process.
+"""Bench families `janus`, `emu3` and `lumina-mgpt`: a local model folder side by side with every method it runs, in
+one process.
 
     mmspec bench --family janus --family-option model=Janus-Pro-1B --methods vanilla,sjd,gsd --batch-sizes 1,8 \
         --temperature 1 --out runs/bench-janus
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from image_ar.llamagen.bench import caption_inputs
-from image_ar.transformers_ar.family import EMU3, EMU3_DEFAULTS, JANUS, JANUS_DEFAULTS
+from image_ar.transformers_ar.family import EMU3, EMU3_DEFAULTS, JANUS, JANUS_DEFAULTS, LUMINA_DEFAULTS, LUMINA_MGPT
 from mmspec.bench.image_family import (
     image_options,
     reproduces_vanilla,
@@ -36,8 +37,9 @@ from mmspec.budget import check_budget_mode
 from mmspec.cli.family_io import torch_dtype
 from mmspec.errors import check
 
-RECORDS = {"janus": (JANUS, JANUS_DEFAULTS), "emu3": (EMU3, EMU3_DEFAULTS)}
-OFFICIAL_SIZES = {"janus": ("janus-pro-1b", "janus-pro-7b"), "emu3": ("emu3-gen",)}  # `official.py`'s
+RECORDS = {"janus": (JANUS, JANUS_DEFAULTS), "emu3": (EMU3, EMU3_DEFAULTS),
+           "lumina-mgpt": (LUMINA_MGPT, LUMINA_DEFAULTS)}
+OFFICIAL_SIZES = {"janus": ("janus-pro-1b", "janus-pro-7b"), "emu3": ("emu3-gen",), "lumina-mgpt": ()}  # official.py's
 CALIBRATION_BYTES = 2 ** 31  # the scored distributions of one chunk (n x T x V float32) must fit in this
 
 
@@ -45,6 +47,9 @@ def _options(settings: BenchSettings, family: str) -> dict[str, Any]:
     defaults = {**RECORDS[family][1], "guidance_scale": None}  # None: the model's own (its generation_config)
     options = image_options(settings, family, defaults,
                             extra=("budget", "prompts", "decode", "size", "dtype", "logit_scale"))
+    check(options.get("size") is None or options["size"] in OFFICIAL_SIZES[family],
+          f"--family-option size={options.get('size')}: the {family} family's official sizes are "
+          f"{', '.join(OFFICIAL_SIZES[family]) or 'not built yet (pass model=FOLDER)'}.")
     check(options["model"] is not None or options.get("size") is not None,
           f"bench family {family!r} needs --family-option model=FOLDER (a local {family} folder in transformers' "
           f"layout; there is no embedded default) or size={'|'.join(OFFICIAL_SIZES[family])} (random weights).")

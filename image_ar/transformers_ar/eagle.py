@@ -46,14 +46,14 @@ class ImageAREagleDrafter(LlamaFeatureDrafter):
     @classmethod
     def for_target(cls, lm: Any, **overrides: Any) -> ImageAREagleDrafter:
         """A fresh drafter shaped like the target's text model (its vocabulary: what its head scores), attached."""
-        config = llama_drafter_config(lm.model.config.text_config, vocab_size=lm.vocab_size)
+        config = llama_drafter_config(lm.text_config, vocab_size=lm.vocab_size)
         return cls(**{**config, **overrides}).placed_like(next(lm.parameters())).attach(lm)
 
     def attach(self, lm: Any) -> ImageAREagleDrafter:
         """Share the target's embeddings and head (plain attributes: not saved); returns self."""
         check(hasattr(lm, "embed_tokens") and hasattr(lm, "head") and hasattr(lm, "prompt_lengths"),
               f"attach needs a JanusCachedLM or Emu3CachedLM (a pipeline's `lm`), got {type(lm).__name__}.")
-        return self.bind(lm, {"hidden_size": lm.model.config.text_config.hidden_size, "vocab_size": lm.vocab_size},
+        return self.bind(lm, {"hidden_size": lm.text_config.hidden_size, "vocab_size": lm.vocab_size},
                          RETRAIN)
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:

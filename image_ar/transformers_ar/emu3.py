@@ -16,8 +16,8 @@ the rest with the model's VQ decoder. (The official script also appends `EMU3_PO
 pipeline leaves the user's prompt as given.)
 
 `Emu3CachedLM` is the language model step as an `mmspec.lm.CachedLM` (its own text model and LM head), `emu3_layout`
-the layout as an `mmspec.lm.TokenLayout` over generated-token indices, `emu3_prefill` the prompt prefill with the
-unconditional rows as transformers builds them.
+the layout as an `mmspec.lm.TokenLayout` over generated-token indices; the prompt prefill with the unconditional rows
+as transformers builds them is `image_ar.transformers_ar.prompts.guided_prefill`.
 
 Glossary: B prompts, R = 2B rows with CFG, P prompt length, V the whole vocabulary, H x W the image's token grid.
 """
@@ -28,11 +28,9 @@ from dataclasses import dataclass
 
 import torch
 
-from image_ar.transformers_ar.prompts import Prompts, prefill_rows
-from mmspec.cache import StaticKVCache
+from image_ar.transformers_ar.cached_lm import WholeVocabularyLM
 from mmspec.errors import InputError, check
-from mmspec.hf_cache import check_attention_support, run_text_model
-from mmspec.lm import TokenLayout, hidden_at
+from mmspec.lm import TokenLayout
 
 EOL_TOKEN = "<|extra_200|>"  # closes each row of visual tokens (Emu3's vocabulary_map names it)
 # the official generation script's unconditional context and prompt suffix (baaivision/Emu3 `image_generation.py`)
@@ -92,77 +90,11 @@ def emu3_layout(special: Emu3SpecialIds, height: int, width: int, vocab_size: in
     return TokenLayout(kinds, allowed)
 
 
-class Emu3CachedLM:
+class Emu3CachedLM(WholeVocabularyLM):
     """Emu3's language model as a `CachedLM` over its whole vocabulary: logits [B, S, V] float32 from its LM head."""
 
     def __init__(self, model, attention_backend: str | None = None) -> None:
         check(getattr(getattr(model, "config", None), "model_type", None) == "emu3" and hasattr(model, "lm_head"),
               f"expected a transformers Emu3ForConditionalGeneration, got {type(model).__name__}.")
-        self.text = model.model.text_model
-        check_attention_support(self.text.config, "the Emu3 text model", attention_backend)
-        self.model, self.backend = model, attention_backend
-        self.input_embeddings = model.get_input_embeddings()  # looked up once (the lookup walks the model)
-        cfg = model.config.text_config
-        self.num_layers, self.num_heads = cfg.num_hidden_layers, cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.vocab_size = cfg.vocab_size
-        self.last_hidden: torch.Tensor | None = None
-        self.prompt_lengths: torch.Tensor | None = None  # [R] each row's prompt length in the last prefill
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.lm_head.weight.device
-
-    @property
-    def config(self):
-        return self.model.config
-
-    def parameters(self):
-        """The model's parameters (what `mmspec.profiling` keys its timings by)."""
-        return self.model.parameters()
-
-    def new_cache(self, batch_size: int, capacity: int) -> StaticKVCache:
-        w = self.model.lm_head.weight
-        return StaticKVCache(self.num_layers, batch_size, self.num_kv_heads, capacity, self.head_dim, w.dtype,
-                             w.device)
-
-    @torch.no_grad()
-    def forward_embeds(self, x: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache, slots: torch.Tensor,
-                       mask: torch.Tensor, head_at: torch.Tensor | None = None) -> torch.Tensor:
-        """Input embeddings x [B, S, H] at positions [B, S]; K/V at slots; mask [B, S, T] -> logits [B, S, V]."""
-        self.last_hidden = run_text_model(self.text, x, positions, cache, slots, mask, self.backend)  # [B, S, H]
-        return self.head(hidden_at(self.last_hidden, head_at))  # ([B, 1, V] at one position per row `head_at`)
-
-    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Token ids [B, S] -> the model's input embeddings [B, S, H]."""
-        return self.input_embeddings(tokens.to(self.device))
-
-    def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Post-norm hidden states [..., H] -> logits over the whole vocabulary [..., V] float32 (the LM head)."""
-        return self.model.lm_head(hidden.to(self.model.lm_head.weight.dtype)).float()
-
-    def forward_cached(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
-                       slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return self.forward_embeds(self.embed_tokens(tokens), positions, cache, slots, mask)
-
-
-def last_tokens(prompts: Prompts) -> Prompts:
-    """Each prompt's last real token as a one-token prompt: Emu3's unconditional context without a negative prompt."""
-    last = prompts.input_ids.gather(1, (prompts.lengths - 1).unsqueeze(-1))  # [B, 1]
-    return Prompts(last, torch.ones_like(last))
-
-
-def emu3_prefill(guided: bool, negative: Prompts | None = None):
-    """`LMTarget`'s prefill for `Prompts`: the prompts and, guided, the unconditional rows (`negative`, one per
-    prompt, else each prompt's last token) as the second half of the batch, each row at its own positions and
-    length; returns (cache, logits for each row's first generated token [R, 1, V])."""
-
-    def prefill(model: Emu3CachedLM, prompts: Prompts, extra_capacity: int):
-        check(isinstance(prompts, Prompts), f"Emu3 targets take Prompts, got {type(prompts).__name__}.")
-        rows = [prompts]
-        if guided:
-            rows.append(negative if negative is not None else last_tokens(prompts))
-        return prefill_rows(model, rows, extra_capacity)
-
-    return prefill
+        super().__init__(model, model.model.text_model, model.config.text_config, "the Emu3 text model",
+                         attention_backend)

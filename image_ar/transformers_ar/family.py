@@ -1,9 +1,11 @@
-"""The family records of transformers' AR image generators: `janus` (Janus / Janus-Pro, `JanusPipeline`) and `emu3`
-(`Emu3Pipeline`), with the LlamaGen family's method records that need no trained drafter (declared once, in
+"""The family records of transformers' AR image generators: `janus` (Janus / Janus-Pro, `JanusPipeline`), `emu3`
+(`Emu3Pipeline`) and `lumina-mgpt` (Lumina-mGPT on transformers' Chameleon, `LuminaMGPTPipeline`), with the
+LlamaGen family's method records that need no trained drafter (declared once, in
 `image_ar.llamagen.family`). There is no embedded default: `--model` names a local folder in transformers' layout.
 
     mmspec generate --family janus --model Janus-Pro-1B --prompt "a red fox in the snow" --method sjd --out out/
     mmspec generate --family emu3 --model Emu3-Gen-hf --prompt "a red fox in the snow" --method gsd --out out/
+    mmspec generate --family lumina-mgpt --model lumina-mgpt-7b-768 --prompt "a red fox" --method sjd --out out/
 """
 
 from __future__ import annotations
@@ -20,19 +22,21 @@ METHODS = ("vanilla", "sjd", "gsd", "eagle", "lantern")  # shared records (eagle
 # loaded model's own guidance scale (its generation_config, `default_guidance_scale`) replaces the CFG default
 JANUS_DEFAULTS = {"guidance_scale": 5.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 EMU3_DEFAULTS = {"guidance_scale": 3.0, "temperature": 1.0, "top_k": 2048, "top_p": 1.0}
+# Lumina-mGPT: the official README's CFG 4.0 and image top-k 2000 (the SJD / GSD papers ran CFG 3.0)
+LUMINA_DEFAULTS = {"guidance_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
 
 
 def loader(pipeline_name: str, family: str):
     """load(model_path, device, dtype) of a pipeline class of `image_ar.transformers_ar.pipeline`."""
 
     def load(model_path: str | None, device: str, dtype=None):
-        from image_ar.transformers_ar import pipeline
+        import image_ar.transformers_ar as pipelines
 
         if model_path is None:
             raise InputError(f"the {family} family has no embedded default: pass --model FOLDER (a local {family} "
                              "folder in transformers' layout; `python -m image_ar.transformers_ar.tiny FOLDER "
                              f"--model {family}` writes a tiny random one to try).")
-        return getattr(pipeline, pipeline_name).from_pretrained(model_path, dtype=dtype, device=device)
+        return getattr(pipelines, pipeline_name).from_pretrained(model_path, dtype=dtype, device=device)
 
     return load
 
@@ -65,3 +69,9 @@ EMU3 = FamilyRecord("emu3", "transformers' Emu3 text-to-image (a local model fol
                     load=loader("Emu3Pipeline", "emu3"), generate=generate, condition="prompt",
                     sampling_defaults=model_guidance_defaults(EMU3_DEFAULTS), bench=bench_of("emu3"),
                     methods=shared_methods())
+LUMINA_MGPT = FamilyRecord("lumina-mgpt", "Lumina-mGPT text-to-image on transformers' Chameleon (a folder `mmspec "
+                           "convert lumina-mgpt` wrote; --model)",
+                           load=loader("LuminaMGPTPipeline", "lumina-mgpt"), generate=generate, condition="prompt",
+                           sampling_defaults=model_guidance_defaults(LUMINA_DEFAULTS), bench=bench_of("lumina-mgpt"),
+                           methods=shared_methods())
+DEFAULTS = {"janus": JANUS_DEFAULTS, "emu3": EMU3_DEFAULTS, "lumina-mgpt": LUMINA_DEFAULTS}  # by model_type

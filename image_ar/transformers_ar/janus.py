@@ -77,7 +77,7 @@ class JanusCachedLM:
         check_attention_support(model.model.language_model.config, "the Janus text model", attention_backend)
         self.model, self.backend = model, attention_backend
         self.text = model.model.language_model
-        cfg = model.config.text_config
+        cfg = self.text_config = model.config.text_config  # what a drafter is shaped after
         self.num_layers, self.num_heads = cfg.num_hidden_layers, cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads

@@ -34,12 +34,11 @@ from image_ar.transformers_ar.emu3 import (
     EMU3_NEGATIVE_PROMPT,
     Emu3CachedLM,
     emu3_layout,
-    emu3_prefill,
     emu3_special_ids,
     layout_length,
 )
 from image_ar.transformers_ar.janus import JanusCachedLM, janus_prefill, janus_special_ids
-from image_ar.transformers_ar.prompts import Prompts
+from image_ar.transformers_ar.prompts import Prompts, guided_prefill
 from image_ar.transformers_ar.support import check_image_generator
 from mmspec.budget import make_budget
 from mmspec.diffusers_folder import MMSpecPipelineMixin
@@ -64,6 +63,21 @@ def check_prompt_list(prompt: Any, name: str = "prompt") -> list[str]:
                                      and all(isinstance(p, str) for p in prompt))
     check(ok, f"{name} must be a string or a list of strings (a text-to-image model), got {prompt!r}.")
     return [prompt] if isinstance(prompt, str) else list(prompt)
+
+
+def vocabulary_lantern_table(mapping: Any, codebook: torch.Tensor, vocab_size: int, k: int) -> torch.Tensor:
+    """LANTERN's neighbour table over a whole vocabulary of text and image tokens [V, k'] (k' = min(k, codes - 1),
+    int32): an image token's row holds the image tokens of its code's k' nearest codes in the raw VQ `codebook`
+    [C, D] (`build_neighbour_table`, as LANTERN's code), through the model's vocabulary `mapping`
+    (`img2bpe_mapping_tensor`: code -> token id); every other token lists itself (no neighbours)."""
+    from mmspec.verify import build_neighbour_table
+
+    codebook = codebook.detach().float().cpu()  # [C, D]
+    near = build_neighbour_table(codebook, min(k, codebook.shape[0] - 1)).long()  # [C, k'] code ids
+    bpe = mapping.img2bpe_mapping_tensor.long()  # [C] code -> token id
+    table = torch.arange(vocab_size, dtype=torch.int32).unsqueeze(1).repeat(1, near.shape[1])
+    table[bpe] = bpe[near].to(torch.int32)
+    return table
 
 
 class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
@@ -354,18 +368,9 @@ class Emu3Pipeline(TransformersImagePipeline):
                          "tokens: use embeddings='target' (its input embeddings, the default) or None.")
 
     def lantern_table(self, k: int) -> torch.Tensor:
-        """LANTERN's neighbour table over Emu3's whole vocabulary [V, k'] (k' = min(k, codes - 1), int32): a visual
-        token's row holds the visual tokens of its code's k' nearest codes in the VQ codebook (`build_neighbour_table`
-        on the raw codebook, as LANTERN's code); every other token lists itself (no neighbours)."""
-        from mmspec.verify import build_neighbour_table
-
-        mapping = self.model.model.vocabulary_mapping
-        codebook = self.model.model.vqmodel.quantize.embedding.weight.detach().float().cpu()  # [C, D]
-        near = build_neighbour_table(codebook, min(k, codebook.shape[0] - 1)).long()  # [C, k'] code ids
-        bpe = mapping.img2bpe_mapping_tensor.long()  # [C] code -> token id
-        table = torch.arange(self.lm.vocab_size, dtype=torch.int32).unsqueeze(1).repeat(1, near.shape[1])
-        table[bpe] = bpe[near].to(torch.int32)
-        return table
+        """LANTERN's neighbour table over Emu3's whole vocabulary (`vocabulary_lantern_table` on its VQ codebook)."""
+        return vocabulary_lantern_table(self.model.model.vocabulary_mapping,
+                                        self.model.model.vqmodel.quantize.embedding.weight, self.lm.vocab_size, k)
 
     def input_token_embeddings(self) -> torch.Tensor:
         """[V, H] the language model's input embeddings (GSD's table, as the official code on Lumina-mGPT)."""
@@ -442,7 +447,7 @@ class Emu3Pipeline(TransformersImagePipeline):
         prompts = prompts.repeat(num_images_per_prompt)
         negative = None if negative is None else negative.repeat(num_images_per_prompt)
         layout = emu3_layout(self.special, *self.grid, self.lm.vocab_size)
-        gen = self.run_loop(self.lm, prompts, lambda guided: emu3_prefill(guided, negative),
+        gen = self.run_loop(self.lm, prompts, lambda guided: guided_prefill(guided, negative),
                             layout_length(*self.grid), guidance_scale, SamplingParams(temperature, top_k, top_p),
                             generator, method, method_kwargs, budget, callback_on_step_end,
                             callback_on_step_end_tensor_inputs, layout=layout)
@@ -454,7 +459,7 @@ class Emu3Pipeline(TransformersImagePipeline):
         encoded, self.grid = self.encode_prompt(prompts)
         negative = self.encode_negative(EMU3_NEGATIVE_PROMPT, len(prompts))
         guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
-        return (encoded, lambda guided: emu3_prefill(guided, negative), guidance_scale,
+        return (encoded, lambda guided: guided_prefill(guided, negative), guidance_scale,
                 emu3_layout(self.special, *self.grid, self.lm.vocab_size))
 
     @property

@@ -1,9 +1,11 @@
 """Tokenized prompts of the transformers image generators: right-padded ids and mask (`Prompts`), `right_pad`, and
-`prefill_rows`, the prefill both targets share (their conditional and unconditional rows, each of its own length)."""
+`prefill_rows`, the prefill the targets share (their conditional and unconditional rows, each of its own length), and
+`guided_prefill`, the prefill of the whole-vocabulary targets (Emu3, Lumina-mGPT) with their unconditional rows."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -67,3 +69,25 @@ def prefill_rows(model, rows: list[Prompts], extra_capacity: int):
                                   cache.attention_mask(slots), head_at=lengths - 1)  # [R, 1, V]
     cache.commit_chain(lengths)
     return cache, logits
+
+
+def last_tokens(prompts: Prompts) -> Prompts:
+    """Each prompt's last real token as a one-token prompt: the unconditional context of transformers' `generate`
+    without negative_prompt_ids (Emu3's default without a negative prompt)."""
+    last = prompts.input_ids.gather(1, (prompts.lengths - 1).unsqueeze(-1))  # [B, 1]
+    return Prompts(last, torch.ones_like(last))
+
+
+def guided_prefill(guided: bool, negative: Prompts | None = None):
+    """`LMTarget`'s prefill for `Prompts`: the prompts and, guided, the unconditional rows (`negative`, one per
+    prompt, else each prompt's last token) as the second half of the batch, each row at its own positions and
+    length; returns (cache, logits for each row's first generated token [R, 1, V])."""
+
+    def prefill(model: Any, prompts: Prompts, extra_capacity: int):
+        check(isinstance(prompts, Prompts), f"the target takes Prompts, got {type(prompts).__name__}.")
+        rows = [prompts]
+        if guided:
+            rows.append(negative if negative is not None else last_tokens(prompts))
+        return prefill_rows(model, rows, extra_capacity)
+
+    return prefill

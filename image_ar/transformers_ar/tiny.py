@@ -1,9 +1,11 @@
-"""Tiny random Janus and Emu3 models with their own processors, built offline: for tests, docs examples and the CLI.
+"""Tiny random Janus, Emu3 and Lumina-mGPT models with their own processors, built offline: for tests, docs examples
+and the CLI.
 
     pipe = tiny_janus_pipeline()                    # JanusForConditionalGeneration + JanusProcessor, seeded
     pipe.save_pretrained("tiny-janus")              # transformers' own layout
     #   mmspec generate --family janus --model tiny-janus --prompt "a red circle" --method sjd --out out/
     emu3 = tiny_emu3_pipeline()                     # Emu3ForConditionalGeneration + Emu3Processor
+    lumina = tiny_lumina_mgpt_pipeline()            # ChameleonForConditionalGeneration + tokenizer + VQGAN
 
 The text side is the embedded world's tokenizer plus each model's special tokens (Janus: image start / end / image
 tokens and a chat template shaped like Janus-Pro's; Emu3: its image-start / end, image-wrapper, end-of-line and
@@ -128,16 +130,62 @@ def tiny_emu3_pipeline(seed: int = 0, scale: float = 3.0):
     return Emu3Pipeline(model, processor)
 
 
+LUMINA_CODES = 64
+
+
+def image_token_name(code: int) -> str:
+    """Chameleon's name of VQ code `code` in its vocabulary (`IMGIMG` + the digits as letters A-J + `Z`)."""
+    return "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(code)) + "Z"
+
+
+def tiny_lumina_mgpt_pipeline(seed: int = 0, scale: float = 3.0):
+    """A `LuminaMGPTPipeline` of a random transformers Chameleon (its language model scaled by `scale`: peaked laws)
+    over the world tokenizer with Lumina-mGPT's layout tokens, grid tokens for 32-128 pixels and 64 image tokens
+    (`IMGIMG*`), and a random Chameleon-shaped VQGAN (ch 32, 64 codes of 8): 64 x 64 pixels by default, a 4 x 4
+    latent grid (21 generated tokens with the row ends and `<eoss>`)."""
+    import transformers as tf
+
+    from image_ar.llamagen.vq import LlamaGenVQ
+    from image_ar.transformers_ar.lumina_mgpt import IMAGE_END, IMAGE_START, NEW_LINE, SEPARATOR, grid_token
+    from image_ar.transformers_ar.lumina_pipeline import LuminaMGPTPipeline
+
+    tok = world_tokenizer_with({}, [IMAGE_START, IMAGE_END, NEW_LINE, SEPARATOR,
+                                    *(grid_token(n) for n in range(1, 5)),
+                                    *(image_token_name(c) for c in range(LUMINA_CODES))])
+    tok.padding_side = "right"
+    torch.manual_seed(seed)
+    vqgan = LlamaGenVQ.from_preset("chameleon", ch=32, num_res_blocks=1, z_channels=32, codebook_size=LUMINA_CODES,
+                                   codebook_embed_dim=8).eval()
+    config = tf.ChameleonConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
+        pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids(SEPARATOR),
+        vocabulary_map=tok.get_vocab(),
+        vq_config=dict(embed_dim=8, num_embeddings=LUMINA_CODES, latent_channels=32, base_channels=32,
+                       channel_multiplier=[1, 1, 2, 2, 4], num_res_blocks=1))
+    config.lumina_mgpt = {"image_size": 64}
+    model = tf.ChameleonForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for p in (*model.model.layers.parameters(), model.lm_head.weight):
+            p.mul_(scale)
+    return LuminaMGPTPipeline(model, tok, vqgan)
+
+
+TINY = {"janus": tiny_janus_pipeline, "emu3": tiny_emu3_pipeline, "lumina-mgpt": tiny_lumina_mgpt_pipeline}
+
+
 def main(argv: list[str] | None = None) -> int:
-    """python -m image_ar.transformers_ar.tiny FOLDER [--model janus|emu3]: write a tiny random model folder."""
+    """python -m image_ar.transformers_ar.tiny FOLDER [--model janus|emu3|lumina-mgpt]: write a tiny random model
+    folder."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m image_ar.transformers_ar.tiny",
-                                     description="write a tiny random Janus or Emu3 folder in transformers' layout")
+                                     description="write a tiny random Janus, Emu3 or Lumina-mGPT folder in "
+                                                 "transformers' layout")
     parser.add_argument("folder")
-    parser.add_argument("--model", choices=("janus", "emu3"), default="janus")
+    parser.add_argument("--model", choices=tuple(TINY), default="janus")
     args = parser.parse_args(argv)
-    pipe = tiny_janus_pipeline() if args.model == "janus" else tiny_emu3_pipeline()
+    pipe = TINY[args.model]()
     pipe.save_pretrained(args.folder)
     print(f"wrote {args.folder} (a tiny random {args.model} in transformers' layout)")
     return 0

@@ -73,7 +73,8 @@ STAGES = ("data", "drafter", "eval")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="a local Janus or Emu3 folder in transformers' layout")
+    parser.add_argument("--model", required=True,
+                        help="a local Janus, Emu3 or Lumina-mGPT folder in transformers' layout")
     parser.add_argument("--prompts", "--data", dest="prompts", default=None,
                         help="your captions: a text file, one prompt a line (default: world captions)")
     parser.add_argument("--out", default=None, help=f"drafter folder (default: MODEL/{EAGLE_FOLDER.as_posix()})")
@@ -100,9 +101,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------------------------------ data
 def family_top_k(pipe: TransformersImagePipeline) -> int:
-    from image_ar.transformers_ar.family import EMU3_DEFAULTS, JANUS_DEFAULTS
+    from image_ar.transformers_ar.family import DEFAULTS
 
-    return {"janus": JANUS_DEFAULTS, "emu3": EMU3_DEFAULTS}[pipe.model_type]["top_k"]
+    return DEFAULTS[pipe.model_type]["top_k"]
 
 
 @torch.no_grad()
@@ -242,13 +243,17 @@ def _card(command: str, info: dict, model_type: str) -> str:
 
 
 def load_pipeline(folder: str, device: str | torch.device = "cpu") -> TransformersImagePipeline:
-    """The Janus or Emu3 pipeline of a model folder (one-line refusal of anything else, before weights load)."""
-    from image_ar.transformers_ar import pipeline
+    """The Janus, Emu3 or Lumina-mGPT pipeline of a model folder (one-line refusal of anything else, before weights
+    load; a Lumina-mGPT folder's processor is its tokenizer)."""
+    import image_ar.transformers_ar as pipelines
     from image_ar.transformers_ar.support import check_image_generator
-    from mmspec.hf_loading import read_folder_config
+    from mmspec.hf_loading import PROCESSOR_FILES, read_folder_config
 
-    found = check_image_generator(read_folder_config(folder, "Janus or Emu3 model"), f"the model in {folder}")
-    cls = {"janus": pipeline.JanusPipeline, "emu3": pipeline.Emu3Pipeline}[found]
+    config = read_folder_config(folder, "Janus, Emu3 or Lumina-mGPT model",
+                                processor_files=(*PROCESSOR_FILES, "tokenizer_config.json"))
+    found = check_image_generator(config, f"the model in {folder}")
+    cls = {"janus": pipelines.JanusPipeline, "emu3": pipelines.Emu3Pipeline,
+           "lumina-mgpt": pipelines.LuminaMGPTPipeline}[found]
     pipe = cls.from_pretrained(folder).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe

@@ -1,17 +1,7 @@
 """Load the official VAR VQVAE (`vae_ch160v4096z32.pth`, a raw state dict) into `VARVQVAE`.
 
-`VARVQVAE` shares LlamaGen's encoder/decoder modules, whose names differ from the official LDM-style ones, so
-the converter renames (official -> here):
-
-    encoder.down.{i}.block.{j}.*          -> encoder.conv_blocks.{i}.res.{j}.*
-    encoder.down.{i}.attn.{j}.qkv          -> encoder.conv_blocks.{i}.attn.{j}.{q,k,v}  (the fused 1x1 conv split
-                                              in three along its output channels, in q, k, v order)
-    encoder.down.{i}.downsample.conv       -> encoder.conv_blocks.{i}.downsample.conv
-    {encoder,decoder}.mid.block_1 / attn_1 / block_2 -> .mid.0 / .mid.1 / .mid.2
-    decoder.up.{i}.*                        -> decoder.conv_blocks.{n - 1 - i}.* (official `up[i]` is resolution
-                                              level i; here the decoder lists levels from the lowest resolution)
-    decoder.up.{i}.block.{j} / attn.{j} / upsample.conv -> res.{j} / attn.{j} / upsample.conv
-
+`VARVQVAE` shares LlamaGen's encoder/decoder modules, whose names differ from the official LDM-style ones: the
+converter renames them with `image_ar.conv_autoencoder.rename_taming_keys` (which splits the fused qkv convs)
 and keeps `quant_conv`, `post_quant_conv`, `quantize.embedding.weight` and `quantize.quant_resi.qresi_ls.{k}`;
 `quantize.ema_vocab_hit_SV` (training statistics) is dropped. Config inference: vocab_size and z_channels from
 `quantize.embedding.weight`, ch from `encoder.conv_in.weight`, ch_mult from each level's first block, the
@@ -30,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from image_ar.conv_autoencoder import rename_taming_keys, taming_levels
 from image_ar.var.convert import OFFICIAL_PATCH_NUMS
 from image_ar.var.vqvae import VARVQVAE
 from mmspec.checkpoints import load_into, load_state_dict
@@ -37,34 +28,13 @@ from mmspec.checkpoints.keys import strip_wrapper_prefixes
 from mmspec.errors import CheckpointError, check_float_dtype
 
 IGNORED_KEYS = (r"^quantize\.ema_vocab_hit_SV$",)
-_MID = {"block_1": "0", "attn_1": "1", "block_2": "2"}
 
 
 def _levels(sd: Mapping[str, Any], prefix: str) -> int:
-    found = [int(m.group(1)) for k in sd if (m := re.match(rf"^{prefix}\.(\d+)\.", k))]
-    if not found:
+    levels = taming_levels(sd, prefix)
+    if not levels:
         raise CheckpointError(f"not a VAR VQVAE checkpoint: no `{prefix}.{{i}}` weights.")
-    return 1 + max(found)
-
-
-def rename_official_vqvae(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Official VAR VQVAE keys -> VARVQVAE keys (see the module docstring), splitting the fused qkv convs."""
-    n_up = _levels(sd, "decoder.up")
-    out: dict[str, torch.Tensor] = {}
-    for key, value in sd.items():
-        new = re.sub(r"^encoder\.down\.(\d+)\.block\.", r"encoder.conv_blocks.\1.res.", key)
-        new = re.sub(r"^encoder\.down\.(\d+)\.", r"encoder.conv_blocks.\1.", new)
-        new = re.sub(r"^decoder\.up\.(\d+)\.",
-                     lambda m: f"decoder.conv_blocks.{n_up - 1 - int(m.group(1))}.", new)
-        new = re.sub(r"^(decoder\.conv_blocks\.\d+)\.block\.", r"\1.res.", new)
-        new = re.sub(r"^(encoder|decoder)\.mid\.(block_1|attn_1|block_2)\.",
-                     lambda m: f"{m.group(1)}.mid.{_MID[m.group(2)]}.", new)
-        if re.search(r"\.qkv\.(weight|bias)$", new):
-            for name, part in zip("qkv", value.chunk(3, dim=0)):
-                out[re.sub(r"\.qkv\.", f".{name}.", new)] = part.clone()
-        else:
-            out[new] = value
-    return out
+    return levels
 
 
 def infer_vqvae_config(sd: Mapping[str, torch.Tensor], **known: Any) -> dict[str, Any]:
@@ -93,5 +63,5 @@ def load_var_vqvae(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.f
     sd = strip_wrapper_prefixes(load_state_dict(path, allow_pickle=allow_pickle))
     cfg = infer_vqvae_config(sd, **overrides)
     model = VARVQVAE(**cfg)  # small enough to initialise normally
-    load_into(model, rename_official_vqvae(sd), ignore_unexpected=IGNORED_KEYS)
+    load_into(model, rename_taming_keys(sd), ignore_unexpected=IGNORED_KEYS)
     return nn.Module.to(model, dtype=dtype).eval()

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
+from vq_reference import RefAttn, RefDown, RefRes, RefUp, gn, swish
 
 from image_ar.llamagen.convert_vq import (
     convert_llamagen_vq,
@@ -42,61 +43,6 @@ def _one_thread():
 
 
 # ------------------------------------------------------------------------------ independent reference model
-def swish(x: torch.Tensor) -> torch.Tensor:
-    return x * torch.sigmoid(x)
-
-
-def gn(c: int, groups: int) -> nn.GroupNorm:
-    return nn.GroupNorm(groups, c, eps=1e-6)
-
-
-class RefRes(nn.Module):
-    def __init__(self, cin: int, cout: int, groups: int):
-        super().__init__()
-        self.norm1, self.conv1 = gn(cin, groups), nn.Conv2d(cin, cout, 3, padding=1)
-        self.norm2, self.conv2 = gn(cout, groups), nn.Conv2d(cout, cout, 3, padding=1)
-        self.nin_shortcut = nn.Conv2d(cin, cout, 1) if cin != cout else None
-
-    def forward(self, x):
-        h = self.conv2(swish(self.norm2(self.conv1(swish(self.norm1(x))))))
-        return (x if self.nin_shortcut is None else self.nin_shortcut(x)) + h
-
-
-class RefAttn(nn.Module):
-    def __init__(self, c: int, groups: int):
-        super().__init__()
-        self.norm = gn(c, groups)
-        self.q, self.k, self.v, self.proj_out = (nn.Conv2d(c, c, 1) for _ in range(4))
-
-    def forward(self, x):
-        b, c, h, w = x.shape
-        n = self.norm(x)
-        q = self.q(n).reshape(b, c, h * w).permute(0, 2, 1)  # [b, hw, c]
-        k = self.k(n).reshape(b, c, h * w)  # [b, c, hw]
-        v = self.v(n).reshape(b, c, h * w)  # [b, c, hw]
-        attn = torch.softmax(torch.bmm(q, k) * c**-0.5, dim=2)  # [b, hw_q, hw_k]
-        out = torch.bmm(v, attn.permute(0, 2, 1)).reshape(b, c, h, w)
-        return x + self.proj_out(out)
-
-
-class RefDown(nn.Module):
-    def __init__(self, c: int):
-        super().__init__()
-        self.conv = nn.Conv2d(c, c, 3, stride=2)
-
-    def forward(self, x):
-        return self.conv(F.pad(x, (0, 1, 0, 1)))
-
-
-class RefUp(nn.Module):
-    def __init__(self, c: int):
-        super().__init__()
-        self.conv = nn.Conv2d(c, c, 3, padding=1)
-
-    def forward(self, x):
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
-
-
 def ref_level(cin: int, cout: int, n_res: int, with_attn: bool, groups: int, resample: str | None, c: int):
     level = nn.Module()
     level.res = nn.ModuleList([RefRes(cin if j == 0 else cout, cout, groups) for j in range(n_res)])
