@@ -7,7 +7,8 @@ one process.
 Options (`--family-option`): model (a folder in transformers' layout; required: there is no embedded default),
 prompts (a text file, one prompt a line; default: the world's held-out captions), guidance_scale, top_k, top_p
 (default: the model's and the family's, as `mmspec generate`), budget (auto | fixed). An official size with random
-weights instead of a folder: size=janus-pro-1b|janus-pro-7b or size=emu3-gen (`image_ar.transformers_ar.official`),
+weights instead of a folder: size=janus-pro-1b|janus-pro-7b, size=emu3-gen or size=lumina-mgpt-7b-768
+(`image_ar.transformers_ar.official`),
 dtype (float32, bfloat16, float16), logit_scale (the image head drawn that many times wider: peaked laws); its
 quality is token exactness alone. decode=false (any model) skips decoding the images. Figures: step compression,
 speed-up, acceptance, token exactness against vanilla for lossless methods at temperature 0, and how closely the
@@ -39,7 +40,8 @@ from mmspec.errors import check
 
 RECORDS = {"janus": (JANUS, JANUS_DEFAULTS), "emu3": (EMU3, EMU3_DEFAULTS),
            "lumina-mgpt": (LUMINA_MGPT, LUMINA_DEFAULTS)}
-OFFICIAL_SIZES = {"janus": ("janus-pro-1b", "janus-pro-7b"), "emu3": ("emu3-gen",), "lumina-mgpt": ()}  # official.py's
+OFFICIAL_SIZES = {"janus": ("janus-pro-1b", "janus-pro-7b"), "emu3": ("emu3-gen",),  # `official.py`'s
+                  "lumina-mgpt": ("lumina-mgpt-7b-768",)}
 CALIBRATION_BYTES = 2 ** 31  # the scored distributions of one chunk (n x T x V float32) must fit in this
 
 
@@ -49,7 +51,7 @@ def _options(settings: BenchSettings, family: str) -> dict[str, Any]:
                             extra=("budget", "prompts", "decode", "size", "dtype", "logit_scale"))
     check(options.get("size") is None or options["size"] in OFFICIAL_SIZES[family],
           f"--family-option size={options.get('size')}: the {family} family's official sizes are "
-          f"{', '.join(OFFICIAL_SIZES[family]) or 'not built yet (pass model=FOLDER)'}.")
+          f"{', '.join(OFFICIAL_SIZES[family])}.")
     check(options["model"] is not None or options.get("size") is not None,
           f"bench family {family!r} needs --family-option model=FOLDER (a local {family} folder in transformers' "
           f"layout; there is no embedded default) or size={'|'.join(OFFICIAL_SIZES[family])} (random weights).")
@@ -122,9 +124,10 @@ def transformers_image_family(family: str) -> Family:
         dtype = torch_dtype(o.get("dtype"))
         if o.get("size") is None:
             return record.load(o["model"], settings.device)
-        from image_ar.transformers_ar.official import random_emu3_pipeline, random_janus_pipeline
+        from image_ar.transformers_ar import official
 
-        build_random = random_janus_pipeline if family == "janus" else random_emu3_pipeline
+        build_random = {"janus": official.random_janus_pipeline, "emu3": official.random_emu3_pipeline,
+                        "lumina-mgpt": official.random_lumina_mgpt_pipeline}[family]
         return build_random(o["size"], settings.device, dtype or torch.float32, seed=settings.seed,
                             logit_scale=float(o["logit_scale"] or 1.0))
 

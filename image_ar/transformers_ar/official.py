@@ -1,7 +1,9 @@
-"""Janus-Pro and Emu3 at their official sizes with random weights: what a step costs at the sizes users run.
+"""Janus-Pro, Emu3 and Lumina-mGPT at their official sizes with random weights: what a step costs at the sizes users
+run.
 
     pipe = random_janus_pipeline("janus-pro-7b", device="cuda", dtype=torch.bfloat16)
     pipe = random_emu3_pipeline("emu3-gen", device="cuda", dtype=torch.bfloat16)
+    pipe = random_lumina_mgpt_pipeline("lumina-mgpt-7b-768", device="cuda", dtype=torch.bfloat16)
     mmspec bench --family janus --family-option size=janus-pro-1b --force-acceptance tau=2.31:depth=16 ...
 
 A forward costs the same whatever the weights; acceptance comes from `mmspec bench --force-acceptance`
@@ -18,6 +20,11 @@ tokenizer's ids lie inside it), so the embedding and the text head cost what the
   positions, RoPE theta 1e6; the MoVQGAN tokenizer with 32768 codes x 4 (transformers' `Emu3VQVAEConfig` defaults,
   which are Emu3's); the tokenizer is the world's with Emu3's special tokens and one token per visual code, and the
   image area the processor's default (720 x 720 px: 90 x 90 codes, 8190 tokens with the row ends);
+- lumina-mgpt-7b-768 (Alpha-VLLM/Lumina-mGPT-7B-768, fine-tuned from Chameleon-7B: transformers' Chameleon
+  conversion of it): 32 layers x 4096, MLP 11008, 32 heads (query / key norms per head), vocabulary 65536, 4096
+  positions, untied head; Chameleon's VQGAN at its official size (the `chameleon` preset: 8192 codes x 256, 16 pixels
+  a code); 768 x 768 pixels: 48 rows of 48 codes + the row ends + `<eoss>`, 2353 generated tokens; the tokenizer is
+  the world's with Lumina-mGPT's layout tokens and Chameleon's 8192 `IMGIMG*` image tokens;
 - every model: an EAGLE drafter (for eagle and lantern) of one decoder layer at the language model's width.
 Weights are drawn by transformers' own initialisation directly in `dtype` on `device` (no float32 copy of a 7B
 model), the language model's then scaled by `logit_scale` where asked (peaked laws, as a trained model's).
@@ -45,6 +52,10 @@ EMU3_TEXT = {"emu3-gen": dict(vocab_size=184622, hidden_size=4096, intermediate_
                               rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 1e6})}
 EMU3_SIZES = tuple(EMU3_TEXT)
 EMU3_CODES = 32768
+LUMINA_TEXT = {"lumina-mgpt-7b-768": dict(vocab_size=65536, hidden_size=4096, intermediate_size=11008,
+                                          num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                                          max_position_embeddings=4096, rms_norm_eps=1e-5)}
+LUMINA_SIZES = tuple(LUMINA_TEXT)
 
 
 def janus_config(size: str, tokenizer, **text_overrides: Any):
@@ -123,3 +134,36 @@ def with_eagle_drafter(pipe, device: torch.device | str, dtype: torch.dtype):
         drafter = cast_like_loaded(ImageAREagleDrafter.for_target(pipe.lm), dtype).eval()
     pipe.eagle_drafter = drafter.attach(pipe.lm)
     return pipe
+
+
+def random_lumina_mgpt_pipeline(size: str = "lumina-mgpt-7b-768", device: torch.device | str = "cpu",
+                                dtype: torch.dtype = torch.float32, seed: int = 0, logit_scale: float = 1.0,
+                                **text_overrides: Any):
+    """A `LuminaMGPTPipeline` over the random-weight Lumina-mGPT of `size` (see the module docstring); overrides
+    change the language model's config (tests: fewer layers)."""
+    from transformers import ChameleonConfig, ChameleonForConditionalGeneration
+
+    from image_ar.llamagen.vq import LlamaGenVQ
+    from image_ar.transformers_ar.lumina_mgpt import IMAGE_END, IMAGE_START, NEW_LINE, SEPARATOR, grid_token
+    from image_ar.transformers_ar.lumina_pipeline import LuminaMGPTPipeline
+    from image_ar.transformers_ar.tiny import image_token_name, world_tokenizer_with
+
+    check(size in LUMINA_TEXT, f"unknown Lumina-mGPT size {size!r}; sizes: {', '.join(LUMINA_SIZES)}.")
+    check(logit_scale > 0, f"logit_scale must be > 0, got {logit_scale}.")
+    image_size = int(size.rsplit("-", 1)[1])
+    tok = world_tokenizer_with({}, [IMAGE_START, IMAGE_END, NEW_LINE, SEPARATOR,
+                                    *(grid_token(n) for n in range(1, image_size // 32 + 1)),
+                                    *(image_token_name(c) for c in range(8192))])
+    tok.padding_side = "right"
+    text = dict(bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.convert_tokens_to_ids(SEPARATOR), **{**LUMINA_TEXT[size], **text_overrides})
+    config = ChameleonConfig(**text, vocabulary_map=tok.get_vocab(), tie_word_embeddings=False)
+    config.lumina_mgpt = {"image_size": image_size}
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = ChameleonForConditionalGeneration._from_config(config, dtype=dtype).eval()
+        vqgan = LlamaGenVQ.from_preset("chameleon").to(dtype).eval()
+    if logit_scale != 1.0:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(logit_scale)
+    return with_eagle_drafter(LuminaMGPTPipeline(model, tok, vqgan), device, dtype)

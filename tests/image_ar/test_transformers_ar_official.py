@@ -1,13 +1,18 @@
-"""Janus-Pro and Emu3 at their official sizes (random weights): the configurations of deepseek-ai/Janus-Pro-1B and
--7B and BAAI/Emu3-Gen, the parameter counts they give, and the bench options that build them
-(`image_ar.transformers_ar.official`)."""
+"""Janus-Pro, Emu3 and Lumina-mGPT at their official sizes (random weights): the configurations of
+deepseek-ai/Janus-Pro-1B and -7B, BAAI/Emu3-Gen and Alpha-VLLM/Lumina-mGPT-7B-768, the parameter counts they give,
+and the bench options that build them (`image_ar.transformers_ar.official`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from image_ar.transformers_ar.official import JANUS_SIZES, random_emu3_pipeline, random_janus_pipeline
+from image_ar.transformers_ar.official import (
+    JANUS_SIZES,
+    random_emu3_pipeline,
+    random_janus_pipeline,
+    random_lumina_mgpt_pipeline,
+)
 from mmspec.bench.registry import BenchSettings
 from mmspec.errors import InputError
 
@@ -54,3 +59,18 @@ def test_emu3_gen_shapes():
     vq_count = sum(p.numel() for p in pipe.model.model.vqmodel.parameters())
     assert 0.2e9 < vq_count < 0.35e9, vq_count  # the MoVQGAN tokenizer
     assert pipe.eagle_drafter.config.hidden_size == 4096
+
+
+def test_lumina_mgpt_7b_768_shapes():
+    pipe = random_lumina_mgpt_pipeline("lumina-mgpt-7b-768", device="meta", dtype=torch.bfloat16)
+    config = pipe.model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size, config.model_parallel_size) == (
+        32, 4096, 65536, 1)
+    text_count = sum(p.numel() for n, p in pipe.model.named_parameters() if not n.startswith("model.vqmodel."))
+    assert abs(text_count / 7.01e9 - 1) < 0.005, text_count  # Chameleon-7B: 32 x (4 x 4096^2 + 3 x 4096 x 11008)
+    assert pipe.default_image_size == 768 and len(pipe.special.visual) == 8192
+    pipe.grid = (48, 48)
+    assert pipe.image_token_layout() == (48 * 49 + 1, 49, 65536)  # 2353 generated tokens a 768-px image
+    vq_count = sum(p.numel() for p in pipe.vqgan.parameters())
+    assert 60e6 < vq_count < 80e6, vq_count  # taming's VQModel at ch 128 (no level attention)
+    assert pipe.vqgan.config.codebook_size == 8192 and pipe.eagle_drafter.config.hidden_size == 4096
