@@ -205,7 +205,18 @@ def load_movqgan(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.flo
     """The official `movqgan_270M.ckpt` (a raw state dict, or one under `state_dict`) -> `MoVQGAN` in `dtype`, eval
     mode, every weight checked; read with `torch.load(weights_only=True)` unless `allow_pickle`."""
     check_float_dtype(dtype)
-    sd = strip_wrapper_prefixes(load_state_dict(path, allow_pickle=allow_pickle))
+    model = convert_movqgan(load_state_dict(path, allow_pickle=allow_pickle))
+    return nn.Module.to(model, dtype=dtype)
+
+
+def is_movqgan(sd: dict[str, torch.Tensor]) -> bool:
+    """Whether a taming-layout state dict is a MoVQGAN's (its decoder norms are spatial)."""
+    return any(k.endswith("norm1.conv_y.weight") and k.startswith("decoder.") for k in sd)
+
+
+def convert_movqgan(sd: dict[str, torch.Tensor]) -> MoVQGAN:
+    """An official MoVQGAN state dict -> `MoVQGAN` in eval mode, every weight checked."""
+    sd = strip_wrapper_prefixes(sd)
     model = MoVQGAN(**infer_movqgan_config(sd))
     load_into(model, rename_taming_keys(sd), ignore_unexpected=IGNORED_KEYS)
-    return nn.Module.to(model, dtype=dtype).eval()
+    return model.eval()

@@ -67,11 +67,13 @@ def read_folder_config(folder: str | Path, what: str, made_by: str = "transforme
         raise InputError(f"could not read {folder / 'config.json'}: {err}") from None
 
 
-def check_weights_loaded(loading: dict, class_name: str, folder: Path) -> None:
-    """InputError when transformers' `from_pretrained` left parameters of the model at their random init."""
+def check_weights_loaded(loading: dict, class_name: str, folder: Path, unused_prefix: str | None = None) -> None:
+    """InputError when transformers' `from_pretrained` left parameters of the model at their random init (but those
+    under `unused_prefix`, a module the caller removes and never runs)."""
     import transformers
 
-    bad = sorted(loading.get("missing_keys") or []) + [str(k) for k, *_ in loading.get("mismatched_keys") or []]
+    missing = [k for k in loading.get("missing_keys") or [] if unused_prefix is None or not k.startswith(unused_prefix)]
+    bad = sorted(missing) + [str(k) for k, *_ in loading.get("mismatched_keys") or []]
     if bad:
         raise InputError(f"{len(bad)} weights of {class_name} are not in {folder} (e.g. {bad[0]}); the folder was "
                          f"probably saved by another transformers version with another parameter layout than this one "
@@ -80,13 +82,17 @@ def check_weights_loaded(loading: dict, class_name: str, folder: Path) -> None:
 
 
 def load_transformers_folder(folder: str | Path, model_class: Any, processor_class: Any,
-                             **model_kwargs: Any) -> tuple[Any, Any]:
+                             unused_prefix: str | None = None, **model_kwargs: Any) -> tuple[Any, Any]:
     """(model, processor) from `folder` with `model_class.from_pretrained` (e.g. an Auto class) and
-    `processor_class.from_pretrained`, local files only, every weight checked to be loaded."""
+    `processor_class.from_pretrained`, local files only, every weight checked to be loaded (but those under
+    `unused_prefix`: see `check_weights_loaded`)."""
     from transformers.utils import logging as hf_logging
 
     folder = Path(folder)
     hf_logging.disable_progress_bar()
+    verbosity = hf_logging.get_verbosity()
+    if unused_prefix is not None:  # transformers' load report would list the unused module's weights as missing
+        hf_logging.set_verbosity_error()
     try:
         model, loading = model_class.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
                                                      **model_kwargs)
@@ -95,7 +101,8 @@ def load_transformers_folder(folder: str | Path, model_class: Any, processor_cla
         raise InputError(f"could not load the model in {folder}: {str(err).splitlines()[0]}") from None
     finally:
         hf_logging.enable_progress_bar()
-    check_weights_loaded(loading, type(model).__name__, folder)
+        hf_logging.set_verbosity(verbosity)
+    check_weights_loaded(loading, type(model).__name__, folder, unused_prefix)
     return model, processor
 
 

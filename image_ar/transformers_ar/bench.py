@@ -47,6 +47,8 @@ CALIBRATION_BYTES = 2 ** 31  # the scored distributions of one chunk (n x T x V 
 
 def _options(settings: BenchSettings, family: str) -> dict[str, Any]:
     defaults = {**RECORDS[family][1], "guidance_scale": None}  # None: the model's own (its generation_config)
+    if family == "lumina-mgpt":
+        defaults["top_k"] = None  # the pipeline's: its version's official image top-k
     options = image_options(settings, family, defaults,
                             extra=("budget", "prompts", "decode", "size", "dtype", "logit_scale"))
     check(options.get("size") is None or options["size"] in OFFICIAL_SIZES[family],
@@ -102,7 +104,8 @@ def calibration(family: str):
         if size > CALIBRATION_BYTES:  # one image's distributions alone do not fit (Emu3 at 90 x 90 tokens)
             return {}
         return token_calibration(lambda prompts, tokens: pipe.target_probs(
-            prompts, tokens, guidance_scale=o["guidance_scale"], temperature=settings.temperature, top_k=o["top_k"],
+            prompts, tokens, guidance_scale=o["guidance_scale"], temperature=settings.temperature,
+            top_k=o["top_k"] if o["top_k"] is not None else pipe.default_top_k,
             top_p=o["top_p"]), outputs, settings, batch_size=chunk)
 
     return figures

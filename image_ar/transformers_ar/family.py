@@ -22,7 +22,8 @@ METHODS = ("vanilla", "sjd", "gsd", "eagle", "lantern")  # shared records (eagle
 # loaded model's own guidance scale (its generation_config, `default_guidance_scale`) replaces the CFG default
 JANUS_DEFAULTS = {"guidance_scale": 5.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 EMU3_DEFAULTS = {"guidance_scale": 3.0, "temperature": 1.0, "top_k": 2048, "top_p": 1.0}
-# Lumina-mGPT: the official README's CFG 4.0 and image top-k 2000 (the SJD / GSD papers ran CFG 3.0)
+# Lumina-mGPT: the official README's CFG 4.0 and image top-k 2000 (the SJD / GSD papers ran CFG 3.0); a loaded 2.0
+# pipeline's top-k is 4096 (`lumina_sampling_defaults`)
 LUMINA_DEFAULTS = {"guidance_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
 
 
@@ -69,9 +70,16 @@ EMU3 = FamilyRecord("emu3", "transformers' Emu3 text-to-image (a local model fol
                     load=loader("Emu3Pipeline", "emu3"), generate=generate, condition="prompt",
                     sampling_defaults=model_guidance_defaults(EMU3_DEFAULTS), bench=bench_of("emu3"),
                     methods=shared_methods())
+def lumina_sampling_defaults(pipeline) -> dict:
+    """`LUMINA_DEFAULTS` with a loaded pipeline's guidance scale and image top-k (its version's: 2.0 samples 4096)."""
+    pipe = pipeline()
+    found = model_guidance_defaults(LUMINA_DEFAULTS)(lambda: pipe)
+    return found if pipe is None else {**found, "top_k": pipe.default_top_k}
+
+
 LUMINA_MGPT = FamilyRecord("lumina-mgpt", "Lumina-mGPT text-to-image on transformers' Chameleon (a folder `mmspec "
                            "convert lumina-mgpt` wrote; --model)",
                            load=loader("LuminaMGPTPipeline", "lumina-mgpt"), generate=generate, condition="prompt",
-                           sampling_defaults=model_guidance_defaults(LUMINA_DEFAULTS), bench=bench_of("lumina-mgpt"),
+                           sampling_defaults=lumina_sampling_defaults, bench=bench_of("lumina-mgpt"),
                            methods=shared_methods())
 DEFAULTS = {"janus": JANUS_DEFAULTS, "emu3": EMU3_DEFAULTS, "lumina-mgpt": LUMINA_DEFAULTS}  # by model_type

@@ -5,9 +5,11 @@ Chameleon modules and Chameleon's VQGAN (`image_ar.transformers_ar.lumina_mgpt` 
     out = pipe("a red fox in the snow", method="sjd", generator=torch.Generator("cuda").manual_seed(0))
     out.images[0]                     # PIL, 768 x 768; out.stats: the run's SpecStats
 
-The folder is what `mmspec convert lumina-mgpt` writes from an official one (transformers' `ChameleonForConditional
-Generation` weights, Chameleon's tokenizer, the VQGAN in `vqgan/`). Defaults are the official README's: CFG 4.0,
-top-k 2000 over image tokens, temperature 1 (the SJD and GSD papers used CFG 3.0). Methods are the LlamaGen
+The folder is what `mmspec convert lumina-mgpt` writes from an official one, 1.0 or 2.0 (transformers'
+`ChameleonForConditionalGeneration` weights, the tokenizer, the image tokenizer in `vqgan/`: Chameleon's VQGAN, or
+2.0's MoVQGAN). Defaults are the official ones: CFG 4.0, temperature 1, image top-k 2000 (1.0's README) or 4096
+(2.0's sample script); the SJD and GSD papers used CFG 3.0 on 1.0. SJD's defaults (window 16, random init) are
+2.0's official SJD settings. Methods are the LlamaGen
 family's records: vanilla, sjd (accept="lossless" | "lantern" | "gsd"), gsd, and with an EAGLE drafter trained for
 the model (`mmspec train image-ar-drafter`) eagle and lantern trees. GSD's table is the language model's input
 embeddings (the official GSD code on Lumina-mGPT), LANTERN's neighbours the VQGAN codebook's.
@@ -23,9 +25,12 @@ from typing import Any
 import torch
 
 from image_ar.llamagen.vq import LlamaGenVQ
+from image_ar.movqgan import MoVQGAN
 from image_ar.transformers_ar.lumina_mgpt import (
+    PATCH,
     ChameleonCachedLM,
     encode_prompts,
+    image_token_codes,
     latent_grid,
     layout_length,
     lumina_layout,
@@ -47,6 +52,19 @@ from mmspec.sampling import SamplingParams
 
 VQGAN_FOLDER = "vqgan"
 DEFAULT_IMAGE_SIZE = 768  # when the folder's config.json does not record one (`lumina_mgpt.image_size`)
+IMAGE_TOP_K = {1: 2000, 2: 4096}  # by version: the official README's (1.0) and sample script's (2.0) image top-k
+VQ_CLASSES = {"LlamaGenVQ": LlamaGenVQ, "MoVQGAN": MoVQGAN}  # 1.0's Chameleon VQGAN, 2.0's MoVQGAN
+
+
+def load_vq(folder: Path) -> LlamaGenVQ | MoVQGAN:
+    """The image tokenizer in `folder` (a diffusers model folder; its config names the class)."""
+    try:
+        name = json.loads((folder / "config.json").read_text()).get("_class_name")
+    except (OSError, json.JSONDecodeError) as err:
+        raise InputError(f"could not read {folder / 'config.json'}: {err}") from None
+    check(name in VQ_CLASSES, f"{folder} holds a {name!r}; a Lumina-mGPT folder's image tokenizer is one of "
+                              f"{', '.join(VQ_CLASSES)} (`mmspec convert lumina-mgpt` writes it).")
+    return VQ_CLASSES[name].from_pretrained(str(folder))
 
 
 def read_lumina_config(folder: str | Path) -> dict:
@@ -74,24 +92,34 @@ def read_lumina_config(folder: str | Path) -> dict:
 
 
 class LuminaMGPTPipeline(TransformersImagePipeline):
-    """Lumina-mGPT: transformers' `ChameleonForConditionalGeneration` (`model`), Chameleon's tokenizer
-    (`processor`) and VQGAN (`vqgan`, a `LlamaGenVQ`)."""
+    """Lumina-mGPT (1.0) or Lumina-mGPT 2.0: transformers' `ChameleonForConditionalGeneration` (`model`), the
+    model's tokenizer (`processor`) and image tokenizer (`vqgan`: 1.0's Chameleon VQGAN, a `LlamaGenVQ`; 2.0's
+    `MoVQGAN`, which makes the pipeline a 2.0 one)."""
 
     model_type, model_class = "lumina-mgpt", "ChameleonForConditionalGeneration"
-    fallback_guidance = 4.0  # the official README's CFG
+    fallback_guidance = 4.0  # the official README's CFG (1.0) and sample script's (2.0)
     image_size_arguments = "height and width, multiples of 32 pixels"
 
     def __init__(self, model: Any, processor: Any = None, vqgan: Any = None, eagle_drafter: Any = None):
         super().__init__(model, processor, eagle_drafter)
-        check(processor is not None and vqgan is not None,
-              "a Lumina-mGPT pipeline needs Chameleon's tokenizer (processor=) and its VQGAN (vqgan=).")
+        check(processor is not None and isinstance(vqgan, tuple(VQ_CLASSES.values())),
+              "a Lumina-mGPT pipeline needs the model's tokenizer (processor=) and its image tokenizer (vqgan=: "
+              "Chameleon's VQGAN as a LlamaGenVQ, or a MoVQGAN for Lumina-mGPT 2.0).")
         self.register_modules(vqgan=vqgan)
+        self.version = 2 if isinstance(vqgan, MoVQGAN) else 1
+        check(PATCH % vqgan.downsample_factor == 0, f"the image tokenizer codes {vqgan.downsample_factor} pixels a "
+                                                     f"side; Lumina-mGPT's grid unit of {PATCH} needs a divisor.")
+        self.codes_per_unit = PATCH // vqgan.downsample_factor
         self.lm = ChameleonCachedLM(model)
         self.special = lumina_special_ids(model, processor)
-        mapping = model.model.vocabulary_mapping
-        code_of = torch.full((self.lm.vocab_size,), -1, dtype=torch.long)  # [V] token id -> VQ code (-1: none)
-        code_of[torch.tensor(list(mapping.bpe2img))] = torch.tensor(list(mapping.bpe2img.values()))
-        self.code_of = code_of
+        ids, codes = image_token_codes(model)
+        check(max(codes) < vqgan.config.codebook_size, f"the vocabulary names {len(ids)} image tokens (codes up to "
+                                                       f"{max(codes)}); the image tokenizer has "
+                                                       f"{vqgan.config.codebook_size} codes.")
+        self.code_of = torch.full((self.lm.vocab_size,), -1, dtype=torch.long)  # [V] token id -> code (-1: none)
+        self.code_of[torch.tensor(ids)] = torch.tensor(codes)
+        self.token_of_code = torch.zeros(vqgan.config.codebook_size, dtype=torch.long)  # [C] code -> token id
+        self.token_of_code[torch.tensor(codes)] = torch.tensor(ids)
         self.grid: tuple[int, int] | None = None  # (H, W) latent codes of the running / last call
 
     @classmethod
@@ -105,9 +133,15 @@ class LuminaMGPTPipeline(TransformersImagePipeline):
         check(dtype is None or torch_dtype is None, "give dtype or torch_dtype, not both.")
         dtype = dtype if torch_dtype is None else torch_dtype
         read_lumina_config(folder)
+        vqgan = load_vq(Path(folder) / VQGAN_FOLDER)
+        # 2.0 does not use the Chameleon VQ-VAE transformers' class builds: its weights are not in the folder, and
+        # the module is removed so nothing runs it at random init
+        unused = "model.vqmodel." if isinstance(vqgan, MoVQGAN) else None
         model, tokenizer = load_transformers_folder(folder, transformers.ChameleonForConditionalGeneration,
-                                                    transformers.AutoTokenizer, attn_implementation="sdpa")
-        vqgan = LlamaGenVQ.from_pretrained(str(Path(folder) / VQGAN_FOLDER))
+                                                    transformers.AutoTokenizer, unused_prefix=unused,
+                                                    attn_implementation="sdpa")
+        if unused:
+            del model.model.vqmodel
         moved = [m.eval().to(device) if dtype is None else m.eval().to(device=device, dtype=dtype)
                  for m in (model, vqgan)]
         pipe = cls(moved[0], tokenizer, moved[1])
@@ -124,6 +158,11 @@ class LuminaMGPTPipeline(TransformersImagePipeline):
     def default_image_size(self) -> int:
         return int((getattr(self.model.config, "lumina_mgpt", None) or {}).get("image_size", DEFAULT_IMAGE_SIZE))
 
+    @property
+    def default_top_k(self) -> int:
+        """The official image top-k of this version: 2000 (1.0's README), 4096 (2.0's sample script)."""
+        return IMAGE_TOP_K[self.version]
+
     # ------------------------------------------------------------ what the methods read (`ImageTokenPipeline`)
     def image_token_layout(self) -> tuple[int, int, int]:
         """(generated tokens per image, tokens per image row incl. its row end, the whole vocabulary)."""
@@ -135,9 +174,9 @@ class LuminaMGPTPipeline(TransformersImagePipeline):
                          "tokens: use embeddings='target' (its input embeddings, the default) or None.")
 
     def lantern_table(self, k: int) -> torch.Tensor:
-        """LANTERN's neighbours over the whole vocabulary from the VQGAN's raw codebook."""
-        return vocabulary_lantern_table(self.model.model.vocabulary_mapping, self.vqgan.quantize.embedding.weight,
-                                        self.lm.vocab_size, k)
+        """LANTERN's neighbours over the whole vocabulary from the image tokenizer's raw codebook."""
+        return vocabulary_lantern_table(self.token_of_code, self.vqgan.quantize.embedding.weight, self.lm.vocab_size,
+                                        k)
 
     def input_token_embeddings(self) -> torch.Tensor:
         """[V, H] the language model's input embeddings (GSD's table, as the official GSD code)."""
@@ -165,7 +204,7 @@ class LuminaMGPTPipeline(TransformersImagePipeline):
     @torch.no_grad()
     def __call__(self, prompt: str | list[str] | None = None, *, input_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None, height: int | None = None, width: int | None = None,
-                 guidance_scale: float | None = None, temperature: float = 1.0, top_k: int = 2000,
+                 guidance_scale: float | None = None, temperature: float = 1.0, top_k: int | None = None,
                  top_p: float = 1.0, num_images_per_prompt: int = 1,
                  generator: torch.Generator | list[torch.Generator] | None = None, method: str = "vanilla",
                  method_kwargs: dict[str, Any] | None = None, budget: str | None = None, output_type: str = "pil",
@@ -177,14 +216,16 @@ class LuminaMGPTPipeline(TransformersImagePipeline):
 
         height / width: pixels, multiples of 32 (default the resolution the folder records, e.g. 768); the request
         text names them as the official prompts do. guidance_scale: None = the model's generation_config, else 4.0
-        (the official README; 1.0 disables CFG). top_k 2000 over image tokens as the official solver (0 disables);
+        (the official README; 1.0 disables CFG). top_k None = the version's official image top-k (1.0: 2000, 2.0:
+        4096; 0 disables);
         temperature 0 = greedy. method / method_kwargs / budget / generator / callbacks / return_dict /
         num_inference_steps as `JanusPipeline`.
         """
         self.check_call(prompt, input_ids, class_labels, method, output_type, num_images_per_prompt,
                         num_inference_steps)
         height, width = self.image_size(height, width)
-        self.grid = latent_grid(height, width)
+        self.grid = latent_grid(height, width, self.codes_per_unit)
+        top_k = self.default_top_k if top_k is None else top_k
         prompts = (self.encode_prompt(prompt, height, width) if prompt is not None
                    else self.with_header(input_ids, attention_mask, height, width))
         guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
@@ -202,7 +243,7 @@ class LuminaMGPTPipeline(TransformersImagePipeline):
         """(prompts, prefill(guided), scale, layout) as a call with these prompts (the default size) and this scale
         builds them."""
         height, width = self.image_size(None, None)
-        self.grid = latent_grid(height, width)
+        self.grid = latent_grid(height, width, self.codes_per_unit)
         negative = unconditional_rows(self.special, self.processor, len(prompts), height, width)
         guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
         return (self.encode_prompt(prompts, height, width), lambda guided: guided_prefill(guided, negative),
@@ -221,8 +262,8 @@ class LuminaMGPTPipeline(TransformersImagePipeline):
         return decode(tokens)  # `decode` fills positions not generated itself (the VQGAN's fill_missing)
 
     def decode(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Generated tokens -> images [N, 3, 16 H, 16 W] in [0, 1] by the VQGAN (codes not generated decode from a
-        zero latent vector)."""
+        """Generated tokens -> images [N, 3, f H, f W] in [0, 1] by the image tokenizer (f = 16 for 1.0's VQGAN, 8
+        for 2.0's MoVQGAN; codes not generated decode from a zero latent vector)."""
         codes = self.codes(tokens.to(self.vqgan.device))
-        pixels = self.vqgan.decode_code(codes, fill_missing=True)  # [N, 3, 16 H, 16 W] about [-1, 1]
+        pixels = self.vqgan.decode_code(codes, fill_missing=True)  # [N, 3, f H, f W] about [-1, 1]
         return ((pixels.float().clamp(-1, 1) + 1) / 2)

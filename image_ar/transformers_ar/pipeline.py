@@ -65,16 +65,17 @@ def check_prompt_list(prompt: Any, name: str = "prompt") -> list[str]:
     return [prompt] if isinstance(prompt, str) else list(prompt)
 
 
-def vocabulary_lantern_table(mapping: Any, codebook: torch.Tensor, vocab_size: int, k: int) -> torch.Tensor:
+def vocabulary_lantern_table(token_of_code: torch.Tensor, codebook: torch.Tensor, vocab_size: int,
+                             k: int) -> torch.Tensor:
     """LANTERN's neighbour table over a whole vocabulary of text and image tokens [V, k'] (k' = min(k, codes - 1),
     int32): an image token's row holds the image tokens of its code's k' nearest codes in the raw VQ `codebook`
-    [C, D] (`build_neighbour_table`, as LANTERN's code), through the model's vocabulary `mapping`
-    (`img2bpe_mapping_tensor`: code -> token id); every other token lists itself (no neighbours)."""
+    [C, D] (`build_neighbour_table`, as LANTERN's code), `token_of_code` [C] naming each code's token id (e.g. the
+    vocabulary map's `img2bpe_mapping_tensor`); every other token lists itself (no neighbours)."""
     from mmspec.verify import build_neighbour_table
 
     codebook = codebook.detach().float().cpu()  # [C, D]
     near = build_neighbour_table(codebook, min(k, codebook.shape[0] - 1)).long()  # [C, k'] code ids
-    bpe = mapping.img2bpe_mapping_tensor.long()  # [C] code -> token id
+    bpe = token_of_code.long().cpu()  # [C] code -> token id
     table = torch.arange(vocab_size, dtype=torch.int32).unsqueeze(1).repeat(1, near.shape[1])
     table[bpe] = bpe[near].to(torch.int32)
     return table
@@ -369,7 +370,7 @@ class Emu3Pipeline(TransformersImagePipeline):
 
     def lantern_table(self, k: int) -> torch.Tensor:
         """LANTERN's neighbour table over Emu3's whole vocabulary (`vocabulary_lantern_table` on its VQ codebook)."""
-        return vocabulary_lantern_table(self.model.model.vocabulary_mapping,
+        return vocabulary_lantern_table(self.model.model.vocabulary_mapping.img2bpe_mapping_tensor,
                                         self.model.model.vqmodel.quantize.embedding.weight, self.lm.vocab_size, k)
 
     def input_token_embeddings(self) -> torch.Tensor:

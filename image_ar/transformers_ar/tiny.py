@@ -6,6 +6,7 @@ and the CLI.
     #   mmspec generate --family janus --model tiny-janus --prompt "a red circle" --method sjd --out out/
     emu3 = tiny_emu3_pipeline()                     # Emu3ForConditionalGeneration + Emu3Processor
     lumina = tiny_lumina_mgpt_pipeline()            # ChameleonForConditionalGeneration + tokenizer + VQGAN
+    lumina2 = tiny_lumina_mgpt_pipeline(version=2)  # the same with Lumina-mGPT 2.0's token names and a MoVQGAN
 
 The text side is the embedded world's tokenizer plus each model's special tokens (Janus: image start / end / image
 tokens and a chat template shaped like Janus-Pro's; Emu3: its image-start / end, image-wrapper, end-of-line and
@@ -138,24 +139,37 @@ def image_token_name(code: int) -> str:
     return "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(code)) + "Z"
 
 
-def tiny_lumina_mgpt_pipeline(seed: int = 0, scale: float = 3.0):
+def tiny_lumina_mgpt_pipeline(seed: int = 0, scale: float = 3.0, version: int = 1):
     """A `LuminaMGPTPipeline` of a random transformers Chameleon (its language model scaled by `scale`: peaked laws)
-    over the world tokenizer with Lumina-mGPT's layout tokens, grid tokens for 32-128 pixels and 64 image tokens
-    (`IMGIMG*`), and a random Chameleon-shaped VQGAN (ch 32, 64 codes of 8): 64 x 64 pixels by default, a 4 x 4
-    latent grid (21 generated tokens with the row ends and `<eoss>`)."""
+    over the world tokenizer with Lumina-mGPT's layout tokens, grid tokens for 32-128 pixels and 64 image tokens, and
+    a random image tokenizer of 64 codes. version 1: Chameleon's `IMGIMG*` token names and a Chameleon-shaped VQGAN
+    (ch 32, codes of 8, 16 pixels a code), 64 x 64 pixels by default (a 4 x 4 grid); version 2: Lumina-mGPT 2.0's
+    `<MOVQGAN*` names and a MoVQGAN (ch 32, codes of 4, 8 pixels a code), 32 x 32 by default (4 x 4). Either way
+    21 generated tokens an image with the row ends and `<eoss>`."""
     import transformers as tf
 
     from image_ar.llamagen.vq import LlamaGenVQ
-    from image_ar.transformers_ar.lumina_mgpt import IMAGE_END, IMAGE_START, NEW_LINE, SEPARATOR, grid_token
+    from image_ar.movqgan import MoVQGAN
+    from image_ar.transformers_ar.lumina_mgpt import (
+        IMAGE_END,
+        IMAGE_START,
+        MOVQGAN_PREFIX,
+        NEW_LINE,
+        SEPARATOR,
+        grid_token,
+    )
     from image_ar.transformers_ar.lumina_pipeline import LuminaMGPTPipeline
 
+    names = [image_token_name(c) if version == 1 else f"{MOVQGAN_PREFIX}{c:05d}>" for c in range(LUMINA_CODES)]
     tok = world_tokenizer_with({}, [IMAGE_START, IMAGE_END, NEW_LINE, SEPARATOR,
-                                    *(grid_token(n) for n in range(1, 5)),
-                                    *(image_token_name(c) for c in range(LUMINA_CODES))])
+                                    *(grid_token(n) for n in range(1, 5)), *names])
     tok.padding_side = "right"
     torch.manual_seed(seed)
-    vqgan = LlamaGenVQ.from_preset("chameleon", ch=32, num_res_blocks=1, z_channels=32, codebook_size=LUMINA_CODES,
-                                   codebook_embed_dim=8).eval()
+    if version == 1:
+        vqgan = LlamaGenVQ.from_preset("chameleon", ch=32, num_res_blocks=1, z_channels=32,
+                                       codebook_size=LUMINA_CODES, codebook_embed_dim=8).eval()
+    else:
+        vqgan = MoVQGAN(codebook_size=LUMINA_CODES, ch=32, num_res_blocks=1).eval()
     config = tf.ChameleonConfig(
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
@@ -163,15 +177,18 @@ def tiny_lumina_mgpt_pipeline(seed: int = 0, scale: float = 3.0):
         vocabulary_map=tok.get_vocab(),
         vq_config=dict(embed_dim=8, num_embeddings=LUMINA_CODES, latent_channels=32, base_channels=32,
                        channel_multiplier=[1, 1, 2, 2, 4], num_res_blocks=1))
-    config.lumina_mgpt = {"image_size": 64}
+    config.lumina_mgpt = {"image_size": 64 if version == 1 else 32, "version": version}
     model = tf.ChameleonForConditionalGeneration(config).eval()
+    if version == 2:
+        del model.model.vqmodel  # 2.0 has no Chameleon VQ-VAE (what LuminaMGPTPipeline.from_pretrained does)
     with torch.no_grad():
         for p in (*model.model.layers.parameters(), model.lm_head.weight):
             p.mul_(scale)
     return LuminaMGPTPipeline(model, tok, vqgan)
 
 
-TINY = {"janus": tiny_janus_pipeline, "emu3": tiny_emu3_pipeline, "lumina-mgpt": tiny_lumina_mgpt_pipeline}
+TINY = {"janus": tiny_janus_pipeline, "emu3": tiny_emu3_pipeline, "lumina-mgpt": tiny_lumina_mgpt_pipeline,
+        "lumina-mgpt-2": lambda: tiny_lumina_mgpt_pipeline(version=2)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,8 +46,9 @@ def image_options(settings: BenchSettings, family: str, defaults: Mapping[str, A
     check(scale is None or (scale.replace(".", "", 1).isdigit() and float(scale) > 0),
           f"--family-option logit_scale must be a positive number, got {scale!r}.")
     guidance = o.get("guidance_scale", defaults["guidance_scale"])  # None: the pipeline's own default
+    top_k = o.get("top_k", defaults["top_k"])  # None: the pipeline's own default
     return {"model": o.get("model"), "guidance_scale": None if guidance is None else float(guidance),
-            "top_k": int(o.get("top_k", defaults["top_k"])), "top_p": float(o.get("top_p", defaults["top_p"])),
+            "top_k": None if top_k is None else int(top_k), "top_p": float(o.get("top_p", defaults["top_p"])),
             "fid_reference": int(o.get("fid_reference", 2000)), "compile": o.get("compile"),
             **{key: o.get(key) for key in extra}}
 

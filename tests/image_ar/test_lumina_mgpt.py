@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -41,6 +42,14 @@ def pipe():
     return pipe
 
 
+@pytest.fixture(scope="module")
+def pipe2():
+    """Lumina-mGPT 2.0's shape: `<MOVQGAN*` image tokens, a MoVQGAN (8 pixels a code), 32 x 32 pixels."""
+    pipe = tiny_lumina_mgpt_pipeline(version=2)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 # ------------------------------------------------------------------------ full-forward greedy reference
 def reference_greedy(forward, pipe, prompt: str, height: int, width: int, guidance: float) -> list[int]:
     """The official solver's greedy image, written from its facts: the prompt ids (BOS, request text, separator)
@@ -54,8 +63,9 @@ def reference_greedy(forward, pipe, prompt: str, height: int, width: int, guidan
     text = tok.encode(PROMPT.format(width=width, height=height, prompt=prompt) + SEPARATOR, add_special_tokens=False)
     cond = [tok.bos_token_id, *text, *header]
     uncond = list(header)
-    grid_h, grid_w = 2 * height // 32, 2 * width // 32
-    image = sorted(v for k, v in tok.get_vocab().items() if k.startswith("IMGIMG"))
+    per_unit = 32 // pipe.vqgan.downsample_factor  # codes a 32-pixel side: 2 (1.0's VQGAN), 4 (2.0's MoVQGAN)
+    grid_h, grid_w = per_unit * height // 32, per_unit * width // 32
+    image = sorted(v for k, v in tok.get_vocab().items() if k.startswith(("IMGIMG", "<MOVQGAN")))
     out = []
     for t in range(grid_h * (grid_w + 1) + 1):
         c = forward(torch.tensor([cond]))[0, -1].double()
@@ -109,6 +119,23 @@ def test_methods_are_greedy_exact_in_fewer_forwards(pipe):
                    budget="fixed", output_type="latent")
         assert torch.equal(out.tokens, base.tokens), (method, kwargs)
         assert out.stats.num_target_forwards <= base.stats.num_target_forwards, (method, kwargs)
+
+
+def test_lumina_mgpt_2_greedy_reference_decoding_and_methods(pipe2):
+    assert (pipe2.version, pipe2.codes_per_unit, pipe2.default_top_k, pipe2.default_image_size) == (2, 4, 4096, 32)
+    out = pipe2(PROMPTS, guidance_scale=GUIDANCE, temperature=0, output_type="latent")
+    forward = transformers_forward(pipe2.model)
+    for row, prompt in zip(out.tokens.tolist(), PROMPTS):
+        assert row == reference_greedy(forward, pipe2, prompt, 32, 32, GUIDANCE)
+    vocab = pipe2.processor.get_vocab()
+    first = vocab["<MOVQGAN00000>"]
+    cells = out.tokens[:, :20].reshape(2, 4, 5)[..., :4]
+    assert torch.equal(pipe2.codes(out.tokens), cells - first)  # the official decode: token id - the first image id
+    images = pipe2.decode(out.tokens)
+    assert images.shape == (2, 3, 32, 32)
+    torch.testing.assert_close(images, (pipe2.vqgan.decode_code(cells - first).clamp(-1, 1) + 1) / 2)
+    sjd = pipe2(PROMPTS, guidance_scale=GUIDANCE, temperature=0, method="sjd", budget="fixed", output_type="latent")
+    assert torch.equal(sjd.tokens, out.tokens) and sjd.stats.num_target_forwards <= out.stats.num_target_forwards
 
 
 def test_bad_sizes_and_inputs_are_one_line_errors(pipe):
@@ -241,6 +268,40 @@ def test_the_converted_vqgan_equals_the_official_modules(converted):
         torch.testing.assert_close(loaded.vqgan.decode_code(ids), decoder(z), rtol=1e-4, atol=1e-5)
     converted_sd = load_file(str(Path(loaded.model.config._name_or_path) / "model-00002-of-00002.safetensors"))
     assert set(converted_sd) == {f"model.vqmodel.{k}" for k in official.state_dict()}
+
+
+def taming_names(sd: dict, levels: int) -> dict:
+    """mmspec's autoencoder keys -> the official (taming) ones: the inverse of `rename_taming_keys` (MoVQGAN's
+    converter itself is proven against an independent reference in test_movqgan.py)."""
+    out = {}
+    for key, value in sd.items():
+        key = re.sub(r"^encoder\.conv_blocks\.(\d+)\.res\.", r"encoder.down.\1.block.", key)
+        key = re.sub(r"^encoder\.conv_blocks\.", "encoder.down.", key)
+        key = re.sub(r"^decoder\.conv_blocks\.(\d+)\.", lambda m: f"decoder.up.{levels - 1 - int(m.group(1))}.", key)
+        key = re.sub(r"^(decoder\.up\.\d+)\.res\.", r"\1.block.", key)
+        key = re.sub(r"\.mid\.([012])\.", lambda m: f".mid.{('block_1', 'attn_1', 'block_2')[int(m.group(1))]}.", key)
+        out[key] = value
+    return out
+
+
+def test_a_lumina_mgpt_2_folder_converts_with_its_movqgan(pipe, pipe2, tmp_path):
+    official = tmp_path / "Lumina-mGPT-2.0"
+    official_folder(pipe2, official)
+    movq = tmp_path / "movqgan_270M.ckpt"
+    torch.save(taming_names(pipe2.vqgan.state_dict(), len(pipe2.vqgan.config.ch_mult)), movq)
+    torch.save({"state_dict": taming_names(pipe.vqgan.state_dict(), 5)}, tmp_path / "vqgan.ckpt")
+    with pytest.raises(InputError, match="is a Chameleon VQGAN checkpoint, but Lumina-mGPT-2.0 is Lumina-mGPT 2.0"):
+        convert_lumina_mgpt(official, tmp_path / "vqgan.ckpt", tmp_path / "out", image_size=32)
+    convert_lumina_mgpt(official, movq, tmp_path / "out", image_size=32)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["lumina_mgpt"] == {"image_size": 32, "version": 2} and "mask_image_logits" not in config
+    loaded = LuminaMGPTPipeline.from_pretrained(tmp_path / "out")
+    loaded.set_progress_bar_config(disable=True)
+    assert loaded.version == 2 and not hasattr(loaded.model.model, "vqmodel")
+    expected = pipe2(PROMPTS, guidance_scale=GUIDANCE, temperature=0, output_type="latent").tokens
+    out = loaded(PROMPTS, guidance_scale=GUIDANCE, temperature=0, output_type="pt")
+    assert torch.equal(out.tokens, expected)
+    torch.testing.assert_close(out.images, pipe2.decode(expected), rtol=0, atol=0)
 
 
 def test_converter_refusals(pipe, tmp_path):
