@@ -31,14 +31,14 @@ from mmspec.families import FamilyRecord, model_guidance_defaults, split
 from mmspec.lm import DraftModelDrafter, NoDrafter
 from mmspec.sampling import SamplingParams
 from mmspec.stats import SpecStats
-from mmspec.verify import GSDRule, LanternRule, rule_keeps_distribution
+from mmspec.verify import CappedRule, GSDRule, LanternRule, rule_keeps_distribution
 
 DEFAULTS = {"guidance_scale": 4.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
 TREE = (EagleTreeDrafter,)  # top_k, depth, total_tokens
 TREE_SKIP = ("guidance_scale",)
 # `accept` and every mode's rule parameters; the exact default is "coupled": a seed gives vanilla's image whatever
 # is drafted (docs/verify.md; its acceptance is within 5% of speculative sampling's, measured there)
-ACCEPT = ({"accept": "coupled"}, LanternRule, GSDRule, GSD_TABLE)
+ACCEPT = ({"accept": "coupled"}, LanternRule, GSDRule, CappedRule, GSD_TABLE)
 
 
 def load(model_path: str | None, device: str, dtype=None):

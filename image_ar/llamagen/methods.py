@@ -25,13 +25,13 @@ from mmspec.families import parameters_of
 from mmspec.jacobi import JacobiDrafter, check_coupling, check_init, check_interval
 from mmspec.lm import DRAFT_ROOM, PrefillFn, TokenLayout
 from mmspec.sampling import SamplingParams
-from mmspec.verify import AcceptanceRule, GSDRule, LanternRule
+from mmspec.verify import AcceptanceRule, CappedRule, GSDRule, LanternRule
 
 # LMTarget (as the pipeline builds it) keeps room for DRAFT_ROOM draft entries after the last token
 MAX_WINDOW = DRAFT_ROOM + 1
 # acceptance modes a method's `accept` may name, and the parameters the pipeline supplies to their rules itself
 ACCEPT_RULES: dict[str, type[AcceptanceRule] | None] = {"lossless": None, "coupled": None, "lantern": LanternRule,
-                                                         "gsd": GSDRule}
+                                                         "gsd": GSDRule, "capped": CappedRule}
 SUPPLIED = ("neighbours", "greedy")
 GSD_EMBEDDINGS = ("target", "codebook", None)
 # the GSD embedding table is named, not passed: "target" by default (as the official GSD code)
@@ -114,7 +114,8 @@ def acceptance_rule(ctx: MethodContext, accept: str = "coupled", **given: Any) -
     set (the rule's defaults apply to the rest). lossless (speculative sampling) and coupled (the target's own sample
     at every index: vanilla's tokens for the same generators) are exact (greedy at temperature 0); lantern is LANTERN
     over the VQ codebook's neighbours (its greedy variant at temperature 0); gsd is GSD's grouped rule (at
-    temperature 0 p is one-hot and it reduces to greedy verification)."""
+    temperature 0 p is one-hot and it reduces to greedy verification); capped is Lumina-mGPT 2.0's SJD code's
+    speculative sampling with q capped at `cap` in the residual (lossy when p and q both exceed the cap)."""
     if accept not in ACCEPT_RULES:
         raise InputError(f"unknown acceptance mode {accept!r}; choose one of {', '.join(ACCEPT_RULES)}.")
     takes = accept_params(accept)
@@ -123,6 +124,8 @@ def acceptance_rule(ctx: MethodContext, accept: str = "coupled", **given: Any) -
         raise InputError(f"accept={accept!r} takes {', '.join(takes) or 'no parameters'}; got {', '.join(unknown)}.")
     if ACCEPT_RULES[accept] is None:  # an exact mode
         return ctx.params.exact_rule(accept)
+    if accept == "capped":
+        return CappedRule(**given)
     if accept == "lantern":
         k = min(int(given.pop("k", takes["k"])), ctx.pipeline.image_token_layout()[2] - 1)
         return LanternRule(ctx.neighbour_table(k), k=k, greedy=ctx.params.greedy, **given)

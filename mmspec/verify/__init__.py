@@ -7,7 +7,8 @@
 
 Rules (`available_rules()`): `lossless` (chain and tree), `coupled` (chain and tree: the target's own sample at every
 index, vanilla's for the call's keys), `greedy` (chain and tree), `lantern` (chain and tree; delta or lambda form),
-`gsd` (chain). Each is a named mode with parameters; `get_rule(name, **params)`.
+`gsd` (chain), `capped` (chain: Lumina-mGPT 2.0's SJD code, q capped in the residual). Each is a named mode with
+parameters; `get_rule(name, **params)`.
 `accept` validates its inputs once and draws the randomness from the user's generator(s); the rules
 themselves are pure tensor functions (they compile with `torch.compile(fullgraph=True)`).
 """
@@ -22,7 +23,7 @@ from mmspec.errors import InputError, check, check_distribution, check_shape
 from mmspec.noise import KeyedNoise
 from mmspec.sampling import Generators
 from mmspec.tree import DraftTree
-from mmspec.verify import coupled, gsd, lantern, lossless  # noqa: F401  (register the rules)
+from mmspec.verify import capped, coupled, gsd, lantern, lossless  # noqa: F401  (register the rules)
 from mmspec.verify.base import (
     AcceptanceRule,
     ChainDraft,
@@ -35,15 +36,17 @@ from mmspec.verify.base import (
     rule_class,
     rule_keeps_distribution,
 )
+from mmspec.verify.capped import CappedRule
 from mmspec.verify.coupled import CoupledRule
 from mmspec.verify.gsd import GSDRule
 from mmspec.verify.lantern import LanternRule, build_neighbour_table, load_or_build_neighbour_table
 from mmspec.verify.lossless import GreedyRule, LosslessRule
 
 __all__ = [
-    "AcceptanceRule", "ChainDraft", "CoupledRule", "Draft", "DraftTree", "GSDRule", "GreedyRule", "LanternRule",
-    "LosslessRule", "Randomness", "VerifyResult", "accept", "available_rules", "build_neighbour_table", "get_rule",
-    "load_or_build_neighbour_table", "register_rule", "rule_class", "rule_keeps_distribution", "validate_draft",
+    "AcceptanceRule", "CappedRule", "ChainDraft", "CoupledRule", "Draft", "DraftTree", "GSDRule", "GreedyRule",
+    "LanternRule", "LosslessRule", "Randomness", "VerifyResult", "accept", "available_rules", "build_neighbour_table",
+    "get_rule", "load_or_build_neighbour_table", "register_rule", "rule_class", "rule_keeps_distribution",
+    "validate_draft",
 ]
 
 
