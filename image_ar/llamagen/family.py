@@ -156,6 +156,10 @@ def eagle(ctx: MethodContext, **given: Any) -> tuple:
     """EAGLE-2 dynamic trees from the eagle_drafter (top_k children per frontier node, depth levels, total_tokens
     nodes including the root), lossless tree verification by default (accept= another mode)."""
     tree, rule = split(given, *TREE)
+    mode = ACCEPT_RULES.get(rule.get("accept", "coupled"))
+    check(mode is None or mode.supports_tree, f"accept={rule.get('accept')!r} verifies chains only (Jacobi windows); "
+                                              "EAGLE trees take " + ", ".join(
+                                                  m for m, c in ACCEPT_RULES.items() if c is None or c.supports_tree))
     return eagle_tree_drafter(ctx, "eagle", **tree), acceptance_rule(ctx, **rule)
 
 

@@ -145,6 +145,11 @@ def test_bad_sizes_and_inputs_are_one_line_errors(pipe):
         pipe("a cross", height=160)  # the tiny tokenizer names sides of 1-4 units only
     with pytest.raises(InputError, match="class_labels"):
         pipe(class_labels=[1])
+    from image_ar.transformers_ar.official import with_eagle_drafter
+
+    with pytest.raises(InputError, match="accept='capped' verifies chains only"):  # before any forward
+        with_eagle_drafter(tiny_lumina_mgpt_pipeline(), "cpu", torch.float32)(
+            "a cross", method="eagle", method_kwargs={"accept": "capped"})
 
 
 # ------------------------------------------------------------------------------- the official layout
