@@ -12,6 +12,7 @@ taming reference below; the discriminator's `loss.*` weights ride along, as in M
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -289,19 +290,26 @@ def taming_names(sd: dict, levels: int) -> dict:
     return out
 
 
-def test_a_lumina_mgpt_2_folder_converts_with_its_movqgan(pipe, pipe2, tmp_path):
-    official = tmp_path / "Lumina-mGPT-2.0"
-    official_folder(pipe2, official)
-    movq = tmp_path / "movqgan_270M.ckpt"
-    torch.save(taming_names(pipe2.vqgan.state_dict(), len(pipe2.vqgan.config.ch_mult)), movq)
-    torch.save({"state_dict": taming_names(pipe.vqgan.state_dict(), 5)}, tmp_path / "vqgan.ckpt")
+@pytest.fixture(scope="module")
+def converted2(pipe, pipe2, tmp_path_factory):
+    """A synthetic official Lumina-mGPT 2.0 folder (`Lumina-mGPT-2.0`) and MoVQGAN file, converted and loaded."""
+    root = tmp_path_factory.mktemp("lumina2")
+    official_folder(pipe2, root / "Lumina-mGPT-2.0")
+    movq_sd = taming_names(pipe2.vqgan.state_dict(), len(pipe2.vqgan.config.ch_mult))
+    torch.save(movq_sd, root / "movqgan_270M.ckpt")
+    torch.save({"state_dict": taming_names(pipe.vqgan.state_dict(), 5)}, root / "vqgan.ckpt")
     with pytest.raises(InputError, match="is a Chameleon VQGAN checkpoint, but Lumina-mGPT-2.0 is Lumina-mGPT 2.0"):
-        convert_lumina_mgpt(official, tmp_path / "vqgan.ckpt", tmp_path / "out", image_size=32)
-    convert_lumina_mgpt(official, movq, tmp_path / "out", image_size=32)
-    config = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert config["lumina_mgpt"] == {"image_size": 32, "version": 2} and "mask_image_logits" not in config
-    loaded = LuminaMGPTPipeline.from_pretrained(tmp_path / "out")
+        convert_lumina_mgpt(root / "Lumina-mGPT-2.0", root / "vqgan.ckpt", root / "out", image_size=32)
+    convert_lumina_mgpt(root / "Lumina-mGPT-2.0", root / "movqgan_270M.ckpt", root / "converted", image_size=32)
+    loaded = LuminaMGPTPipeline.from_pretrained(root / "converted")
     loaded.set_progress_bar_config(disable=True)
+    return loaded, movq_sd
+
+
+def test_a_lumina_mgpt_2_folder_converts_with_its_movqgan(pipe2, converted2):
+    loaded, _ = converted2
+    config = json.loads((Path(loaded.model.config._name_or_path) / "config.json").read_text())
+    assert config["lumina_mgpt"] == {"image_size": 32, "version": 2} and "mask_image_logits" not in config
     assert loaded.version == 2 and not hasattr(loaded.model.model, "vqmodel")
     expected = pipe2(PROMPTS, guidance_scale=GUIDANCE, temperature=0, output_type="latent").tokens
     out = loaded(PROMPTS, guidance_scale=GUIDANCE, temperature=0, output_type="pt")
@@ -324,22 +332,19 @@ def test_converter_refusals(pipe, tmp_path):
 
 
 # ------------------------------------------------------------------- the official code, when extracted
-def official_repo() -> Path | None:
-    found = os.environ.get("MMSPEC_LUMINA_MGPT_REPO")
+def official_repo(variable: str) -> Path | None:
+    found = os.environ.get(variable)
     return Path(found) if found and (Path(found) / "model" / "chameleon").is_dir() else None
 
 
-@pytest.mark.skipif(official_repo() is None, reason="set MMSPEC_LUMINA_MGPT_REPO to an extracted Alpha-VLLM/"
-                                                    "Lumina-mGPT `lumina_mgpt` folder to run its own classes")
-def test_the_official_classes_give_the_same_logits_tokens_and_images(pipe, converted, tmp_path):
-    sys.path.insert(0, str(official_repo()))
+def fork_model(repo: Path, folder: Path):
+    """The official fork's `ChameleonForConditionalGeneration` with the official folder's weights (its config as
+    the fork reads it; the image encoder's weights are not in the folder)."""
+    sys.path.insert(0, str(repo))
     try:
         from model.chameleon import ChameleonConfig, ChameleonForConditionalGeneration
-        from model.chameleon_vae_ori.vqgan import VQModel
     finally:
         sys.path.pop(0)
-    loaded, vq_sd, _ = converted
-    folder = Path(loaded.model.config._name_or_path).parent / "Lumina-mGPT-tiny-64"
     config = ChameleonConfig(**{k: v for k, v in json.loads((folder / "config.json").read_text()).items()
                                 if k not in ("architectures", "z_loss_weight", "rope_parameters")})
     config.rope_scaling = None  # (the fork reads rope_scaling["type"]; transformers 5 standardises the field)
@@ -347,24 +352,66 @@ def test_the_official_classes_give_the_same_logits_tokens_and_images(pipe, conve
     fork = ChameleonForConditionalGeneration(config).eval()
     missing, unexpected = fork.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
     assert not unexpected and all(k.startswith("model.vqmodel.") for k in missing)
+    for name in [m for m in sys.modules if m == "model" or m.startswith("model.")]:
+        del sys.modules[name]  # (both versions' folders are named `model`)
+    return lambda ids: fork(input_ids=ids).logits.float()
 
-    def fork_forward(ids):
-        return fork(input_ids=ids).logits.float()
 
-    ids = torch.randint(0, pipe.lm.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+def check_logits_and_tokens(fork_forward, loaded, size: int) -> torch.Tensor:
+    ids = torch.randint(0, loaded.lm.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(transformers_forward(loaded.model)(ids), fork_forward(ids), rtol=1e-5, atol=1e-5)
     out = loaded(PROMPTS, guidance_scale=GUIDANCE, temperature=0, output_type="latent")
     for row, prompt in zip(out.tokens.tolist(), PROMPTS):
-        assert row == reference_greedy(fork_forward, loaded, prompt, 64, 64, GUIDANCE)
+        assert row == reference_greedy(fork_forward, loaded, prompt, size, size, GUIDANCE)
+    return out.tokens
 
+
+@pytest.mark.skipif(official_repo("MMSPEC_LUMINA_MGPT_REPO") is None,
+                    reason="set MMSPEC_LUMINA_MGPT_REPO to an extracted Alpha-VLLM/Lumina-mGPT `lumina_mgpt` folder "
+                           "to run its own classes")
+def test_the_official_classes_give_the_same_logits_tokens_and_images(converted):
+    repo = official_repo("MMSPEC_LUMINA_MGPT_REPO")
+    loaded, vq_sd, _ = converted
+    forward = fork_model(repo, Path(loaded.model.config._name_or_path).parent / "Lumina-mGPT-tiny-64")
+    tokens = check_logits_and_tokens(forward, loaded, 64)
+    sys.path.insert(0, str(repo))
+    try:
+        from model.chameleon_vae_ori.vqgan import VQModel
+    finally:
+        sys.path.pop(0)
     cfg = loaded.model.config.vq_config
     ddconfig = dict(ch=cfg.base_channels, out_ch=3, ch_mult=list(cfg.channel_multiplier),
                     num_res_blocks=cfg.num_res_blocks, attn_resolutions=[], in_channels=3, resolution=64,
                     z_channels=cfg.latent_channels, double_z=False, dropout=0.0)
     vqmodel = VQModel(ddconfig, cfg.num_embeddings, cfg.embed_dim).eval()
     vqmodel.load_state_dict({k: v for k, v in vq_sd.items() if not k.startswith("loss.")})
-    codes = loaded.codes(out.tokens)  # [2, 4, 4]
+    codes = loaded.codes(tokens)  # [2, 4, 4]
     with torch.no_grad():
         quant = vqmodel.quantize.get_codebook_entry(codes.reshape(-1), (2, 4, 4, cfg.embed_dim))
         official = ((vqmodel.decode(quant).clamp(-1, 1) + 1) / 2)
-    torch.testing.assert_close(loaded.decode(out.tokens), official, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(loaded.decode(tokens), official, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(official_repo("MMSPEC_LUMINA_MGPT2_REPO") is None,
+                    reason="set MMSPEC_LUMINA_MGPT2_REPO to an extracted Alpha-VLLM/Lumina-mGPT-2.0 `lumina_mgpt` "
+                           "folder to run its own classes")
+def test_the_official_2_0_classes_give_the_same_logits_tokens_and_images(converted2):
+    repo = official_repo("MMSPEC_LUMINA_MGPT2_REPO")
+    loaded, movq_sd = converted2
+    forward = fork_model(repo, Path(loaded.model.config._name_or_path).parent / "Lumina-mGPT-2.0")
+    tokens = check_logits_and_tokens(forward, loaded, 32)
+    path = repo / "movqgan" / "modules" / "vqvae" / "movq_modules.py"  # the file alone: the package needs lightning
+    spec = importlib.util.spec_from_file_location("official_movq_modules", path)
+    movq = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(movq)
+    cfg = loaded.vqgan.config
+    decoder = movq.MOVQDecoder(ch=cfg.ch, out_ch=3, ch_mult=list(cfg.ch_mult), num_res_blocks=cfg.num_res_blocks,
+                               attn_resolutions=[32], in_channels=3, resolution=32 * 2 ** (len(cfg.ch_mult) - 1),
+                               z_channels=cfg.z_channels, zq_ch=cfg.codebook_embed_dim).eval()
+    decoder.load_state_dict({k[len("decoder."):]: v for k, v in movq_sd.items() if k.startswith("decoder.")})
+    codes = loaded.codes(tokens)  # [2, 4, 4]
+    with torch.no_grad():  # the official decode_code: embedding, post_quant_conv, decoder(quant2, quant)
+        zq = movq_sd["quantize.embedding.weight"][codes].permute(0, 3, 1, 2)
+        quant2 = torch.nn.functional.conv2d(zq, movq_sd["post_quant_conv.weight"], movq_sd["post_quant_conv.bias"])
+        official = (decoder(quant2, zq).clamp(-1, 1) + 1) / 2
+    torch.testing.assert_close(loaded.decode(tokens), official, rtol=1e-4, atol=1e-5)
