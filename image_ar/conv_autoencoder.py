@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mmspec.errors import CheckpointError
+
 
 def _norm(channels: int, groups: int) -> nn.GroupNorm:
     return nn.GroupNorm(num_groups=groups, num_channels=channels, eps=1e-6, affine=True)
@@ -226,3 +228,23 @@ def rename_taming_keys(sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor
         else:
             out[new] = value
     return out
+
+
+def taming_config(sd: Mapping[str, torch.Tensor], what: str, needed: tuple[str, ...] = ()) -> dict:
+    """The shape of a taming VQ autoencoder's state dict: codebook_size and codebook_embed_dim (`quantize.
+    embedding`), ch (`encoder.conv_in`), ch_mult (each level's first block), num_res_blocks, z_channels
+    (`quant_conv`) and level_attention (attention blocks in `encoder.down`); CheckpointError in one line, naming
+    `what` it is not, when these or `needed` keys are missing."""
+    keys = ("quantize.embedding.weight", "encoder.conv_in.weight", "quant_conv.weight",
+            "encoder.down.0.block.0.conv1.weight", *needed)
+    missing = [k for k in keys if k not in sd]
+    if missing:
+        raise CheckpointError(f"not a {what} checkpoint: {', '.join(missing)} missing (found e.g. "
+                              f"{', '.join(list(sd)[:5])}).")
+    codes, dim = sd["quantize.embedding.weight"].shape
+    ch = sd["encoder.conv_in.weight"].shape[0]
+    return {"codebook_size": codes, "codebook_embed_dim": dim, "ch": ch,
+            "ch_mult": tuple(sd[f"encoder.down.{i}.block.0.conv1.weight"].shape[0] // ch
+                             for i in range(taming_levels(sd, "encoder.down"))),
+            "num_res_blocks": taming_levels(sd, "encoder.down.0.block"), "z_channels": sd["quant_conv.weight"].shape[1],
+            "level_attention": any(re.match(r"^encoder\.down\.\d+\.attn\.", k) for k in sd)}

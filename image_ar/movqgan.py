@@ -29,11 +29,11 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
-from image_ar.conv_autoencoder import Encoder, Upsample, rename_taming_keys, taming_levels
+from image_ar.conv_autoencoder import Encoder, Upsample, rename_taming_keys, taming_config
 from image_ar.llamagen.vq import VectorQuantizer
 from mmspec.checkpoints import load_into, load_state_dict
 from mmspec.checkpoints.keys import strip_wrapper_prefixes
-from mmspec.errors import CheckpointError, check, check_float_dtype
+from mmspec.errors import check, check_float_dtype
 
 IGNORED_KEYS = (r"^loss\.", r"^ema_")  # a training checkpoint's loss (discriminator, LPIPS) and EMA copies
 
@@ -184,20 +184,7 @@ class MoVQGAN(ModelMixin, ConfigMixin):
 
 def infer_movqgan_config(sd: dict[str, torch.Tensor]) -> dict[str, Any]:
     """`MoVQGAN` arguments of an official state dict (CheckpointError in one line for another file)."""
-    needed = ("quantize.embedding.weight", "encoder.conv_in.weight", "quant_conv.weight",
-              "decoder.mid.block_1.norm1.conv_y.weight")
-    missing = [k for k in needed if k not in sd]
-    if missing:
-        raise CheckpointError(f"not a MoVQGAN checkpoint: {', '.join(missing)} missing (found e.g. "
-                              f"{', '.join(list(sd)[:5])}).")
-    codes, dim = sd["quantize.embedding.weight"].shape
-    ch = sd["encoder.conv_in.weight"].shape[0]
-    levels = taming_levels(sd, "encoder.down")
-    blocks = taming_levels(sd, "encoder.down.0.block")
-    return {"codebook_size": codes, "codebook_embed_dim": dim, "z_channels": sd["quant_conv.weight"].shape[1],
-            "ch": ch, "ch_mult": tuple(sd[f"encoder.down.{i}.block.0.conv1.weight"].shape[0] // ch
-                                       for i in range(levels)),
-            "num_res_blocks": blocks, "level_attention": any(".attn." in k for k in sd if k.startswith("encoder.down"))}
+    return taming_config(sd, "MoVQGAN", needed=("decoder.mid.block_1.norm1.conv_y.weight",))
 
 
 def load_movqgan(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32,

@@ -18,14 +18,13 @@ Keys are renamed by `rename_taming_keys`; the config is read from the weight sha
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from image_ar.conv_autoencoder import rename_taming_keys, taming_levels
+from image_ar.conv_autoencoder import rename_taming_keys, taming_config
 from image_ar.llamagen.vq import PRESETS, LlamaGenVQ
 from mmspec.checkpoints import load_into, load_state_dict
 from mmspec.checkpoints.keys import strip_wrapper_prefixes
@@ -35,27 +34,14 @@ IGNORED_KEYS = (r"^loss\.",)  # the training loss's discriminator / LPIPS weight
 
 
 def infer_chameleon_vqgan_config(sd: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-    """`LlamaGenVQ` arguments of a taming VQModel state dict: codes and their width from `quantize.embedding`, ch
-    from `encoder.conv_in`, ch_mult from each level's first block, the blocks a level, z_channels from
-    `quant_conv`, level attention from `encoder.down.{i}.attn.*`; CheckpointError in one line otherwise."""
-    needed = ("quantize.embedding.weight", "encoder.conv_in.weight", "quant_conv.weight",
-              "encoder.mid.block_1.conv1.weight")
-    missing = [k for k in needed if k not in sd]
-    if missing:
-        raise CheckpointError(f"not a Chameleon (taming) VQGAN checkpoint: {', '.join(missing)} missing (found e.g. "
-                              f"{', '.join(list(sd)[:5])}).")
+    """`LlamaGenVQ` arguments of a taming VQModel state dict (`taming_config`); CheckpointError in one line
+    otherwise, and for a VQGAN without mid-block attention (taming's attn_type 'none')."""
+    found = taming_config(sd, "Chameleon (taming) VQGAN", needed=("encoder.mid.block_1.conv1.weight",))
     if "encoder.mid.attn_1.q.weight" not in sd:
         raise CheckpointError("this VQGAN has no mid-block attention (taming attn_type 'none'); Chameleon's has it, "
                               "and mmspec's encoder and decoder always build it.")
-    codes, dim = sd["quantize.embedding.weight"].shape
-    ch = sd["encoder.conv_in.weight"].shape[0]
-    levels = taming_levels(sd, "encoder.down")
-    ch_mult = tuple(sd[f"encoder.down.{i}.block.0.conv1.weight"].shape[0] // ch for i in range(levels))
-    blocks = 1 + max(int(m.group(1)) for k in sd if (m := re.match(r"^encoder\.down\.0\.block\.(\d+)\.", k)))
-    level_attention = any(re.match(r"^(encoder\.down|decoder\.up)\.\d+\.attn\.", k) for k in sd)
-    return {**PRESETS["chameleon"], "codebook_size": codes, "codebook_embed_dim": dim, "ch": ch,
-            "encoder_ch_mult": ch_mult, "decoder_ch_mult": ch_mult, "num_res_blocks": blocks,
-            "z_channels": sd["quant_conv.weight"].shape[1], "level_attention": level_attention}
+    mult = found.pop("ch_mult")
+    return {**PRESETS["chameleon"], **found, "encoder_ch_mult": mult, "decoder_ch_mult": mult}
 
 
 def convert_chameleon_vqgan(sd: Mapping[str, torch.Tensor]) -> LlamaGenVQ:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from vq_reference import RefAttn, RefRes, RefUp, gn, swish
+from vq_reference import RefAttn, RefRes, RefUp, gn, swish, taming_names
 
 from image_ar.transformers_ar.chameleon_vqgan import load_chameleon_vqgan
 from image_ar.transformers_ar.lumina_convert import convert_lumina_mgpt
@@ -276,25 +275,12 @@ def test_the_converted_vqgan_equals_the_official_modules(converted):
     assert set(converted_sd) == {f"model.vqmodel.{k}" for k in official.state_dict()}
 
 
-def taming_names(sd: dict, levels: int) -> dict:
-    """mmspec's autoencoder keys -> the official (taming) ones: the inverse of `rename_taming_keys` (MoVQGAN's
-    converter itself is proven against an independent reference in test_movqgan.py)."""
-    out = {}
-    for key, value in sd.items():
-        key = re.sub(r"^encoder\.conv_blocks\.(\d+)\.res\.", r"encoder.down.\1.block.", key)
-        key = re.sub(r"^encoder\.conv_blocks\.", "encoder.down.", key)
-        key = re.sub(r"^decoder\.conv_blocks\.(\d+)\.", lambda m: f"decoder.up.{levels - 1 - int(m.group(1))}.", key)
-        key = re.sub(r"^(decoder\.up\.\d+)\.res\.", r"\1.block.", key)
-        key = re.sub(r"\.mid\.([012])\.", lambda m: f".mid.{('block_1', 'attn_1', 'block_2')[int(m.group(1))]}.", key)
-        out[key] = value
-    return out
-
-
 @pytest.fixture(scope="module")
 def converted2(pipe, pipe2, tmp_path_factory):
     """A synthetic official Lumina-mGPT 2.0 folder (`Lumina-mGPT-2.0`) and MoVQGAN file, converted and loaded."""
     root = tmp_path_factory.mktemp("lumina2")
     official_folder(pipe2, root / "Lumina-mGPT-2.0")
+    # (MoVQGAN's converter itself is proven against an independent reference in test_movqgan.py)
     movq_sd = taming_names(pipe2.vqgan.state_dict(), len(pipe2.vqgan.config.ch_mult))
     torch.save(movq_sd, root / "movqgan_270M.ckpt")
     torch.save({"state_dict": taming_names(pipe.vqgan.state_dict(), 5)}, root / "vqgan.ckpt")

@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from vq_reference import taming_names
 
 from image_ar.var.convert_vqvae import infer_vqvae_config, load_var_vqvae
 from image_ar.var.vqvae import VARVQVAE
@@ -17,16 +18,10 @@ CONFIG = dict(vocab_size=16, z_channels=4, ch=8, ch_mult=(1, 2), num_res_blocks=
 
 
 def to_official(sd: dict, n_levels: int) -> dict:
-    """This project's keys -> the official LDM layout (independent inverse of the converter's renaming)."""
+    """This project's keys -> the official LDM layout (independent inverse of the converter's renaming), q, k, v
+    fused into VAR's qkv."""
     out = {}
-    for key, value in sd.items():
-        k = re.sub(r"^encoder\.conv_blocks\.(\d+)\.res\.", r"encoder.down.\1.block.", key)
-        k = re.sub(r"^encoder\.conv_blocks\.", "encoder.down.", k)
-        k = re.sub(r"^decoder\.conv_blocks\.(\d+)\.", lambda m: f"decoder.up.{n_levels - 1 - int(m.group(1))}.", k)
-        k = re.sub(r"^(decoder\.up\.\d+)\.res\.", r"\1.block.", k)
-        k = re.sub(r"\.mid\.0\.", ".mid.block_1.", k)
-        k = re.sub(r"\.mid\.1\.", ".mid.attn_1.", k)
-        k = re.sub(r"\.mid\.2\.", ".mid.block_2.", k)
+    for k, value in taming_names(sd, n_levels).items():
         m = re.search(r"\.([qkv])\.(weight|bias)$", k)
         if m:
             fused = k[: m.start()] + f".qkv.{m.group(2)}"

@@ -2,6 +2,8 @@
 from the published facts, with the official module names: `norm1`, `conv1`, `nin_shortcut`, `q` / `k` / `v` /
 `proj_out` with bmm attention, zero-padded stride-2 downsampling, nearest x2 upsampling)."""
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,3 +62,18 @@ class RefUp(nn.Module):
 
     def forward(self, x):
         return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+
+
+def taming_names(sd: dict, levels: int) -> dict:
+    """mmspec's autoencoder keys -> the official taming ones (`encoder.down.{i}.block.{j}`, `decoder.up.{i}` with
+    level 0 at full size, `mid.block_1 / attn_1 / block_2`): an inverse of `rename_taming_keys` written from the
+    official layout, to make official-layout files from mmspec models."""
+    out = {}
+    for key, value in sd.items():
+        key = re.sub(r"^encoder\.conv_blocks\.(\d+)\.res\.", r"encoder.down.\1.block.", key)
+        key = re.sub(r"^encoder\.conv_blocks\.", "encoder.down.", key)
+        key = re.sub(r"^decoder\.conv_blocks\.(\d+)\.", lambda m: f"decoder.up.{levels - 1 - int(m.group(1))}.", key)
+        key = re.sub(r"^(decoder\.up\.\d+)\.res\.", r"\1.block.", key)
+        key = re.sub(r"\.mid\.([012])\.", lambda m: f".mid.{('block_1', 'attn_1', 'block_2')[int(m.group(1))]}.", key)
+        out[key] = value
+    return out
