@@ -112,6 +112,21 @@ def test_a_wide_image_and_its_decoding(pipe):
     torch.testing.assert_close(images, expected)
 
 
+def test_input_ids_of_the_conversation_and_images_per_prompt(pipe):
+    """input_ids as the official item processor tokenizes the conversation (BOS, text, separator; here left padded)
+    get the image header appended: the prompt path's tokens; num_images_per_prompt repeats each prompt's rows."""
+    base = pipe(PROMPTS, guidance_scale=GUIDANCE, temperature=0, output_type="latent", num_images_per_prompt=2)
+    tok = pipe.processor
+    texts = [PROMPT.format(width=64, height=64, prompt=p) + SEPARATOR for p in PROMPTS]
+    rows = [[tok.bos_token_id, *tok.encode(t, add_special_tokens=False)] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    assert (mask == 0).any()  # ragged: the left padding is exercised
+    out = pipe(input_ids=ids, attention_mask=mask, guidance_scale=GUIDANCE, temperature=0, output_type="latent")
+    assert torch.equal(out.tokens, base.tokens[::2]) and torch.equal(base.tokens[::2], base.tokens[1::2])
+
+
 def test_methods_are_greedy_exact_in_fewer_forwards(pipe):
     base = pipe(PROMPTS, guidance_scale=GUIDANCE, temperature=0, output_type="latent")
     for method, kwargs in (("sjd", {}), ("gsd", {}), ("sjd", {"accept": "lantern", "delta": 0.0})):
