@@ -31,6 +31,7 @@ class CappedRule(AcceptanceRule):
     def __init__(self, cap: float = 0.99) -> None:
         check(isinstance(cap, (int, float)) and 0 < cap, f"cap must be a number > 0, got {cap!r}.")
         self.cap = float(cap)
+        self.lossless = self.keeps_distribution(cap)  # (cap >= 1: the lossless rule; the budget's default follows)
 
     @classmethod
     def keeps_distribution(cls, cap: float = 0.99, **_) -> bool:
