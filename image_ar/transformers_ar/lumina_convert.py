@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
 
 from image_ar.movqgan import convert_movqgan, is_movqgan
 from image_ar.transformers_ar.chameleon_vqgan import IGNORED_KEYS, convert_chameleon_vqgan
@@ -136,7 +137,7 @@ def convert_lumina_mgpt(model: str | Path, vqgan: str | Path, out: str | Path, i
     shard_keys: list[list[str]] = []
     with atomic_output_dir(out) as tmp:
         tmp = Path(tmp)
-        for i, path in enumerate(files):
+        for i, path in enumerate(tqdm(files, desc="converting weight shards", unit="shard", disable=len(files) < 2)):
             sd = expand_norms(read_shard(path, allow_pickle), config)
             save_file(sd, str(tmp / f"part-{i}.safetensors"), metadata={"format": "pt"})
             shard_keys.append(list(sd))
