@@ -139,13 +139,14 @@ def image_token_name(code: int) -> str:
     return "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(code)) + "Z"
 
 
-def tiny_lumina_mgpt_pipeline(seed: int = 0, scale: float = 3.0, version: int = 1):
+def tiny_lumina_mgpt_pipeline(seed: int = 0, scale: float = 3.0, version: int = 1, swin_norm: bool = False):
     """A `LuminaMGPTPipeline` of a random transformers Chameleon (its language model scaled by `scale`: peaked laws)
     over the world tokenizer with Lumina-mGPT's layout tokens, grid tokens for 32-128 pixels and 64 image tokens, and
     a random image tokenizer of 64 codes. version 1: Chameleon's `IMGIMG*` token names and a Chameleon-shaped VQGAN
     (ch 32, codes of 8, 16 pixels a code), 64 x 64 pixels by default (a 4 x 4 grid); version 2: Lumina-mGPT 2.0's
     `<MOVQGAN*` names and a MoVQGAN (ch 32, codes of 4, 8 pixels a code), 32 x 32 by default (4 x 4). Either way
-    21 generated tokens an image with the row ends and `<eoss>`."""
+    21 generated tokens an image with the row ends and `<eoss>`. `swin_norm`: Chameleon-34B's (Lumina-mGPT-34B's)
+    norms after attention and MLP instead of before."""
     import transformers as tf
 
     from image_ar.llamagen.vq import LlamaGenVQ
@@ -174,7 +175,7 @@ def tiny_lumina_mgpt_pipeline(seed: int = 0, scale: float = 3.0, version: int = 
         vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, bos_token_id=tok.bos_token_id,
         pad_token_id=tok.pad_token_id, eos_token_id=tok.convert_tokens_to_ids(SEPARATOR),
-        vocabulary_map=tok.get_vocab(),
+        vocabulary_map=tok.get_vocab(), swin_norm=swin_norm,
         vq_config=dict(embed_dim=8, num_embeddings=LUMINA_CODES, latent_channels=32, base_channels=32,
                        channel_multiplier=[1, 1, 2, 2, 4], num_res_blocks=1))
     config.lumina_mgpt = {"image_size": 64 if version == 1 else 32, "version": version}

@@ -98,6 +98,17 @@ def test_greedy_equals_the_full_forward_reference_on_a_ragged_batch(pipe):
         assert row == reference_greedy(forward, pipe, prompt, 64, 64, GUIDANCE)
 
 
+def test_the_34b_norm_layout_follows_the_reference_too():
+    """Lumina-mGPT-34B (Chameleon-34B's `swin_norm`: norms after attention and MLP) through transformers' own
+    `ChameleonSwinDecoderLayer`."""
+    swin = tiny_lumina_mgpt_pipeline(swin_norm=True)
+    swin.set_progress_bar_config(disable=True)
+    assert type(swin.model.model.layers[0]).__name__ == "ChameleonSwinDecoderLayer"
+    out = swin(PROMPTS[:1], guidance_scale=GUIDANCE, temperature=0, output_type="latent")
+    assert out.tokens[0].tolist() == reference_greedy(transformers_forward(swin.model), swin, PROMPTS[0], 64, 64,
+                                                      GUIDANCE)
+
+
 def test_a_wide_image_and_its_decoding(pipe):
     out = pipe("a cross", height=32, width=96, guidance_scale=GUIDANCE, temperature=0, output_type="latent")
     tokens = out.tokens[0].tolist()
