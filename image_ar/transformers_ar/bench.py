@@ -7,7 +7,7 @@ one process.
 Options (`--family-option`): model (a folder in transformers' layout; required: there is no embedded default),
 prompts (a text file, one prompt a line; default: the world's held-out captions), guidance_scale, top_k, top_p
 (default: the model's and the family's, as `mmspec generate`), budget (auto | fixed). An official size with random
-weights instead of a folder: size=janus-pro-1b|janus-pro-7b, size=emu3-gen or size=lumina-mgpt-7b-768
+weights instead of a folder: size=janus-pro-1b|janus-pro-7b, size=emu3-gen or size=lumina-mgpt-7b-768|lumina-mgpt-2.0
 (`image_ar.transformers_ar.official`),
 dtype (float32, bfloat16, float16), logit_scale (the image head drawn that many times wider: peaked laws); its
 quality is token exactness alone. decode=false (any model) skips decoding the images. Figures: step compression,
@@ -41,7 +41,7 @@ from mmspec.errors import check
 RECORDS = {"janus": (JANUS, JANUS_DEFAULTS), "emu3": (EMU3, EMU3_DEFAULTS),
            "lumina-mgpt": (LUMINA_MGPT, LUMINA_DEFAULTS)}
 OFFICIAL_SIZES = {"janus": ("janus-pro-1b", "janus-pro-7b"), "emu3": ("emu3-gen",),  # `official.py`'s
-                  "lumina-mgpt": ("lumina-mgpt-7b-768",)}
+                  "lumina-mgpt": ("lumina-mgpt-7b-768", "lumina-mgpt-2.0")}
 CALIBRATION_BYTES = 2 ** 31  # the scored distributions of one chunk (n x T x V float32) must fit in this
 
 

@@ -25,6 +25,11 @@ tokenizer's ids lie inside it), so the embedding and the text head cost what the
   positions, untied head; Chameleon's VQGAN at its official size (the `chameleon` preset: 8192 codes x 256, 16 pixels
   a code); 768 x 768 pixels: 48 rows of 48 codes + the row ends + `<eoss>`, 2353 generated tokens; the tokenizer is
   the world's with Lumina-mGPT's layout tokens and Chameleon's 8192 `IMGIMG*` image tokens;
+- lumina-mgpt-2.0 (Alpha-VLLM/Lumina-mGPT-2.0, as Ascend MindSpeed-MM's port configures it,
+  `examples/lumina/mgpt2/model.json`, and the official code's image ids 155000 + code): the same 32 x 4096 decoder
+  with vocabulary 171385 and 10240 positions, 7.9B parameters; MoVQGAN 270M (16384 codes x 4, 8 pixels a code);
+  768 x 768 pixels (its sample script's): 96 rows of 96 codes + the row ends + `<eoss>`, 9313 generated tokens; the
+  world tokenizer with the layout tokens and 16384 `<MOVQGAN*` image tokens;
 - every model: an EAGLE drafter (for eagle and lantern) of one decoder layer at the language model's width.
 Weights are drawn by transformers' own initialisation directly in `dtype` on `device` (no float32 copy of a 7B
 model), the language model's then scaled by `logit_scale` where asked (peaked laws, as a trained model's).
@@ -54,7 +59,11 @@ EMU3_SIZES = tuple(EMU3_TEXT)
 EMU3_CODES = 32768
 LUMINA_TEXT = {"lumina-mgpt-7b-768": dict(vocab_size=65536, hidden_size=4096, intermediate_size=11008,
                                           num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                                          max_position_embeddings=4096, rms_norm_eps=1e-5)}
+                                          max_position_embeddings=4096, rms_norm_eps=1e-5),
+               "lumina-mgpt-2.0": dict(vocab_size=171385, hidden_size=4096, intermediate_size=11008,
+                                       num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+                                       max_position_embeddings=10240, rms_norm_eps=1e-5)}
+LUMINA_IMAGE_SIZE = {"lumina-mgpt-7b-768": 768, "lumina-mgpt-2.0": 768}  # 2.0: its sample script's size
 LUMINA_SIZES = tuple(LUMINA_TEXT)
 
 
@@ -144,25 +153,36 @@ def random_lumina_mgpt_pipeline(size: str = "lumina-mgpt-7b-768", device: torch.
     from transformers import ChameleonConfig, ChameleonForConditionalGeneration
 
     from image_ar.llamagen.vq import LlamaGenVQ
-    from image_ar.transformers_ar.lumina_mgpt import IMAGE_END, IMAGE_START, NEW_LINE, SEPARATOR, grid_token
+    from image_ar.movqgan import MoVQGAN
+    from image_ar.transformers_ar.lumina_mgpt import (
+        IMAGE_END,
+        IMAGE_START,
+        MOVQGAN_PREFIX,
+        NEW_LINE,
+        SEPARATOR,
+        grid_token,
+    )
     from image_ar.transformers_ar.lumina_pipeline import LuminaMGPTPipeline
     from image_ar.transformers_ar.tiny import image_token_name, world_tokenizer_with
 
     check(size in LUMINA_TEXT, f"unknown Lumina-mGPT size {size!r}; sizes: {', '.join(LUMINA_SIZES)}.")
     check(logit_scale > 0, f"logit_scale must be > 0, got {logit_scale}.")
-    image_size = int(size.rsplit("-", 1)[1])
+    image_size, version = LUMINA_IMAGE_SIZE[size], 2 if size.endswith("-2.0") else 1
+    names = ([image_token_name(c) for c in range(8192)] if version == 1
+             else [f"{MOVQGAN_PREFIX}{c:05d}>" for c in range(16384)])
     tok = world_tokenizer_with({}, [IMAGE_START, IMAGE_END, NEW_LINE, SEPARATOR,
-                                    *(grid_token(n) for n in range(1, image_size // 32 + 1)),
-                                    *(image_token_name(c) for c in range(8192))])
+                                    *(grid_token(n) for n in range(1, image_size // 32 + 1)), *names])
     tok.padding_side = "right"
     text = dict(bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.convert_tokens_to_ids(SEPARATOR), **{**LUMINA_TEXT[size], **text_overrides})
     config = ChameleonConfig(**text, vocabulary_map=tok.get_vocab(), tie_word_embeddings=False)
-    config.lumina_mgpt = {"image_size": image_size}
+    config.lumina_mgpt = {"image_size": image_size, "version": version}
     torch.manual_seed(seed)
     with torch.device(device):
         model = ChameleonForConditionalGeneration._from_config(config, dtype=dtype).eval()
-        vqgan = LlamaGenVQ.from_preset("chameleon").to(dtype).eval()
+        vqgan = (LlamaGenVQ.from_preset("chameleon") if version == 1 else MoVQGAN()).to(dtype).eval()
+    if version == 2:
+        del model.model.vqmodel  # (2.0 has no Chameleon VQ-VAE; `LuminaMGPTPipeline.from_pretrained` drops it too)
     if logit_scale != 1.0:
         with torch.no_grad():
             model.lm_head.weight.mul_(logit_scale)

@@ -74,3 +74,17 @@ def test_lumina_mgpt_7b_768_shapes():
     vq_count = sum(p.numel() for p in pipe.vqgan.parameters())
     assert 60e6 < vq_count < 80e6, vq_count  # taming's VQModel at ch 128 (no level attention)
     assert pipe.vqgan.config.codebook_size == 8192 and pipe.eagle_drafter.config.hidden_size == 4096
+
+
+def test_lumina_mgpt_2_shapes():
+    pipe = random_lumina_mgpt_pipeline("lumina-mgpt-2.0", device="meta", dtype=torch.bfloat16)
+    config = pipe.model.config
+    assert (config.num_hidden_layers, config.hidden_size, config.vocab_size) == (32, 4096, 171385)
+    count = sum(p.numel() for p in pipe.model.parameters())
+    assert abs(count / 7.88e9 - 1) < 0.005, count  # 6.48B of layers + two 171385 x 4096 tables
+    assert pipe.version == 2 and pipe.codes_per_unit == 4 and not hasattr(pipe.model.model, "vqmodel")
+    pipe.grid = (96, 96)
+    assert pipe.image_token_layout() == (96 * 97 + 1, 97, 171385)  # 9313 generated tokens a 768-px image
+    vq_count = sum(p.numel() for p in pipe.vqgan.parameters())
+    assert 0.2e9 < vq_count < 0.35e9, vq_count  # MoVQGAN "270M"
+    assert pipe.vqgan.config.codebook_size == 16384 and pipe.default_top_k == 4096
