@@ -38,7 +38,8 @@ TREE = (EagleTreeDrafter,)  # top_k, depth, total_tokens
 TREE_SKIP = ("guidance_scale",)
 # `accept` and every mode's rule parameters; the exact default is "coupled": a seed gives vanilla's image whatever
 # is drafted (docs/verify.md; its acceptance is within 5% of speculative sampling's, measured there)
-ACCEPT = ({"accept": "coupled"}, LanternRule, GSDRule, CappedRule, GSD_TABLE)
+ACCEPT = ({"accept": "coupled"}, LanternRule, GSDRule, GSD_TABLE)
+CHAIN_ACCEPT = (*ACCEPT, CappedRule)  # chains (Jacobi windows) also take the capped rule
 
 
 def load(model_path: str | None, device: str, dtype=None):
@@ -134,10 +135,11 @@ def draft_model(ctx: MethodContext, num_draft_tokens: int = 4, draft_temperature
     return drafter, ctx.params.exact_rule(accept)
 
 
-@FAMILY.method(params=(llamagen_jacobi_drafter, *ACCEPT), skip=SUPPLIED, lossless=rule_lossless())
+@FAMILY.method(params=(llamagen_jacobi_drafter, *CHAIN_ACCEPT), skip=SUPPLIED, lossless=rule_lossless())
 def sjd(ctx: MethodContext, **given: Any) -> tuple:
     """Speculative Jacobi decoding: a window of drafts re-sampled from the target every forward; accept="lossless"
-    (exact; greedy at temperature 0), "lantern" or "gsd" with that rule's parameters."""
+    (exact; greedy at temperature 0), "lantern", "gsd" or "capped" (Lumina-mGPT 2.0's code) with that rule's
+    parameters."""
     jacobi, rule = split(given, llamagen_jacobi_drafter)
     return llamagen_jacobi_drafter(ctx, **jacobi), acceptance_rule(ctx, **rule)
 
