@@ -27,16 +27,17 @@ EMU3_DEFAULTS = {"guidance_scale": 3.0, "temperature": 1.0, "top_k": 2048, "top_
 LUMINA_DEFAULTS = {"guidance_scale": 4.0, "temperature": 1.0, "top_k": 2000, "top_p": 1.0}
 
 
-def loader(pipeline_name: str, family: str):
-    """load(model_path, device, dtype) of a pipeline class of `image_ar.transformers_ar.pipeline`."""
+def loader(pipeline_name: str, family: str, made_by: str = ""):
+    """load(model_path, device, dtype) of a pipeline class of `image_ar.transformers_ar` (`made_by`: how a user makes
+    a folder, said when none is given)."""
 
     def load(model_path: str | None, device: str, dtype=None):
         import image_ar.transformers_ar as pipelines
 
         if model_path is None:
             raise InputError(f"the {family} family has no embedded default: pass --model FOLDER (a local {family} "
-                             "folder in transformers' layout; `python -m image_ar.transformers_ar.tiny FOLDER "
-                             f"--model {family}` writes a tiny random one to try).")
+                             f"folder in transformers' layout{made_by}; `python -m image_ar.transformers_ar.tiny "
+                             f"FOLDER --model {family}` writes a tiny random one to try).")
         return getattr(pipelines, pipeline_name).from_pretrained(model_path, dtype=dtype, device=device)
 
     return load
@@ -79,7 +80,9 @@ def lumina_sampling_defaults(pipeline) -> dict:
 
 LUMINA_MGPT = FamilyRecord("lumina-mgpt", "Lumina-mGPT text-to-image on transformers' Chameleon (a folder `mmspec "
                            "convert lumina-mgpt` wrote; --model)",
-                           load=loader("LuminaMGPTPipeline", "lumina-mgpt"), generate=generate, condition="prompt",
+                           load=loader("LuminaMGPTPipeline", "lumina-mgpt",
+                                       ", which `mmspec convert lumina-mgpt` writes from an official one"),
+                           generate=generate, condition="prompt",
                            sampling_defaults=lumina_sampling_defaults, bench=bench_of("lumina-mgpt"),
                            methods=shared_methods())
 DEFAULTS = {"janus": JANUS_DEFAULTS, "emu3": EMU3_DEFAULTS, "lumina-mgpt": LUMINA_DEFAULTS}  # by model_type
