@@ -154,25 +154,14 @@ def random_lumina_mgpt_pipeline(size: str = "lumina-mgpt-7b-768", device: torch.
 
     from image_ar.llamagen.vq import LlamaGenVQ
     from image_ar.movqgan import MoVQGAN
-    from image_ar.transformers_ar.lumina_mgpt import (
-        IMAGE_END,
-        IMAGE_START,
-        MOVQGAN_PREFIX,
-        NEW_LINE,
-        SEPARATOR,
-        grid_token,
-    )
+    from image_ar.transformers_ar.lumina_mgpt import SEPARATOR
     from image_ar.transformers_ar.lumina_pipeline import LuminaMGPTPipeline
-    from image_ar.transformers_ar.tiny import image_token_name, world_tokenizer_with
+    from image_ar.transformers_ar.tiny import lumina_tokenizer
 
     check(size in LUMINA_TEXT, f"unknown Lumina-mGPT size {size!r}; sizes: {', '.join(LUMINA_SIZES)}.")
     check(logit_scale > 0, f"logit_scale must be > 0, got {logit_scale}.")
     image_size, version = LUMINA_IMAGE_SIZE[size], 2 if size.endswith("-2.0") else 1
-    names = ([image_token_name(c) for c in range(8192)] if version == 1
-             else [f"{MOVQGAN_PREFIX}{c:05d}>" for c in range(16384)])
-    tok = world_tokenizer_with({}, [IMAGE_START, IMAGE_END, NEW_LINE, SEPARATOR,
-                                    *(grid_token(n) for n in range(1, image_size // 32 + 1)), *names])
-    tok.padding_side = "right"
+    tok = lumina_tokenizer(8192 if version == 1 else 16384, version, image_size // 32)
     text = dict(bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
                 eos_token_id=tok.convert_tokens_to_ids(SEPARATOR), **{**LUMINA_TEXT[size], **text_overrides})
     config = ChameleonConfig(**text, vocabulary_map=tok.get_vocab(), tie_word_embeddings=False)

@@ -139,6 +139,25 @@ def image_token_name(code: int) -> str:
     return "IMGIMG" + "".join(chr(ord("A") + int(d)) for d in str(code)) + "Z"
 
 
+def lumina_tokenizer(codes: int, version: int = 1, units: int = 4):
+    """The world tokenizer with Lumina-mGPT's layout tokens, grid tokens for 1..`units` 32-pixel units and `codes`
+    image tokens (version 1: Chameleon's `IMGIMG*` names; 2: Lumina-mGPT 2.0's `<MOVQGAN*`), right padding."""
+    from image_ar.transformers_ar.lumina_mgpt import (
+        IMAGE_END,
+        IMAGE_START,
+        MOVQGAN_PREFIX,
+        NEW_LINE,
+        SEPARATOR,
+        grid_token,
+    )
+
+    names = [image_token_name(c) if version == 1 else f"{MOVQGAN_PREFIX}{c:05d}>" for c in range(codes)]
+    tok = world_tokenizer_with({}, [IMAGE_START, IMAGE_END, NEW_LINE, SEPARATOR,
+                                    *(grid_token(n) for n in range(1, units + 1)), *names])
+    tok.padding_side = "right"
+    return tok
+
+
 def tiny_lumina_mgpt_pipeline(seed: int = 0, scale: float = 3.0, version: int = 1, swin_norm: bool = False):
     """A `LuminaMGPTPipeline` of a random transformers Chameleon (its language model scaled by `scale`: peaked laws)
     over the world tokenizer with Lumina-mGPT's layout tokens, grid tokens for 32-128 pixels and 64 image tokens, and
@@ -151,20 +170,10 @@ def tiny_lumina_mgpt_pipeline(seed: int = 0, scale: float = 3.0, version: int = 
 
     from image_ar.llamagen.vq import LlamaGenVQ
     from image_ar.movqgan import MoVQGAN
-    from image_ar.transformers_ar.lumina_mgpt import (
-        IMAGE_END,
-        IMAGE_START,
-        MOVQGAN_PREFIX,
-        NEW_LINE,
-        SEPARATOR,
-        grid_token,
-    )
+    from image_ar.transformers_ar.lumina_mgpt import SEPARATOR
     from image_ar.transformers_ar.lumina_pipeline import LuminaMGPTPipeline
 
-    names = [image_token_name(c) if version == 1 else f"{MOVQGAN_PREFIX}{c:05d}>" for c in range(LUMINA_CODES)]
-    tok = world_tokenizer_with({}, [IMAGE_START, IMAGE_END, NEW_LINE, SEPARATOR,
-                                    *(grid_token(n) for n in range(1, 5)), *names])
-    tok.padding_side = "right"
+    tok = lumina_tokenizer(LUMINA_CODES, version)
     torch.manual_seed(seed)
     if version == 1:
         vqgan = LlamaGenVQ.from_preset("chameleon", ch=32, num_res_blocks=1, z_channels=32,
