@@ -4,7 +4,8 @@ round that produced each piece.
     python demos/vlm_app.py                          # the embedded world LLaVA (assets/vlm), http://127.0.0.1:7861
     python demos/vlm_app.py --model /data/llava-1.5-7b-mmspec --device cuda
 
-Upload an image (or pick one of the world's example scenes), ask a question, choose a drafter (the kinds found
+Upload an image (or pick one of the world's example scenes; "more images" adds others: one question about all of
+them, as `mmspec vlm --image A --image B`), ask a question, choose a drafter (the kinds found
 in MODEL/drafters, or none for the target alone), the draft budget ("default": the pipeline's own, "auto": each
 step's tree shape, or a plain step, from this device's measured costs; "fixed": the drafter's tree every step) and
 the sampling settings. Each draft-verify round commits the
@@ -39,6 +40,7 @@ from mmspec.errors import InputError, check  # noqa: E402
 from mmspec.limits import check_sampling, check_seed  # noqa: E402
 
 MAX_NEW_TOKENS = 256
+MAX_MORE_IMAGES = 7  # images a request adds to the first (each one is a run of image tokens in the prompt)
 EXAMPLE_QUESTIONS = ["What color is the object? Answer in detail.", "Describe the image. Answer in detail.",
                      "Where is the object? Answer in detail.", "How many objects are there?"]
 DRAFT_LABELS = ("draft (odd round)", "draft (even round)")
@@ -91,12 +93,17 @@ def example_images(n: int = 6) -> list[str]:
     return paths
 
 
-def check_request(image_path, question: str, max_new_tokens, temperature, top_p, depth, top_k, total):
-    """The request's image and settings, validated (InputError with what to fix)."""
+def check_request(image_path, question: str, max_new_tokens, temperature, top_p, depth, top_k, total,
+                  more_images=None) -> list:
+    """The request's images (the first, then `more_images`' paths) and settings, validated (InputError with what to
+    fix)."""
     from vlm.cli import load_image
 
     check(image_path, "upload an image (or pick an example) first.")
-    image = load_image(image_path)
+    more = list(more_images or [])
+    check(len(more) <= MAX_MORE_IMAGES, f"{len(more)} more images; ask about at most {MAX_MORE_IMAGES + 1} images at "
+                                        "once.")
+    images = [load_image(path) for path in (image_path, *more)]
     check(isinstance(question, str) and question.strip(), "type a question about the image.")
     check(len(question) <= 1000, f"the question is {len(question)} characters long; keep it under 1000.")
     for name, value, low, high in (("max new tokens", max_new_tokens, 1, MAX_NEW_TOKENS),
@@ -105,7 +112,7 @@ def check_request(image_path, question: str, max_new_tokens, temperature, top_p,
         check(isinstance(value, (int, float)) and int(value) == value and low <= value <= high,
               f"{name} must be a whole number from {low} to {high}, got {value!r}.")
     check_sampling(temperature=temperature, top_p=top_p)  # (the command line's limits, `mmspec.limits`)
-    return image
+    return images
 
 
 def highlighted(rounds: list[tuple[str, str]]) -> list[tuple[str, str | None]]:
@@ -126,11 +133,13 @@ def budget_option(budget: str) -> dict:
 
 
 def answer_stream(store: VLMStore, image_path, question, drafter, max_new_tokens, temperature, top_p, depth, top_k,
-                  total, seed=0, budget="default"):
-    """Yields (segments, stats) as the answer grows; `budget` one of BUDGETS; raises InputError for bad input."""
+                  total, seed=0, budget="default", more_images=None):
+    """Yields (segments, stats) as the answer grows; `budget` one of BUDGETS; `more_images`: paths of further images
+    the question is about; raises InputError for bad input."""
     from vlm.pipeline import piece_text
 
-    image = check_request(image_path, question, max_new_tokens, temperature, top_p, depth, top_k, total)
+    images = check_request(image_path, question, max_new_tokens, temperature, top_p, depth, top_k, total,
+                           more_images)
     check_seed("seed", seed)
     options = budget_option(budget)
     vlm = store.get(drafter)
@@ -144,7 +153,8 @@ def answer_stream(store: VLMStore, image_path, question, drafter, max_new_tokens
     def work() -> None:
         try:
             start = time.perf_counter()
-            result["out"] = vlm.generate([image], [question.strip()], int(max_new_tokens), float(temperature),
+            row = images[0] if len(images) == 1 else images  # a row of several images: one question about all
+            result["out"] = vlm.generate([row], [question.strip()], int(max_new_tokens), float(temperature),
                                          float(top_p), tree=tuple(int(v) or None for v in (depth, top_k, total)),
                                          generator=torch.Generator().manual_seed(int(seed)), stream=on_round,
                                          **options)
@@ -176,7 +186,7 @@ def answer_stream(store: VLMStore, image_path, question, drafter, max_new_tokens
         "target_forwards": stats.num_target_forwards,
         "mean_acceptance_length": round(stats.mean_acceptance_length, 3) if stats.num_drafts else None,
         "draft_acceptance_rate": round(stats.draft_acceptance_rate, 3) if stats.num_drafts else None,
-        "budget": budget, **budget_figures(stats, drafter), "answer": out.texts[0]}
+        "budget": budget, "images": len(images), **budget_figures(stats, drafter), "answer": out.texts[0]}
 
 
 def build_app(store: VLMStore | None = None, concurrency: int = 1, max_queue: int = 16) -> gr.Blocks:
@@ -184,11 +194,11 @@ def build_app(store: VLMStore | None = None, concurrency: int = 1, max_queue: in
     drafters = store.drafters()
 
     def run(image_path, question, drafter, max_new_tokens, temperature, top_p, depth, top_k, total,
-            budget="default", progress=gr.Progress()):  # noqa: B008  (gradio finds the tracker by this default)
+            budget="default", more_images=None, progress=gr.Progress()):  # noqa: B008  (gradio finds the tracker)
         progress(0, desc="loading the model" if drafter not in store._vlms else "answering")
         try:
             yield from answer_stream(store, image_path, question, drafter, max_new_tokens, temperature, top_p,
-                                     depth, top_k, total, budget=budget)
+                                     depth, top_k, total, budget=budget, more_images=more_images)
         except InputError as err:
             raise gr.Error(str(err), print_exception=False) from None
 
@@ -198,6 +208,9 @@ def build_app(store: VLMStore | None = None, concurrency: int = 1, max_queue: in
         with gr.Row():
             with gr.Column(scale=1):
                 image = gr.Image(type="filepath", label="image", elem_id="vlm-image", height=256)
+                more_images = gr.File(file_count="multiple", file_types=["image"], type="filepath",
+                                      label="more images (optional: one question about all of them)",
+                                      elem_id="vlm-more-images")
                 question = gr.Textbox(label="question", value=EXAMPLE_QUESTIONS[0], elem_id="vlm-question")
                 drafter = gr.Dropdown(drafters, value=drafters[0], label="drafter")
                 budget = gr.Dropdown(list(BUDGETS), value="default", label="draft budget", info=BUDGET_INFO)
@@ -216,7 +229,7 @@ def build_app(store: VLMStore | None = None, concurrency: int = 1, max_queue: in
         gr.Examples([[path, q] for path, q in zip(example_images(), EXAMPLE_QUESTIONS * 2)], [image, question],
                     label="world scenes")
         button.click(run, [image, question, drafter, max_new_tokens, temperature, top_p, depth, top_k, total,
-                           budget], [answer, stats], api_name="answer")
+                           budget, more_images], [answer, stats], api_name="answer")
     return app.queue(default_concurrency_limit=concurrency, max_size=max_queue)
 
 

@@ -92,6 +92,20 @@ def test_bad_requests_are_messages(store, tmp_path, change, message):
         final(answer_stream(store, **args))
 
 
+def test_one_question_about_several_images(store):
+    """More images make one row of several images, as `mmspec vlm --image A --image B`: greedy eagle == the target
+    alone; a drafter that compresses one image run a row says so in one line."""
+    first, second = example_images(2)
+    question = "Which of the two shows a circle?"
+    _, stats = final(answer_stream(store, first, question, "eagle", **SETTINGS, more_images=[second]))
+    _, vanilla = final(answer_stream(store, first, question, "none", **SETTINGS, more_images=[second]))
+    _, alone = final(answer_stream(store, first, question, "none", **SETTINGS))
+    assert stats["images"] == vanilla["images"] == 2 and stats["answer"] == vanilla["answer"]
+    assert alone["images"] == 1
+    with pytest.raises(InputError, match="more images; ask about at most 8"):
+        final(answer_stream(store, first, question, "eagle", **SETTINGS, more_images=[second] * 8))
+
+
 def test_not_an_image_and_missing_model(store, tmp_path):
     bad = tmp_path / "notes.png"
     bad.write_text("not an image")
