@@ -38,7 +38,9 @@ def loader(pipeline_name: str, family: str, made_by: str = ""):
             raise InputError(f"the {family} family has no embedded default: pass --model FOLDER (a local {family} "
                              f"folder in transformers' layout{made_by}; `python -m image_ar.transformers_ar.tiny "
                              f"FOLDER --model {family}` writes a tiny random one to try).")
-        return getattr(pipelines, pipeline_name).from_pretrained(model_path, dtype=dtype, device=device)
+        pipe = getattr(pipelines, pipeline_name).from_pretrained(model_path, dtype=dtype, device=device)
+        pipe.set_progress_bar_config(disable=True)  # the commands show their own bars (images, runs), as folders'
+        return pipe
 
     return load
 
