@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from image_ar.llamagen.bench import caption_inputs
-from image_ar.transformers_ar.family import EMU3, EMU3_DEFAULTS, JANUS, JANUS_DEFAULTS, LUMINA_DEFAULTS, LUMINA_MGPT
+from image_ar.transformers_ar.family import DEFAULTS, EMU3, JANUS, LUMINA_MGPT
 from mmspec.bench.image_family import (
     image_options,
     reproduces_vanilla,
@@ -38,15 +38,14 @@ from mmspec.budget import check_budget_mode
 from mmspec.cli.family_io import torch_dtype
 from mmspec.errors import check
 
-RECORDS = {"janus": (JANUS, JANUS_DEFAULTS), "emu3": (EMU3, EMU3_DEFAULTS),
-           "lumina-mgpt": (LUMINA_MGPT, LUMINA_DEFAULTS)}
+RECORDS = {"janus": JANUS, "emu3": EMU3, "lumina-mgpt": LUMINA_MGPT}  # (their sampling defaults: `DEFAULTS`)
 OFFICIAL_SIZES = {"janus": ("janus-pro-1b", "janus-pro-7b"), "emu3": ("emu3-gen",),  # `official.py`'s
                   "lumina-mgpt": ("lumina-mgpt-7b-768", "lumina-mgpt-2.0")}
 CALIBRATION_BYTES = 2 ** 31  # the scored distributions of one chunk (n x T x V float32) must fit in this
 
 
 def _options(settings: BenchSettings, family: str) -> dict[str, Any]:
-    defaults = {**RECORDS[family][1], "guidance_scale": None}  # None: the model's own (its generation_config)
+    defaults = {**DEFAULTS[family], "guidance_scale": None}  # None: the model's own (its generation_config)
     if family == "lumina-mgpt":
         defaults["top_k"] = None  # the pipeline's: its version's official image top-k
     options = image_options(settings, family, defaults,
@@ -120,7 +119,7 @@ def runnable_methods(record, model: str | None) -> list[str]:
 
 
 def transformers_image_family(family: str) -> Family:
-    record = RECORDS[family][0]
+    record = RECORDS[family]
 
     def build(settings: BenchSettings):
         o = _options(settings, family)

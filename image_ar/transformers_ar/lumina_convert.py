@@ -69,7 +69,7 @@ def image_size_of(folder: Path, given: int | None, version: int = 1) -> int:
     return int(found.group(1))
 
 
-def convert_config(config: dict, image_size: int) -> dict:
+def convert_config(config: dict, image_size: int, version: int) -> dict:
     """The fork's config.json -> transformers' (see the module docstring); InputError for another model."""
     check(config.get("model_type") == "chameleon", f"not a Lumina-mGPT folder: config.json's model_type is "
                                                    f"{config.get('model_type')!r}, expected 'chameleon'.")
@@ -78,7 +78,7 @@ def convert_config(config: dict, image_size: int) -> dict:
           "false); it is not an image generator.")
     out = {k: v for k, v in config.items() if k not in FORK_ONLY}
     out["architectures"] = ["ChameleonForConditionalGeneration"]
-    out["lumina_mgpt"] = {"image_size": image_size, "version": version_of(config)}
+    out["lumina_mgpt"] = {"image_size": image_size, "version": version}
     return out
 
 
@@ -117,7 +117,8 @@ def encoder_weights(vqgan_sd: Mapping[str, torch.Tensor]) -> dict[str, torch.Ten
 
 def convert_lumina_mgpt(model: str | Path, vqgan: str | Path, out: str | Path, image_size: int | None = None,
                         allow_pickle: bool = False) -> Path:
-    """Write the converted folder `out` (atomically) from the official folder `model` and Meta's `vqgan.ckpt`."""
+    """Write the converted folder `out` (atomically) from the official folder `model` and its image tokenizer's
+    checkpoint `vqgan` (1.0: Meta's `vqgan.ckpt`; 2.0: `movqgan_270M.ckpt`)."""
     src = Path(model)
     check((src / "config.json").is_file(), f"no config.json in {src}: pass the official Lumina-mGPT folder.")
     try:
@@ -125,15 +126,16 @@ def convert_lumina_mgpt(model: str | Path, vqgan: str | Path, out: str | Path, i
     except (OSError, json.JSONDecodeError) as err:
         raise InputError(f"could not read {src / 'config.json'}: {err}") from None
     version = version_of(config)
-    new_config = convert_config(config, image_size_of(src, image_size, version))
+    new_config = convert_config(config, image_size_of(src, image_size, version), version)
     files = weight_files(src)
     vqgan_sd = strip_wrapper_prefixes(load_state_dict(vqgan, allow_pickle=allow_pickle))
-    check(is_movqgan(vqgan_sd) == (version == 2),
-          f"{Path(vqgan).name} is {'a MoVQGAN' if is_movqgan(vqgan_sd) else 'a Chameleon VQGAN'} checkpoint, but "
+    movq = is_movqgan(vqgan_sd)
+    check(movq == (version == 2),
+          f"{Path(vqgan).name} is {'a MoVQGAN' if movq else 'a Chameleon VQGAN'} checkpoint, but "
           f"{src.name} is Lumina-mGPT {'2.0' if version == 2 else '1.0'}: pass "
           f"{'movqgan_270M.ckpt' if version == 2 else 'Meta Chameleon vqgan.ckpt'} as --vqgan.")
     # every image-tokenizer weight is checked before anything is written
-    vq_model = convert_movqgan(vqgan_sd) if version == 2 else convert_chameleon_vqgan(vqgan_sd)
+    vq_model = convert_movqgan(vqgan_sd) if movq else convert_chameleon_vqgan(vqgan_sd)
     shard_keys: list[list[str]] = []
     with atomic_output_dir(out) as tmp:
         tmp = Path(tmp)

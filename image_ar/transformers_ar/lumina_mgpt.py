@@ -61,7 +61,7 @@ def grid_token(units: int) -> str:
 
 @dataclass(frozen=True)
 class LuminaSpecialIds:
-    """The ids of the layout tokens and of the image tokens (the vocabulary map's `IMGIMG*` names)."""
+    """The ids of the layout tokens and of the image tokens (`image_token_codes`)."""
 
     image_start: int
     image_end: int
@@ -75,8 +75,8 @@ def token_id(tokenizer, token: str) -> int:
     """The id of one token of the vocabulary; InputError (one line) when the tokenizer lacks it."""
     found = tokenizer.convert_tokens_to_ids(token)
     if found is None or found == tokenizer.unk_token_id:
-        raise InputError(f"the tokenizer has no {token} token: a Lumina-mGPT folder needs Chameleon's tokenizer "
-                         "(the one its folder ships).")
+        raise InputError(f"the tokenizer has no {token} token: a Lumina-mGPT folder needs its own tokenizer (the one "
+                         "the official folder ships).")
     return int(found)
 
 
@@ -95,16 +95,15 @@ def image_token_codes(model) -> tuple[list[int], list[int]]:
     return ids, [t - ids[0] for t in ids]
 
 
-def lumina_special_ids(model, tokenizer) -> LuminaSpecialIds:
-    """The layout's ids read from the tokenizer by name and the image tokens from the model's vocabulary map (the
-    official code's fixed ids, 1.0: 8197, 8196, 8803, 8710 and 4..8195; 2.0: 151665, 151666, ... and 155000 +
-    code, are these in each one's vocabulary). BOS is the tokenizer's, else its EOS, as the official xllmx
-    `Tokenizer` (2.0's Qwen-style tokenizer has no BOS)."""
+def lumina_special_ids(tokenizer, visual: list[int]) -> LuminaSpecialIds:
+    """The layout's ids read from the tokenizer by name, with the image tokens `visual` (`image_token_codes`; the
+    official code's fixed ids, 1.0: 8197, 8196, 8803, 8710 and 4..8195; 2.0: 151665, 151666, ... and 155000 + code,
+    are these in each one's vocabulary). BOS is the tokenizer's, else its EOS, as the official xllmx `Tokenizer`
+    (2.0's Qwen-style tokenizer has no BOS)."""
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     check(bos is not None, "the tokenizer has neither a BOS nor an EOS token; use the Lumina-mGPT folder's own.")
     return LuminaSpecialIds(token_id(tokenizer, IMAGE_START), token_id(tokenizer, IMAGE_END),
-                            token_id(tokenizer, NEW_LINE), token_id(tokenizer, SEPARATOR), int(bos),
-                            tuple(image_token_codes(model)[0]))
+                            token_id(tokenizer, NEW_LINE), token_id(tokenizer, SEPARATOR), int(bos), tuple(visual))
 
 
 def latent_grid(height: int, width: int, codes_per_unit: int = 2) -> tuple[int, int]:

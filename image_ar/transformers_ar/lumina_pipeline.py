@@ -30,6 +30,7 @@ from image_ar.transformers_ar.lumina_mgpt import (
     PATCH,
     ChameleonCachedLM,
     encode_prompts,
+    image_header,
     image_token_codes,
     latent_grid,
     layout_length,
@@ -111,8 +112,8 @@ class LuminaMGPTPipeline(TransformersImagePipeline):
                                                      f"side; Lumina-mGPT's grid unit of {PATCH} needs a divisor.")
         self.codes_per_unit = PATCH // vqgan.downsample_factor
         self.lm = ChameleonCachedLM(model)
-        self.special = lumina_special_ids(model, processor)
         ids, codes = image_token_codes(model)
+        self.special = lumina_special_ids(processor, ids)
         check(max(codes) < vqgan.config.codebook_size, f"the vocabulary names {len(ids)} image tokens (codes up to "
                                                        f"{max(codes)}); the image tokenizer has "
                                                        f"{vqgan.config.codebook_size} codes.")
@@ -197,7 +198,7 @@ class LuminaMGPTPipeline(TransformersImagePipeline):
     def with_header(self, input_ids: Any, attention_mask: Any, height: int, width: int) -> Prompts:
         """Token ids of the conversation (BOS .. separator, any padding side) + the image header."""
         prompts = self.processor_prompts(input_ids, attention_mask)
-        header = encode_prompts(self.processor, self.special, [""], height, width).input_ids[0, -3:].tolist()
+        header = image_header(self.special, self.processor, height, width)
         return token_rows([row[:n].tolist() + header for row, n in zip(prompts.input_ids, prompts.lengths)])
 
     # ------------------------------------------------------------------------------------------- call
@@ -224,30 +225,32 @@ class LuminaMGPTPipeline(TransformersImagePipeline):
         self.check_call(prompt, input_ids, class_labels, method, output_type, num_images_per_prompt,
                         num_inference_steps)
         height, width = self.image_size(height, width)
-        self.grid = latent_grid(height, width, self.codes_per_unit)
         top_k = self.default_top_k if top_k is None else top_k
         prompts = (self.encode_prompt(prompt, height, width) if prompt is not None
                    else self.with_header(input_ids, attention_mask, height, width))
-        guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
-        rows = prompts.input_ids.shape[0] * num_images_per_prompt
-        negative = unconditional_rows(self.special, self.processor, rows, height, width)
-        layout = lumina_layout(self.special, *self.grid, self.lm.vocab_size)
-        gen = self.run_loop(self.lm, prompts.repeat(num_images_per_prompt),
-                            lambda guided: guided_prefill(guided, negative), layout_length(*self.grid),
+        prefill, guidance_scale, layout = self.guided_inputs(prompts.input_ids.shape[0] * num_images_per_prompt,
+                                                             height, width, guidance_scale)
+        gen = self.run_loop(self.lm, prompts.repeat(num_images_per_prompt), prefill, layout_length(*self.grid),
                             guidance_scale, SamplingParams(temperature, top_k, top_p), generator, method,
                             method_kwargs, budget, callback_on_step_end, callback_on_step_end_tensor_inputs,
                             layout=layout)
         return self.finish(gen, self.decode, output_type, return_dict)
 
+    def guided_inputs(self, rows: int, height: int, width: int, guidance_scale: float | None):
+        """(prefill(guided), scale, layout) of a call of `rows` rows at height x width pixels (the official CFG
+        context: the image header alone; scale None: the default); sets the call's grid."""
+        self.grid = latent_grid(height, width, self.codes_per_unit)
+        negative = unconditional_rows(self.special, self.processor, rows, height, width)
+        guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
+        return (lambda guided: guided_prefill(guided, negative), guidance_scale,
+                lumina_layout(self.special, *self.grid, self.lm.vocab_size))
+
     def scoring_inputs(self, prompts: list[str], guidance_scale: float | None):
         """(prompts, prefill(guided), scale, layout) as a call with these prompts (the default size) and this scale
         builds them."""
         height, width = self.image_size(None, None)
-        self.grid = latent_grid(height, width, self.codes_per_unit)
-        negative = unconditional_rows(self.special, self.processor, len(prompts), height, width)
-        guidance_scale = self.default_guidance_scale() if guidance_scale is None else guidance_scale
-        return (self.encode_prompt(prompts, height, width), lambda guided: guided_prefill(guided, negative),
-                guidance_scale, lumina_layout(self.special, *self.grid, self.lm.vocab_size))
+        return (self.encode_prompt(prompts, height, width), *self.guided_inputs(len(prompts), height, width,
+                                                                                 guidance_scale))
 
     # ------------------------------------------------------------------------------------------ decode
     def codes(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -20,37 +20,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from image_ar.conv_autoencoder import rename_taming_keys, taming_levels
+from image_ar.conv_autoencoder import rename_taming_keys, taming_config
 from image_ar.var.convert import OFFICIAL_PATCH_NUMS
 from image_ar.var.vqvae import VARVQVAE
 from mmspec.checkpoints import load_into, load_state_dict
 from mmspec.checkpoints.keys import strip_wrapper_prefixes
-from mmspec.errors import CheckpointError, check_float_dtype
+from mmspec.errors import check_float_dtype
 
 IGNORED_KEYS = (r"^quantize\.ema_vocab_hit_SV$",)
 
 
-def _levels(sd: Mapping[str, Any], prefix: str) -> int:
-    levels = taming_levels(sd, prefix)
-    if not levels:
-        raise CheckpointError(f"not a VAR VQVAE checkpoint: no `{prefix}.{{i}}` weights.")
-    return levels
-
-
 def infer_vqvae_config(sd: Mapping[str, torch.Tensor], **known: Any) -> dict[str, Any]:
-    """VARVQVAE arguments from an official state dict; `known` wins."""
-    if "quantize.embedding.weight" not in sd or "encoder.conv_in.weight" not in sd:
-        raise CheckpointError("not a VAR VQVAE checkpoint: quantize.embedding.weight / encoder.conv_in.weight "
-                              f"missing (found e.g. {', '.join(list(sd)[:5])}).")
-    vocab, cvae = sd["quantize.embedding.weight"].shape
-    ch = sd["encoder.conv_in.weight"].shape[0]
-    n_levels = _levels(sd, "encoder.down")
-    ch_mult = tuple(sd[f"encoder.down.{i}.block.0.conv1.weight"].shape[0] // ch for i in range(n_levels))
-    blocks = 1 + max(int(m.group(1)) for k in sd if (m := re.match(r"^encoder\.down\.0\.block\.(\d+)\.", k)))
+    """VARVQVAE arguments from an official state dict (its shape read by `taming_config`); `known` wins."""
+    found = taming_config(sd, "VAR VQVAE")
     phis = [int(m.group(1)) for k in sd if (m := re.match(r"^quantize\.quant_resi\.qresi_ls\.(\d+)\.", k))]
-    cfg: dict[str, Any] = {"vocab_size": vocab, "z_channels": cvae, "ch": ch, "ch_mult": ch_mult,
-                           "num_res_blocks": blocks, "share_quant_resi": 1 + max(phis) if phis else 4,
-                           "quant_resi": 0.5 if phis else 0.0,
+    cfg: dict[str, Any] = {"vocab_size": found["codebook_size"], "z_channels": found["codebook_embed_dim"],
+                           "ch": found["ch"], "ch_mult": found["ch_mult"], "num_res_blocks": found["num_res_blocks"],
+                           "share_quant_resi": 1 + max(phis) if phis else 4, "quant_resi": 0.5 if phis else 0.0,
                            "quant_conv_ks": sd["quant_conv.weight"].shape[-1], "patch_nums": OFFICIAL_PATCH_NUMS}
     cfg.update(known)
     return cfg
