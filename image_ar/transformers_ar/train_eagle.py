@@ -101,9 +101,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------------------------------ data
 def family_top_k(pipe: TransformersImagePipeline) -> int:
+    """The top-k a call of this pipeline samples at by default: the pipeline's own where it depends on the model
+    (Lumina-mGPT: 2000 for 1.0, 4096 for 2.0), else its family's."""
     from image_ar.transformers_ar.family import DEFAULTS
 
-    return DEFAULTS[pipe.model_type]["top_k"]
+    own = getattr(pipe, "default_top_k", None)
+    return own if own is not None else DEFAULTS[pipe.model_type]["top_k"]
 
 
 @torch.no_grad()

@@ -147,6 +147,12 @@ def test_methods_are_greedy_exact_in_fewer_forwards(pipe):
         assert out.stats.num_target_forwards <= base.stats.num_target_forwards, (method, kwargs)
 
 
+def test_the_drafter_trainer_samples_at_each_versions_top_k(pipe, pipe2):
+    from image_ar.transformers_ar.train_eagle import family_top_k
+
+    assert (family_top_k(pipe), family_top_k(pipe2)) == (2000, 4096)  # 1.0's README, 2.0's sample script
+
+
 def test_lumina_mgpt_2_greedy_reference_decoding_and_methods(pipe2):
     assert (pipe2.version, pipe2.codes_per_unit, pipe2.default_top_k, pipe2.default_image_size) == (2, 4, 4096, 32)
     out = pipe2(PROMPTS, guidance_scale=GUIDANCE, temperature=0, output_type="latent")
