@@ -155,10 +155,11 @@ def test_gate_log_shows_what_each_budget_did(tmp_path, caplog, capsys):
                                   costs=[1.0, 1.5, 2.0])
         with caplog.at_level(logging.DEBUG, logger="mmspec.budget"):
             budget.begin(None, None, DecodeState.new(1, 4, "cpu"), "lossless")
-            budget.choose(1, lambda: None), budget.choose(1, lambda: None)
+            budget.choose(1, lambda: torch.tensor([4])), budget.choose(1, lambda: torch.tensor([4]))
             budget.end()
         (line,) = [r.getMessage() for r in caplog.records if r.name == "mmspec.budget"]
-        assert line.startswith("budget: 0 x1 (1000.00 ms, 1.00 tok), chain2 x1 (2000.00 ms, 1.75 tok); calls")
+        assert line.startswith("budget: 0 x1 (1000.00 ms, 1.00/1.00/1.00/1.00 tok), chain2 x1 (2000.00 ms, "
+                               "1.75/1.75/1.75/1.75 tok); calls")  # (expected tokens in each segment of a call)
     finally:
         for logger in loggers:
             logger.setLevel(logging.NOTSET)

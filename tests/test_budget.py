@@ -193,7 +193,7 @@ def test_the_batch_tail_prefers_steady_options_for_many_rows():
     budget = started(chain_budget([1.0, 1.0, 1.0]), 32)
     budget.acceptance.moments = lambda: (torch.tensor([1.0, 3.0, 3.0], dtype=torch.float64),
                                          torch.tensor([0.0, 0.1, 4.0], dtype=torch.float64))
-    speed = budget.speeds(32, lambda: torch.full((32,), 48))
+    speed = budget.speeds(32, torch.full((32,), 48))
     assert speed[1] > speed[2] > speed[0]
     alone = budget.speeds(1, None)
     assert alone[1] == alone[2]
@@ -211,6 +211,25 @@ def test_warmup_refreshes_and_the_exploration_option():
     assert choose(started(dear)) == 1
 
 
+def test_acceptance_and_exploration_are_per_segment_of_the_call():
+    """Two segments of an 8-token call: each explores until `warmup` rows (one step of 2 rows) and learns its own
+    rates, so drafts rejected at the call's start do not keep its second half plain; a retry after calls without
+    the drafter explores one step a segment."""
+    config = BudgetConfig(warmup=2, refresh_every=0, timing=False, gate=False, plain_probe=0, segments=2)
+    budget = started(chain_budget([1.0, 1.0], config), batch=2)
+    draft, on = ChainDraft(torch.zeros(2, 1, dtype=torch.long)), torch.ones(2, dtype=torch.bool)
+    assert choose(budget, 2, [8, 8]) == 1 and budget.segment == 0  # explores
+    budget.observe(result([0, 0], [1, 1]), on, draft)  # .. and nothing is accepted
+    assert choose(budget, 2, [7, 6]) == 0  # the first half: plain
+    assert choose(budget, 2, [4, 3]) == 1 and budget.segment == 1  # the second half explores
+    budget.observe(result([1, 1], [1, 1]), on, draft)  # .. and every draft is accepted
+    assert choose(budget, 2, [3, 2]) == 1  # the second half drafts
+    assert budget.by_segment[0].position_rates()[0] == 0.0 and budget.by_segment[1].position_rates()[0] == 1.0
+    budget.gate.retrying = True
+    started(budget, 2)
+    assert budget.explored == [1, 1]  # one more step (2 rows) a segment
+
+
 def test_a_refresh_while_chains_are_chosen_drafts_the_deepest_chain():
     full = TreeShape(4, 3, 12)
     drafter = TreeModelDrafter(toy_model(seed=0, vocab_size=8), top_k=4, depth=3, total_tokens=12)
@@ -224,11 +243,27 @@ def test_a_refresh_while_chains_are_chosen_drafts_the_deepest_chain():
     chosen = [choose(budget) for _ in range(5)]
     deepest = max((o for o in options if o.is_chain), key=lambda o: o.depth)
     assert chosen[:4] == [chain(2)] * 4 and chosen[4] == deepest
+    # a chain of k costing 1 + k / 2 plain steps (trees 10): the deepest within explore_cost (3) plain steps
+    dear = started(ThroughputBudget(options, keys, budget.config, full_key=full, costs=[
+        1.0 if o == PLAIN else 1.0 + 0.5 * o.depth if o.is_chain else 10.0 for o in options]))
+    dear.acceptance.reached[:], dear.acceptance.accepted[:] = budget.acceptance.reached, budget.acceptance.accepted
+    assert [choose(dear) for _ in range(5)] == [chain(2)] * 4 + [chain(4)]
 
 
-def test_plain_choices_in_a_row_settle_the_call_and_the_loop_stops_asking():
-    budget = started(chain_budget([1.0, 5.0], BudgetConfig(warmup=0, refresh_every=0, settle_after=3, gate=False)))
-    assert [choose(budget) for _ in range(3)] == [0, 0, SETTLE]
+def test_plain_choices_in_a_row_settle_the_segment_then_the_call_and_the_loop_stops_asking():
+    """settle_after plain choices in a row: plain steps without an estimate for the rest of the segment while a
+    later segment would draft; SETTLE (the loop stops asking) where every later one would take plain steps too."""
+    config = BudgetConfig(warmup=0, refresh_every=0, settle_after=3, gate=False)
+    budget = started(chain_budget([1.0, 1.5], config))
+    budget.by_segment[3].reached[:], budget.by_segment[3].accepted[:] = 10.0, 10.0  # the last quarter drafts
+    assert [choose(budget, left=[8]) for _ in range(3)] == [0, 0, 0] and budget.segment == 0
+    speeds = budget.speeds
+    budget.speeds = None  # a settled segment asks no estimate
+    assert choose(budget, left=[7]) == 0
+    budget.speeds = speeds
+    assert choose(budget, left=[2]) == 1 and budget.segment == 3
+    budget = started(chain_budget([1.0, 1.5], config))  # nothing drafts anywhere
+    assert [choose(budget, left=[8]) for _ in range(3)] == [0, 0, SETTLE]
     asked = []
     steering = BudgetCall(budget, SpecStats())
     budget.choose = lambda *a: asked.append(1) or SETTLE

@@ -8,9 +8,8 @@ accepted drafts of a row:
 - trees: the drafts each row would have accepted under every smaller shape the step's tree contains
   (`counterfactual_accepts`: EAGLE-2 keeps the nodes of highest score, so a smaller tree is the leading part of a
   larger one), decayed; a tree never shown emits 1, as a plain step does, until it is explored. Its path of first
-  children counts for the chain positions; exact under greedy verification, and when sampling an under-estimate (a
-  chain's drafts share the target's noise under `coupled`: the world LlamaGen's chain accepts 0.53 at position 1
-  where its tree's first child is the target's draw 0.27 of the time).
+  children counts for the chain positions: a tree drafter's chain is its tree's first children (the drafter's
+  top-1 at each level), accepted with the same probability under every rule.
 - per size (`valued_per_size` drafters: Jacobi windows, whose acceptance depends on the window): an option that has
   run is valued by its own steps alone.
 `batch_steps_of` turns (mean, variance) into the expected steps until the last of a batch's rows is done.
@@ -101,9 +100,10 @@ class AcceptanceModel:
 def accepted_under(options: Sequence[TreeShape], draft: Draft,
                    result: VerifyResult) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(drafts each row would have accepted under each option [B, S], its accepted drafts along the step's greedy
-    chain [B], the chain's drafted length [B]). A chain step (any draft but a tree: a CSpD window) shows chains only."""
-    if not isinstance(draft, DraftTree):
-        accepted, drafted = result.num_accepted, result.num_drafted  # [B], [B]
+    chain [B], the chain's drafted length [B]). A chain step (a CSpD window, a one-branch tree) shows chains only."""
+    if not isinstance(draft, DraftTree) or draft.is_chain:
+        accepted = result.num_accepted  # [B]
+        drafted = draft.valid[:, 1:].sum(-1) if isinstance(draft, DraftTree) else result.num_drafted  # [B]
         depths = constant_on(tuple(o.depth if o.is_chain else 0 for o in options), accepted.device)  # [S]
         return torch.minimum(accepted.unsqueeze(-1), depths), accepted, drafted
     counts, chain = counterfactual_accepts(draft, result.accepted_nodes, options)

@@ -16,6 +16,10 @@ class BudgetConfig:
     # -- acceptance model
     decay: float = 0.9  # weight of a step's verdicts after each later step: acceptance drifts along an image or
     # answer (an image's first rows draft worse than its middle), and ten steps of a batch are enough to follow it
+    segments: int = 4  # acceptance is learnt apart in each quarter of the tokens a call generates: an image's first
+    # rows draft worse than its later ones (world LlamaGen's EAGLE chain of 2 accepts 0.27 tokens a step over an
+    # image's first 4 steps, 1.1-1.2 after its 20th), and one model fed by a call's first steps under-reads the rest
+    # (Jacobi windows keep one segment: a window's verdicts depend on the steps that filled it)
     prior_rows: float = 2.0  # pseudo-rows at the pooled rate behind each position's rate: one verdict of a deep
     # position decides nothing
     # -- cost model
@@ -25,14 +29,16 @@ class BudgetConfig:
     # -- policy
     tree_depths: tuple[int, ...] = (2, 3, 4, 6, 8, 12, 16)  # tree depths offered below a drafter's own: a few, since
     tree_totals: tuple[int, ...] = (4, 8, 16, 24, 32, 48, 64, 96, 128)  # each shape is timed once per device
-    warmup: int = 4  # a budget's first choices draft the exploration option: one step's acceptance decides nothing
+    warmup: int = 4  # a segment's first choices draft the exploration option until this many rows' verdicts (one
+    # step at batch >= 4): one row's acceptance decides nothing
     refresh_every: int = 16  # then again at choices 16, 32, 64, ..: options not chosen learn nothing otherwise
     explore_cost: float = 3.0  # the exploration option costs at most this many plain steps (the full tree where
     # drafting is cheap, a chain where a wide verify costs several steps)
     hold: int = 5  # drafters valued per size (Jacobi windows) keep a choice this many steps: a window's tail
     # converges over the steps it stays in the window, and its first steps after a change under-read it
-    settle_after: int = 8  # this many plain choices in a row end the call's drafting (the loop stops asking the
-    # budget and the drafter: vanilla's cost for the rest of a call where no drafting pays)
+    settle_after: int = 8  # this many plain choices in a row settle the segment on plain steps (no estimate until the
+    # next segment); in the last segment they end the call's drafting (the loop stops asking the budget and the
+    # drafter: vanilla's cost for the rest of a call where no drafting pays)
     plain_probe: int = 3  # plain steps measured when the estimate drafts and no plain step ran yet: a drafting
     # step's cost past its timed propose + verify (the loop's commit and bookkeeping) shows only against a measured
     # plain step (prompt lookup on the world LLaVA at batch 1: auto 0.73x of vanilla without, drafting every step)
@@ -48,5 +54,5 @@ class BudgetConfig:
         check(0.0 < self.decay <= 1.0, f"decay must be in (0, 1], got {self.decay}.")
         check(self.explore_cost >= 1.0, f"explore_cost must be >= 1 (plain steps), got {self.explore_cost}.")
         check(self.plain_probe >= 0, f"plain_probe must be >= 0, got {self.plain_probe}.")
-        for name in ("step_samples", "timing_repeats", "hold", "settle_after", "call_backoff"):
+        for name in ("segments", "step_samples", "timing_repeats", "hold", "settle_after", "call_backoff"):
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}.")

@@ -3,13 +3,16 @@
     option* = argmax_o E[X | o] / seconds(o)                       (vLLM's adaptive K: E_acc(K) / ITL(K))
     at batch > 1: argmax_o r / (seconds(o) * E[steps until the last of n rows has r more tokens | o])
 
-E[X | o] and its variance come from `AcceptanceModel`, seconds(o) from `StepCosts`; plain steps win ties. The first
-`warmup` choices, and refreshes at choices `refresh_every`, 2 x, 4 x .., draft the exploration option (the option
-that shows the most trees, then the deepest, among those costing at most `explore_cost` plain steps; a refresh
-while chains are chosen drafts the deepest chain, the only way to learn the positions past them). While the
-estimate drafts and fewer than `plain_probe` plain steps were measured, a plain step runs (its cost measured).
-`settle_after` plain choices in a row return SETTLE: plain steps for the rest of the call. Drafters valued per
-size hold a choice for `hold` steps.
+E[X | o] and its variance come from the `AcceptanceModel` of the call's segment (`segments` equal parts of the tokens
+a call generates, by its longest row's progress: an image's first rows draft worse than its later ones), seconds(o)
+from `StepCosts`; plain steps win ties. A segment's first choices, until `warmup` rows, and refreshes at choices
+`refresh_every`, 2 x, 4 x .., draft the exploration option (the option that shows the most trees, then the
+deepest, among those costing at most `explore_cost` plain steps; a refresh while chains are chosen drafts the
+deepest such chain, the only way to learn the positions past them). While the estimate drafts and fewer than
+`plain_probe` plain steps were measured, a plain step runs (its cost measured). `settle_after` plain choices in a
+row settle the segment on plain steps (no estimate until the next segment); where every later segment, explored,
+would choose a plain step too, they return SETTLE: plain steps for the rest of the call. Drafters valued per size
+hold a choice for `hold` steps.
 
 Lossless: an option is chosen from past verdicts and measured costs only, before the step drafts anything, so the
 draft length is a stopping time of the draft-side process and the output law is the target's (docs/budgets.md;
@@ -47,7 +50,11 @@ class ThroughputBudget:
         self.options, self.keys, self.config = list(options), list(keys), config or BudgetConfig()
         assert self.options[0] == PLAIN and len(self.keys) == len(self.options)
         self.full_key = self.keys[-1] if full_key is None else full_key
-        self.acceptance = AcceptanceModel(self.options, self.config, per_size)
+        # one segment for Jacobi windows: a window's verdicts depend on the steps that filled it, across segments
+        self.segments = 1 if per_size else self.config.segments
+        self.by_segment = [AcceptanceModel(self.options, self.config, per_size) for _ in range(self.segments)]
+        self.explored = [0] * self.segments  # rows of the exploration choices made in each segment
+        self.segment, self._total = 0, 0.0  # the segment of the step chosen last; the call's longest row at its start
         self.costs = StepCosts(self.options, self.config)
         if costs is not None:
             self.costs.table = list(costs)
@@ -61,7 +68,9 @@ class ThroughputBudget:
         self._before: int | None = None  # the option of the step before
         self._chosen_at: float | None = None
         self._compiled_at = 0
-        self._explore_left = self._held = self._plain_run = self._call_choices = 0
+        self._held = self._plain_run = self._call_choices = 0
+        self._settled = False  # the call settles on plain steps: no later segment drafts either
+        self._exploring = False  # the choice held is an exploration
         self._estimated = [0, 0]  # this call's choices by estimate, and how many of them drafted
 
     # ------------------------------------------------------------------------------------------- protocol
@@ -71,23 +80,32 @@ class ThroughputBudget:
         self._live = (target, drafter, state, rule) if drafts else None
         self._last, self._before, self._chosen_at = None, None, None
         self._held = self._plain_run = self._call_choices = 0
+        self._settled = False  # the call settles on plain steps: no later segment drafts either
         self._estimated = [0, 0]
-        self._explore_left = self.config.warmup if drafts and self.gate.retrying else 0
-        if drafts:
+        self.segment, self._total = 0, 0.0
+        if drafts and self.gate.retrying:  # a call after calls without the drafter: one exploration a segment
+            self.explored = [min(n, self.config.warmup - 1) for n in self.explored]
             self.gate.retrying = False
         return drafts
+
+    @property
+    def acceptance(self) -> AcceptanceModel:
+        """The acceptance model of the segment of the step chosen last."""
+        return self.by_segment[self.segment]
 
     def choose(self, rows_held: int, tokens_left: Callable[[], torch.Tensor]) -> Any:
         """The next step's option key (0: a plain step; SETTLE: plain steps for the rest of the call). rows_held:
         the rows the loop holds; tokens_left() [rows_held] the tokens each may still emit (0: finished)."""
         self._price_rows(rows_held)
         self._time_last_step()
-        index = self._pick(rows_held, tokens_left)
+        left = tokens_left()  # [rows_held]
+        self._enter_segment(float(left.max()))
+        index = self._pick(rows_held, left)
         self._before, self._last = self._last, index
         self.choices += 1
         self._call_choices += 1
         self.chosen[str(self.options[index])] = self.chosen.get(str(self.options[index]), 0) + 1
-        if index == 0 and self._plain_run >= self.config.settle_after:
+        if index == 0 and self._settled:
             return SETTLE
         return self.keys[index]
 
@@ -106,48 +124,67 @@ class ThroughputBudget:
         self._live = None
 
     # -------------------------------------------------------------------------------------------- choice
-    def _pick(self, rows_held: int, tokens_left: Callable[[], torch.Tensor]) -> int:
+    def _enter_segment(self, longest: float) -> None:
+        """Set the segment from the longest row's tokens left (`longest`) against the call's first one; a new segment
+        starts its plain run afresh."""
+        self._total = self._total or max(longest, 1.0)
+        segment = min(int(self.segments * (1.0 - longest / self._total)), self.segments - 1)
+        if segment != self.segment:
+            self.segment, self._plain_run = segment, 0
+
+    def _pick(self, rows_held: int, left: torch.Tensor) -> int:
         config = self.config
         if self.per_size and self._last is not None and 0 < self._held < config.hold:
             self._held += 1  # a window is kept `hold` steps, explorations too: its first step under-reads it
+            self.explored[self.segment] += rows_held * self._exploring
             return self._last
-        self._held = 1
+        self._held, self._exploring = 1, False
         refresh = config.refresh_every > 0 and self.choices >= self.refresh_at
         if refresh:
             self.refreshes += 1
             self.refresh_at += config.refresh_every * 2 ** self.refreshes
         if refresh and self._last is not None and self.options[self._last].is_chain:
-            return max((i for i, o in enumerate(self.options) if o.is_chain), key=lambda i: self.options[i].depth)
-        if self.choices < config.warmup or self._explore_left > 0 or refresh:
-            self._explore_left = max(self._explore_left - 1, 0)
+            return self.explore_option(chains_only=True)
+        if self.explored[self.segment] < config.warmup or refresh:
+            self.explored[self.segment] += rows_held
+            self._exploring = True
             return self.explore_option()
-        speed = self.speeds(rows_held, tokens_left)  # [S]
-        best = int(speed.argmax())
-        best = best if speed[best] > speed[0] else 0  # plain steps win ties
+        if self._plain_run >= config.settle_after:
+            return 0  # the segment settled on plain steps
+        best = self.chosen_by(rows_held, left, self.segment)
         if best != 0 and config.timing and len(self.costs.steps.get(0, ())) < config.plain_probe:
             return 0  # a plain step measured, so drafting is compared with what a plain step really costs
         self._estimated[0] += 1
         self._estimated[1] += int(best != 0)
         self._plain_run = self._plain_run + 1 if best == 0 else 0
+        if self._plain_run == config.settle_after:
+            self._settled = all(self.explored[s] >= config.warmup and self.chosen_by(rows_held, left, s) == 0
+                                for s in range(self.segment + 1, self.segments))
         return best
 
-    def speeds(self, rows_held: int = 1, tokens_left: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
+    def chosen_by(self, rows_held: int, left: torch.Tensor, segment: int) -> int:
+        """The option of most expected tokens per second under `segment`'s model (plain steps win ties)."""
+        speed = self.speeds(rows_held, left, segment)  # [S]
+        best = int(speed.argmax())
+        return best if speed[best] > speed[0] else 0
+
+    def speeds(self, rows_held: int = 1, left: torch.Tensor | None = None, segment: int | None = None) -> torch.Tensor:
         """[S] each option's expected tokens per second (per row; at batch > 1 with the batch tail, the longest row's
-        tokens left over the expected time until every row is done)."""
-        mean, var = self.acceptance.moments()  # [S], [S]
+        tokens left over the expected time until every row is done; left [rows_held]: each row's tokens left) under
+        the model of `segment` (None: the current one)."""
+        mean, var = self.by_segment[self.segment if segment is None else segment].moments()  # [S], [S]
         seconds = self.costs.seconds().clamp_min(1e-12)  # [S]
-        if self.config.batch_tail and rows_held > 1 and tokens_left is not None:
-            left = tokens_left()  # [B]
+        if self.config.batch_tail and rows_held > 1 and left is not None:
             longest, rows = torch.stack([left.max(), (left > 0).sum()]).tolist()
             if rows > 1 and longest > 0:
                 return longest / (seconds * batch_steps_of(longest, rows, mean, var))
         return mean / seconds
 
-    def explore_option(self) -> int:
-        """Of the drafting options costing at most `explore_cost` plain steps (else the cheapest), the one that
-        shows the most trees, then the deepest, then the cheapest."""
+    def explore_option(self, chains_only: bool = False) -> int:
+        """Of the drafting options (or chains only) costing at most `explore_cost` plain steps (else the cheapest),
+        the one that shows the most trees, then the deepest, then the cheapest."""
         seconds = self.costs.seconds().tolist()
-        drafting = range(1, len(self.options))
+        drafting = [i for i in range(1, len(self.options)) if self.options[i].is_chain or not chains_only]
         affordable = ([i for i in drafting if seconds[i] <= self.config.explore_cost * seconds[0]]
                       or [min(drafting, key=lambda i: seconds[i])])
         trees = [o for o in self.options if o.top_k > 1]
@@ -177,9 +214,9 @@ class ThroughputBudget:
         self._chosen_at, self._compiled_at = now, compiled
 
     def describe(self) -> str:
-        """One line: each option chosen so far, its count, seconds and expected tokens."""
-        mean, _ = self.acceptance.moments()
+        """One line: each option chosen so far, its count, seconds and expected tokens in each segment."""
+        means = torch.stack([model.moments()[0] for model in self.by_segment], -1).tolist()  # [S][segments]
         seconds = self.costs.seconds()
-        parts = [f"{name} x{count} ({1e3 * float(seconds[i]):.2f} ms, {float(mean[i]):.2f} tok)"
+        parts = [f"{name} x{count} ({1e3 * float(seconds[i]):.2f} ms, {'/'.join(f'{m:.2f}' for m in means[i])} tok)"
                  for i, o in enumerate(self.options) if (count := self.chosen.get(name := str(o)))]
         return ", ".join(parts) + f"; calls {self.gate.calls}"
