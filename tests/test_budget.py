@@ -193,7 +193,7 @@ def test_the_batch_tail_prefers_steady_options_for_many_rows():
     budget = started(chain_budget([1.0, 1.0, 1.0]), 32)
     budget.acceptance.moments = lambda: (torch.tensor([1.0, 3.0, 3.0], dtype=torch.float64),
                                          torch.tensor([0.0, 0.1, 4.0], dtype=torch.float64))
-    speed = budget.speeds(32, torch.full((32,), 48))
+    speed = budget.speeds(32, [48, 32])  # (the longest row's 48 tokens left, 32 rows not finished)
     assert speed[1] > speed[2] > speed[0]
     alone = budget.speeds(1, None)
     assert alone[1] == alone[2]

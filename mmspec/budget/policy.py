@@ -99,8 +99,9 @@ class ThroughputBudget:
         self._price_rows(rows_held)
         self._time_last_step()
         left = tokens_left()  # [rows_held]
-        self._enter_segment(float(left.max()))
-        index = self._pick(rows_held, left)
+        tail = torch.stack([left.max(), (left > 0).sum()]).tolist()  # the step's one read of the rows' progress
+        self._enter_segment(float(tail[0]))
+        index = self._pick(rows_held, tail)
         self._before, self._last = self._last, index
         self.choices += 1
         self._call_choices += 1
@@ -132,7 +133,7 @@ class ThroughputBudget:
         if segment != self.segment:
             self.segment, self._plain_run = segment, 0
 
-    def _pick(self, rows_held: int, left: torch.Tensor) -> int:
+    def _pick(self, rows_held: int, tail: list) -> int:
         config = self.config
         if self.per_size and self._last is not None and 0 < self._held < config.hold:
             self._held += 1  # a window is kept `hold` steps, explorations too: its first step under-reads it
@@ -151,31 +152,31 @@ class ThroughputBudget:
             return self.explore_option()
         if self._plain_run >= config.settle_after:
             return 0  # the segment settled on plain steps
-        best = self.chosen_by(rows_held, left, self.segment)
+        best = self.chosen_by(rows_held, tail, self.segment)
         if best != 0 and config.timing and len(self.costs.steps.get(0, ())) < config.plain_probe:
             return 0  # a plain step measured, so drafting is compared with what a plain step really costs
         self._estimated[0] += 1
         self._estimated[1] += int(best != 0)
         self._plain_run = self._plain_run + 1 if best == 0 else 0
         if self._plain_run == config.settle_after:
-            self._settled = all(self.explored[s] >= config.warmup and self.chosen_by(rows_held, left, s) == 0
+            self._settled = all(self.explored[s] >= config.warmup and self.chosen_by(rows_held, tail, s) == 0
                                 for s in range(self.segment + 1, self.segments))
         return best
 
-    def chosen_by(self, rows_held: int, left: torch.Tensor, segment: int) -> int:
+    def chosen_by(self, rows_held: int, tail: list, segment: int) -> int:
         """The option of most expected tokens per second under `segment`'s model (plain steps win ties)."""
-        speed = self.speeds(rows_held, left, segment)  # [S]
+        speed = self.speeds(rows_held, tail, segment)  # [S]
         best = int(speed.argmax())
         return best if speed[best] > speed[0] else 0
 
-    def speeds(self, rows_held: int = 1, left: torch.Tensor | None = None, segment: int | None = None) -> torch.Tensor:
+    def speeds(self, rows_held: int = 1, tail: list | None = None, segment: int | None = None) -> torch.Tensor:
         """[S] each option's expected tokens per second (per row; at batch > 1 with the batch tail, the longest row's
-        tokens left over the expected time until every row is done; left [rows_held]: each row's tokens left) under
-        the model of `segment` (None: the current one)."""
+        tokens left over the expected time until every row is done; tail: [the longest row's tokens left, the rows
+        not finished]) under the model of `segment` (None: the current one)."""
         mean, var = self.by_segment[self.segment if segment is None else segment].moments()  # [S], [S]
         seconds = self.costs.seconds().clamp_min(1e-12)  # [S]
-        if self.config.batch_tail and rows_held > 1 and left is not None:
-            longest, rows = torch.stack([left.max(), (left > 0).sum()]).tolist()
+        if self.config.batch_tail and rows_held > 1 and tail is not None:
+            longest, rows = tail
             if rows > 1 and longest > 0:
                 return longest / (seconds * batch_steps_of(longest, rows, mean, var))
         return mean / seconds
