@@ -6,6 +6,7 @@ data-parallel work takes from it. Every function is the identity of a single pro
     every = gather_shards(results_of_mine, state)   # all items, in the single-process order
     loss, logged = weigh_share(loss, logged, positions, state)   # this share's part of the batch's mean
     average_gradients(model.parameters(), state)    # after backward: every process holds the mean gradient
+    end_processes()                                 # the command line's last step: leave the group cleanly
 
 Invariant: data-parallel training keeps every process's model, optimiser and generator identical, so any process may
 write the checkpoint (the first one does) and a resumed run restores the same state in each.
@@ -92,6 +93,17 @@ def average_gradients(parameters: Iterable[torch.nn.Parameter], state) -> None:
     for g in grads:
         g.copy_(flat[offset: offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def end_processes() -> None:
+    """Leave the process group, if this process joined one: every process waits for the others, then destroys it.
+    A gloo group left to the interpreter's exit can abort a process while its threads are torn down (SIGABRT,
+    "terminate called without an active exception"), failing a run whose work had finished."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def wait_for_everyone(state) -> None:
