@@ -96,13 +96,13 @@ def average_gradients(parameters: Iterable[torch.nn.Parameter], state) -> None:
 
 
 def end_processes() -> None:
-    """Leave the process group, if this process joined one: every process waits for the others, then destroys it.
-    A gloo group left to the interpreter's exit can abort a process while its threads are torn down (SIGABRT,
-    "terminate called without an active exception"), failing a run whose work had finished."""
+    """Leave the process group, if this process joined one (no barrier: a process whose share of a job was done
+    before, on a resume, must not wait out the group's timeout for the others). A gloo group left to the
+    interpreter's exit can abort a process while its threads are torn down (SIGABRT, "terminate called without an
+    active exception"), failing a run whose work had finished."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
-        dist.barrier()
         dist.destroy_process_group()
 
 

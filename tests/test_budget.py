@@ -94,6 +94,22 @@ def test_per_size_options_are_valued_by_their_own_steps():
     assert mean[2] > 1.0  # not run: the position model
 
 
+def test_window_counts_keep_a_longer_memory_than_chain_counts():
+    """A drafter valued per size decays its counts by `window_decay` (a few bad steps must not read the best window
+    below a smaller one), any other by `decay`."""
+    options = [chain(k) for k in (0, 1, 3)]
+    draft, on = ChainDraft(torch.zeros(2, 3, dtype=torch.long)), torch.ones(2, dtype=torch.bool)
+    config = BudgetConfig(decay=0.5, window_decay=0.75)
+    for per_size, kept in ((True, 0.75), (False, 0.5)):
+        model = AcceptanceModel(options, config, per_size=per_size)
+        for _ in range(2):
+            model.observe(chain(3), draft, result([1, 3], [3, 3]), on)
+        assert model.reached[0] == pytest.approx(2 * kept + 2)
+        assert model.rows[2] == pytest.approx(2 * kept + 2)
+    with pytest.raises(ValueError, match="window_decay must be in"):
+        BudgetConfig(window_decay=0.0)
+
+
 @pytest.mark.parametrize("chain_len, rate, tokens, rows", [(10, 0.97, 48, 32), (3, 0.8, 48, 32), (10, 0.9, 48, 8),
                                                             (15, 0.6, 256, 8), (5, 0.9, 48, 2)])
 def test_batch_steps_match_a_simulation_of_rows_drafting_chains(chain_len, rate, tokens, rows):

@@ -11,7 +11,8 @@ accepted drafts of a row:
   children counts for the chain positions: a tree drafter's chain is its tree's first children (the drafter's
   top-1 at each level), accepted with the same probability under every rule.
 - per size (`valued_per_size` drafters: Jacobi windows, whose acceptance depends on the window): an option that has
-  run is valued by its own steps alone.
+  run is valued by its own steps alone; its counts decay by `window_decay` (a longer memory than `decay`: a window's
+  few bad steps must not read it below a smaller one).
 `batch_steps_of` turns (mean, variance) into the expected steps until the last of a batch's rows is done.
 
 Glossary: B rows, S options, D chain positions, N tree nodes, W path length.
@@ -59,7 +60,7 @@ class AcceptanceModel:
         parts = [(counts * on).sum(0), (counts * counts * on).sum(0), active.sum().view(1),
                  reached.sum(0), (reached & (chain_accepted.unsqueeze(-1) >= positions)).sum(0)]  # [S] [S] [1] [d] [d]
         sums = torch.cat([p.double() for p in parts]).cpu()  # the step's one read of the device
-        n, decay = len(self.options), self.config.decay
+        n, decay = len(self.options), self.config.window_decay if self.per_size else self.config.decay
         shown = self.shows[shape]  # [S]
         self.sums = torch.where(shown, self.sums * decay + sums[:n], self.sums)
         self.squares = torch.where(shown, self.squares * decay + sums[n: 2 * n], self.squares)

@@ -54,7 +54,6 @@ class ThroughputBudget:
         self.segments = 1 if per_size else self.config.segments
         self.by_segment = [AcceptanceModel(self.options, self.config, per_size) for _ in range(self.segments)]
         self.explored = [0] * self.segments  # rows of the exploration choices made in each segment
-        self.segment, self._total = 0, 0.0  # the segment of the step chosen last; the call's longest row at its start
         self.costs = StepCosts(self.options, self.config)
         if costs is not None:
             self.costs.table = list(costs)
@@ -62,31 +61,28 @@ class ThroughputBudget:
         self.per_size = per_size
         self.chosen: dict[str, int] = {}  # choices per option over the budget's life
         self.choices, self.refresh_at, self.refreshes = 0, self.config.refresh_every, 0
-        self._live: tuple | None = None
-        self._rows_held = 0
-        self._last: int | None = None
-        self._before: int | None = None  # the option of the step before
-        self._chosen_at: float | None = None
-        self._compiled_at = 0
-        self._held = self._plain_run = self._call_choices = 0
-        self._settled = False  # the call settles on plain steps: no later segment drafts either
+        self._rows_held = self._compiled_at = 0
         self._exploring = False  # the choice held is an exploration
-        self._estimated = [0, 0]  # this call's choices by estimate, and how many of them drafted
+        self._start_call(None)
 
     # ------------------------------------------------------------------------------------------- protocol
     def begin(self, target: Any, drafter: Any, state: Any, rule: Any) -> bool:
         """A call starts (before its prefill): whether it drafts (the call gate)."""
         drafts = self.gate.drafts_this_call()
-        self._live = (target, drafter, state, rule) if drafts else None
-        self._last, self._before, self._chosen_at = None, None, None
-        self._held = self._plain_run = self._call_choices = 0
-        self._settled = False  # the call settles on plain steps: no later segment drafts either
-        self._estimated = [0, 0]
-        self.segment, self._total = 0, 0.0
+        self._start_call((target, drafter, state, rule) if drafts else None)
         if drafts and self.gate.retrying:  # a call after calls without the drafter: one exploration a segment
             self.explored = [min(n, self.config.warmup - 1) for n in self.explored]
             self.gate.retrying = False
         return drafts
+
+    def _start_call(self, live: tuple | None) -> None:
+        """A call's own fields afresh; `live`: (target, drafter, state, rule), None for a call without the drafter."""
+        self._live, self._last, self._chosen_at = live, None, None  # (the option of the step chosen last, its time)
+        self._before: int | None = None  # the option of the step before
+        self._held = self._plain_run = self._call_choices = 0
+        self._settled = False  # the call settles on plain steps: no later segment drafts either
+        self._estimated = [0, 0]  # this call's choices by estimate, and how many of them drafted
+        self.segment, self._total = 0, 0.0  # the segment of the step chosen last; the call's longest row at its start
 
     @property
     def acceptance(self) -> AcceptanceModel:
