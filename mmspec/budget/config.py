@@ -17,8 +17,8 @@ class BudgetConfig:
     decay: float = 0.9  # weight of a step's verdicts after each later step: acceptance drifts along an image or
     # answer (an image's first rows draft worse than its middle), and ten steps of a batch are enough to follow it
     window_decay: float = 0.97  # the same for a drafter valued per size (Jacobi windows, one segment): with ten
-    # steps a bad stretch read the best window below a smaller one and kept it off (SJD b1 84-88% of the fixed window
-    # of 16 over 15 passes, 58% in the worst; 95-97% with this)
+    # steps a bad stretch read the best window below a smaller one and kept it off (SJD b1 89% of the fixed window of
+    # 16 over 19 passes, 58% in the worst; 96% over 24 with this)
     segments: int = 4  # acceptance is learnt apart in each quarter of the tokens a call generates: an image's first
     # rows draft worse than its later ones (world LlamaGen's EAGLE chain of 2 accepts 0.27 tokens a step over an
     # image's first 4 steps, 1.1-1.2 after its 20th), and one model fed by a call's first steps under-reads the rest
