@@ -36,15 +36,17 @@ class AcceptanceModel:
     def __init__(self, options: Sequence[TreeShape], config: BudgetConfig, per_size: bool = False) -> None:
         self.options, self.config, self.per_size = list(options), config, per_size
         s = len(self.options)
-        self.rows = torch.zeros(s, dtype=torch.float64)  # [S] decayed rows behind each option's own counts
-        self.sums = torch.zeros(s, dtype=torch.float64)  # [S] .. their accepted drafts
-        self.squares = torch.zeros(s, dtype=torch.float64)  # [S] .. and squared accepted drafts
+        # [3, S] each option's own decayed accepted drafts, squared accepted drafts, and the rows behind them
+        self.own = torch.zeros(3, s, dtype=torch.float64)
+        self.sums, self.squares, self.rows = self.own  # [S] each (views)
         depth = max((o.depth for o in self.options if o.is_chain), default=0)
-        self.reached = torch.zeros(depth, dtype=torch.float64)  # [D] decayed rows that reached position j
-        self.accepted = torch.zeros(depth, dtype=torch.float64)  # [D] .. and accepted it
+        self.positions = torch.zeros(2, depth, dtype=torch.float64)  # [2, D] decayed rows that reached position j,
+        self.reached, self.accepted = self.positions  # and accepted it: [D] each (views)
+        self.decay = config.window_decay if per_size else config.decay
         # per option drafted: the options a step of it shows [S] (the plain step shows none; per size: itself)
-        self.shows = {o: torch.tensor([(o == p if per_size else o.contains(p)) and p != PLAIN for p in self.options])
-                      for o in self.options}
+        self.shows = {o: torch.tensor([(o == p if per_size else o.contains(p)) and p != PLAIN for p in self.options],
+                                      dtype=torch.float64) for o in self.options}
+        self.keeps = {o: 1.0 - (1.0 - self.decay) * shown for o, shown in self.shows.items()}  # [S] decay where shown
         self.is_chain = torch.tensor([o.is_chain for o in self.options])  # [S]
         self.depths = torch.tensor([o.depth for o in self.options])  # [S] (0: the plain step)
 
@@ -53,20 +55,16 @@ class AcceptanceModel:
         if shape == PLAIN:
             return
         counts, chain_accepted, chain_drafted = accepted_under(self.options, draft, result)  # [B, S], [B], [B]
-        depth = min(int(shape.depth), self.reached.shape[0])
+        n, depth = len(self.options), min(int(shape.depth), self.positions.shape[1])
         on = active.unsqueeze(-1)  # [B, 1]
-        positions = torch.arange(1, depth + 1, device=counts.device)  # [d]
+        positions = constant_on(tuple(range(1, depth + 1)), counts.device)  # [d]
         reached = (chain_accepted.unsqueeze(-1) >= positions - 1) & (chain_drafted.unsqueeze(-1) >= positions) & on
-        parts = [(counts * on).sum(0), (counts * counts * on).sum(0), active.sum().view(1),
-                 reached.sum(0), (reached & (chain_accepted.unsqueeze(-1) >= positions)).sum(0)]  # [S] [S] [1] [d] [d]
-        sums = torch.cat([p.double() for p in parts]).cpu()  # the step's one read of the device
-        n, decay = len(self.options), self.config.window_decay if self.per_size else self.config.decay
-        shown = self.shows[shape]  # [S]
-        self.sums = torch.where(shown, self.sums * decay + sums[:n], self.sums)
-        self.squares = torch.where(shown, self.squares * decay + sums[n: 2 * n], self.squares)
-        self.rows = torch.where(shown, self.rows * decay + sums[2 * n], self.rows)
-        self.reached[:depth] = self.reached[:depth] * decay + sums[2 * n + 1: 2 * n + 1 + depth]
-        self.accepted[:depth] = self.accepted[:depth] * decay + sums[2 * n + 1 + depth:]
+        counted = counts * on  # [B, S]
+        parts = [counted.sum(0), (counted * counts).sum(0), active.sum().expand(n), reached.sum(0),
+                 (reached & (chain_accepted.unsqueeze(-1) >= positions)).sum(0)]  # [S] [S] [S] [d] [d]
+        sums = torch.cat(parts).cpu().double()  # the step's one read of the device
+        self.own.mul_(self.keeps[shape]).addcmul_(sums[:3 * n].view(3, n), self.shows[shape])  # [3, S]
+        self.positions[:, :depth].mul_(self.decay).add_(sums[3 * n:].view(2, depth))  # [2, d]
 
     def position_rates(self) -> list[float]:
         """a_j for j = 1..D (host floats), shrunk towards the pooled rate; unreached positions take the deepest

@@ -48,6 +48,7 @@ class ThroughputBudget:
     def __init__(self, options: Sequence[TreeShape], keys: Sequence[Any], config: BudgetConfig | None = None, *,
                  costs: Sequence[float] | None = None, per_size: bool = False, full_key: Any = None) -> None:
         self.options, self.keys, self.config = list(options), list(keys), config or BudgetConfig()
+        self.names = [str(o) for o in self.options]
         assert self.options[0] == PLAIN and len(self.keys) == len(self.options)
         self.full_key = self.keys[-1] if full_key is None else full_key
         # one segment for Jacobi windows: a window's verdicts depend on the steps that filled it, across segments
@@ -101,7 +102,7 @@ class ThroughputBudget:
         self._before, self._last = self._last, index
         self.choices += 1
         self._call_choices += 1
-        self.chosen[str(self.options[index])] = self.chosen.get(str(self.options[index]), 0) + 1
+        self.chosen[self.names[index]] = self.chosen.get(self.names[index], 0) + 1
         if index == 0 and self._settled:
             return SETTLE
         return self.keys[index]
@@ -215,5 +216,5 @@ class ThroughputBudget:
         means = torch.stack([model.moments()[0] for model in self.by_segment], -1).tolist()  # [S][segments]
         seconds = self.costs.seconds()
         parts = [f"{name} x{count} ({1e3 * float(seconds[i]):.2f} ms, {'/'.join(f'{m:.2f}' for m in means[i])} tok)"
-                 for i, o in enumerate(self.options) if (count := self.chosen.get(name := str(o)))]
+                 for i, name in enumerate(self.names) if (count := self.chosen.get(name))]
         return ", ".join(parts) + f"; calls {self.gate.calls}"
