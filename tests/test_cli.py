@@ -26,17 +26,20 @@ def test_selfcheck_passes_on_this_machine(capsys):
 
 
 def test_a_command_run_in_a_process_group_leaves_it(tmp_path, capsys):
-    """A command launched in several processes destroys its process group before the interpreter exits (a gloo group
-    left to the exit aborted a finished two-process run in a CI run); here a one-process gloo group."""
+    """A command launched in several processes destroys its process group before the interpreter exits, whether it
+    ends well or with an error (a gloo group left to the exit aborted a finished two-process run in a CI run); here
+    a one-process gloo group."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
-    try:
-        assert main(["selfcheck"]) == 0
-        assert not dist.is_initialized()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    for n, (argv, code) in enumerate([(["selfcheck"], 0), (["generate", "--out", str(tmp_path / "out"),
+                                                             "--seed", "-1"], 2)]):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'rendezvous{n}'}", rank=0, world_size=1)
+        try:
+            assert main(argv) == code
+            assert not dist.is_initialized()
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def test_unknown_command_is_an_argparse_error():

@@ -86,15 +86,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if not argv else 2
     show_library_notes()
     try:
-        code = int(_load(module_name).run(args) or 0)
+        return int(_load(module_name).run(args) or 0)
     except MMSpecError as err:
         print(f"mmspec: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("mmspec: interrupted", file=sys.stderr)
         return 130
-    if "torch.distributed" in sys.modules:  # (torch stays unimported for --help and light commands)
-        from mmspec.processes import end_processes
+    finally:  # a command launched in several processes leaves its group before the interpreter exits, error or not
+        if "torch.distributed" in sys.modules:  # (torch stays unimported for --help and light commands)
+            from mmspec.processes import end_processes
 
-        end_processes()  # a command launched in several processes leaves its group before the interpreter exits
-    return code
+            end_processes()
