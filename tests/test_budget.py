@@ -66,6 +66,10 @@ def test_rates_count_each_position_given_the_earlier_ones_and_fill_unseen_positi
     assert rates[2:] == pytest.approx([rates[1]] * 6)  # unseen positions take the deepest reached rate
     mean, var = fresh.moments()
     assert mean[0] == 1.0 and var[0] == 0.0 and mean[2] == pytest.approx(1 + rates[0] + rates[0] * rates[1])
+    fresh.accepted[0] = 0.0  # the moments are kept until the counts change, in place or by a step
+    assert fresh.moments()[0][1] == pytest.approx(1 + fresh.position_rates()[0]) and mean[1] == 1 + rates[0]
+    fresh.observe(chain(2), draft, result([2, 2], [2, 2]), torch.ones(2, dtype=torch.bool))
+    assert fresh.moments()[0][2] == pytest.approx(1 + sum(math.prod(fresh.position_rates()[:i]) for i in (1, 2)))
 
 
 def test_chain_moments_are_those_of_a_chains_tokens():

@@ -35,9 +35,8 @@ class AcceptanceModel:
 
     def __init__(self, options: Sequence[TreeShape], config: BudgetConfig, per_size: bool = False) -> None:
         self.options, self.config, self.per_size = list(options), config, per_size
-        s = len(self.options)
         # [3, S] each option's own decayed accepted drafts, squared accepted drafts, and the rows behind them
-        self.own = torch.zeros(3, s, dtype=torch.float64)
+        self.own = torch.zeros(3, len(self.options), dtype=torch.float64)
         self.sums, self.squares, self.rows = self.own  # [S] each (views)
         depth = max((o.depth for o in self.options if o.is_chain), default=0)
         self.positions = torch.zeros(2, depth, dtype=torch.float64)  # [2, D] decayed rows that reached position j,
@@ -49,6 +48,7 @@ class AcceptanceModel:
         self.keeps = {o: 1.0 - (1.0 - self.decay) * shown for o, shown in self.shows.items()}  # [S] decay where shown
         self.is_chain = torch.tensor([o.is_chain for o in self.options])  # [S]
         self.depths = torch.tensor([o.depth for o in self.options])  # [S] (0: the plain step)
+        self._moments: tuple = (None, None)  # (the counts' versions, the moments read from them)
 
     def observe(self, shape: TreeShape, draft: Draft, result: VerifyResult, active: torch.Tensor) -> None:
         """Count a step drafted with `shape`: its rows' verdicts by chain position and under every option it shows."""
@@ -79,7 +79,9 @@ class AcceptanceModel:
         return rates
 
     def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(E[X], Var[X]) [S] of the tokens a row emits per step under each option."""
+        """(E[X], Var[X]) [S] of the tokens a row emits per step under each option (kept until the counts change)."""
+        if self._moments[0] == (versions := (self.own._version, self.positions._version)):
+            return self._moments[1]
         firsts, seconds = chain_moments(self.position_rates())
         first = torch.tensor([1.0, *firsts], dtype=torch.float64)  # [D+1] E[X] of a chain of depth d
         second = torch.tensor([1.0, *seconds], dtype=torch.float64)  # [D+1] E[X^2]
@@ -93,6 +95,7 @@ class AcceptanceModel:
         mean = torch.where(by_position, first[d], torch.where(by_own, 1.0 + m, 1.0))
         var = torch.where(by_position, second[d] - first[d] ** 2,
                           torch.where(by_own, (self.squares / rows - m * m).clamp_min(0.0), 0.0))
+        self._moments = (versions, (mean, var))
         return mean, var
 
 
