@@ -105,7 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + " (the first batch pays the compilation), none (eager), or auto (the default): where "
                                "`mmspec profile --compile MODE` measured that it pays on this device and thread count, "
                                "and the job's calls save more than the compilation costs, else eager")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars; the model libraries report errors only")
 
 def parse_method_args(items: list[str]) -> dict:
     """["k=v", ...] -> {k: v} with numbers and booleans parsed."""

@@ -9,6 +9,8 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -170,7 +172,8 @@ def make_images(args: argparse.Namespace, family: FamilyRecord, method_kwargs: d
     (out / "images").mkdir(exist_ok=True)
     threads_before = torch.get_num_threads()  # --threads is set once the models are loaded; restored after
     try:
-        return _generate(args, family, method_kwargs, state, rank, out)
+        with quiet_libraries(args.quiet):
+            return _generate(args, family, method_kwargs, state, rank, out)
     except BaseException:  # a run that wrote nothing leaves nothing behind (images already made stay)
         remove_if_empty(out / "images")
         if created:
@@ -178,6 +181,28 @@ def make_images(args: argparse.Namespace, family: FamilyRecord, method_kwargs: d
         raise
     finally:
         torch.set_num_threads(threads_before)
+
+
+@contextmanager
+def quiet_libraries(quiet: bool) -> Iterator[None]:
+    """With `quiet`: diffusers' and transformers' progress bars ("Loading pipeline components", "Loading weights")
+    and notices (e.g. an image processor's backend fallback) off for the block, errors still shown; as before after."""
+    if not quiet:
+        yield
+        return
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    levels = [(library, library.get_verbosity()) for library in (diffusers_logging, transformers_logging)]
+    for library, _ in levels:
+        library.disable_progress_bar()
+        library.set_verbosity_error()
+    try:
+        yield
+    finally:
+        for library, level in levels:
+            library.set_verbosity(level)
+            library.enable_progress_bar()
 
 
 def remove_if_empty(folder: Path) -> None:
@@ -193,14 +218,6 @@ def _generate(args: argparse.Namespace, family: FamilyRecord, method_kwargs: dic
     """The run after its arguments are checked and `out` exists: load, plan, make the images, write the summary."""
     from tqdm.auto import tqdm
 
-
-    if args.quiet:  # diffusers' "Loading pipeline components" bar
-        from diffusers.utils import logging as diffusers_logging
-
-        diffusers_logging.disable_progress_bar()
-        from transformers.utils import logging as transformers_logging  # its "Loading weights" bar (text encoders)
-
-        transformers_logging.disable_progress_bar()
     device = args.device if state is None or args.device == "cpu" else str(state.device)
     pipe = family.load(args.model, device, torch_dtype(args.dtype))
     set_threads(parse_threads(args.threads), count_parameters(pipe))

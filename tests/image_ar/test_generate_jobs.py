@@ -285,3 +285,24 @@ def test_default_settings_give_vanillas_images_whatever_the_run(model_dir, refer
         assert images(out) == images(reference), run
         stats = json.loads((out / "stats.json").read_text())["stats"]
         assert stats["num_accepted_tokens"] > 0  # (it did draft, and keep drafts)
+
+
+def test_quiet_silences_the_model_libraries_notices_for_the_run_only(caplog):
+    """`--quiet`: transformers' and diffusers' notices (an image processor's backend fallback) and bars are off while
+    the job runs, errors still shown, and as they were after it."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    from mmspec.cli.image_job import quiet_libraries
+
+    before = transformers_logging.get_verbosity(), diffusers_logging.get_verbosity()
+    with quiet_libraries(True):
+        transformers_logging.get_logger("transformers.models.auto").warning("a backend fallback notice")
+        transformers_logging.get_logger("transformers.models.auto").error("an error")
+        assert not transformers_logging.is_progress_bar_enabled()
+    with quiet_libraries(False):
+        transformers_logging.get_logger("transformers.models.auto").warning("shown without --quiet")
+    err = " ".join(record.getMessage() for record in caplog.records)
+    assert "an error" in err and "shown without --quiet" in err and "fallback" not in err
+    assert (transformers_logging.get_verbosity(), diffusers_logging.get_verbosity()) == before
+    assert transformers_logging.is_progress_bar_enabled()
