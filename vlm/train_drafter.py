@@ -226,7 +226,6 @@ def drafter_state_path(args: argparse.Namespace, work: Path, data_id: str | None
     return work / f"{args.kind}-{folder_fingerprint(args.target)}{data}-state.pt"
 
 
-ONE_IMAGE_RUN_KINDS = ("vispec", "specvlm")  # drafters whose layout compresses one image run a row
 TEXT_STAGE_KINDS = ("vispec", "msd")  # the kinds whose schedule has a text-only stage (`--text-data`)
 
 
@@ -426,7 +425,8 @@ def run(args: argparse.Namespace) -> int:
         user = VLMData(args.data, args.image_folder, args.turns)
         args.num_train, data_id = len(training_rows(args, user)), data_identity(user)
         several = user.rows_with_several_images()
-        one_run = args.kind in ONE_IMAGE_RUN_KINDS or (args.kind == "eagle3" and args.vision_adaptor)
+        one_run = (args.vision_adaptor if args.kind == "eagle3"  # (a drafter whose layout holds one image run a row)
+                   else getattr(drafter_model(args.kind), "one_image_run", False))
         check(not (several and one_run), f"--data {args.data}: {several} rows hold several images, but a "
                                          f"{args.kind}{' --vision-adaptor' if args.kind == 'eagle3' else ''} drafter "
                                          "lays out one image run a row (its paper's design); train eagle, msd or "

@@ -70,9 +70,10 @@ def test_data_rows_of_several_images_train_an_eagle_drafter(tmp_path, capsys):
               "--answer-max-tokens", "6", "--batch-size", "4", "--steps", "3", "--work-dir", str(tmp_path / "work"),
               "--quiet"]
     capsys.readouterr()
-    assert main([*common, "--kind", "vispec"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "2 rows hold several images" in err and "one image run a row" in err and "\n" not in err
+    for one_run in (["--kind", "vispec"], ["--kind", "specvlm"], ["--kind", "eagle3", "--vision-adaptor"]):
+        assert main([*common, *one_run]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "2 rows hold several images" in err and "one image run a row" in err and "\n" not in err
     assert main([*common, "--kind", "eagle", "--out", str(tmp_path / "drafter")]) == 0
     info = json.loads((tmp_path / "drafter" / "training.json").read_text())
     assert info["eval"]["greedy_equal_to_vanilla"] is True and info["drafter"]["num_train"] == 4
