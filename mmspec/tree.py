@@ -232,11 +232,46 @@ def expand_eagle2(root_tokens: torch.Tensor, score_children: ScoreChildren, *, t
     check_positive_int("top_k", top_k)
     check_positive_int("depth", depth)
     check_positive_int("total_tokens", total_tokens, minimum=2)
-    b = root_tokens.shape[0]
-    device = root_tokens.device
     max_nodes = pool_size(top_k, depth)  # every candidate ever created
     check(total_tokens - 1 <= max_nodes - 1,
           f"total_tokens={total_tokens} exceeds what depth={depth}, top_k={top_k} can create ({max_nodes}).")
+    if top_k == 1 and total_tokens == depth + 1:
+        return expand_chain(root_tokens, score_children, depth)
+    return expand_tree(root_tokens, score_children, top_k, depth, total_tokens)
+
+
+def frontier_scores(score_children: ScoreChildren, tokens: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor,
+                    level: int) -> torch.Tensor:
+    """[B, F, V] the scorer's log-probs for frontier [B, F] (pool ids `ids`, their parents' `parents`), checked."""
+    logp = score_children(tokens, ids, parents, level).float()  # [B, F, V]
+    if logp.dim() != 3 or logp.shape[:2] != ids.shape:
+        raise InputError(f"score_children must return [B, F, V] log-probs; got {list(logp.shape)} for "
+                         f"a frontier of shape {list(ids.shape)}.")
+    return logp
+
+
+def expand_chain(root_tokens: torch.Tensor, score_children: ScoreChildren, depth: int) -> DraftTree:
+    """`expand_eagle2` at top_k 1 with every node kept: each level's best child of the one frontier node, the same
+    tree (tokens, scores, the scorer's calls) without the candidate pool's sorting. Pool id of level d's node: d."""
+    b = root_tokens.shape[0]
+    device = root_tokens.device
+    tokens, scores = [root_tokens.view(b, 1)], [torch.zeros(b, 1, dtype=torch.float32, device=device)]
+    for d in range(1, depth + 1):
+        ids = torch.full((b, 1), d - 1, dtype=torch.long, device=device)  # [B, 1]
+        child_lp, child_tok = frontier_scores(score_children, tokens[-1], ids, ids - 1, d - 1).topk(1, dim=-1)
+        tokens.append(child_tok[:, :, 0])  # [B, 1]
+        scores.append(scores[-1] + child_lp[:, :, 0])  # [B, 1] cumulative log-prob
+    nodes = torch.arange(depth + 1, device=device).expand(b, depth + 1)  # [B, D+1]
+    return DraftTree(tokens=torch.cat(tokens, 1), parents=nodes - 1, depths=nodes,
+                     valid=torch.ones(b, depth + 1, dtype=torch.bool, device=device), max_depth=depth,
+                     max_children=1, scores=torch.cat(scores, 1))
+
+
+def expand_tree(root_tokens: torch.Tensor, score_children: ScoreChildren, top_k: int, depth: int,
+                total_tokens: int) -> DraftTree:
+    """`expand_eagle2` through its candidate pool (any shape)."""
+    b = root_tokens.shape[0]
+    device = root_tokens.device
 
     # candidate pool, node 0 = root
     cand_tokens = [root_tokens.view(b, 1)]
@@ -250,10 +285,7 @@ def expand_eagle2(root_tokens: torch.Tensor, score_children: ScoreChildren, *, t
         tokens_pool = torch.cat(cand_tokens, 1)
         frontier_tokens = tokens_pool.gather(1, frontier)  # [B, F]
         frontier_parents = torch.cat(cand_parent, 1).gather(1, frontier)  # [B, F]
-        logp = score_children(frontier_tokens, frontier, frontier_parents, d - 1).float()  # [B, F, V]
-        if logp.dim() != 3 or logp.shape[:2] != frontier.shape:
-            raise InputError(f"score_children must return [B, F, V] log-probs; got {list(logp.shape)} for "
-                             f"a frontier of shape {list(frontier.shape)}.")
+        logp = frontier_scores(score_children, frontier_tokens, frontier, frontier_parents, d - 1)  # [B, F, V]
         child_lp, child_tok = logp.topk(top_k, dim=-1)  # [B, F, k]
         child_score = frontier_score.unsqueeze(-1) + child_lp  # [B, F, k] cumulative log-prob
         f = frontier.shape[1]

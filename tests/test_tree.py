@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mmspec.errors import InputError
-from mmspec.tree import DraftTree, chain_as_tree, expand_eagle2
+from mmspec.tree import DraftTree, chain_as_tree, expand_chain, expand_eagle2, expand_tree
 
 V = 12
 
@@ -105,6 +105,32 @@ def test_expand_eagle2_matches_brute_force(top_k, depth, total):
                for i in range(1, total)}
         assert got == reference_eagle2(table[r], top_k, depth, total)
     assert (tree.depths[:, 1:] >= tree.depths[:, :-1]).all()  # nodes ordered by depth
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+def test_a_chain_is_expanded_without_the_pool_into_the_pools_own_tree(depth):
+    """top_k 1, every node kept: `expand_chain` gives the tree the candidate pool gives (tokens, parents, depths,
+    scores) from the same scorer calls (level, pool ids, parents' ids); ties included (equal log-probs)."""
+    b = 3
+    gen = torch.Generator().manual_seed(depth)
+    table = torch.log_softmax(torch.randn(b, depth + 1, V, generator=gen), -1)
+    table[1] = 0.0  # a row of ties
+    trees, calls = [], []
+    for expand in (expand_chain, lambda *a: expand_tree(*a[:2], 1, depth, depth + 1)):
+        seen = []
+
+        def score(tokens, ids, parent_ids, d, seen=seen):
+            seen.append((d, ids.tolist(), parent_ids.tolist(), tokens.tolist()))
+            return table[torch.arange(b).unsqueeze(-1), ids]
+
+        trees.append(expand(torch.tensor([5, 6, 7]), score, depth))
+        calls.append(seen)
+    chain, tree = trees
+    assert calls[0] == calls[1] and chain.is_chain and tree.is_chain and chain.max_depth == tree.max_depth
+    for name in ("tokens", "parents", "depths", "valid", "scores"):
+        assert torch.equal(getattr(chain, name), getattr(tree, name)), name
+    assert expand_eagle2(torch.tensor([5, 6, 7]), lambda t, i, p, d: table[torch.arange(b).unsqueeze(-1), i], top_k=1,
+                         depth=depth, total_tokens=depth + 1).tokens.equal(chain.tokens)
 
 
 def test_expand_eagle2_parameter_errors():
