@@ -35,6 +35,7 @@ from mmspec.errors import check
 
 PURPOSES = {"sample": 0x51ED27, "accept": 0xACCE97, "draft": 0xD2AF75, "init": 0x1217A1, "couple": 0xC0591E}
 M32 = 0xFFFFFFFF
+HIGH, LOW = 0x68E31DA4, 0xB5297A4D  # the salts of a hash's two output streams (a uniform's high and low bits)
 KEY_RANGE = 1 << 62
 
 
@@ -68,7 +69,13 @@ class KeyedNoise:
         check(keys.dim() == 1 and keys.dtype == torch.int64, "keys must be a [B] int64 tensor.")
         self.keys = keys  # [B] in [0, 2^62)
         self.coupled = coupled
-        self._words = torch.stack([keys & M32, (keys >> 32) & M32])  # [2, B]
+        self._words = torch.stack([keys & M32, (keys >> 32) & M32]).unsqueeze(-1)  # [2, B, 1] low, high words
+
+    def _key_words(self, device: torch.device) -> torch.Tensor:
+        """[2, B, 1] the keys' low and high 32-bit words on `device` (moved there once)."""
+        if self._words.device != device:
+            self._words = self._words.to(device)
+        return self._words
 
     @classmethod
     def from_generators(cls, generator, batch: int, device: torch.device | str = "cpu") -> KeyedNoise:
@@ -97,26 +104,27 @@ class KeyedNoise:
         """Each row's key `times` times in a row ([B * times]): a row's images share its key (use an index offset)."""
         return KeyedNoise(self.keys.repeat_interleave(times), self.coupled)
 
-    def _base(self, index: torch.Tensor, purpose: str, sub: torch.Tensor | int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Two 32-bit hash streams [B, K] of (row key, index [B, K], purpose, sub-key)."""
+    def _base(self, index: torch.Tensor, purpose: str, sub: torch.Tensor | int) -> torch.Tensor:
+        """The 32-bit hash [B, K] of (row key, index [B, K], purpose, sub-key), before its two output streams
+        (`mix32(x ^ HIGH)`, `mix32(x ^ LOW)`)."""
         check(purpose in PURPOSES, f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}.")
-        words = self._words.to(index.device)  # [2, B]
-        lo, hi = words[0].unsqueeze(-1), words[1].unsqueeze(-1)  # [B, 1]
+        lo, hi = self._key_words(index.device)  # [B, 1] each
         x = mix32((index.long() & M32) ^ PURPOSES[purpose])  # [B, K]
-        x = mix32(x ^ ((torch.as_tensor(sub, device=index.device).long() * 0x9E3779B1) & M32))
+        salt = sub.long() * 0x9E3779B1 if isinstance(sub, torch.Tensor) else sub * 0x9E3779B1  # (an int: no tensor)
+        x = mix32(x ^ (salt & M32))
         x = mix32(x ^ lo)
-        x = mix32(x ^ hi)
-        return mix32(x ^ 0x68E31DA4), mix32(x ^ 0xB5297A4D)
+        return mix32(x ^ hi)
 
     def uniforms(self, index: torch.Tensor, purpose: str, sub: torch.Tensor | int = 0) -> torch.Tensor:
         """float64 uniforms in (0, 1) [B, K] at token indices [B, K] (`sub` [B, K] or an int tells apart several
         numbers at one index, e.g. a tree's nodes)."""
-        return to_uniform(*self._base(index, purpose, sub))
+        x = self._base(index, purpose, sub)  # [B, K]
+        return to_uniform(mix32(x ^ HIGH), mix32(x ^ LOW))
 
     def exponentials(self, index: torch.Tensor, purpose: str, vocab: int, sub: torch.Tensor | int = 0) -> torch.Tensor:
         """float64 Exp(1) draws [B, K, V] at token indices [B, K]: one per vocabulary entry, for the exponential race
         (a 32-bit uniform each: one hash per entry, half the cost of 53 bits; the race's ties stay ~2^-32)."""
-        base = self._base(index, purpose, sub)[0]  # [B, K]
+        base = mix32(self._base(index, purpose, sub) ^ HIGH)  # [B, K] (the high stream alone)
         words = mix32(base.unsqueeze(-1) ^ vocabulary_salts(vocab, index.device))  # [B, K, V]
         return -torch.log((words.double() + 0.5) * (2.0 ** -32))
 

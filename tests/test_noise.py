@@ -57,3 +57,41 @@ def test_keys_come_from_the_generators_and_follow_the_rows():
     assert kept.keys.tolist() == [int(per_row.keys[2]), int(per_row.keys[0])]
     with pytest.raises(InputError, match="got 2 generators for a batch of 3 rows"):
         KeyedNoise.from_generators([torch.Generator(), torch.Generator()], 3)
+
+
+def test_the_numbers_are_pinned_across_versions():
+    """A seeded call's numbers are part of what a release keeps (a job resumed by a later version, a figure re-run):
+    a change of the hash fails here."""
+    noise = KeyedNoise(torch.tensor([12345, 2 ** 61 + 7]))
+    index = torch.tensor([[0, 3], [1, 2]])
+    assert noise.uniforms(index, "accept").tolist() == [[0.3474689131137399, 0.844683884908751],
+                                                        [0.7993531546108232, 0.7060541819505581]]
+    assert noise.uniforms(index, "couple", sub=torch.tensor([[1, 2], [3, 4]])).tolist() == [
+        [0.31186229706272234, 0.7136651694868485], [0.9509894097070948, 0.050268946566892236]]
+    assert noise.exponentials(index[:, :1], "sample", 3).tolist() == [
+        [[0.3165490895727079, 0.7471967207886474, 1.5390797979924626]],
+        [[2.098227632157229, 1.4616096048143752, 2.2765560521649753]]]
+    assert torch.equal(noise.uniforms(index, "accept", sub=5), noise.uniforms(index, "accept", torch.full((2, 2), 5)))
+
+
+def test_keyed_randomness_hashes_its_uniforms_at_the_first_read_only():
+    """`Randomness.keyed`: the acceptance uniforms of a chain (index positions + j) and a tree (positions + depth - 1,
+    the node id as sub-key) are the keyed ones, computed when a rule reads them (a coupled rule reads none);
+    `from_second` drops each row's first uniform, read or not."""
+    from mmspec.tree import chain_as_tree
+    from mmspec.verify import ChainDraft
+    from mmspec.verify.base import Randomness
+
+    noise = KeyedNoise(torch.tensor([3, 9]))
+    positions = torch.tensor([4, 10])
+    rand = Randomness.keyed(noise, positions, ChainDraft(torch.zeros(2, 3, dtype=torch.long)), 7)
+    assert rand.given_uniforms is None
+    expected = noise.uniforms(positions.unsqueeze(-1) + torch.arange(3), "accept")
+    assert torch.equal(rand.from_second().uniforms, expected[:, 1:]) and rand.given_uniforms is None
+    assert torch.equal(rand.uniforms, expected) and torch.equal(rand.from_second().uniforms, expected[:, 1:])
+    tree = chain_as_tree(torch.ones(2, 3, dtype=torch.long), torch.zeros(2, dtype=torch.long))
+    keyed = Randomness.keyed(noise, positions, tree, 7)
+    depth_index = positions.unsqueeze(-1) + tree.depths - 1
+    assert torch.equal(keyed.uniforms, noise.uniforms(depth_index, "accept", torch.arange(4).expand(2, 4)))
+    empty = Randomness.keyed(noise, positions, ChainDraft(torch.zeros(2, 0, dtype=torch.long)), 7)
+    assert empty.uniforms.shape == (2, 0) and empty.uniforms.dtype == torch.float64

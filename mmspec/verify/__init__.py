@@ -15,8 +15,6 @@ themselves are pure tensor functions (they compile with `torch.compile(fullgraph
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from mmspec.errors import InputError, check, check_distribution, check_shape
@@ -132,7 +130,7 @@ def verify_chain_tree(rule: AcceptanceRule, tree: DraftTree, target_probs: torch
     or sibling tables). The result has the tree's layout: `accepted_nodes` [B, D+1] = 0..num_accepted, -1 after."""
     drafted = tree.valid[:, 1:]  # [B, D] a prefix of each row's nodes
     drafts = tree.tokens[:, 1:].masked_fill(~drafted, -1)  # [B, D]
-    chain_rand = None if rand is None else replace(rand, uniforms=rand.uniforms[:, 1:])  # node i -> draft i-1
+    chain_rand = None if rand is None else rand.from_second()  # node i -> draft i-1
     result = rule.verify_chain(drafts, target_probs, None, chain_rand, drafted.sum(-1))
     nodes = torch.arange(tree.num_nodes, device=drafts.device)  # [D+1]
     result.accepted_nodes = torch.where(nodes <= result.num_accepted.unsqueeze(-1), nodes, -1)  # [B, D+1]

@@ -8,7 +8,7 @@ pre-drawn randomness; `mmspec.verify.accept` validates the inputs and draws the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,13 +41,31 @@ class Randomness:
     """The randomness of one verify call: one uniform per draft position / tree node, and the Exp(1) vector of the
     race that samples the token a row emits after its accepted drafts (`exponentials_at`). Either given (`draw`:
     `exponentials` [B, V], whatever that token's index) or position-keyed (`keyed`: the numbers of each token index,
-    `mmspec.noise`)."""
+    `mmspec.noise`; the uniforms hashed at their first read, so a rule that reads none, e.g. `coupled`, pays none)."""
 
-    uniforms: torch.Tensor  # [B, K] (chain) or [B, N] (tree), float64 in (0, 1)
+    given_uniforms: torch.Tensor | None  # [B, K] (chain) or [B, N] (tree), float64 in (0, 1); None: keyed
     exponentials: torch.Tensor | None = None  # [B, V] float64 > 0, or None: keyed by index
     noise: KeyedNoise | None = None  # the call's keyed noise
     positions: torch.Tensor | None = None  # [B] token index of the first token this call decides
     vocab: int = 0
+    uniform_index: torch.Tensor | None = None  # keyed: [B, K] or [B, N] the token index of each uniform
+    uniform_sub: torch.Tensor | int = 0  # keyed: its sub-key ([B, N] a tree's node ids)
+
+    @property
+    def uniforms(self) -> torch.Tensor:
+        """[B, K] or [B, N] the acceptance uniforms (keyed ones hashed once, at the first read)."""
+        if self.given_uniforms is None:
+            index = self.uniform_index
+            self.given_uniforms = (self.noise.uniforms(index, "accept", self.uniform_sub) if index.numel()
+                                   else torch.empty(index.shape, dtype=torch.float64, device=index.device))
+        return self.given_uniforms
+
+    def from_second(self) -> Randomness:
+        """The numbers with the first uniform of each row left out (a chain tree's node i is draft i - 1)."""
+        if self.given_uniforms is not None:
+            return replace(self, given_uniforms=self.given_uniforms[:, 1:])
+        sub = self.uniform_sub[:, 1:] if isinstance(self.uniform_sub, torch.Tensor) else self.uniform_sub
+        return replace(self, uniform_index=self.uniform_index[:, 1:], uniform_sub=sub)
 
     def exponentials_at(self, num_accepted: torch.Tensor) -> torch.Tensor:
         """[B, V] Exp(1) of the token after num_accepted [B] accepted drafts: at index positions + num_accepted,
@@ -70,12 +88,10 @@ class Randomness:
         at positions + its depth - 1 (the node id tells siblings apart), the emitted token's at its own index."""
         if isinstance(draft, ChainDraft):
             index = positions.unsqueeze(-1) + torch.arange(draft.tokens.shape[1], device=positions.device)  # [B, K]
-            uniforms = noise.uniforms(index, "accept")
-        else:
-            index = positions.unsqueeze(-1) + draft.depths - 1  # [B, N]
-            nodes = torch.arange(draft.num_nodes, device=positions.device).expand_as(index)
-            uniforms = noise.uniforms(index, "accept", nodes)
-        return Randomness(uniforms, None, noise, positions, vocab)
+            return Randomness(None, None, noise, positions, vocab, index)
+        index = positions.unsqueeze(-1) + draft.depths - 1  # [B, N]
+        nodes = torch.arange(draft.num_nodes, device=positions.device).expand_as(index)  # [B, N]
+        return Randomness(None, None, noise, positions, vocab, index, nodes)
 
 
 @dataclass
