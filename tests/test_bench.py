@@ -27,6 +27,7 @@ from mmspec.bench import (
     unregister_family,
 )
 from mmspec.bench.records import CHOICE_FIELDS, MMSPEC_FIELDS, SPEC_BENCH_FIELDS
+from mmspec.bench.runner import round_order
 from mmspec.cli import main
 from mmspec.errors import InputError
 from mmspec.stats import SpecStats
@@ -256,10 +257,7 @@ def test_runs_are_interleaved_warmup_first_per_batch_size(fake, interleave):
     for batches in ([(0, 1), (2,)], [(0,), (1,), (2,)]):  # batch size 2, then 1
         for _ in range(1 + 2):  # one warm-up pass, then two recorded passes
             # the configurations take turns going first: rotated by one every pass, and every batch in a pass
-            if interleave == "batch":  # batch i of every configuration before batch i + 1
-                expected += [(order[(j + rounds + i) % 3], b) for i, b in enumerate(batches) for j in range(3)]
-            else:
-                expected += [(order[(j + rounds) % 3], b) for j in range(3) for b in batches]
+            expected += [(order[j], batches[i]) for i, j in round_order(3, len(batches), rounds, interleave)]
             rounds += 1
     assert fake.calls == expected
     assert {fake.calls[k][0] for k in range(0, 18, 6)} == set(order)  # batch size 2: each pass starts with another
@@ -270,6 +268,27 @@ def test_runs_are_interleaved_warmup_first_per_batch_size(fake, interleave):
     assert all(r.quality == {"same": 1.0} for r in result.runs)
     steps = plan_steps([2, 1], result.configs, 1, 2)
     assert [s.warmup for s in steps[:3]] == [True] * 3 and not steps[3].warmup
+
+
+def test_a_pass_order_rotates_the_first_and_varies_what_runs_before_each():
+    """`round_order`: every configuration once per batch ("batch": batch i of all before batch i + 1; "pass": each
+    configuration's batches in turn); the first rotates by one every pass and batch; in "batch" passes each
+    configuration runs right after every other one somewhere (a cyclic order gives each one predecessor only), and
+    the same arguments give the same order."""
+    n, batches, pooled = 5, 12, set()
+    for rotate in range(3):
+        pairs = round_order(n, batches, rotate, "batch")
+        assert pairs == round_order(n, batches, rotate, "batch")
+        rounds = [[j for i, j in pairs if i == b] for b in range(batches)]
+        assert [i for i, _ in pairs] == [b for b in range(batches) for _ in range(n)]
+        assert all(sorted(r) == list(range(n)) for r in rounds)
+        assert [r[0] for r in rounds] == [(rotate + b) % n for b in range(batches)]
+        before = {(r[k - 1], r[k]) for r in rounds for k in range(1, n)}  # (predecessor, configuration)
+        assert all(len({a for a, b in before if b == j}) >= 2 for j in range(n))  # cyclic: 1 each
+        pooled |= before
+        whole = round_order(n, 2, rotate, "pass")
+        assert whole == [(i, (j + rotate) % n) for j in range(n) for i in range(2)]
+    assert len(pooled) == n * (n - 1)  # over three passes every configuration ran after every other one
 
 
 def test_batch_interleaved_passes_draw_what_whole_passes_draw(fake):

@@ -5,10 +5,11 @@ runs every configuration once over all the samples in batches of that size befor
 (`interleave="batch"`, the default) batch i of every configuration runs before batch i+1 of any: on a shared machine
 whose load drifts within seconds, each method's time then comes from the same stretches of load as vanilla's,
 instead of from its own few seconds (`interleave="pass"`: each configuration runs all its batches in turn). The
-configurations take turns going first (the order rotates by one every pass and every batch: `run_round`), so a
-position's own cost or luck is not always one configuration's. Either way, interleaving spreads slow drifts (thermal
-throttling, other processes) over all methods instead of charging them to whichever ran last, and each method's
-speed-up is taken against vanilla within the same pass.
+configurations take turns going first (the first rotates by one every pass and every batch) and, inside a batch,
+follow one another in a seeded shuffled order (`round_order`), so neither a position's own cost or luck nor the
+state one configuration's call leaves (caches, allocations) is always charged to the same other one. Either way,
+interleaving spreads slow drifts (thermal throttling, other processes) over all methods instead of charging them to
+whichever ran last, and each method's speed-up is taken against vanilla within the same pass.
 
 Only `Method.run` is timed (with a device synchronisation on both sides); quality, records and stats
 reading happen outside the timed region. The global torch seed is reset before every configuration's pass, and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import random
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -306,12 +308,7 @@ def run_round(result: BenchResult, family: Family, models: Any, steps: Sequence[
     device = torch.device(result.settings.device)
     runs: list[list[_BatchRun] | None] = [[] for _ in steps]
     streams: list[tuple | None] = [None] * len(steps)  # each configuration's global random state after its batch
-    n = len(steps)
-    if result.interleave == "pass":
-        order = [(i, (j + rotate) % n) for j in range(n) for i in range(len(batches))]  # (batch, configuration)
-    else:
-        order = [(i, (j + rotate + i) % n) for i in range(len(batches)) for j in range(n)]
-    for i, j in order:
+    for i, j in round_order(len(steps), len(batches), rotate, result.interleave):
         if runs[j] is not None:
             if i:
                 _set_random_state(device, streams[j])
@@ -321,6 +318,23 @@ def run_round(result: BenchResult, family: Family, models: Any, steps: Sequence[
             streams[j] = _random_state(device)
         on_run()
     return runs
+
+
+def round_order(n: int, batches: int, rotate: int, interleave: str) -> list[tuple[int, int]]:
+    """The (batch, configuration) pairs of one pass of n configurations over `batches` batches. "pass": each
+    configuration's batches in turn, the configurations rotated by `rotate`. "batch": batch i of every configuration
+    before batch i + 1, configuration (rotate + i) % n first and the others after it in an order shuffled per (pass,
+    batch), seeded (a run repeats its order): in a cyclic order every configuration would always run right after the
+    same other one, on the caches and allocator state its calls leave."""
+    if interleave == "pass":
+        return [(i, (j + rotate) % n) for j in range(n) for i in range(batches)]
+    order = []
+    for i in range(batches):
+        first = (rotate + i) % n
+        rest = [j for j in range(n) if j != first]
+        random.Random(rotate * 1_000_003 + i).shuffle(rest)
+        order += [(i, j) for j in (first, *rest)]
+    return order
 
 
 def _resolve(family: Family | str, methods: str | Sequence[str] | Sequence[MethodConfig] | None,
