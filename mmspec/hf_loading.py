@@ -16,6 +16,8 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +83,25 @@ def check_weights_loaded(loading: dict, class_name: str, folder: Path, unused_pr
                          "transformers_version).")
 
 
+@contextmanager
+def library_output(libraries: Sequence[Any], *, bars: bool = True, errors_only: bool = False) -> Iterator[None]:
+    """Within the block, the progress bars of `libraries` (transformers' or diffusers' `utils.logging` modules) off
+    unless `bars`, and their notices off (errors only) with `errors_only`; after it each library's bars and
+    verbosity are as they were before."""
+    saved = [(library, library.is_progress_bar_enabled(), library.get_verbosity()) for library in libraries]
+    for library, _, _ in saved:
+        if not bars:
+            library.disable_progress_bar()
+        if errors_only:
+            library.set_verbosity_error()
+    try:
+        yield
+    finally:
+        for library, enabled, verbosity in saved:
+            library.set_verbosity(verbosity)
+            (library.enable_progress_bar if enabled else library.disable_progress_bar)()
+
+
 def load_transformers_folder(folder: str | Path, model_class: Any, processor_class: Any,
                              unused_prefix: str | None = None, **model_kwargs: Any) -> tuple[Any, Any]:
     """(model, processor) from `folder` with `model_class.from_pretrained` (e.g. an Auto class) and
@@ -89,19 +110,14 @@ def load_transformers_folder(folder: str | Path, model_class: Any, processor_cla
     from transformers.utils import logging as hf_logging
 
     folder = Path(folder)
-    hf_logging.disable_progress_bar()
-    verbosity = hf_logging.get_verbosity()
-    if unused_prefix is not None:  # transformers' load report would list the unused module's weights as missing
-        hf_logging.set_verbosity_error()
-    try:
-        model, loading = model_class.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
-                                                     **model_kwargs)
-        processor = processor_class.from_pretrained(str(folder), local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise InputError(f"could not load the model in {folder}: {str(err).splitlines()[0]}") from None
-    finally:
-        hf_logging.enable_progress_bar()
-        hf_logging.set_verbosity(verbosity)
+    # (errors only with an unused prefix: transformers' load report would list its weights as missing)
+    with library_output([hf_logging], bars=False, errors_only=unused_prefix is not None):
+        try:
+            model, loading = model_class.from_pretrained(str(folder), local_files_only=True, output_loading_info=True,
+                                                         **model_kwargs)
+            processor = processor_class.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError) as err:
+            raise InputError(f"could not load the model in {folder}: {str(err).splitlines()[0]}") from None
     check_weights_loaded(loading, type(model).__name__, folder, unused_prefix)
     return model, processor
 

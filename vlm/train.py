@@ -361,15 +361,11 @@ def load_target(out: Path, arch: str, quiet: bool):
     import transformers
     from transformers.utils import logging as hf_logging
 
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    if quiet:
-        hf_logging.disable_progress_bar()
-    try:
+    from mmspec.hf_loading import library_output
+
+    with library_output([hf_logging], bars=not quiet):
         model = getattr(transformers, ARCHS[arch]["model"]).from_pretrained(str(out), local_files_only=True)
         return model, transformers.AutoProcessor.from_pretrained(str(out), local_files_only=True)
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _vision_settings(args: argparse.Namespace, overrides: dict) -> dict:

@@ -9,8 +9,6 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,6 +32,7 @@ from mmspec.cli.jobs import (
 from mmspec.compile import compile_pipeline
 from mmspec.errors import InputError, check
 from mmspec.families import FamilyRecord
+from mmspec.hf_loading import library_output
 from mmspec.processes import process_state
 from mmspec.stats import SpecStats, budget_notice
 from mmspec.threads import count_parameters, parse_threads, set_threads
@@ -183,26 +182,13 @@ def make_images(args: argparse.Namespace, family: FamilyRecord, method_kwargs: d
         torch.set_num_threads(threads_before)
 
 
-@contextmanager
-def quiet_libraries(quiet: bool) -> Iterator[None]:
+def quiet_libraries(quiet: bool):
     """With `quiet`: diffusers' and transformers' progress bars ("Loading pipeline components", "Loading weights")
     and notices (e.g. an image processor's backend fallback) off for the block, errors still shown; as before after."""
-    if not quiet:
-        yield
-        return
     from diffusers.utils import logging as diffusers_logging
     from transformers.utils import logging as transformers_logging
 
-    levels = [(library, library.get_verbosity()) for library in (diffusers_logging, transformers_logging)]
-    for library, _ in levels:
-        library.disable_progress_bar()
-        library.set_verbosity_error()
-    try:
-        yield
-    finally:
-        for library, level in levels:
-            library.set_verbosity(level)
-            library.enable_progress_bar()
+    return library_output([diffusers_logging, transformers_logging], bars=not quiet, errors_only=quiet)
 
 
 def remove_if_empty(folder: Path) -> None:
