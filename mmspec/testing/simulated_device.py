@@ -1,0 +1,84 @@
+"""The draft budget on a simulated device: real EAGLE-2 draft trees (`mmspec.tree.expand_eagle2`), the real greedy
+rule, and a clock that advances by a table of step costs instead of the machine's time. How the budget's model is
+checked on devices this machine is not (a GPU, where a verify costs about the same at any width), whatever the
+machine's speed or load.
+
+The drafter ranks the tokens the same way at every node (token r is its rank-r candidate); at each tree node the
+target's greedy next token is the drafter's rank-r candidate with probability `rank_rates[r]`, else a token the
+drafter never proposes. A chain accepts position j with rate rank_rates[0]; a tree also keeps the paths through
+lower-ranked children, which only a device where wide verifies are cheap pays for.
+
+    gpu = lambda shape: 1.0 + 0.004 * shape.total     # a step's cost in plain steps: flat in the width
+    auto, chosen = simulate(TreeShape(10, 6, 60), gpu, (0.55, 0.2, 0.1), tokens=256, calls=4)
+    fixed, _ = simulate(TreeShape(10, 6, 60), gpu, (0.55, 0.2, 0.1), tokens=256, calls=2, fixed=TreeShape(10, 3, 16))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+
+import torch
+
+from mmspec.budget import SETTLE, BudgetConfig, ThroughputBudget, menu_of
+from mmspec.loop import DecodeState
+from mmspec.tree import PLAIN, DraftTree, TreeShape, expand_eagle2
+from mmspec.verify import VerifyResult, accept
+
+VOCAB = 32  # the simulated vocabulary; the last token is never a candidate
+RankRates = Sequence[float] | Callable[[float], Sequence[float]]  # fixed, or by the call's progress in [0, 1)
+
+
+def rank_scores(tokens: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor, level: int) -> torch.Tensor:
+    """[B, F, V] the drafter's log-probs at every frontier node: token r ranked r-th, the same at every node."""
+    return torch.linspace(1.0, 0.01, VOCAB).log().expand(*tokens.shape, VOCAB)
+
+
+def simulated_step(shape: TreeShape, rates: Sequence[float],
+                   generator: torch.Generator) -> tuple[int, DraftTree | None, VerifyResult | None]:
+    """(tokens emitted, the draft, its verdict) of one batch-1 greedy step drafting `shape` (PLAIN: 1, None, None)."""
+    if shape == PLAIN:
+        return 1, None, None
+    tree = expand_eagle2(torch.zeros(1, dtype=torch.long), rank_scores, top_k=shape.top_k, depth=shape.depth,
+                         total_tokens=shape.total)
+    n = tree.tokens.shape[1]
+    law = torch.tensor([*rates, max(0.0, 1.0 - sum(rates))])  # [R + 1] each rank, then "none of them"
+    rank = torch.multinomial(law, n, replacement=True, generator=generator)  # [N] the target's token at each node
+    truth = torch.where(rank == len(rates), VOCAB - 1, rank)  # [N]
+    p = torch.nn.functional.one_hot(truth, VOCAB).float().unsqueeze(0)  # [1, N, V] greedy: one-hot argmax
+    result = accept("greedy", tree, p)
+    return int(result.num_accepted[0]) + 1, tree, result
+
+
+def simulate(full: TreeShape, step_cost: Callable[[TreeShape], float], rank_rates: RankRates, tokens: int,
+             calls: int, fixed: TreeShape | None = None, config: BudgetConfig | None = None,
+             seed: int = 0) -> tuple[float, dict[TreeShape, int]]:
+    """(tokens per simulated second, steps per option) over `calls` batch-1 calls of `tokens` tokens, a drafter of
+    shape `full` under `budget="auto"` (one budget across the calls, its costs the table `step_cost` gives in
+    plain steps, no timing of the machine) or one shape every step (`fixed`)."""
+    generator = torch.Generator().manual_seed(seed)
+    config = config or BudgetConfig(timing=False)
+    options, keys, _ = menu_of(SimpleNamespace(full_shape=full), config)
+    budget = ThroughputBudget(options, keys, config, costs=[step_cost(o) for o in options], full_key=full)
+    clock, chosen = 0.0, {}
+    active = torch.ones(1, dtype=torch.bool)
+    for _ in range(calls):
+        drafts = fixed is not None or budget.begin(None, None, DecodeState.new(1, tokens, "cpu"), "greedy")
+        done, settled = 0, not drafts
+        while done < tokens:
+            rates = rank_rates(done / tokens) if callable(rank_rates) else rank_rates
+            if fixed is not None:
+                shape = fixed
+            else:
+                key = 0 if settled else budget.choose(1, lambda done=done: torch.tensor([tokens - done]))
+                settled = settled or key == SETTLE
+                shape = PLAIN if key in (0, SETTLE) else key
+            emitted, tree, result = simulated_step(shape, rates, generator)
+            if fixed is None and not settled and tree is not None:
+                budget.observe(result, active, tree)
+            done += min(emitted, tokens - done)
+            clock += step_cost(shape)
+            chosen[shape] = chosen.get(shape, 0) + 1
+        if fixed is None:
+            budget.end()
+    return calls * tokens / clock, chosen
