@@ -16,6 +16,7 @@ lower-ranked children, which only a device where wide verifies are cheap pays fo
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import cache
 from types import SimpleNamespace
 
 import torch
@@ -34,13 +35,19 @@ def rank_scores(tokens: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor, 
     return torch.linspace(1.0, 0.01, VOCAB).log().expand(*tokens.shape, VOCAB)
 
 
+@cache
+def rank_tree(shape: TreeShape) -> DraftTree:
+    """The drafter's tree of `shape` (the same at every step: the scores do not depend on the context; read only)."""
+    return expand_eagle2(torch.zeros(1, dtype=torch.long), rank_scores, top_k=shape.top_k, depth=shape.depth,
+                         total_tokens=shape.total)
+
+
 def simulated_step(shape: TreeShape, rates: Sequence[float],
                    generator: torch.Generator) -> tuple[int, DraftTree | None, VerifyResult | None]:
     """(tokens emitted, the draft, its verdict) of one batch-1 greedy step drafting `shape` (PLAIN: 1, None, None)."""
     if shape == PLAIN:
         return 1, None, None
-    tree = expand_eagle2(torch.zeros(1, dtype=torch.long), rank_scores, top_k=shape.top_k, depth=shape.depth,
-                         total_tokens=shape.total)
+    tree = rank_tree(shape)
     n = tree.tokens.shape[1]
     law = torch.tensor([*rates, max(0.0, 1.0 - sum(rates))])  # [R + 1] each rank, then "none of them"
     rank = torch.multinomial(law, n, replacement=True, generator=generator)  # [N] the target's token at each node
