@@ -8,9 +8,11 @@ target's greedy next token is the drafter's rank-r candidate with probability `r
 drafter never proposes. A chain accepts position j with rate rank_rates[0]; a tree also keeps the paths through
 lower-ranked children, which only a device where wide verifies are cheap pays for.
 
-    gpu = lambda shape: 1.0 + 0.004 * shape.total     # a step's cost in plain steps: flat in the width
-    auto, chosen = simulate(TreeShape(10, 6, 60), gpu, (0.55, 0.2, 0.1), tokens=256, calls=4)
-    fixed, _ = simulate(TreeShape(10, 6, 60), gpu, (0.55, 0.2, 0.1), tokens=256, calls=2, fixed=TreeShape(10, 3, 16))
+    full, rates = TreeShape(10, 6, 60), (0.55, 0.2, 0.1)
+    auto, chosen = simulate(full, gpu_like, rates, tokens=256, calls=6)   # tokens per plain step's time, steps
+    fixed, _ = simulate(full, gpu_like, rates, tokens=256, calls=3, fixed=TreeShape(10, 3, 16))
+
+    python -m mmspec.testing.simulated_device    # auto against the best fixed shape on both devices
 """
 
 from __future__ import annotations
@@ -28,6 +30,17 @@ from mmspec.verify import VerifyResult, accept
 
 VOCAB = 32  # the simulated vocabulary; the last token is never a candidate
 RankRates = Sequence[float] | Callable[[float], Sequence[float]]  # fixed, or by the call's progress in [0, 1)
+
+
+def gpu_like(shape: TreeShape) -> float:
+    """Plain steps a step costs where the verify is launch-bound: its width nearly free, each draft level a
+    drafter forward."""
+    return 1.0 if shape == PLAIN else 1.0 + 0.004 * shape.total + 0.05 * shape.depth
+
+
+def cpu_like(shape: TreeShape) -> float:
+    """Where the verify is compute-bound: every node costs (the world models on a 2-core CPU)."""
+    return 1.0 if shape == PLAIN else 1.0 + 0.12 * (shape.total - 1) + 0.1 * shape.depth
 
 
 def rank_scores(tokens: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor, level: int) -> torch.Tensor:
@@ -89,3 +102,32 @@ def simulate(full: TreeShape, step_cost: Callable[[TreeShape], float], rank_rate
         if fixed is None:
             budget.end()
     return calls * tokens / clock, chosen
+
+
+# fixed shapes the budget is compared with: chains and trees of EAGLE-2's top_k up to its full tree (10, 6, 60)
+FIXED_SHAPES = ([TreeShape(1, d, d + 1) for d in (1, 2, 4, 8)]
+                + [TreeShape(10, d, n) for d, n in ((2, 8), (3, 16), (4, 32), (6, 60))])
+
+
+def best_fixed(full: TreeShape, step_cost: Callable[[TreeShape], float], rank_rates: RankRates,
+               shapes: Sequence[TreeShape] = FIXED_SHAPES) -> tuple[float, TreeShape]:
+    """(tokens per simulated second, shape) of the best of `shapes` drafted every step (3 calls of 256 tokens)."""
+    return max((simulate(full, step_cost, rank_rates, tokens=256, calls=3, fixed=shape, seed=1)[0], shape)
+               for shape in shapes)
+
+
+def mean_nodes(chosen: dict[TreeShape, int]) -> float:
+    """The mean node count of the drafting steps among `chosen` (steps per option, as `simulate` returns them)."""
+    drafting = {shape: n for shape, n in chosen.items() if shape != PLAIN}
+    return sum(shape.total * n for shape, n in drafting.items()) / max(1, sum(drafting.values()))
+
+
+if __name__ == "__main__":
+    full, rates = TreeShape(10, 6, 60), (0.55, 0.2, 0.1)
+    for device in (gpu_like, cpu_like):
+        auto, chosen = simulate(full, device, rates, tokens=256, calls=6)
+        best, shape = best_fixed(full, device, rates)
+        chains, _ = best_fixed(full, device, rates, [s for s in FIXED_SHAPES if s.top_k == 1])
+        print(f"{device.__name__}: auto {auto:.3f} tokens a plain step's time, {auto / best:.0%} of the best fixed "
+              f"shape ({shape}, {best:.3f}); chains alone {chains / best:.0%}; auto's drafting steps "
+              f"{mean_nodes(chosen):.1f} nodes on average")

@@ -1,0 +1,68 @@
+"""Paired call-by-call timing of the embedded LlamaGen: vanilla and each method (`METHOD` or `METHOD@BUDGET`) alternated
+call by call in a seeded shuffled order, in one process, after two warm-up rounds. Prints each method's time against
+vanilla's over all its calls (with a bootstrap 95% interval over rounds), and apart over the calls its draft budget
+ran without the drafter (the call gate) and those that drafted: what a default-path call costs where drafting does not
+pay, which a bench cell of a few calls cannot separate from the machine's noise.
+
+    python scripts/paired_calls.py --batch-size 8 --rounds 60 --methods sjd,eagle,draft-model --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from image_ar.llamagen.pipeline import LlamaGenPipeline
+
+
+def ratio(vanilla: list[float], method: list[float], calls: list[int]) -> float:
+    return sum(vanilla[i] for i in calls) / sum(method[i] for i in calls)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--methods", default="sjd,eagle,draft-model")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default="assets/llamagen")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    pipe = LlamaGenPipeline.from_pretrained(args.model)
+    pipe.set_progress_bar_config(disable=True)
+    configs = ["vanilla", *args.methods.split(",")]
+    times: dict[str, list[float]] = {c: [] for c in configs}
+    gated: dict[str, list[bool]] = {c: [] for c in configs}
+    rng, b = random.Random(0), args.batch_size
+    for r in range(args.rounds + 2):  # two warm-up rounds
+        order = configs[:]
+        rng.shuffle(order)
+        for config in order:
+            method, _, budget = config.partition("@")
+            generators = [torch.Generator().manual_seed(1000 * r + i) for i in range(b)]
+            start = time.perf_counter()
+            out = pipe(class_labels=[(r * b + i) % 10 for i in range(b)], temperature=1.0, top_k=64, method=method,
+                       budget=budget or None, generator=generators, output_type="latent")
+            seconds = time.perf_counter() - start
+            if r >= 2:
+                times[config].append(seconds)
+                gated[config].append(bool(out.stats.extra.get("calls_without_drafter", 0)))
+    vanilla = times["vanilla"]
+    boot = random.Random(1)
+    samples = [[boot.randrange(args.rounds) for _ in range(args.rounds)] for _ in range(2000)]
+    for config in configs[1:]:
+        spread = sorted(ratio(vanilla, times[config], s) for s in samples)
+        line = (f"{config}: {ratio(vanilla, times[config], list(range(args.rounds))):.3f}x of vanilla "
+                f"(95% {spread[50]:.3f}-{spread[1950]:.3f}) over {args.rounds} calls")
+        for name, want in (("without the drafter", True), ("drafting", False)):
+            calls = [i for i, g in enumerate(gated[config]) if g == want]
+            if calls:
+                line += f"; {len(calls)} {name}: {ratio(vanilla, times[config], calls):.3f}x"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
