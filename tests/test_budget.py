@@ -234,7 +234,7 @@ def test_warmup_refreshes_and_the_exploration_option():
 def test_acceptance_and_exploration_are_per_segment_of_the_call():
     """Two segments of an 8-token call: each explores until `warmup` rows (one step of 2 rows) and learns its own
     rates, so drafts rejected at the call's start do not keep its second half plain; a retry after calls without
-    the drafter explores one step a segment."""
+    the drafter (a probe) explores its first segment once more."""
     config = BudgetConfig(warmup=2, refresh_every=0, timing=False, gate=False, plain_probe=0, segments=2)
     budget = started(chain_budget([1.0, 1.0], config), batch=2)
     draft, on = ChainDraft(torch.zeros(2, 1, dtype=torch.long)), torch.ones(2, dtype=torch.bool)
@@ -247,7 +247,36 @@ def test_acceptance_and_exploration_are_per_segment_of_the_call():
     assert budget.by_segment[0].position_rates()[0] == 0.0 and budget.by_segment[1].position_rates()[0] == 1.0
     budget.gate.retrying = True
     started(budget, 2)
-    assert budget.explored == [1, 1]  # one more step (2 rows) a segment
+    assert budget.explored == [1, 2]  # one more step (2 rows) in the first segment
+
+
+def test_a_probe_explores_its_first_segment_and_settles_at_once_where_nothing_pays():
+    """A call after calls without the drafter probes: its first segment explores again, and where that segment's
+    estimate never drafts, the call settles after `settle_after` plain choices without exploring its later segments
+    again (the drafter's work ends there); where the estimate drafts, every segment explores again."""
+    config = BudgetConfig(warmup=2, refresh_every=0, timing=False, plain_probe=0, segments=2, settle_after=2,
+                          call_backoff=1)
+    budget = started(chain_budget([1.0, 1.2, 1.6, 2.0, 2.4], config), batch=2)  # chains 1..4: explores the chain of 4
+    draft, on = ChainDraft(torch.zeros(2, 4, dtype=torch.long)), torch.ones(2, dtype=torch.bool)
+    assert choose(budget, 2, [8, 8]) == 4
+    budget.observe(result([0, 0], [4, 4]), on, draft)  # .. which draws nothing
+    assert choose(budget, 2, [4, 4]) == 4 and budget.segment == 1
+    budget.observe(result([0, 0], [4, 4]), on, draft)
+    budget.end()  # a call with no choice by estimate: no verdict
+    budget.gate.retrying = True
+    started(budget, 2)
+    assert choose(budget, 2, [8, 8]) == 4  # the probe
+    budget.observe(result([0, 0], [4, 4]), on, draft)
+    assert [choose(budget, 2, [7 - i, 7 - i]) for i in range(2)] == [0, SETTLE]  # settled in the first segment
+    assert budget.explored == [3, 2]  # the second segment not explored again
+    budget.end()  # a verdict: the next call runs without the drafter, the one after it probes
+    assert not budget.gate.retrying and not started(budget, 2)._live and budget.gate.retrying
+    budget.end()
+    started(budget, 2)
+    assert choose(budget, 2, [8, 8]) == 4
+    budget.observe(result([4, 4], [4, 4]), on, draft)  # the probe's drafts are accepted: drafting pays again
+    assert choose(budget, 2, [7, 7]) != 0 and budget.explored == [1, 1] and not budget.gate.retrying
+    assert choose(budget, 2, [4, 4]) == 4 and budget.segment == 1  # the second segment explores again
 
 
 def test_a_refresh_while_chains_are_chosen_drafts_the_deepest_chain():

@@ -37,7 +37,7 @@ class BudgetConfig:
     refresh_every: int = 16  # then again at choices 16, 32, 64, ..: options not chosen learn nothing otherwise
     explore_cost: float = 3.0  # the exploration option costs at most this many plain steps (the full tree where
     # drafting is cheap, a chain where a wide verify costs several steps)
-    hold: int = 5  # drafters valued per size (Jacobi windows) keep a choice this many steps: a window's tail
+    hold: int = 5  # drafters valued per size (Jacobi windows) keep a window this many steps: a window's tail
     # converges over the steps it stays in the window, and its first steps after a change under-read it
     settle_after: int = 8  # this many plain choices in a row settle the segment on plain steps (no estimate until the
     # next segment); in the last segment they end the call's drafting (the loop stops asking the budget and the

@@ -1,7 +1,8 @@
 """The call gate: whole calls without the drafter where drafting bought nothing (TensorRT-LLM's acceptance gate, by
 call). A call whose choices by estimate never drafted paid the drafter's prompt pass for nothing: the next
 `call_backoff` calls run without the drafter (vanilla's cost), doubling after each such call; the call after them
-drafts again and re-explores (`retrying`), so a verdict is measured again rather than kept for ever.
+drafts again (`retrying`: a probe, its first segment explores again, the later ones only if an estimate drafts), so
+a verdict is measured again rather than kept for ever.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ class CallGate:
         self.config = config
         self.skip = 0  # calls left to run without the drafter
         self.backoff = config.call_backoff  # calls skipped after the next call that never drafts by estimate
-        self.retrying = False  # the next drafted call follows skipped calls: it re-explores
+        self.retrying = False  # the drafted call now or next follows skipped calls: a probe, until its estimate drafts
         self.calls = {"drafted": 0, "without_drafter": 0}
 
     def drafts_this_call(self) -> bool:
@@ -30,9 +31,8 @@ class CallGate:
     def end_call(self, estimated: int, drafted: int) -> None:
         """A drafted call made `estimated` choices by estimate, `drafted` of which drafted (a call of warm-up and
         exploration choices alone gives no verdict)."""
-        if estimated == 0:
-            return
-        if drafted == 0:
+        self.retrying = False
+        if estimated and not drafted:
             self.skip, self.backoff = self.backoff, 2 * self.backoff
-        else:
+        elif estimated:
             self.backoff = self.config.call_backoff

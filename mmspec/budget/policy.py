@@ -12,7 +12,8 @@ deepest such chain, the only way to learn the positions past them). While the es
 `plain_probe` plain steps were measured, a plain step runs (its cost measured). `settle_after` plain choices in a
 row settle the segment on plain steps (no estimate until the next segment); where every later segment, explored,
 would choose a plain step too, they return SETTLE: plain steps for the rest of the call. Drafters valued per size
-hold a choice for `hold` steps.
+hold a window (not a plain step) for `hold` steps. A call after calls without the drafter (the gate's `retrying`)
+probes: its first segment explores again, the later ones only once an estimate drafts.
 
 Lossless: an option is chosen from past verdicts and measured costs only, before the step drafts anything, so the
 draft length is a stopping time of the draft-side process and the output law is the target's (docs/budgets.md;
@@ -71,9 +72,8 @@ class ThroughputBudget:
         """A call starts (before its prefill): whether it drafts (the call gate)."""
         drafts = self.gate.drafts_this_call()
         self._start_call((target, drafter, state, rule) if drafts else None)
-        if drafts and self.gate.retrying:  # a call after calls without the drafter: one exploration a segment
-            self.explored = [min(n, self.config.warmup - 1) for n in self.explored]
-            self.gate.retrying = False
+        if drafts and self.gate.retrying:  # after calls without the drafter: a probe of the first segment (`_pick`)
+            self.explored[0] = min(self.explored[0], self.config.warmup - 1)
         return drafts
 
     def _start_call(self, live: tuple | None) -> None:
@@ -100,8 +100,7 @@ class ThroughputBudget:
         self._enter_segment(float(tail[0]))
         index = self._pick(rows_held, tail)
         self._before, self._last = self._last, index
-        self.choices += 1
-        self._call_choices += 1
+        self.choices, self._call_choices = self.choices + 1, self._call_choices + 1
         self.chosen[self.names[index]] = self.chosen.get(self.names[index], 0) + 1
         if index == 0 and self._settled:
             return SETTLE
@@ -109,9 +108,8 @@ class ThroughputBudget:
 
     def observe(self, result: Any, active: torch.Tensor, draft: Any) -> None:
         """Learn the verdicts of the step just chosen."""
-        if self._last is None or (self.per_size and self._before != self._last):
-            return  # (a window's first step at a new size: its tail is not filled yet, it under-reads the size)
-        self.acceptance.observe(self.options[self._last], draft, result, active)
+        if self._last is not None and not (self.per_size and self._before != self._last):  # (a window's first step
+            self.acceptance.observe(self.options[self._last], draft, result, active)  # at a size under-reads it)
 
     def end(self) -> None:
         """The call ended: the call gate's verdict (its choices by estimate) and a DEBUG line."""
@@ -132,7 +130,7 @@ class ThroughputBudget:
 
     def _pick(self, rows_held: int, tail: list) -> int:
         config = self.config
-        if self.per_size and self._last is not None and 0 < self._held < config.hold:
+        if self.per_size and self._last and 0 < self._held < config.hold:
             self._held += 1  # a window is kept `hold` steps, explorations too: its first step under-reads it
             self.explored[self.segment] += rows_held * self._exploring
             return self._last
@@ -154,6 +152,8 @@ class ThroughputBudget:
             return 0  # a plain step measured, so drafting is compared with what a plain step really costs
         self._estimated[0] += 1
         self._estimated[1] += int(best != 0)
+        if self.gate.retrying and best != 0:  # the probe found drafting pays: every segment explores again
+            self.explored, self.gate.retrying = [min(n, config.warmup - 1) for n in self.explored], False
         self._plain_run = self._plain_run + 1 if best == 0 else 0
         if self._plain_run == config.settle_after:
             self._settled = all(self.explored[s] >= config.warmup and self.chosen_by(rows_held, tail, s) == 0
