@@ -23,8 +23,9 @@ from types import SimpleNamespace
 
 import torch
 
-from mmspec.budget import SETTLE, BudgetConfig, ThroughputBudget, menu_of
+from mmspec.budget import BudgetCall, BudgetConfig, ThroughputBudget, menu_of
 from mmspec.loop import DecodeState
+from mmspec.stats import SpecStats
 from mmspec.tree import PLAIN, DraftTree, TreeShape, expand_eagle2
 from mmspec.verify import VerifyResult, accept
 
@@ -79,28 +80,24 @@ def simulate(full: TreeShape, step_cost: Callable[[TreeShape], float], rank_rate
     generator = torch.Generator().manual_seed(seed)
     config = config or BudgetConfig(timing=False)
     options, keys, _ = menu_of(SimpleNamespace(full_shape=full), config)
-    budget = ThroughputBudget(options, keys, config, costs=[step_cost(o) for o in options], full_key=full)
+    budget = None if fixed is not None else ThroughputBudget(options, keys, config,
+                                                             costs=[step_cost(o) for o in options], full_key=full)
+    steering = BudgetCall(budget, SpecStats())  # the loop's side of the budget, as `mmspec.loop.generate` has it
     clock, chosen = 0.0, {}
     active = torch.ones(1, dtype=torch.bool)
     for _ in range(calls):
-        drafts = fixed is not None or budget.begin(None, None, DecodeState.new(1, tokens, "cpu"), "greedy")
-        done, settled = 0, not drafts
+        steering.begin(None, None, DecodeState.new(1, tokens, "cpu"), "greedy")
+        done = 0
         while done < tokens:
             rates = rank_rates(done / tokens) if callable(rank_rates) else rank_rates
-            if fixed is not None:
-                shape = fixed
-            else:
-                key = 0 if settled else budget.choose(1, lambda done=done: torch.tensor([tokens - done]))
-                settled = settled or key == SETTLE
-                shape = PLAIN if key in (0, SETTLE) else key
+            key = steering.choose(1, lambda done=done: torch.tensor([tokens - done]))  # None: `fixed`; 0: plain
+            shape = fixed if key is None else PLAIN if key == 0 else key
             emitted, tree, result = simulated_step(shape, rates, generator)
-            if fixed is None and not settled and tree is not None:
-                budget.observe(result, active, tree)
+            steering.observe(key, result, active, tree)
             done += min(emitted, tokens - done)
             clock += step_cost(shape)
             chosen[shape] = chosen.get(shape, 0) + 1
-        if fixed is None:
-            budget.end()
+        steering.end()
     return calls * tokens / clock, chosen
 
 
