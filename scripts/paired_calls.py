@@ -1,10 +1,17 @@
-"""Paired call-by-call timing of the embedded LlamaGen: vanilla and each method (`METHOD` or `METHOD@BUDGET`) alternated
-call by call in a seeded shuffled order, in one process, after two warm-up rounds. Prints each method's time against
-vanilla's over all its calls (with a bootstrap 95% interval over rounds), and apart over the calls its draft budget
-ran without the drafter (the call gate) and those that drafted: what a default-path call costs where drafting does not
-pay, which a bench cell of a few calls cannot separate from the machine's noise.
+"""Paired call-by-call timing of the embedded LlamaGen (class-conditional, or `--t2i` on five captions): vanilla and
+each configuration alternated call by call in a seeded shuffled order, in one process, after two warm-up rounds.
+Prints each configuration's time against vanilla's over all its calls (with a bootstrap 95% interval over rounds),
+and apart over the calls its draft budget ran without the drafter (the call gate) and those that drafted: what a
+default-path call costs where drafting does not pay, which a bench cell of a few calls cannot separate from the
+machine's noise.
+
+A configuration is `METHOD`, `METHOD@BUDGET` or `METHOD@BUDGET:KEY=VALUE:..`: with `fixed` the keys are the method's
+(`eagle@fixed:top_k=1:depth=2:total_tokens=3`, a chain of 2), with `auto` they are `BudgetConfig` fields
+(`eagle@auto:decay=0.97`: the budget with one constant changed).
 
     python scripts/paired_calls.py --batch-size 8 --rounds 60 --methods sjd,eagle,draft-model --threads 2
+    python scripts/paired_calls.py --t2i --batch-size 1 --rounds 40 --threads 2 \
+        --methods eagle,eagle@fixed:top_k=1:depth=2:total_tokens=3,eagle@auto:decay=0.97
 """
 
 from __future__ import annotations
@@ -16,6 +23,20 @@ import time
 import torch
 
 from image_ar.llamagen.pipeline import LlamaGenPipeline
+from mmspec.budget import BudgetConfig
+
+CAPTIONS = ("a small red circle in the center on a black background", "two blue squares",
+            "a green triangle on the left", "a yellow circle and a red square", "three small white dots")
+
+
+def call_options(config: str) -> dict:
+    """The pipeline arguments of a configuration (see the module docstring)."""
+    method, _, budget = config.partition("@")
+    mode, *pairs = budget.split(":") if budget else [None]
+    values = {k: float(v) if "." in v else int(v) for k, v in (pair.split("=") for pair in pairs)}
+    if mode == "auto" and values:
+        return {"method": method, "budget": BudgetConfig(**values)}
+    return {"method": method, "budget": mode, "method_kwargs": values or None}
 
 
 def ratio(vanilla: list[float], method: list[float], calls: list[int]) -> float:
@@ -28,10 +49,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=60)
     parser.add_argument("--methods", default="sjd,eagle,draft-model")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--model", default="assets/llamagen")
+    parser.add_argument("--model", default=None, help="default: assets/llamagen, or assets/llamagen-t2i with --t2i")
+    parser.add_argument("--t2i", action="store_true", help="text-to-image LlamaGen on five captions")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    pipe = LlamaGenPipeline.from_pretrained(args.model)
+    pipe = LlamaGenPipeline.from_pretrained(args.model or f"assets/llamagen{'-t2i' if args.t2i else ''}")
     pipe.set_progress_bar_config(disable=True)
     configs = ["vanilla", *args.methods.split(",")]
     times: dict[str, list[float]] = {c: [] for c in configs}
@@ -41,11 +63,12 @@ def main() -> None:
         order = configs[:]
         rng.shuffle(order)
         for config in order:
-            method, _, budget = config.partition("@")
             generators = [torch.Generator().manual_seed(1000 * r + i) for i in range(b)]
+            condition = ({"prompt": [CAPTIONS[(r * b + i) % len(CAPTIONS)] for i in range(b)]} if args.t2i
+                         else {"class_labels": [(r * b + i) % 10 for i in range(b)]})
             start = time.perf_counter()
-            out = pipe(class_labels=[(r * b + i) % 10 for i in range(b)], temperature=1.0, top_k=64, method=method,
-                       budget=budget or None, generator=generators, output_type="latent")
+            out = pipe(**condition, temperature=1.0, top_k=64, generator=generators, output_type="latent",
+                       **call_options(config))
             seconds = time.perf_counter() - start
             if r >= 2:
                 times[config].append(seconds)
