@@ -23,6 +23,7 @@ import time
 import torch
 
 from image_ar.llamagen.pipeline import LlamaGenPipeline
+from mmspec.bench.configs import parse_value
 from mmspec.budget import BudgetConfig
 
 CAPTIONS = ("a small red circle in the center on a black background", "two blue squares",
@@ -33,7 +34,7 @@ def call_options(config: str) -> dict:
     """The pipeline arguments of a configuration (see the module docstring)."""
     method, _, budget = config.partition("@")
     mode, *pairs = budget.split(":") if budget else [None]
-    values = {k: float(v) if "." in v else int(v) for k, v in (pair.split("=") for pair in pairs)}
+    values = {k: parse_value(v) for k, v in (pair.split("=") for pair in pairs)}
     if mode == "auto" and values:
         return {"method": method, "budget": BudgetConfig(**values)}
     return {"method": method, "budget": mode, "method_kwargs": values or None}
