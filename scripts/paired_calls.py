@@ -7,16 +7,19 @@ machine's noise.
 
 A configuration is `METHOD`, `METHOD@BUDGET` or `METHOD@BUDGET:KEY=VALUE:..`: with `fixed` the keys are the method's
 (`eagle@fixed:top_k=1:depth=2:total_tokens=3`, a chain of 2), with `auto` they are `BudgetConfig` fields
-(`eagle@auto:decay=0.97`: the budget with one constant changed).
+(`eagle@auto:decay=0.97`: the budget with one constant changed). `METHOD@forced:STEP` runs the default budget made to
+draft STEP at every step (`mmspec.testing.budgets.forced_budget`: `eagle@forced:chain2`; its own work runs as usual),
+so that against `@fixed` of the same size it times what the budget itself costs.
 
     python scripts/paired_calls.py --batch-size 8 --rounds 60 --methods sjd,eagle,draft-model --threads 2
     python scripts/paired_calls.py --t2i --batch-size 1 --rounds 40 --threads 2 \
-        --methods eagle,eagle@fixed:top_k=1:depth=2:total_tokens=3,eagle@auto:decay=0.97
+        --methods eagle,eagle@fixed:top_k=1:depth=2:total_tokens=3,eagle@auto:decay=0.97,eagle@forced:chain2
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 
@@ -25,15 +28,18 @@ import torch
 from image_ar.llamagen.pipeline import LlamaGenPipeline
 from mmspec.bench.configs import parse_value
 from mmspec.budget import BudgetConfig
+from mmspec.testing.budgets import CallScript, forced_budget
 
 CAPTIONS = ("a small red circle in the center on a black background", "two blue squares",
             "a green triangle on the left", "a yellow circle and a red square", "three small white dots")
 
 
 def call_options(config: str) -> dict:
-    """The pipeline arguments of a configuration (see the module docstring)."""
+    """The pipeline arguments of a configuration (see the module docstring; `@forced` takes none)."""
     method, _, budget = config.partition("@")
     mode, *pairs = budget.split(":") if budget else [None]
+    if mode == "forced":
+        return {"method": method}
     values = {k: parse_value(v) for k, v in (pair.split("=") for pair in pairs)}
     if mode == "auto" and values:
         return {"method": method, "budget": BudgetConfig(**values)}
@@ -67,10 +73,14 @@ def main() -> None:
             generators = [torch.Generator().manual_seed(1000 * r + i) for i in range(b)]
             condition = ({"prompt": [CAPTIONS[(r * b + i) % len(CAPTIONS)] for i in range(b)]} if args.t2i
                          else {"class_labels": [(r * b + i) % 10 for i in range(b)]})
-            start = time.perf_counter()
-            out = pipe(**condition, temperature=1.0, top_k=64, generator=generators, output_type="latent",
-                       **call_options(config))
-            seconds = time.perf_counter() - start
+            budget = config.partition("@")[2]
+            forcing = (forced_budget(CallScript(steps=(budget.split(":")[1],))) if budget.startswith("forced:")
+                       else contextlib.nullcontext())
+            with forcing:
+                start = time.perf_counter()
+                out = pipe(**condition, temperature=1.0, top_k=64, generator=generators, output_type="latent",
+                           **call_options(config))
+                seconds = time.perf_counter() - start
             if r >= 2:
                 times[config].append(seconds)
                 gated[config].append(bool(out.stats.extra.get("calls_without_drafter", 0)))

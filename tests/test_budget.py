@@ -6,6 +6,7 @@ stays token-identical to vanilla. The budget package stays small and the core ha
 import ast
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from mmspec.lm import PLAIN_ROOM, DraftModelDrafter, LMTarget, NoDrafter, TreeMo
 from mmspec.loop import DecodeState, generate
 from mmspec.sampling import SamplingParams
 from mmspec.stats import SpecStats
-from mmspec.testing.budgets import CyclingBudget
+from mmspec.testing.budgets import CallScript, CyclingBudget, named_size
 from mmspec.testing.distributions import empirical_distribution, tv_distance, tv_tolerance
 from mmspec.testing.toy import toy_model
 from mmspec.tree import PLAIN, TreeShape, chain
@@ -557,3 +558,18 @@ def test_the_budget_package_is_small():
                 assert node.end_lineno - node.lineno < 60, (f.name, node.name)
     numbers = [f for f in BudgetConfig.__dataclass_fields__.values() if f.type in ("int", "float", "tuple[int, ...]")]
     assert len(numbers) <= 15
+
+
+def test_a_forced_budget_takes_an_option_of_the_menu_by_name():
+    """`CallScript` steps may name an option (`chain2`, `tree10x2n8`) as well as a step kind; a name outside the
+    budget's menu is refused with the menu."""
+    full = TreeShape(10, 5, 59)
+    options, keys, _ = menu_of(SimpleNamespace(full_shape=full), BudgetConfig())
+    budget = ThroughputBudget(options, keys, BudgetConfig(), costs=[1.0] * len(options), full_key=full)
+    assert named_size(budget, "chain2") == TreeShape(1, 2, 3)
+    assert named_size(budget, "tree10x2n8") == TreeShape(10, 2, 8)
+    assert named_size(budget, "full") == full and named_size(budget, "plain") == 0
+    with pytest.raises(ValueError, match="not in the budget's menu"):
+        named_size(budget, "tree10x9n8")
+    with pytest.raises(ValueError, match="option names"):
+        CallScript(steps=("chains",))

@@ -10,17 +10,20 @@ estimates and call gate).
 
 Step names: "full" the drafter's full size (a tree drafter's full shape, a chain or window drafter's largest size),
 "small" its smallest drafting size (the smallest tree of the menu, else a chain of 1), "chain" a chain of about a
-third of the full depth (a window drafter: its middle size), "plain" a plain step.
+third of the full depth (a window drafter: its middle size), "plain" a plain step; or an option of the budget's menu
+by its name (`chain2`, `tree10x2n8`: a `TreeShape`'s `str`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 STEP_NAMES = ("full", "small", "chain", "plain")
+OPTION_NAME = re.compile(r"chain\d+|tree\d+x\d+n\d+")  # an option of a budget's menu by name
 
 
 class CyclingBudget:
@@ -53,17 +56,23 @@ class CallScript:
     settle_after: int | None = None
 
     def __post_init__(self) -> None:
-        unknown = [s for s in self.steps if s not in STEP_NAMES]
+        unknown = [s for s in self.steps if s not in STEP_NAMES and not OPTION_NAME.fullmatch(s)]
         if unknown or not self.steps:
-            raise ValueError(f"steps must be a non-empty tuple of {STEP_NAMES}, got {self.steps!r}.")
+            raise ValueError(f"steps must be a non-empty tuple of {STEP_NAMES} or option names (chain2, tree10x2n8), "
+                             f"got {self.steps!r}.")
 
 
 def named_size(budget: Any, name: str) -> Any:
-    """The size `name` (see the module docstring) in `budget`'s menu (a `ThroughputBudget`): a `TreeShape` of a tree
-    drafter, an int of a chain or window drafter; 0 for "plain"."""
+    """The size `name` (a step name or an option's, see the module docstring) in `budget`'s menu (a
+    `ThroughputBudget`): a `TreeShape` of a tree drafter, an int of a chain or window drafter; 0 for "plain"."""
     if name == "plain":
         return 0
     options, keys = budget.options, budget.keys
+    if OPTION_NAME.fullmatch(name):
+        names = [str(o) for o in options]
+        if name not in names:
+            raise ValueError(f"{name!r} is not in the budget's menu: {', '.join(names[1:])}.")
+        return keys[names.index(name)]
     if name == "full":
         return budget.full_key
     chains = [i for i, o in enumerate(options) if o.is_chain]
