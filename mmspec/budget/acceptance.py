@@ -46,8 +46,6 @@ class AcceptanceModel:
         self.shows = {o: torch.tensor([(o == p if per_size else o.contains(p)) and p != PLAIN for p in self.options],
                                       dtype=torch.float64) for o in self.options}
         self.keeps = {o: 1.0 - (1.0 - self.decay) * shown for o, shown in self.shows.items()}  # [S] decay where shown
-        self.is_chain = torch.tensor([o.is_chain for o in self.options])  # [S]
-        self.depths = torch.tensor([o.depth for o in self.options])  # [S] (0: the plain step)
         self._moments: tuple = (None, None)  # (the counts' versions, the moments read from them)
 
     def observe(self, shape: TreeShape, draft: Draft, result: VerifyResult, active: torch.Tensor) -> None:
@@ -83,20 +81,17 @@ class AcceptanceModel:
         if self._moments[0] == (versions := (self.own._version, self.positions._version)):
             return self._moments[1]
         firsts, seconds = chain_moments(self.position_rates())
-        first = torch.tensor([1.0, *firsts], dtype=torch.float64)  # [D+1] E[X] of a chain of depth d
-        second = torch.tensor([1.0, *seconds], dtype=torch.float64)  # [D+1] E[X^2]
-        ran = self.rows > 0  # [S]
-        drafting = self.depths > 0  # [S]
-        by_position = self.is_chain & drafting & ~(ran & self.per_size)  # [S] chains, unless valued by their own
-        by_own = ~by_position & drafting & ran  # [S] (an option never shown: 1 token, as a plain step)
-        d = self.depths.clamp_max(len(firsts))  # [S]
-        rows = self.rows.clamp_min(1e-12)  # [S]
-        m = self.sums / rows  # [S]
-        mean = torch.where(by_position, first[d], torch.where(by_own, 1.0 + m, 1.0))
-        var = torch.where(by_position, second[d] - first[d] ** 2,
-                          torch.where(by_own, (self.squares / rows - m * m).clamp_min(0.0), 0.0))
-        self._moments = (versions, (mean, var))
-        return mean, var
+        first, second = [1.0, *firsts], [1.0, *seconds]  # [D+1] E[X], E[X^2] of a chain of depth d
+        mean, var = [1.0] * len(self.options), [0.0] * len(self.options)  # [S] (plain, or never shown: 1 token)
+        for s, (option, sums, squares, rows) in enumerate(zip(self.options, *self.own.tolist())):  # (host floats)
+            if option.is_chain and option.depth and not (rows > 0 and self.per_size):  # by chain position
+                d = min(option.depth, len(firsts))
+                mean[s], var[s] = first[d], second[d] - first[d] * first[d]
+            elif option.depth and rows > 0:  # valued by its own steps
+                m = sums / max(rows, 1e-12)
+                mean[s], var[s] = 1.0 + m, max(squares / max(rows, 1e-12) - m * m, 0.0)
+        self._moments = (versions, (torch.tensor(mean, dtype=torch.float64), torch.tensor(var, dtype=torch.float64)))
+        return self._moments[1]
 
 
 def accepted_under(options: Sequence[TreeShape], draft: Draft,

@@ -37,15 +37,16 @@ class StepCosts:
         self.options, self.config = list(options), config
         self.table: list[float] | None = None  # [S] table seconds at the budget's batch size
         self.steps: dict[int, deque] = {}  # option index -> its last measured seconds
+        self.medians: dict[int, float] = {}  # option index -> the median of its `steps`
 
     def note(self, option: int, seconds: float) -> None:
         """A step of option index `option` took `seconds`."""
         self.steps.setdefault(option, deque(maxlen=self.config.step_samples)).append(seconds)
+        self.medians[option] = statistics.median(self.steps[option])
 
     def seconds(self) -> torch.Tensor:
         """[S] each option's step seconds: measured, or its table's read like the measured ones'."""
-        table = self.table or [1.0] * len(self.options)
-        measured = {s: statistics.median(d) for s, d in self.steps.items()}
+        table, measured = self.table or [1.0] * len(self.options), self.medians
         ratio = statistics.median([m / max(table[s], 1e-12) for s, m in measured.items()]) if measured else 1.0
         return torch.tensor([measured.get(s, table[s] * ratio) for s in range(len(table))], dtype=torch.float64)
 
