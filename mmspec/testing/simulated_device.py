@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import math
 import random
-import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -33,6 +32,7 @@ import torch
 from mmspec.budget import BudgetCall, BudgetConfig, ThroughputBudget, menu_of
 from mmspec.loop import DecodeState
 from mmspec.stats import SpecStats
+from mmspec.testing.clock import modelled_clock
 from mmspec.tree import PLAIN, DraftTree, TreeShape, expand_eagle2
 from mmspec.verify import VerifyResult, accept
 
@@ -140,25 +140,23 @@ class SimulatedClock:
     step_noise: float = 0.0
     call_load: float = 0.0
     true: Callable[[TreeShape], float] | None = None
-    now: float = 0.0
     load: float = 1.0
     rng: random.Random = field(default_factory=random.Random)
+    now: list[float] = field(default_factory=lambda: [0.0])  # the reading (`modelled_clock`'s)
 
     def new_call(self) -> None:
         self.load = math.exp(self.rng.gauss(0.0, self.call_load))
 
     def advance(self, cost: float) -> None:
-        self.now += cost * self.load * math.exp(self.rng.gauss(0.0, self.step_noise))
+        self.now[0] += cost * self.load * math.exp(self.rng.gauss(0.0, self.step_noise))
 
     @contextlib.contextmanager
     def reading(self, seed: int) -> Iterator[None]:
-        """Inside the block `time.perf_counter` reads this clock (from 0, its noise seeded by `seed`)."""
-        self.now, self.rng, real = 0.0, random.Random(seed), time.perf_counter
-        time.perf_counter = lambda: self.now
-        try:
+        """Inside the block `time.perf_counter` reads this clock (`mmspec.testing.clock.modelled_clock` with no
+        module charged: from 0, its noise seeded by `seed`)."""
+        self.rng = random.Random(seed)
+        with modelled_clock({}) as self.now:
             yield
-        finally:
-            time.perf_counter = real
 
 
 # fixed shapes the budget is compared with: chains and trees of EAGLE-2's top_k up to its full tree (10, 6, 60)
