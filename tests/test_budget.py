@@ -46,6 +46,12 @@ def started(budget, batch=1):
     return budget
 
 
+def set_positions(model, reached, accepted, at=slice(None)):
+    """Every chain position in `at` reached by `reached` decayed rows and accepted by `accepted`."""
+    for counts, value in ((model.reached, reached), (model.accepted, accepted)):
+        counts[at] = [value] * len(counts[at])
+
+
 def choose(budget, rows=1, left=None):
     return budget.choose(rows, lambda: torch.tensor(left if left is not None else [8] * rows))
 
@@ -56,18 +62,18 @@ def test_rates_count_each_position_given_the_earlier_ones_and_fill_unseen_positi
     draft = ChainDraft(torch.zeros(4, 4, dtype=torch.long))
     model.observe(chain(4), draft, result([0, 2, 4, 1], [4, 4, 4, 4]), torch.ones(4, dtype=torch.bool))
     # position 1: reached by 4 rows, accepted by 3; position 2: reached by 3, accepted by 2; 3 and 4: 1 of 1
-    assert model.reached.tolist() == [4, 3, 2, 1] and model.accepted.tolist() == [3, 2, 1, 1]
+    assert model.reached == [4, 3, 2, 1] and model.accepted == [3, 2, 1, 1]
     assert model.position_rates() == pytest.approx([0.75, 2 / 3, 0.5, 1.0])
     only_first = torch.tensor([True, False, False, False])
     model.observe(chain(2), draft, result([0, 2, 4, 1], [2, 2, 2, 2]), only_first)  # only row 0 counts
-    assert model.reached.tolist() == [5, 3, 2, 1]
+    assert model.reached == [5, 3, 2, 1]
     fresh = AcceptanceModel([chain(k) for k in range(9)], BudgetConfig())
     fresh.observe(chain(2), draft, result([1, 1], [2, 2]), torch.ones(2, dtype=torch.bool))
     rates = fresh.position_rates()
     assert rates[2:] == pytest.approx([rates[1]] * 6)  # unseen positions take the deepest reached rate
     mean, var = fresh.moments()
     assert mean[0] == 1.0 and var[0] == 0.0 and mean[2] == pytest.approx(1 + rates[0] + rates[0] * rates[1])
-    fresh.accepted[0] = 0.0  # the moments are kept until the counts change, in place or by a step
+    fresh.accepted[0] = 0.0  # the moments follow the counts, changed in place or by a step
     assert fresh.moments()[0][1] == pytest.approx(1 + fresh.position_rates()[0]) and mean[1] == 1 + rates[0]
     fresh.observe(chain(2), draft, result([2, 2], [2, 2]), torch.ones(2, dtype=torch.bool))
     assert fresh.moments()[0][2] == pytest.approx(1 + sum(math.prod(fresh.position_rates()[:i]) for i in (1, 2)))
@@ -93,7 +99,7 @@ def test_per_size_options_are_valued_by_their_own_steps():
     model = AcceptanceModel(options, BudgetConfig(decay=1.0), per_size=True)
     draft = ChainDraft(torch.zeros(2, 7, dtype=torch.long))
     model.observe(chain(7), draft, result([1, 3], [7, 7]), torch.ones(2, dtype=torch.bool))
-    assert model.rows.tolist() == [0, 0, 0, 2]
+    assert model.rows == [0, 0, 0, 2]
     mean, var = model.moments()
     assert mean[3] == pytest.approx(3.0) and var[3] == pytest.approx(1.0)  # its own steps: 1 + (1, 3)
     assert mean[2] > 1.0  # not run: the position model
@@ -173,10 +179,10 @@ def test_counterfactual_accepts_are_what_the_smaller_tree_accepts():
 def test_measured_step_times_replace_the_table_and_scale_the_others():
     budget = chain_budget([1.0, 2.0, 4.0])
     budget.costs.note(2, 8.0)  # the size of 2 ran at twice its table time
-    assert budget.costs.seconds().tolist() == [2.0, 4.0, 8.0]  # the others read like it
+    assert budget.costs.seconds() == [2.0, 4.0, 8.0]  # the others read like it
     budget.costs.note(0, 1.0)
-    assert budget.costs.seconds().tolist()[0] == 1.0  # measured
-    assert budget.costs.seconds().tolist()[1] == pytest.approx(2.0 * 1.5)  # median ratio of (2, 1)
+    assert budget.costs.seconds()[0] == 1.0  # measured
+    assert budget.costs.seconds()[1] == pytest.approx(2.0 * 1.5)  # median ratio of (2, 1)
 
 
 def test_a_calls_first_step_and_steps_that_compiled_are_not_timed(monkeypatch):
@@ -198,12 +204,10 @@ def test_the_choice_follows_cost_and_acceptance():
     """Good acceptance and a cheap verify: the deepest chain; the same acceptance where a draft costs a plain step
     each: plain steps; nothing learnt yet: plain steps (a plain step wins ties)."""
     good = chain_budget([1.0, 1.1, 1.2, 1.3])
-    good.acceptance.reached[:] = 10.0
-    good.acceptance.accepted[:] = 9.0
+    set_positions(good.acceptance, 10.0, 9.0)
     assert choose(started(good)) == 3
     dear = chain_budget([1.0, 2.0, 3.0, 4.0])
-    dear.acceptance.reached[:] = 10.0
-    dear.acceptance.accepted[:] = 9.0
+    set_positions(dear.acceptance, 10.0, 9.0)
     assert choose(started(dear)) == 0
     assert choose(started(chain_budget([1.0, 1.0, 1.0, 1.0]))) in (1, 2, 3)  # (prior 0.5 per position: drafts pay)
 
@@ -212,8 +216,7 @@ def test_the_batch_tail_prefers_steady_options_for_many_rows():
     """At batch > 1 a call lasts as long as its slowest row: of two options with the same mean tokens and cost,
     the one whose rows vary less wins with many rows; at one row the two are alike."""
     budget = started(chain_budget([1.0, 1.0, 1.0]), 32)
-    budget.acceptance.moments = lambda: (torch.tensor([1.0, 3.0, 3.0], dtype=torch.float64),
-                                         torch.tensor([0.0, 0.1, 4.0], dtype=torch.float64))
+    budget.acceptance.moments = lambda: ([1.0, 3.0, 3.0], [0.0, 0.1, 4.0])
     speed = budget.speeds(32, [48, 32])  # (the longest row's 48 tokens left, 32 rows not finished)
     assert speed[1] > speed[2] > speed[0]
     alone = budget.speeds(1, None)
@@ -288,8 +291,8 @@ def test_a_refresh_while_chains_are_chosen_drafts_the_deepest_chain():
                                                                    gate=False),
                                       costs=[1.0 + 0.01 * o.total for o in options],
                                       full_key=full))
-    budget.acceptance.reached[:2], budget.acceptance.accepted[:2] = 100.0, 100.0  # chains of 2 always accepted
-    budget.acceptance.reached[2:], budget.acceptance.accepted[2:] = 100.0, 0.0  # .. and never past
+    set_positions(budget.acceptance, 100.0, 100.0, slice(None, 2))  # chains of 2 always accepted
+    set_positions(budget.acceptance, 100.0, 0.0, slice(2, None))  # .. and never past
     chosen = [choose(budget) for _ in range(5)]
     deepest = max((o for o in options if o.is_chain), key=lambda o: o.depth)
     assert chosen[:4] == [chain(2)] * 4 and chosen[4] == deepest
@@ -305,7 +308,7 @@ def test_plain_choices_in_a_row_settle_the_segment_then_the_call_and_the_loop_st
     later segment would draft; SETTLE (the loop stops asking) where every later one would take plain steps too."""
     config = BudgetConfig(warmup=0, refresh_every=0, settle_after=3, gate=False)
     budget = started(chain_budget([1.0, 1.5], config))
-    budget.by_segment[3].reached[:], budget.by_segment[3].accepted[:] = 10.0, 10.0  # the last quarter drafts
+    set_positions(budget.by_segment[3], 10.0, 10.0)  # the last quarter drafts
     assert [choose(budget, left=[8]) for _ in range(3)] == [0, 0, 0] and budget.segment == 0
     speeds = budget.speeds
     budget.speeds = None  # a settled segment asks no estimate
@@ -326,8 +329,8 @@ def test_plain_steps_are_measured_before_the_estimate_drafts_on_table_costs():
     measured plain step: while fewer than plain_probe plain steps ran, an estimate that drafts runs one instead."""
     budget = started(chain_budget([1.0, 1.0], BudgetConfig(warmup=0, refresh_every=0, gate=False, plain_probe=2)))
     budget._time_last_step = lambda: None  # the step seconds are the ones noted below, not this test's
-    budget.acceptance.rows[:] = 1.0
-    budget.acceptance.sums[:] = torch.tensor([0.0, 1.0], dtype=torch.float64)  # drafting doubles the tokens
+    budget.acceptance.rows[:] = [1.0, 1.0]
+    budget.acceptance.sums[:] = [0.0, 1.0]  # drafting doubles the tokens
     assert choose(budget) == 0  # no plain step measured yet (the call's first step is never timed)
     budget.costs.note(0, 1.0)
     assert choose(budget) == 0
@@ -340,10 +343,10 @@ def test_plain_steps_are_measured_before_the_estimate_drafts_on_table_costs():
 def test_per_size_choices_hold_for_a_few_steps():
     budget = started(chain_budget([1.0, 1.0, 1.0], BudgetConfig(warmup=0, refresh_every=0, hold=3, gate=False,
                                                                 plain_probe=0), per_size=True))
-    budget.acceptance.rows[:] = 1.0
-    budget.acceptance.sums[:] = torch.tensor([0.0, 0.5, 1.0], dtype=torch.float64)
+    budget.acceptance.rows[:] = [1.0] * 3
+    budget.acceptance.sums[:] = [0.0, 0.5, 1.0]
     assert [choose(budget) for _ in range(2)] == [2, 2]
-    budget.acceptance.sums[:] = torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64)
+    budget.acceptance.sums[:] = [0.0, 1.0, 0.0]
     assert choose(budget) == 2 and choose(budget) == 1  # held for 3 steps, then the new best
 
 
@@ -366,7 +369,7 @@ def test_a_call_that_never_drafted_by_estimate_runs_the_next_calls_without_the_d
 
 def test_the_gate_stays_open_while_calls_draft_by_estimate():
     budget = chain_budget([1.0, 1.0], BudgetConfig(warmup=0, refresh_every=0, timing=False, call_backoff=2))
-    budget.acceptance.reached[:], budget.acceptance.accepted[:] = 10.0, 9.0
+    set_positions(budget.acceptance, 10.0, 9.0)
     for _ in range(5):
         assert budget.begin(None, None, DecodeState.new(1, 8, "cpu"), "lossless")
         assert choose(budget) == 1

@@ -15,7 +15,7 @@ accepted drafts of a row:
   few bad steps must not read it below a smaller one).
 `batch_steps_of` turns (mean, variance) into the expected steps until the last of a batch's rows is done.
 
-Glossary: B rows, S options, D chain positions, N tree nodes, W path length.
+Glossary: B rows, S options, D chain positions, N tree nodes, W path length, L tree depths, C tree options.
 """
 
 from __future__ import annotations
@@ -31,80 +31,77 @@ from mmspec.verify import Draft, VerifyResult
 
 
 class AcceptanceModel:
-    """Decayed acceptance counts over a menu of options (see the module docstring)."""
+    """Decayed acceptance counts over a menu of options (see the module docstring), kept as host floats: a step's
+    verdicts are read from the device once, and every choice reads the model without touching it."""
 
     def __init__(self, options: Sequence[TreeShape], config: BudgetConfig, per_size: bool = False) -> None:
         self.options, self.config, self.per_size = list(options), config, per_size
-        # [3, S] each option's own decayed accepted drafts, squared accepted drafts, and the rows behind them
-        self.own = torch.zeros(3, len(self.options), dtype=torch.float64)
-        self.sums, self.squares, self.rows = self.own  # [S] each (views)
-        depth = max((o.depth for o in self.options if o.is_chain), default=0)
-        self.positions = torch.zeros(2, depth, dtype=torch.float64)  # [2, D] decayed rows that reached position j,
-        self.reached, self.accepted = self.positions  # and accepted it: [D] each (views)
+        n, depth = len(self.options), max((o.depth for o in self.options if o.is_chain), default=0)
+        self.sums, self.squares, self.rows = [0.0] * n, [0.0] * n, [0.0] * n  # [S] each option's own decayed
+        # accepted drafts, squared accepted drafts, and the rows behind them
+        self.reached, self.accepted = [0.0] * depth, [0.0] * depth  # [D] decayed rows that reached position j, and
+        # accepted it
         self.decay = config.window_decay if per_size else config.decay
-        # per option drafted: the options a step of it shows [S] (the plain step shows none; per size: itself)
-        self.shows = {o: torch.tensor([(o == p if per_size else o.contains(p)) and p != PLAIN for p in self.options],
-                                      dtype=torch.float64) for o in self.options}
-        self.keeps = {o: 1.0 - (1.0 - self.decay) * shown for o, shown in self.shows.items()}  # [S] decay where shown
-        self._moments: tuple = (None, None)  # (the counts' versions, the moments read from them)
+        self.keep = 1.0 - (1.0 - self.decay)  # (the own counts' factor where shown, as first written: bit for bit)
+        # per option drafted: the options a step of it shows (the plain step shows none; per size: itself)
+        self.shows = {o: [s for s, p in enumerate(self.options)
+                          if p != PLAIN and (o == p if per_size else o.contains(p))] for o in self.options}
+        self.chain_depths = [o.depth if o.is_chain else 0 for o in self.options]  # [S] a chain step's reach (trees 0)
 
     def observe(self, shape: TreeShape, draft: Draft, result: VerifyResult, active: torch.Tensor) -> None:
         """Count a step drafted with `shape`: its rows' verdicts by chain position and under every option it shows."""
         if shape == PLAIN:
             return
-        counts, chain_accepted, chain_drafted = accepted_under(self.options, draft, result)  # [B, S], [B], [B]
-        n, depth = len(self.options), min(int(shape.depth), self.positions.shape[1])
-        on = active.unsqueeze(-1)  # [B, 1]
-        positions = constant_on(tuple(range(1, depth + 1)), counts.device)  # [d]
-        reached = (chain_accepted.unsqueeze(-1) >= positions - 1) & (chain_drafted.unsqueeze(-1) >= positions) & on
-        counted = counts * on  # [B, S]
-        parts = [counted.sum(0), (counted * counts).sum(0), active.sum().expand(n), reached.sum(0),
-                 (reached & (chain_accepted.unsqueeze(-1) >= positions)).sum(0)]  # [S] [S] [S] [d] [d]
-        sums = torch.cat(parts).cpu().double()  # the step's one read of the device
-        self.own.mul_(self.keeps[shape]).addcmul_(sums[:3 * n].view(3, n), self.shows[shape])  # [3, S]
-        self.positions[:, :depth].mul_(self.decay).add_(sums[3 * n:].view(2, depth))  # [2, d]
+        b, shown, tree = active.shape[0], self.shows[shape], isinstance(draft, DraftTree) and not draft.is_chain
+        if tree:  # the drafts each row would have accepted under each shown option, summed on the device
+            counts, chain = counterfactual_accepts(draft, result.accepted_nodes, self.options)  # [B, S], [B]
+            counted = counts[:, shown] * active.unsqueeze(-1)  # [B, s]
+            parts = [chain, torch.full_like(chain, draft.max_depth), active, counted.sum(0),
+                     (counted * counts[:, shown]).sum(0)]  # [B] [B] [B] [s] [s]
+        else:  # a chain step (a CSpD window, a one-branch tree): an option of depth d reads min(accepted, d)
+            drafted = draft.valid[:, 1:].sum(-1) if isinstance(draft, DraftTree) else result.num_drafted  # [B]
+            parts = [result.num_accepted, drafted, active]  # [B] [B] [B]
+        read = torch.cat([part.long() for part in parts]).tolist()  # the step's one read of the device
+        rows = [(a, d) for a, d, on in zip(read[:b], read[b:2 * b], read[2 * b:3 * b]) if on]  # (accepted, drafted)
+        depths = [self.chain_depths[s] for s in shown]
+        own = read[3 * b:] if tree else [sum(min(a, d) ** p for a, _ in rows) for p in (1, 2) for d in depths]  # [2s]
+        for s, total, square in zip(shown, own, own[len(shown):]):
+            self.sums[s] = self.sums[s] * self.keep + total
+            self.squares[s] = self.squares[s] * self.keep + square
+            self.rows[s] = self.rows[s] * self.keep + len(rows)
+        depth = min(int(shape.depth), len(self.reached))
+        reached, accepted = [0] * depth, [0] * depth  # [d] rows that reached position j, and accepted it
+        for a, d in rows:
+            for j in range(min(depth, d, a + 1)):
+                reached[j] += 1
+                accepted[j] += a > j
+        self.reached[:depth] = [r * self.decay + n for r, n in zip(self.reached, reached)]
+        self.accepted[:depth] = [r * self.decay + n for r, n in zip(self.accepted, accepted)]
 
     def position_rates(self) -> list[float]:
-        """a_j for j = 1..D (host floats), shrunk towards the pooled rate; unreached positions take the deepest
-        reached one's."""
-        reached, accepted = self.reached, self.accepted
-        total = float(reached.sum())
-        pooled = float(accepted.sum()) / total if total > 0 else 0.5
-        rates = ((accepted + self.config.prior_rows * pooled) / (reached + self.config.prior_rows)).tolist()
-        seen = [j for j, r in enumerate(reached.tolist()) if r > 0]
+        """a_j for j = 1..D, shrunk towards the pooled rate; unreached positions take the deepest reached one's."""
+        total, prior = sum(self.reached), self.config.prior_rows
+        pooled = sum(self.accepted) / total if total > 0 else 0.5
+        rates = [(a + prior * pooled) / (r + prior) for r, a in zip(self.reached, self.accepted)]
+        seen = [j for j, r in enumerate(self.reached) if r > 0]
         if seen:
             rates[seen[-1] + 1:] = [rates[seen[-1]]] * (len(rates) - seen[-1] - 1)
         return rates
 
-    def moments(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(E[X], Var[X]) [S] of the tokens a row emits per step under each option (kept until the counts change)."""
-        if self._moments[0] == (versions := (self.own._version, self.positions._version)):
-            return self._moments[1]
+    def moments(self) -> tuple[list[float], list[float]]:
+        """(E[X], Var[X]) [S] of the tokens a row emits per step under each option."""
         firsts, seconds = chain_moments(self.position_rates())
         first, second = [1.0, *firsts], [1.0, *seconds]  # [D+1] E[X], E[X^2] of a chain of depth d
         mean, var = [1.0] * len(self.options), [0.0] * len(self.options)  # [S] (plain, or never shown: 1 token)
-        for s, (option, sums, squares, rows) in enumerate(zip(self.options, *self.own.tolist())):  # (host floats)
-            if option.is_chain and option.depth and not (rows > 0 and self.per_size):  # by chain position
-                d = min(option.depth, len(firsts))
+        for s, (option, depth, sums, squares, rows) in enumerate(zip(self.options, self.chain_depths, self.sums,
+                                                                      self.squares, self.rows)):
+            if depth and not (rows > 0 and self.per_size):  # a chain, by chain position
+                d = min(depth, len(firsts))
                 mean[s], var[s] = first[d], second[d] - first[d] * first[d]
             elif option.depth and rows > 0:  # valued by its own steps
                 m = sums / max(rows, 1e-12)
                 mean[s], var[s] = 1.0 + m, max(squares / max(rows, 1e-12) - m * m, 0.0)
-        self._moments = (versions, (torch.tensor(mean, dtype=torch.float64), torch.tensor(var, dtype=torch.float64)))
-        return self._moments[1]
-
-
-def accepted_under(options: Sequence[TreeShape], draft: Draft,
-                   result: VerifyResult) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(drafts each row would have accepted under each option [B, S], its accepted drafts along the step's greedy
-    chain [B], the chain's drafted length [B]). A chain step (a CSpD window, a one-branch tree) shows chains only."""
-    if not isinstance(draft, DraftTree) or draft.is_chain:
-        accepted = result.num_accepted  # [B]
-        drafted = draft.valid[:, 1:].sum(-1) if isinstance(draft, DraftTree) else result.num_drafted  # [B]
-        depths = constant_on(tuple(o.depth if o.is_chain else 0 for o in options), accepted.device)  # [S]
-        return torch.minimum(accepted.unsqueeze(-1), depths), accepted, drafted
-    counts, chain = counterfactual_accepts(draft, result.accepted_nodes, options)
-    return counts, chain, torch.full_like(chain, draft.max_depth)
+        return mean, var
 
 
 def chain_moments(rates: Sequence[float]) -> tuple[list[float], list[float]]:
@@ -120,14 +117,15 @@ def chain_moments(rates: Sequence[float]) -> tuple[list[float], list[float]]:
     return firsts, seconds
 
 
-def batch_steps_of(tokens_left: float, rows: int, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
+def batch_steps_of(tokens_left: float, rows: int, mean: Sequence[float] | torch.Tensor,
+                   var: Sequence[float] | torch.Tensor) -> torch.Tensor:
     """Expected steps [S] until the last of `rows` rows has emitted `tokens_left` (r) more tokens, for S options whose
     rows emit mean [S] tokens a step with variance var [S]: E[max_rows N] = sum_{n >= 0} 1 - (1 - P(N > n))^rows,
     P(N > n) = P(S_n < r) ~ Phi((r - 1/2 - n mean) / sqrt(n var)) (N a row's step count, S_n its tokens after n steps,
     normal with a continuity correction). It counts the last step whole: a row that needs 4.3 steps takes 5. Plain
     steps (mean 1, var 0) take exactly r. Only the n within 6 sd of r / mean are summed."""
-    m = mean.double().clamp_min(1e-9)  # [S]
-    v = var.double().clamp_min(0.0)  # [S]
+    m = torch.as_tensor(mean, dtype=torch.float64).clamp_min(1e-9)  # [S]
+    v = torch.as_tensor(var, dtype=torch.float64).clamp_min(0.0)  # [S]
     r = tokens_left - 0.5
     centre = r / m  # [S]
     width = 6.0 * (centre * v).sqrt() / m + 2.0  # [S] 6 sd of a row's step count, and 2 steps
@@ -150,36 +148,34 @@ def counterfactual_accepts(tree: DraftTree, path: torch.Tensor,
     """(drafts each row would have accepted under each shape [B, S], along the tree's first-children chain [B]): the
     leading nodes of the accepted path (path [B, W] node indices, root first, -1 padded) that the shape's tree holds
     (the first n - 1 nodes by score among those of depth <= d; a chain: the leading first children). Exact under
-    greedy verification (the accepted path is the target's argmax path), an estimate when sampling."""
-    b, n = tree.tokens.shape
+    greedy verification (the accepted path is the target's argmax path), an estimate when sampling. Every node is
+    compared with the path's nodes only, every tree depth at once: a fixed number of tensor operations a step."""
+    n = tree.tokens.shape[1]
     device = tree.tokens.device
     nodes = path[:, 1:]  # [B, W-1] u_1..u_k
     on_path, at = nodes >= 0, nodes.clamp_min(0)  # [B, W-1]
-    valid = tree.valid.clone()
-    valid[:, 0] = False  # the root is not a draft
-    index = torch.arange(n, device=device)
-    earlier = index.view(1, 1, n) < index.view(1, n, 1)  # [1, N(i), N(j)] j before i
-    # first children: no valid sibling before them (siblings are ordered by descending score)
-    siblings = (tree.parents.unsqueeze(-1) == tree.parents.unsqueeze(1)) & valid.unsqueeze(1) & earlier  # [B, N, N]
-    first = valid & ~siblings.any(-1)  # [B, N]
-    chain = (on_path & first.gather(1, at)).long().cumprod(-1).sum(-1)  # [B] leading first children on the path
-    out = torch.zeros(b, len(shapes), dtype=torch.long, device=device)  # [B, S]
-    for s, shape in enumerate(shapes):
-        if shape.is_chain:
-            out[:, s] = chain.clamp_max(shape.depth)
-    tree_depths = sorted({shape.depth for shape in shapes if shape.top_k > 1})
-    if tree.is_chain or not tree_depths or tree.scores is None:  # a chain shows chains only
+    index = constant_on(tuple(range(n)), device)  # [N]
+    valid = tree.valid & (index > 0)  # [B, N] drafted nodes (the root is not a draft)
+    before = index < at.unsqueeze(-1)  # [B, W-1, N] node j comes before the path node
+    # a first child has no valid sibling before it (siblings are ordered by descending score)
+    siblings = (tree.parents.unsqueeze(1) == tree.parents.gather(1, at).unsqueeze(-1)) & valid.unsqueeze(1) & before
+    first = valid.gather(1, at) & ~siblings.any(-1)  # [B, W-1]
+    chain = (on_path & first).long().cumprod(-1).sum(-1)  # [B] leading first children on the path
+    chain_depths = constant_on(tuple(s.depth if s.is_chain else 0 for s in shapes), device)  # [S] (trees: 0)
+    out = torch.minimum(chain.unsqueeze(-1), chain_depths)  # [B, S]
+    columns = [s for s, shape in enumerate(shapes) if shape.top_k > 1]  # [C] the trees
+    if tree.is_chain or not columns or tree.scores is None:  # a chain shows chains only
         return out, chain
-    scores = tree.scores.float()
-    beats = valid.unsqueeze(1) & ((scores.unsqueeze(1) > scores.unsqueeze(-1))
-                                  | ((scores.unsqueeze(1) == scores.unsqueeze(-1)) & earlier))  # [B, N(i), N(j)]
-    depth_on_path = tree.depths.gather(1, at)  # [B, W-1]
-    for depth in tree_depths:
-        columns = [s for s, shape in enumerate(shapes) if shape.top_k > 1 and shape.depth == depth]
-        shallow = (tree.depths <= depth).unsqueeze(1)  # [B, 1, N(j)]
-        rank = (beats & shallow).sum(-1).gather(1, at)  # [B, W-1] rank among the drafted nodes of depth <= d
-        rank = torch.where(on_path & (depth_on_path <= depth), rank, n)  # off the path or too deep: never inside
-        worst = rank.cummax(-1).values  # [B, W-1] the worst rank of each leading part of the path
-        kept = constant_on(tuple(shapes[s].total - 1 for s in columns), device)  # [C] drafted nodes kept
-        out[:, columns] = (worst.unsqueeze(-1) < kept).sum(1)  # [B, C] leading path nodes inside each tree
+    scores = tree.scores.float()  # [B, N]
+    on_score = scores.gather(1, at).unsqueeze(-1)  # [B, W-1, 1]
+    beaten_by = valid.unsqueeze(1) & ((scores.unsqueeze(1) > on_score) | ((scores.unsqueeze(1) == on_score) & before))
+    levels = sorted({shapes[s].depth for s in columns})  # [L] the trees' depths
+    level = constant_on(tuple(levels), device).view(-1, 1, 1)  # [L, 1, 1]
+    shallow = (tree.depths.unsqueeze(0) <= level).unsqueeze(2)  # [L, B, 1, N] nodes of depth <= d
+    rank = (beaten_by.unsqueeze(0) & shallow).sum(-1)  # [L, B, W-1] rank among the drafted nodes of depth <= d
+    inside = on_path & (tree.depths.gather(1, at).unsqueeze(0) <= level)  # [L, B, W-1] (else never inside)
+    worst = torch.where(inside, rank, n).cummax(-1).values  # [L, B, W-1] the worst rank of each leading part
+    of_column = constant_on(tuple(levels.index(shapes[s].depth) for s in columns), device)  # [C]
+    kept = constant_on(tuple(shapes[s].total - 1 for s in columns), device).view(-1, 1, 1)  # [C, 1, 1]
+    out[:, columns] = (worst[of_column] < kept).sum(-1).T  # [B, C] leading path nodes inside each tree
     return out, chain

@@ -44,11 +44,11 @@ class StepCosts:
         self.steps.setdefault(option, deque(maxlen=self.config.step_samples)).append(seconds)
         self.medians[option] = statistics.median(self.steps[option])
 
-    def seconds(self) -> torch.Tensor:
+    def seconds(self) -> list[float]:
         """[S] each option's step seconds: measured, or its table's read like the measured ones'."""
         table, measured = self.table or [1.0] * len(self.options), self.medians
         ratio = statistics.median([m / max(table[s], 1e-12) for s, m in measured.items()]) if measured else 1.0
-        return torch.tensor([measured.get(s, table[s] * ratio) for s in range(len(table))], dtype=torch.float64)
+        return [measured.get(s, table[s] * ratio) for s in range(len(table))]
 
 
 def time_options(target: Any, drafter: Any, state: Any, rule: Any, options: Sequence[TreeShape],

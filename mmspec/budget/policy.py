@@ -95,8 +95,8 @@ class ThroughputBudget:
         the rows the loop holds; tokens_left() [rows_held] the tokens each may still emit (0: finished)."""
         self._price_rows(rows_held)
         self._time_last_step()
-        left = tokens_left()  # [rows_held]
-        tail = torch.stack([left.max(), (left > 0).sum()]).tolist()  # the step's one read of the rows' progress
+        left = tokens_left().tolist()  # [rows_held] the step's one read of the rows' progress
+        tail = [max(left), sum(r > 0 for r in left)]
         self._enter_segment(float(tail[0]))
         index = self._pick(rows_held, tail)
         self._before, self._last = self._last, index
@@ -163,25 +163,26 @@ class ThroughputBudget:
     def chosen_by(self, rows_held: int, tail: list, segment: int) -> int:
         """The option of most expected tokens per second under `segment`'s model (plain steps win ties)."""
         speed = self.speeds(rows_held, tail, segment)  # [S]
-        best = int(speed.argmax())
+        best = max(range(len(speed)), key=speed.__getitem__)  # (the first of equals)
         return best if speed[best] > speed[0] else 0
 
-    def speeds(self, rows_held: int = 1, tail: list | None = None, segment: int | None = None) -> torch.Tensor:
+    def speeds(self, rows_held: int = 1, tail: list | None = None, segment: int | None = None) -> list[float]:
         """[S] each option's expected tokens per second (per row; at batch > 1 with the batch tail, the longest row's
         tokens left over the expected time until every row is done; tail: [the longest row's tokens left, the rows
         not finished]) under the model of `segment` (None: the current one)."""
         mean, var = self.by_segment[self.segment if segment is None else segment].moments()  # [S], [S]
-        seconds = self.costs.seconds().clamp_min(1e-12)  # [S]
+        seconds = [max(s, 1e-12) for s in self.costs.seconds()]  # [S]
         if self.config.batch_tail and rows_held > 1 and tail is not None:
             longest, rows = tail
             if rows > 1 and longest > 0:
-                return longest / (seconds * batch_steps_of(longest, rows, mean, var))
-        return mean / seconds
+                steps = batch_steps_of(longest, rows, mean, var).tolist()  # [S]
+                return [longest / (s * n) for s, n in zip(seconds, steps)]
+        return [m / s for m, s in zip(mean, seconds)]
 
     def explore_option(self, chains_only: bool = False) -> int:
         """Of the drafting options (or chains only) costing at most `explore_cost` plain steps (else the cheapest),
         the one that shows the most trees, then the deepest, then the cheapest."""
-        seconds = self.costs.seconds().tolist()
+        seconds = self.costs.seconds()
         drafting = [i for i in range(1, len(self.options)) if self.options[i].is_chain or not chains_only]
         affordable = ([i for i in drafting if seconds[i] <= self.config.explore_cost * seconds[0]]
                       or [min(drafting, key=lambda i: seconds[i])])
@@ -213,8 +214,8 @@ class ThroughputBudget:
 
     def describe(self) -> str:
         """One line: each option chosen so far, its count, seconds and expected tokens in each segment."""
-        means = torch.stack([model.moments()[0] for model in self.by_segment], -1).tolist()  # [S][segments]
+        means = [model.moments()[0] for model in self.by_segment]  # [segments][S]
         seconds = self.costs.seconds()
-        parts = [f"{name} x{count} ({1e3 * float(seconds[i]):.2f} ms, {'/'.join(f'{m:.2f}' for m in means[i])} tok)"
+        parts = [f"{name} x{count} ({1e3 * seconds[i]:.2f} ms, {'/'.join(f'{m[i]:.2f}' for m in means)} tok)"
                  for i, name in enumerate(self.names) if (count := self.chosen.get(name))]
         return ", ".join(parts) + f"; calls {self.gate.calls}"
