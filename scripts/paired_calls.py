@@ -34,16 +34,17 @@ CAPTIONS = ("a small red circle in the center on a black background", "two blue 
             "a green triangle on the left", "a yellow circle and a red square", "three small white dots")
 
 
-def call_options(config: str) -> dict:
-    """The pipeline arguments of a configuration (see the module docstring; `@forced` takes none)."""
+def call_options(config: str) -> tuple[dict, str | None]:
+    """(the pipeline arguments of a configuration, the step `@forced:STEP` forces or None; see the module
+    docstring)."""
     method, _, budget = config.partition("@")
     mode, *pairs = budget.split(":") if budget else [None]
     if mode == "forced":
-        return {"method": method}
+        return {"method": method}, pairs[0]
     values = {k: parse_value(v) for k, v in (pair.split("=") for pair in pairs)}
     if mode == "auto" and values:
-        return {"method": method, "budget": BudgetConfig(**values)}
-    return {"method": method, "budget": mode, "method_kwargs": values or None}
+        return {"method": method, "budget": BudgetConfig(**values)}, None
+    return {"method": method, "budget": mode, "method_kwargs": values or None}, None
 
 
 def ratio(vanilla: list[float], method: list[float], calls: list[int]) -> float:
@@ -63,6 +64,7 @@ def main() -> None:
     pipe = LlamaGenPipeline.from_pretrained(args.model or f"assets/llamagen{'-t2i' if args.t2i else ''}")
     pipe.set_progress_bar_config(disable=True)
     configs = ["vanilla", *args.methods.split(",")]
+    options = {config: call_options(config) for config in configs}  # (a bad configuration fails before any call)
     times: dict[str, list[float]] = {c: [] for c in configs}
     gated: dict[str, list[bool]] = {c: [] for c in configs}
     rng, b = random.Random(0), args.batch_size
@@ -73,13 +75,11 @@ def main() -> None:
             generators = [torch.Generator().manual_seed(1000 * r + i) for i in range(b)]
             condition = ({"prompt": [CAPTIONS[(r * b + i) % len(CAPTIONS)] for i in range(b)]} if args.t2i
                          else {"class_labels": [(r * b + i) % 10 for i in range(b)]})
-            budget = config.partition("@")[2]
-            forcing = (forced_budget(CallScript(steps=(budget.split(":")[1],))) if budget.startswith("forced:")
-                       else contextlib.nullcontext())
-            with forcing:
+            arguments, forced = options[config]
+            with forced_budget(CallScript(steps=(forced,))) if forced else contextlib.nullcontext():
                 start = time.perf_counter()
                 out = pipe(**condition, temperature=1.0, top_k=64, generator=generators, output_type="latent",
-                           **call_options(config))
+                           **arguments)
                 seconds = time.perf_counter() - start
             if r >= 2:
                 times[config].append(seconds)
