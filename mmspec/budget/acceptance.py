@@ -99,8 +99,9 @@ class AcceptanceModel:
                 d = min(depth, len(firsts))
                 mean[s], var[s] = first[d], second[d] - first[d] * first[d]
             elif option.depth and rows > 0:  # valued by its own steps
-                m = sums / max(rows, 1e-12)
-                mean[s], var[s] = 1.0 + m, max(squares / max(rows, 1e-12) - m * m, 0.0)
+                n = max(rows, 1e-12)
+                m = sums / n
+                mean[s], var[s] = 1.0 + m, max(squares / n - m * m, 0.0)
         return mean, var
 
 
