@@ -62,16 +62,17 @@ class AcceptanceModel:
             drafted = draft.valid[:, 1:].sum(-1) if isinstance(draft, DraftTree) else result.num_drafted  # [B]
             parts = [result.num_accepted, drafted, active]  # [B] [B] [B]
         read = torch.cat([part.long() for part in parts]).tolist()  # the step's one read of the device
-        rows = [(a, d) for a, d, on in zip(read[:b], read[b:2 * b], read[2 * b:3 * b]) if on]  # (accepted, drafted)
-        depths = [self.chain_depths[s] for s in shown]
-        own = read[3 * b:] if tree else [sum(min(a, d) ** p for a, _ in rows) for p in (1, 2) for d in depths]  # [2s]
+        # [B'] each active row's (accepted, drafted)
+        verdicts = [(a, d) for a, d, on in zip(read[:b], read[b:2 * b], read[2 * b:3 * b]) if on]
+        depths = [self.chain_depths[s] for s in shown]  # [s]
+        own = read[3 * b:] if tree else [sum(min(a, d) ** p for a, _ in verdicts) for p in (1, 2) for d in depths]
         for s, total, square in zip(shown, own, own[len(shown):]):
             self.sums[s] = self.sums[s] * self.keep + total
             self.squares[s] = self.squares[s] * self.keep + square
-            self.rows[s] = self.rows[s] * self.keep + len(rows)
+            self.rows[s] = self.rows[s] * self.keep + len(verdicts)
         depth = min(int(shape.depth), len(self.reached))
         reached, accepted = [0] * depth, [0] * depth  # [d] rows that reached position j, and accepted it
-        for a, d in rows:
+        for a, d in verdicts:
             for j in range(min(depth, d, a + 1)):
                 reached[j] += 1
                 accepted[j] += a > j
