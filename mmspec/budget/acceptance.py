@@ -42,7 +42,6 @@ class AcceptanceModel:
         self.reached, self.accepted = [0.0] * depth, [0.0] * depth  # [D] decayed rows that reached position j, and
         # accepted it
         self.decay = config.window_decay if per_size else config.decay
-        self.keep = 1.0 - (1.0 - self.decay)  # (the own counts' factor where shown, as first written: bit for bit)
         # per option drafted: the options a step of it shows (the plain step shows none; per size: itself)
         self.shows = {o: [s for s, p in enumerate(self.options)
                           if p != PLAIN and (o == p if per_size else o.contains(p))] for o in self.options}
@@ -55,21 +54,22 @@ class AcceptanceModel:
         b, shown, tree = active.shape[0], self.shows[shape], isinstance(draft, DraftTree) and not draft.is_chain
         if tree:  # the drafts each row would have accepted under each shown option, summed on the device
             counts, chain = counterfactual_accepts(draft, result.accepted_nodes, self.options)  # [B, S], [B]
-            counted = counts[:, shown] * active.unsqueeze(-1)  # [B, s]
+            counts = counts[:, shown]  # [B, s]
+            counted = counts * active.unsqueeze(-1)  # [B, s]
             parts = [chain, torch.full_like(chain, draft.max_depth), active, counted.sum(0),
-                     (counted * counts[:, shown]).sum(0)]  # [B] [B] [B] [s] [s]
+                     (counted * counts).sum(0)]  # [B] [B] [B] [s] [s]
         else:  # a chain step (a CSpD window, a one-branch tree): an option of depth d reads min(accepted, d)
             drafted = draft.valid[:, 1:].sum(-1) if isinstance(draft, DraftTree) else result.num_drafted  # [B]
             parts = [result.num_accepted, drafted, active]  # [B] [B] [B]
         read = torch.cat([part.long() for part in parts]).tolist()  # the step's one read of the device
         # [B'] each active row's (accepted, drafted)
         verdicts = [(a, d) for a, d, on in zip(read[:b], read[b:2 * b], read[2 * b:3 * b]) if on]
-        depths = [self.chain_depths[s] for s in shown]  # [s]
-        own = read[3 * b:] if tree else [sum(min(a, d) ** p for a, _ in verdicts) for p in (1, 2) for d in depths]
+        own = read[3 * b:] if tree else [sum(min(a, self.chain_depths[s]) ** p for a, _ in verdicts)
+                                         for p in (1, 2) for s in shown]  # [2s]
         for s, total, square in zip(shown, own, own[len(shown):]):
-            self.sums[s] = self.sums[s] * self.keep + total
-            self.squares[s] = self.squares[s] * self.keep + square
-            self.rows[s] = self.rows[s] * self.keep + len(verdicts)
+            self.sums[s] = self.sums[s] * self.decay + total
+            self.squares[s] = self.squares[s] * self.decay + square
+            self.rows[s] = self.rows[s] * self.decay + len(verdicts)
         depth = min(int(shape.depth), len(self.reached))
         reached, accepted = [0] * depth, [0] * depth  # [d] rows that reached position j, and accepted it
         for a, d in verdicts:
