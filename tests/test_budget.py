@@ -367,6 +367,20 @@ def test_a_call_that_never_drafted_by_estimate_runs_the_next_calls_without_the_d
     assert drafted == [True, False, False, True, False, False, False, False]
 
 
+def test_a_probe_times_its_steps_afresh():
+    """Prices measured before calls without the drafter may be from another load (a chain timed once at a bad
+    moment keeps every estimate plain): the probe after them drops its measured steps and times them again."""
+    for retime in (True, False):
+        budget = chain_budget([1.0, 1.0], BudgetConfig(warmup=0, refresh_every=0, call_backoff=1, retime=retime))
+        budget.costs.note(0, 1.0)
+        budget.costs.note(1, 9.0)  # the chain timed at 9 plain steps
+        assert started(budget)._live and choose(budget) == 0
+        budget.end()  # no choice by estimate drafted: the next call runs without the drafter
+        assert not started(budget)._live and budget.gate.retrying
+        budget.end()
+        assert started(budget)._live  # the probe
+        assert budget.costs.medians == ({} if retime else {0: 1.0, 1: 9.0}) and bool(budget.costs.steps) != retime
+
 def test_the_gate_stays_open_while_calls_draft_by_estimate():
     budget = chain_budget([1.0, 1.0], BudgetConfig(warmup=0, refresh_every=0, timing=False, call_backoff=2))
     set_positions(budget.acceptance, 10.0, 9.0)

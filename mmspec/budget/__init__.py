@@ -33,7 +33,8 @@ BUDGET_MODES = ("auto", "fixed")
 # "auto-no-<part>": the model with one part switched off, for A/B runs (`--methods sjd:budget=auto-no-gate`)
 PARTS = {"timing": {"timing": False}, "tail": {"batch_tail": False}, "gate": {"gate": False},
          "explore": {"warmup": 0, "refresh_every": 0}, "settle": {"settle_after": 10 ** 9}, "hold": {"hold": 1},
-         "probe": {"plain_probe": 0}, "segments": {"segments": 1}, "window-memory": {"window_decay": 0.9}}
+         "probe": {"plain_probe": 0}, "segments": {"segments": 1}, "window-memory": {"window_decay": 0.9},
+         "retime": {"retime": False}}
 
 
 class Budget(Protocol):

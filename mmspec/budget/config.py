@@ -52,6 +52,7 @@ class BudgetConfig:
     timing: bool = True  # correct the table by the call's own step times (the load, the loop's own work)
     batch_tail: bool = True  # at batch > 1 compare options by the time until the last row is done
     gate: bool = True  # run whole calls without the drafter after a call that never drafted by estimate
+    retime: bool = True  # a probe after calls without the drafter times its steps afresh (the load may have moved)
 
     def __post_init__(self) -> None:
         for name in ("decay", "window_decay"):

@@ -1,8 +1,8 @@
 """The call gate: whole calls without the drafter where drafting bought nothing (TensorRT-LLM's acceptance gate, by
 call). A call whose choices by estimate never drafted paid the drafter's prompt pass for nothing: the next
 `call_backoff` calls run without the drafter (vanilla's cost), doubling after each such call; the call after them
-drafts again (`retrying`: a probe, its first segment explores again, the later ones only if an estimate drafts), so
-a verdict is measured again rather than kept for ever.
+drafts again (`retrying`: a probe, its first segment explores again, the later ones only if an estimate drafts, its
+steps timed afresh), so a verdict is measured again rather than kept for ever.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ deepest such chain, the only way to learn the positions past them). While the es
 row settle the segment on plain steps (no estimate until the next segment); where every later segment, explored,
 would choose a plain step too, they return SETTLE: plain steps for the rest of the call. Drafters valued per size
 hold a window (not a plain step) for `hold` steps. A call after calls without the drafter (the gate's `retrying`)
-probes: its first segment explores again, the later ones only once an estimate drafts.
+probes: its first segment explores again, the later ones only once an estimate drafts, and its steps are timed afresh
+(`retime`: the prices measured before the skipped calls are dropped, a chain timed at a bad moment among them).
 
 Lossless: an option is chosen from past verdicts and measured costs only, before the step drafts anything, so the
 draft length is a stopping time of the draft-side process and the output law is the target's (docs/budgets.md;
@@ -74,6 +75,8 @@ class ThroughputBudget:
         self._start_call((target, drafter, state, rule) if drafts else None)
         if drafts and self.gate.retrying:  # after calls without the drafter: a probe of the first segment (`_pick`)
             self.explored[0] = min(self.explored[0], self.config.warmup - 1)
+            if self.config.retime:  # .. whose steps are timed afresh: the load may have moved meanwhile
+                self.costs.steps, self.costs.medians = {}, {}
         return drafts
 
     def _start_call(self, live: tuple | None) -> None:
