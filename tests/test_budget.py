@@ -381,6 +381,7 @@ def test_a_probe_times_its_steps_afresh():
         assert started(budget)._live  # the probe
         assert budget.costs.medians == ({} if retime else {0: 1.0, 1: 9.0}) and bool(budget.costs.steps) != retime
 
+
 def test_the_gate_stays_open_while_calls_draft_by_estimate():
     budget = chain_budget([1.0, 1.0], BudgetConfig(warmup=0, refresh_every=0, timing=False, call_backoff=2))
     set_positions(budget.acceptance, 10.0, 9.0)
