@@ -257,7 +257,8 @@ def test_acceptance_and_exploration_are_per_segment_of_the_call():
 def test_a_probe_explores_its_first_segment_and_settles_at_once_where_nothing_pays():
     """A call after calls without the drafter probes: its first segment explores again, and where that segment's
     estimate never drafts, the call settles after `settle_after` plain choices without exploring its later segments
-    again (the drafter's work ends there); where the estimate drafts, every segment explores again."""
+    again (the drafter's work ends there); where the estimate drafts, the later segments explore again (the first,
+    explored by the probe, is not explored twice)."""
     config = BudgetConfig(warmup=2, refresh_every=0, timing=False, plain_probe=0, segments=2, settle_after=2,
                           call_backoff=1)
     budget = started(chain_budget([1.0, 1.2, 1.6, 2.0, 2.4], config), batch=2)  # chains 1..4: explores the chain of 4
@@ -279,8 +280,10 @@ def test_a_probe_explores_its_first_segment_and_settles_at_once_where_nothing_pa
     started(budget, 2)
     assert choose(budget, 2, [8, 8]) == 4
     budget.observe(result([4, 4], [4, 4]), on, draft)  # the probe's drafts are accepted: drafting pays again
-    assert choose(budget, 2, [7, 7]) != 0 and budget.explored == [1, 1] and not budget.gate.retrying
+    assert choose(budget, 2, [7, 7]) != 0 and budget.explored == [3, 1] and not budget.gate.retrying
+    assert choose(budget, 2, [6, 6]) != 0 and budget.explored == [3, 1]  # by estimate: no second exploration
     assert choose(budget, 2, [4, 4]) == 4 and budget.segment == 1  # the second segment explores again
+    assert budget.explored == [3, 3]
 
 
 def test_a_refresh_while_chains_are_chosen_drafts_the_deepest_chain():

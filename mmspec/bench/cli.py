@@ -89,8 +89,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def show_gate_verdicts() -> None:
     """The draft budgets' DEBUG lines (`mmspec.budget.ThroughputBudget.end`: after each call, the options chosen and
-    the estimates behind them) on stderr, each configuration's batch named as it starts (`mmspec.bench.runner`)."""
-    for name in ("mmspec.budget", "mmspec.bench.runner"):
+    the estimates behind them) on stderr, each configuration's batch named as it starts (`mmspec.bench.runner`, and
+    `mmspec.bench.paired`'s calls)."""
+    for name in ("mmspec.budget", "mmspec.bench.runner", "mmspec.bench.paired"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.DEBUG)
         if not any(getattr(h, "gate_verdicts", False) for h in logger.handlers):  # once per process

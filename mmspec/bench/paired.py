@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import random
 import sys
 import time
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mmspec.bench.cli import parse_options
+from mmspec.bench.cli import parse_options, show_gate_verdicts
 from mmspec.bench.configs import MethodConfig, parse_config, parse_value
 from mmspec.bench.registry import REFERENCE_METHOD, BenchSettings, Family, available_families, get_family
 from mmspec.budget import BudgetConfig
@@ -35,6 +36,7 @@ from mmspec.errors import InputError, check, check_positive_int
 from mmspec.phases import synchronize
 from mmspec.testing.budgets import CallScript, forced_budget
 
+log = logging.getLogger("mmspec.bench.paired")
 WARMUP_ROUNDS = 2  # rounds run before timing: the budgets' tables are timed and cached in the first calls
 
 
@@ -95,6 +97,7 @@ def paired_times(family: Family, models, settings: BenchSettings, configs: Seque
         for paired in order:
             method = family.methods[paired.config.method]
             forcing = forced_budget(CallScript(steps=(paired.forced,))) if paired.forced else contextlib.nullcontext()
+            log.debug("%s, round %d", paired.label, r)
             with forcing:
                 synchronize(device)
                 start = time.perf_counter()
@@ -148,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="the inputs' seed and the rounds' order")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--gate-log", action="store_true", help="each budget's DEBUG line after every call")
     args = parser.parse_args(argv)
     try:
         for name in ("--batch-size", "--rounds", "--threads"):
@@ -162,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as err:
         print(f"paired_calls: {err}", file=sys.stderr)
         return 2
+    if args.gate_log:
+        show_gate_verdicts()
     torch.set_num_threads(args.threads)
     times = paired_times(family, family.build(settings), settings, configs, args.batch_size, args.rounds, args.seed)
     print("\n".join(report_lines(times)))

@@ -13,8 +13,8 @@ deepest such chain, the only way to learn the positions past them). While the es
 row settle the segment on plain steps (no estimate until the next segment); where every later segment, explored,
 would choose a plain step too, they return SETTLE: plain steps for the rest of the call. Drafters valued per size
 hold a window (not a plain step) for `hold` steps. A call after calls without the drafter (the gate's `retrying`)
-probes: its first segment explores again, the later ones only once an estimate drafts, and its steps are timed afresh
-(`retime`: the prices measured before the skipped calls are dropped, a chain timed at a bad moment among them).
+probes: its first segment explores again (once), the later ones only once an estimate drafts, and its steps are timed
+afresh (`retime`: the prices measured before the skipped calls are dropped, a chain timed at a bad moment among them).
 
 Lossless: an option is chosen from past verdicts and measured costs only, before the step drafts anything, so the
 draft length is a stopping time of the draft-side process and the output law is the target's (docs/budgets.md;
@@ -155,8 +155,8 @@ class ThroughputBudget:
             return 0  # a plain step measured, so drafting is compared with what a plain step really costs
         self._estimated[0] += 1
         self._estimated[1] += int(best != 0)
-        if self.gate.retrying and best != 0:  # the probe found drafting pays: every segment explores again
-            self.explored, self.gate.retrying = [min(n, config.warmup - 1) for n in self.explored], False
+        if self.gate.retrying and best != 0:  # the probe found drafting pays: the later segments explore again
+            self.explored[1:], self.gate.retrying = [min(n, config.warmup - 1) for n in self.explored[1:]], False
         self._plain_run = self._plain_run + 1 if best == 0 else 0
         if self._plain_run == config.settle_after:
             self._settled = all(self.explored[s] >= config.warmup and self.chosen_by(rows_held, tail, s) == 0
