@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -70,6 +71,10 @@ def parse_paired(text: str, family: Family, settings: BenchSettings) -> PairedCo
           f"{text!r}: method {config.method!r} has no draft budget to set with '@{mode}'.")
     if mode == "forced":
         check(len(pairs) == 1 and pairs[0] != "", f"{text!r}: give one step, e.g. @forced:chain2.")
+        try:
+            CallScript(steps=(pairs[0],))
+        except ValueError as err:
+            raise InputError(f"{text!r}: {err}") from None
         return PairedConfig(text, config, forced=pairs[0])
     if mode == "auto" and pairs:
         values = dict(pair.split("=", 1) for pair in pairs if "=" in pair)
@@ -83,7 +88,7 @@ def parse_paired(text: str, family: Family, settings: BenchSettings) -> PairedCo
     return PairedConfig(text, config)
 
 
-def paired_times(family: Family, models, settings: BenchSettings, configs: Sequence[PairedConfig],
+def paired_times(family: Family, models: Any, settings: BenchSettings, configs: Sequence[PairedConfig],
                  batch_size: int, rounds: int, seed: int = 0) -> PairedTimes:
     """Time every configuration once a round on the round's batch (the family's inputs, `batch_size` a call, taken
     in turn), in a shuffled order seeded by `seed`, after `WARMUP_ROUNDS` untimed rounds."""
