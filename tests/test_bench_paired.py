@@ -18,7 +18,8 @@ def test_configurations_set_the_budget_as_written():
     assert fixed.label == "eagle@fixed:top_k=1:depth=2:total_tokens=3" and fixed.forced is None
     auto = parse_paired("sjd:window=8@auto:decay=0.8:retime=false", family, settings)
     assert auto.config.given == {"window": 8, "budget": BudgetConfig(decay=0.8, retime=False)}
-    assert parse_paired("eagle@forced:chain2", family, settings).forced == "chain2"
+    assert parse_paired("eagle@forced:chain2", family, settings).forced.steps == ("chain2",)
+    assert parse_paired("lantern@auto", family, settings).config.given["budget"] == "auto"  # (its default: fixed)
     assert parse_paired("sjd:budget=auto-no-retime", family, settings).config.given == {"budget": "auto-no-retime"}
 
 

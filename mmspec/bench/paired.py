@@ -43,11 +43,11 @@ WARMUP_ROUNDS = 2  # rounds run before timing: the budgets' tables are timed and
 
 @dataclass(frozen=True)
 class PairedConfig:
-    """One configuration of a paired run: the bench configuration, the step `@forced:STEP` forces (or None)."""
+    """One configuration of a paired run: the bench configuration, the script `@forced:STEP` runs (or None)."""
 
     label: str
     config: MethodConfig
-    forced: str | None = None
+    forced: CallScript | None = None
 
 
 @dataclass
@@ -72,19 +72,18 @@ def parse_paired(text: str, family: Family, settings: BenchSettings) -> PairedCo
     if mode == "forced":
         check(len(pairs) == 1 and pairs[0] != "", f"{text!r}: give one step, e.g. @forced:chain2.")
         try:
-            CallScript(steps=(pairs[0],))
+            return PairedConfig(text, config, forced=CallScript(steps=(pairs[0],)))
         except ValueError as err:
             raise InputError(f"{text!r}: {err}") from None
-        return PairedConfig(text, config, forced=pairs[0])
-    if mode == "auto" and pairs:
+    if mode == "auto":  # (a method whose default is fixed, a relaxed rule's, runs the budget too)
         values = dict(pair.split("=", 1) for pair in pairs if "=" in pair)
         check(len(values) == len(pairs), f"{text!r}: every BudgetConfig field after @auto must be KEY=VALUE.")
         try:
-            budget_config = BudgetConfig(**{k: parse_value(v) for k, v in values.items()})
+            budget = BudgetConfig(**{k: parse_value(v) for k, v in values.items()}) if values else "auto"
         except TypeError as err:
             raise InputError(f"{text!r}: {err} (the fields of mmspec.budget.BudgetConfig).") from None
-        given = {**config.given, "budget": budget_config}
-        config = MethodConfig(config.label, config.method, {**config.params, "budget": budget_config}, given)
+        config = MethodConfig(config.label, config.method, {**config.params, "budget": budget},
+                              {**config.given, "budget": budget})
     return PairedConfig(text, config)
 
 
@@ -101,7 +100,7 @@ def paired_times(family: Family, models: Any, settings: BenchSettings, configs: 
         rng.shuffle(order)
         for paired in order:
             method = family.methods[paired.config.method]
-            forcing = forced_budget(CallScript(steps=(paired.forced,))) if paired.forced else contextlib.nullcontext()
+            forcing = forced_budget(paired.forced) if paired.forced else contextlib.nullcontext()
             log.debug("%s, round %d", paired.label, r)
             with forcing:
                 synchronize(device)
