@@ -24,7 +24,8 @@ over the model's generation config over the global defaults; `_validate_model_kw
 Processors and criteria are called on groups of prefixes of one length (`mmspec.prefixes`); like transformers' own
 assisted generation, they must be functions of the prefix and scores they are given. use_cache=False gives the
 tokens use_cache=True gives, as in transformers (speculative verification always keeps its KV cache). Refused:
-other generation modes (beam search, contrastive search, DoLa, assisted generation), output_attentions /
+other generation modes (beam search, contrastive search, DoLa, assisted generation) and the settings of
+transformers' assisted generation (num_assistant_tokens, assistant_confidence_threshold, ...), output_attentions /
 output_hidden_states, guidance_scale, token_healing, SynthID watermarking, negative prompts,
 synced_gpus, custom_generate, cache and compile settings of transformers' own loop that the user sets (mmspec runs
 its own static KV cache), and stop_strings / stopping_criteria over a batch without an eos id (transformers then
@@ -62,6 +63,12 @@ REFUSED_ARGUMENTS = {
     "custom_generate": "mmspec's loop is the generation method",
     "trust_remote_code": "mmspec runs no remote code",
 }
+# transformers' assisted-generation settings (its assistant's draft length and schedule, confidence stop, lookbehinds,
+# ensemble verification, DFlash): refused when set; mmspec's drafter drafts what budget= and tree= say
+ASSISTED_SETTINGS = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold",
+                     "max_matching_ngram_size", "assistant_lookbehind", "target_lookbehind",
+                     "assistant_ensemble_weight", "speculation_type", "is_assistant")
+ASSISTED_MODE_SETTINGS = ("prompt_lookup_num_tokens", "assistant_early_exit", "use_mtp")  # each makes generate assist
 CRITERIA_OF_THE_LOOP = ("MaxLengthCriteria", "EosTokenCriteria")  # mmspec's loop stops at max_new_tokens and eos
 
 
@@ -253,8 +260,11 @@ def refuse_unsupported(config, user_set: set, defaults, modes) -> None:
     names = {modes.BEAM_SEARCH: "num_beams", modes.BEAM_SAMPLE: "num_beams", modes.GROUP_BEAM_SEARCH:
              "num_beam_groups", modes.CONSTRAINED_BEAM_SEARCH: "force_words_ids / constraints",
              modes.CONTRASTIVE_SEARCH: "penalty_alpha", modes.DOLA_GENERATION: "dola_layers",
-             modes.ASSISTED_GENERATION: "prompt_lookup_num_tokens"}
+             modes.ASSISTED_GENERATION: next((n for n in ASSISTED_MODE_SETTINGS if getattr(config, n, None)),
+                                             "prompt_lookup_num_tokens")}
     name = names.get(mode, "its settings")
+    check(mode != modes.ASSISTED_GENERATION, f"assisted generation ({name}) drafts with transformers' own "
+                                             f"candidates; mmspec's drafter is the assistant: unset {name}.")
     check(mode in (modes.GREEDY_SEARCH, modes.SAMPLE),
           f"{mode.value.replace('_', ' ')} ({name}) is not speculative decoding: mmspec verifies one sequence per "
           f"row with greedy decoding or sampling; {'set num_beams=1' if name == 'num_beams' else f'unset {name}'}.")
@@ -267,6 +277,10 @@ def refuse_unsupported(config, user_set: set, defaults, modes) -> None:
     watermark = config.watermarking_config
     check(watermark is None or type(watermark).__name__ == "WatermarkingConfig",
           f"{type(watermark).__name__} is not supported: its processor keeps state between calls.")
+    for name in ASSISTED_SETTINGS:
+        check(name not in user_set or getattr(config, name, None) is None,
+              f"{name} is a setting of transformers' assisted generation; mmspec's drafter drafts what budget= and "
+              "tree= say (num_speculative_tokens=K: a chain of K every step with budget='fixed'): drop it.")
     for name in LOOP_MECHANICS:
         check(name not in user_set or getattr(config, name, None) == getattr(defaults, name, None),
               f"{name} is a setting of transformers' own decoding loop; mmspec runs its own static KV cache: "

@@ -11,7 +11,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList,
 
 from mmspec.errors import InputError
 from mmspec.testing.distributions import pooled_chi_square, prefix_pairs
-from vlm.family import drafter_model
+from vlm.family import TRAINING_FREE_KINDS, drafter_model, training_free_drafter
 from vlm.hf_generate import PER_TOKEN_INPUTS, prepare_special_tokens
 from vlm.tiny import tiny_processor_batch, tiny_vlm
 
@@ -24,7 +24,10 @@ def vlms():
 
 
 def with_drafter(vlm, kind: str | None):
-    vlm.drafter = None if kind is None else drafter_model(kind).for_target(vlm.lm).eval().attach(vlm.lm)
+    if kind in TRAINING_FREE_KINDS:
+        vlm.drafter = training_free_drafter(kind).eval().attach(vlm.lm)
+    else:
+        vlm.drafter = None if kind is None else drafter_model(kind).for_target(vlm.lm).eval().attach(vlm.lm)
     return vlm
 
 
@@ -50,7 +53,7 @@ def greedy_setting(name: str, base: torch.Tensor, prompt_length: int, pad: int) 
     }[name]
 
 
-# (family, batch, drafter kind, budget, setting): 24 greedy calls
+# (family, batch, drafter kind, budget, setting): 27 greedy calls
 GREEDY = [
     ("llava", 3, "eagle", "fixed", "repetition_penalty"),
     ("llava", 3, "eagle", "auto", "no_repeat_ngram_size"),
@@ -76,6 +79,9 @@ GREEDY = [
     ("qwen2_vl", 3, "eagle", "fixed", "generation_config"),
     ("qwen2_vl", 3, "eagle", "fixed", "exponential_decay"),
     ("qwen2_vl", 3, "specvlm", "fixed", "forced_eos"),
+    ("llava", 3, "recycle", "auto", "repetition_penalty"),  # the training-free drafters
+    ("qwen2_vl", 3, "pld", "fixed", "no_repeat_ngram_size"),
+    ("llava", 3, "sam", "fixed", "sequence_bias"),
 ]
 
 
@@ -248,6 +254,9 @@ def test_num_return_sequences_and_pad_token_id(vlms):
     ({"generation_config": GenerationConfig(num_beams=2, do_sample=True)}, "beam sample"),
     ({"penalty_alpha": 0.6, "top_k": 4}, "contrastive search"),
     ({"prompt_lookup_num_tokens": 3}, "assisted generation"),
+    ({"assistant_early_exit": 2}, "assisted generation .assistant_early_exit.*unset assistant_early_exit"),
+    ({"num_assistant_tokens": 3}, "num_assistant_tokens is a setting of transformers' assisted generation"),
+    ({"generation_config": GenerationConfig(assistant_ensemble_weight=0.5)}, "assistant_ensemble_weight"),
     ({"output_attentions": True, "return_dict_in_generate": True}, "output_attentions"),
     ({"output_hidden_states": True}, "output_hidden_states"),
     ({"guidance_scale": 1.5}, "guidance_scale"),
