@@ -64,6 +64,11 @@ def test_settings_are_checked_and_the_vlm_bans_its_vision_tokens():
         image_token_id, video_token_id, vision_start_token_id, hidden_size = 151655, 151656, 151652, 8
 
     assert vision_token_ids(Config()) == [151652, 151655, 151656]
+    from transformers import Gemma3Config, LlavaOnevisionConfig, Qwen2_5_VLConfig
+
+    assert vision_token_ids(LlavaOnevisionConfig()) == [151646, 151647]  # <image> and <video>
+    assert vision_token_ids(Qwen2_5_VLConfig()) == [151652, 151653, 151655, 151656]
+    assert vision_token_ids(Gemma3Config()) == [255999, 256000, 262144]
 
 
 def test_the_pld_kind_needs_no_folder_and_refuses_trees(tmp_path):

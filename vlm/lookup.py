@@ -20,13 +20,13 @@ import torch
 from mmspec.errors import check
 from mmspec.lookup import PromptLookupDrafter, SuffixLookupDrafter
 
-VISION_TOKEN_FIELDS = ("image_token_id", "image_token_index", "video_token_id", "vision_start_token_id",
-                       "vision_end_token_id", "boi_token_index", "eoi_token_index")
+VISION_TOKEN_FIELDS = ("image_token_id", "image_token_index", "video_token_id", "video_token_index",
+                       "vision_start_token_id", "vision_end_token_id", "boi_token_index", "eoi_token_index")
 
 
 def vision_token_ids(config: Any) -> list[int]:
-    """The placeholder and delimiter ids of a transformers VLM config (LLaVA, Qwen2-VL, Gemma 3) that no draft may
-    propose."""
+    """The placeholder and delimiter ids of a transformers VLM config (LLaVA, LLaVA-OneVision's video token, Qwen2-VL,
+    Gemma 3) that no draft may propose."""
     return sorted({int(v) for name in VISION_TOKEN_FIELDS if isinstance(v := getattr(config, name, None), int)})
 
 
