@@ -6,6 +6,8 @@ scores each draft node's next token anyway; those rankings, discarded by plain d
 plain step's too). A step drafts a tree from the table alone: the root is the row's last token, a node's children
 are its token's ranked candidates, kept by rank as EAGLE-2 keeps its most probable nodes (`expand_eagle2` with the
 rank's score -log(rank + 1)), so the tree has the shape the tree budget asks for (`full_shape`, `set_draft_size`).
+A level reads each frontier node's candidates and a few filler ids (`AdjacencyTable.children`), never a [B, F, V]
+tensor: the vocabulary's size costs nothing.
 
     table = AdjacencyTable(vocab_size=V, candidates=8)             # kept by the caller between calls
     drafter = TokenRecyclingDrafter(table, top_k=8, depth=6, total_tokens=48, banned_tokens=[image_token_id])
@@ -25,7 +27,7 @@ import torch
 
 from mmspec.errors import check, check_positive_int
 from mmspec.loop import DecodeState
-from mmspec.tree import DraftTree, SteeredTree, TreeShape, expand_eagle2, pool_size
+from mmspec.tree import Children, DraftTree, SteeredTree, TreeShape, expand_eagle2, pool_size
 from mmspec.verify import VerifyResult
 
 UNSEEN = -1.0e4  # the score of an unseen token's children: below every known candidate's
@@ -51,17 +53,25 @@ class AdjacencyTable:
             self.next_tokens = table = table.to(tokens.device)
         table[tokens] = next_probs.topk(self.candidates, dim=-1).indices  # [M, C]
 
-    def scores(self, tokens: torch.Tensor, vocab_size: int, banned: torch.Tensor) -> torch.Tensor:
-        """[..., V] log-scores of each token's children: -log(rank + 1) for its candidates, UNSEEN elsewhere, -inf
-        for banned tokens; tokens [...]."""
-        ranked = self.next_tokens[tokens.clamp_min(0)]  # [..., C]
-        rank_scores = -torch.log1p(torch.arange(self.candidates, dtype=torch.float32, device=tokens.device))  # [C]
-        out = torch.full((*tokens.shape, vocab_size), UNSEEN, device=tokens.device)  # [..., V]
-        known = ranked >= 0  # [..., C]
-        out.scatter_(-1, ranked.clamp_min(0), torch.where(known, rank_scores, UNSEEN))
-        if banned.numel():
-            out[..., banned] = float("-inf")
-        return out
+    def children(self, tokens: torch.Tensor, banned: torch.Tensor, fill: tuple) -> Children:
+        """The candidates of each of tokens [B, F] for a tree's top-k children, without a [B, F, V] tensor: its
+        ranked next tokens at log-score -log(rank + 1) (banned ones -inf), then the lowest other token ids at UNSEEN
+        (an unseen token's children: below every known candidate), enough of them that k remain (`fill`: what
+        `fillers(k, banned)` made)."""
+        rank_lp, pool, pool_lp = fill  # [C], [M], [M]
+        ranked = self.next_tokens[tokens]  # [B, F, C] (-1: not seen)
+        usable = ranked >= 0 if banned.numel() == 0 else (ranked >= 0) & ~torch.isin(ranked, banned)  # [B, F, C]
+        taken = (pool == ranked.unsqueeze(-1)).any(-2)  # [B, F, M] fillers that are candidates already
+        logp = torch.cat([rank_lp.masked_fill(~usable, float("-inf")), pool_lp.masked_fill(taken, float("-inf"))], -1)
+        return Children(logp, torch.cat([ranked, pool.expand(*tokens.shape, -1)], -1))  # [B, F, C + M] each
+
+    def fillers(self, k: int, banned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rank log-scores [C], filler ids [M], their log-scores [M]: UNSEEN, the lowest ids first, banned ones
+        -inf) for `children` with up to k children a node, on banned's device."""
+        device = banned.device
+        pool = torch.arange(min(k + self.candidates + banned.numel(), self.next_tokens.shape[0]), device=device)
+        pool_lp = (UNSEEN - 1e-2 * pool.float()).masked_fill(torch.isin(pool, banned), float("-inf"))
+        return -torch.log1p(torch.arange(self.candidates, dtype=torch.float32, device=device)), pool, pool_lp
 
 
 class TokenRecyclingDrafter(SteeredTree):
@@ -83,6 +93,7 @@ class TokenRecyclingDrafter(SteeredTree):
         self.top_k, self.depth, self.total = top_k, depth, total_tokens
         self.banned = torch.tensor(sorted({int(t) for t in banned_tokens}), dtype=torch.long)
         self.vocab_size = table.next_tokens.shape[0]
+        self.fill = table.fillers(top_k, self.banned)  # (`AdjacencyTable.fillers`; remade where `begin` moves it)
 
     @property
     def max_draft_nodes(self) -> int:
@@ -90,10 +101,14 @@ class TokenRecyclingDrafter(SteeredTree):
 
     def begin(self, inputs: object, state: DecodeState) -> None:
         self.banned = self.banned.to(state.done.device)
+        self.fill = self.table.fillers(self.full_shape.top_k, self.banned)
 
     def propose(self, state: DecodeState) -> DraftTree:
-        def score(tokens: torch.Tensor, ids: torch.Tensor, parent_ids: torch.Tensor, depth: int) -> torch.Tensor:
-            return self.table.scores(tokens, self.vocab_size, self.banned)  # [B, F, V]
+        if self.fill[1].device != state.done.device:
+            self.begin(None, state)
+
+        def score(tokens: torch.Tensor, ids: torch.Tensor, parent_ids: torch.Tensor, depth: int) -> Children:
+            return self.table.children(tokens, self.banned, self.fill)  # [B, F, C + M]
 
         return expand_eagle2(state.last_token, score, top_k=self.top_k, depth=self.depth, total_tokens=self.total)
 

@@ -138,10 +138,17 @@ def chain_as_tree(draft_tokens: torch.Tensor, root_tokens: torch.Tensor,
 
 # ---------------------------------------------------------------------------------------- EAGLE-2 expansion
 # score_children(frontier_tokens [B, F], frontier_ids [B, F], parent_ids [B, F], depth) -> log-probs [B, F, V]
-# for the next token after each of the F frontier nodes. Ids index the candidate pool (root = 0, then every
-# candidate in creation order), so a drafter can keep its own per-candidate cache and tree mask; parent_ids
+# for the next token after each of the F frontier nodes, or a `Children` pair (log-probs [B, F, C], tokens
+# [B, F, C], C >= top_k distinct tokens a node, the rest of the vocabulary below them: a drafter that scores a few
+# candidates, as Token Recycling's table, never builds [B, F, V]). Ids index the candidate pool (root = 0, then
+# every candidate in creation order), so a drafter can keep its own per-candidate cache and tree mask; parent_ids
 # of the root is -1.
-ScoreChildren = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], torch.Tensor]
+class Children(NamedTuple):
+    logp: torch.Tensor  # [B, F, C]
+    tokens: torch.Tensor  # [B, F, C]
+
+
+ScoreChildren = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], "torch.Tensor | Children"]
 
 
 def pool_size(top_k: int, depth: int) -> int:
@@ -240,14 +247,18 @@ def expand_eagle2(root_tokens: torch.Tensor, score_children: ScoreChildren, *, t
     return expand_tree(root_tokens, score_children, top_k, depth, total_tokens)
 
 
-def frontier_scores(score_children: ScoreChildren, tokens: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor,
-                    level: int) -> torch.Tensor:
-    """[B, F, V] the scorer's log-probs for frontier [B, F] (pool ids `ids`, their parents' `parents`), checked."""
-    logp = score_children(tokens, ids, parents, level).float()  # [B, F, V]
-    if logp.dim() != 3 or logp.shape[:2] != ids.shape:
-        raise InputError(f"score_children must return [B, F, V] log-probs; got {list(logp.shape)} for "
-                         f"a frontier of shape {list(ids.shape)}.")
-    return logp
+def top_children(score_children: ScoreChildren, tokens: torch.Tensor, ids: torch.Tensor, parents: torch.Tensor,
+                 level: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B, F, k] log-probs, [B, F, k] tokens) of the k best children of each frontier node [B, F] (pool ids `ids`,
+    their parents' `parents`), from the scorer's [B, F, V] log-probs or its `Children` (shapes checked)."""
+    out = score_children(tokens, ids, parents, level)
+    logp, tok = (out.logp, out.tokens) if isinstance(out, Children) else (out, None)
+    if (logp.dim() != 3 or logp.shape[:2] != ids.shape or logp.shape[-1] < k
+            or (tok is not None and tok.shape != logp.shape)):
+        raise InputError(f"score_children must return [B, F, V] log-probs or Children of [B, F, C >= {k}]; got "
+                         f"{list(logp.shape)} for a frontier of shape {list(ids.shape)}.")
+    best, at = logp.float().topk(k, dim=-1)  # [B, F, k]
+    return best, (at if tok is None else tok.gather(-1, at))
 
 
 def expand_chain(root_tokens: torch.Tensor, score_children: ScoreChildren, depth: int) -> DraftTree:
@@ -258,7 +269,7 @@ def expand_chain(root_tokens: torch.Tensor, score_children: ScoreChildren, depth
     tokens, scores = [root_tokens.view(b, 1)], [torch.zeros(b, 1, dtype=torch.float32, device=device)]
     for d in range(1, depth + 1):
         ids = torch.full((b, 1), d - 1, dtype=torch.long, device=device)  # [B, 1]
-        child_lp, child_tok = frontier_scores(score_children, tokens[-1], ids, ids - 1, d - 1).topk(1, dim=-1)
+        child_lp, child_tok = top_children(score_children, tokens[-1], ids, ids - 1, d - 1, 1)  # [B, 1, 1]
         tokens.append(child_tok[:, :, 0])  # [B, 1]
         scores.append(scores[-1] + child_lp[:, :, 0])  # [B, 1] cumulative log-prob
     nodes = torch.arange(depth + 1, device=device).expand(b, depth + 1)  # [B, D+1]
@@ -285,8 +296,8 @@ def expand_tree(root_tokens: torch.Tensor, score_children: ScoreChildren, top_k:
         tokens_pool = torch.cat(cand_tokens, 1)
         frontier_tokens = tokens_pool.gather(1, frontier)  # [B, F]
         frontier_parents = torch.cat(cand_parent, 1).gather(1, frontier)  # [B, F]
-        logp = frontier_scores(score_children, frontier_tokens, frontier, frontier_parents, d - 1)  # [B, F, V]
-        child_lp, child_tok = logp.topk(top_k, dim=-1)  # [B, F, k]
+        child_lp, child_tok = top_children(score_children, frontier_tokens, frontier, frontier_parents, d - 1,
+                                           top_k)  # [B, F, k]
         child_score = frontier_score.unsqueeze(-1) + child_lp  # [B, F, k] cumulative log-prob
         f = frontier.shape[1]
         cand_tokens.append(child_tok.reshape(b, f * top_k))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from mmspec.errors import InputError
-from mmspec.tree import DraftTree, chain_as_tree, expand_chain, expand_eagle2, expand_tree
+from mmspec.tree import Children, DraftTree, chain_as_tree, expand_chain, expand_eagle2, expand_tree
 
 V = 12
 
@@ -131,6 +131,33 @@ def test_a_chain_is_expanded_without_the_pool_into_the_pools_own_tree(depth):
         assert torch.equal(getattr(chain, name), getattr(tree, name)), name
     assert expand_eagle2(torch.tensor([5, 6, 7]), lambda t, i, p, d: table[torch.arange(b).unsqueeze(-1), i], top_k=1,
                          depth=depth, total_tokens=depth + 1).tokens.equal(chain.tokens)
+
+
+@pytest.mark.parametrize("top_k, depth, total", [(3, 3, 8), (1, 4, 5), (4, 3, 20)])
+def test_a_scorer_of_candidates_expands_the_tree_of_its_dense_scores(top_k, depth, total):
+    """`Children` (a few candidates a node, e.g. Token Recycling's table) give the tree of the [B, F, V] log-probs
+    that hold them and -inf elsewhere."""
+    b, c = 3, 6
+    gen = torch.Generator().manual_seed(top_k)
+    max_pool = 1 + top_k + (depth - 1) * top_k * top_k
+    logp = torch.randn(b, max_pool, c, generator=gen)  # [B, P, C] per (row, pool id)
+    tokens = torch.stack([torch.stack([torch.randperm(V, generator=gen)[:c] for _ in range(max_pool)])
+                          for _ in range(b)])  # [B, P, C] distinct candidates
+    rows = torch.arange(b).unsqueeze(-1)
+
+    def sparse(t, ids, parents, d):
+        return Children(logp[rows, ids], tokens[rows, ids])
+
+    def dense(t, ids, parents, d):
+        return torch.full((b, ids.shape[1], V), float("-inf")).scatter(-1, tokens[rows, ids], logp[rows, ids])
+
+    root = torch.tensor([5, 6, 7])
+    got = expand_eagle2(root, sparse, top_k=top_k, depth=depth, total_tokens=total)
+    want = expand_eagle2(root, dense, top_k=top_k, depth=depth, total_tokens=total)
+    for name in ("tokens", "parents", "depths", "valid", "scores"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    with pytest.raises(InputError, match="C >= 7"):
+        expand_eagle2(root, sparse, top_k=7, depth=1, total_tokens=8)
 
 
 def test_expand_eagle2_parameter_errors():
