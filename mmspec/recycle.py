@@ -45,13 +45,18 @@ class AdjacencyTable:
     def candidates(self) -> int:
         return self.next_tokens.shape[1]
 
-    def update(self, tokens: torch.Tensor, next_probs: torch.Tensor) -> None:
-        """Row x of the table <- the top-C of the target's next-token distribution after x, for tokens [M] (>= 0)
-        and next_probs [M, V] (a token scored twice keeps one of its rankings)."""
+    def update(self, tokens: torch.Tensor, next_probs: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Row x of the table <- the top-C of the target's next-token distribution after x, for tokens [...] and
+        next_probs [..., V] where `keep` [...] (None: everywhere; a kept token is >= 0; a token scored twice keeps one
+        of its rankings). The top-C is read in place: no copy of the kept rows' [V] distributions."""
         table = self.next_tokens
         if table.device != tokens.device:
             self.next_tokens = table = table.to(tokens.device)
-        table[tokens] = next_probs.topk(self.candidates, dim=-1).indices  # [M, C]
+        ranked = next_probs.topk(self.candidates, dim=-1).indices  # [..., C]
+        if keep is None:
+            table[tokens] = ranked
+        else:
+            table[tokens[keep]] = ranked[keep]  # [M, C]
 
     def children(self, tokens: torch.Tensor, banned: torch.Tensor, fill: tuple) -> Children:
         """The candidates of each of tokens [B, F] for a tree's top-k children, without a [B, F, V] tensor: its
@@ -116,11 +121,11 @@ class TokenRecyclingDrafter(SteeredTree):
                 target_probs: torch.Tensor) -> None:
         """Recycle the verify's rankings: each scored node's token gets its next-token distribution's top-C."""
         keep = draft.valid & active.unsqueeze(-1)  # [B, N]
-        self.table.update(draft.tokens[keep], target_probs[keep])
+        self.table.update(draft.tokens, target_probs, keep)  # [B, N], [B, N, V], [B, N]
 
     def skip(self, state: DecodeState, result: VerifyResult, active: torch.Tensor, target_probs: torch.Tensor) -> None:
         """A plain step scored the last token: recycle its ranking too."""
-        self.table.update(state.last_token[active], target_probs[:, 0][active])
+        self.table.update(state.last_token, target_probs[:, 0], active)  # [B], [B, V], [B]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """The loop dropped finished rows: nothing per row to drop (the table is the model's)."""

@@ -20,6 +20,9 @@ def test_the_table_keeps_each_tokens_latest_ranking_and_scores_by_rank():
     table.update(torch.tensor([3, 4]), probs)
     assert table.next_tokens[3].tolist() == [1, 3] and table.next_tokens[4].tolist() == [5, 2]
     assert (table.next_tokens[0] == -1).all()
+    table.update(torch.tensor([[3, 0]]), probs.flip(-1).unsqueeze(0), torch.tensor([[False, True]]))  # token 0 only
+    assert table.next_tokens[0].tolist() == [0, 3] and table.next_tokens[3].tolist() == [1, 3]
+    table.next_tokens[0] = -1
     banned = torch.tensor([5])
     children = table.children(torch.tensor([[3, 0]]), banned, table.fillers(3, banned))  # [1, 2, C + M] each
     best, at = children.logp.topk(3, dim=-1)  # [1, 2, 3]
