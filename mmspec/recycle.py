@@ -97,7 +97,6 @@ class TokenRecyclingDrafter(SteeredTree):
         self.full_shape = TreeShape(top_k, depth, total_tokens)
         self.top_k, self.depth, self.total = top_k, depth, total_tokens
         self.banned = torch.tensor(sorted({int(t) for t in banned_tokens}), dtype=torch.long)
-        self.vocab_size = table.next_tokens.shape[0]
         self.fill = table.fillers(top_k, self.banned)  # (`AdjacencyTable.fillers`; remade where `begin` moves it)
 
     @property
@@ -105,7 +104,10 @@ class TokenRecyclingDrafter(SteeredTree):
         return self.full_shape.total
 
     def begin(self, inputs: object, state: DecodeState) -> None:
-        self.banned = self.banned.to(state.done.device)
+        """The table, the banned ids and the fillers move to the rows' device (a step may draft before any update)."""
+        device = state.done.device
+        self.table.next_tokens = self.table.next_tokens.to(device)
+        self.banned = self.banned.to(device)
         self.fill = self.table.fillers(self.full_shape.top_k, self.banned)
 
     def propose(self, state: DecodeState) -> DraftTree:

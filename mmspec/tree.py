@@ -144,6 +144,8 @@ def chain_as_tree(draft_tokens: torch.Tensor, root_tokens: torch.Tensor,
 # every candidate in creation order), so a drafter can keep its own per-candidate cache and tree mask; parent_ids
 # of the root is -1.
 class Children(NamedTuple):
+    """A scorer's few candidates a frontier node (see above)."""
+
     logp: torch.Tensor  # [B, F, C]
     tokens: torch.Tensor  # [B, F, C]
 
