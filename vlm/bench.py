@@ -105,8 +105,8 @@ def _runner(record):
         given, budget = pop_budget(given, None)
         params = {**TREE, **ACCEPT, **record.check_given(given, "vlm")}  # vanilla too: its target's cache room
         vlm = models["target"]
-        if kind is not None and not record.trained:  # built from its parameters, one pipe per setting
-            key = (kind, tuple(sorted(record.resolved(given).items())))
+        if kind is not None and not record.trained:  # built from its parameters, one pipe per setting and budget
+            key = (kind, tuple(sorted(record.resolved(given).items())), str(budget))  # (a table learns: not shared)
             pipes = models.setdefault("pipes", {})
             if key not in pipes:
                 pipes[key] = SpeculativeVLM(vlm.model, vlm.processor, training_free_drafter(kind, given))
