@@ -277,8 +277,8 @@ def refuse_unsupported(config, user_set: set, defaults, modes) -> None:
     watermark = config.watermarking_config
     check(watermark is None or type(watermark).__name__ == "WatermarkingConfig",
           f"{type(watermark).__name__} is not supported: its processor keeps state between calls.")
-    for name in ASSISTED_SETTINGS:
-        check(name not in user_set or getattr(config, name, None) is None,
+    for name in ASSISTED_SETTINGS:  # (a value the model's own generation config holds is not the user's)
+        check(name not in user_set or getattr(config, name, None) in (None, getattr(defaults, name, None)),
               f"{name} is a setting of transformers' assisted generation; mmspec's drafter drafts what budget= and "
               "tree= say (num_speculative_tokens=K: a chain of K every step with budget='fixed'): drop it.")
     for name in LOOP_MECHANICS:

@@ -235,6 +235,24 @@ def test_sampled_calls_follow_the_processed_law(vlms, family, kind, accept, rows
     assert stats.chi2.sf(chi2, dof) < 1e-3, ("the negative control passed", chi2, dof)
 
 
+def test_the_models_own_assisted_generation_defaults_are_not_refused(vlms):
+    """A generation config copied from the model's (which may hold num_assistant_tokens) runs; the user's own value
+    is refused."""
+    import copy
+
+    vlm = with_drafter(vlms["llava"], "eagle")
+    enc = tiny_processor_batch(vlm, n=1)
+    saved = copy.deepcopy(vlm.model.generation_config)
+    try:
+        vlm.model.generation_config.num_assistant_tokens = 5
+        config = copy.deepcopy(vlm.model.generation_config)
+        assert vlm.generate(**enc, generation_config=config, max_new_tokens=3, do_sample=False).shape[0] == 1
+        with pytest.raises(InputError, match="num_assistant_tokens"):
+            vlm.generate(**enc, num_assistant_tokens=3, max_new_tokens=3)
+    finally:
+        vlm.model.generation_config = saved
+
+
 def test_num_return_sequences_and_pad_token_id(vlms):
     vlm = with_drafter(vlms["llava"], "eagle")
     enc = tiny_processor_batch(vlm, n=2)
