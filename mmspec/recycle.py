@@ -97,7 +97,7 @@ class TokenRecyclingDrafter(SteeredTree):
         self.full_shape = TreeShape(top_k, depth, total_tokens)
         self.top_k, self.depth, self.total = top_k, depth, total_tokens
         self.banned = torch.tensor(sorted({int(t) for t in banned_tokens}), dtype=torch.long)
-        self.fill = table.fillers(top_k, self.banned)  # (`AdjacencyTable.fillers`; remade where `begin` moves it)
+        self.fill = table.fillers(top_k, self.banned)  # (`begin` remakes it on the rows' device)
 
     @property
     def max_draft_nodes(self) -> int:
@@ -111,9 +111,6 @@ class TokenRecyclingDrafter(SteeredTree):
         self.fill = self.table.fillers(self.full_shape.top_k, self.banned)
 
     def propose(self, state: DecodeState) -> DraftTree:
-        if self.fill[1].device != state.done.device:
-            self.begin(None, state)
-
         def score(tokens: torch.Tensor, ids: torch.Tensor, parent_ids: torch.Tensor, depth: int) -> Children:
             return self.table.children(tokens, self.banned, self.fill)  # [B, F, C + M]
 

@@ -1,6 +1,7 @@
 """The transformers peers of the vlm bench (`vlm.bench_peers`) on a tiny world LLaVA: greedy outputs equal
 mmspec's vanilla answers, forwards are counted, and transformers' own failure (prompt lookup copying <image> ids)
-is reported per row instead of stopping the bench."""
+is reported per row instead of stopping the bench; mmspec's own training-free methods beside them keep a table per
+configuration."""
 
 from __future__ import annotations
 
