@@ -64,9 +64,11 @@ def prompt_list(path: str | None, n: int, split: str, seed: int) -> list[str]:
     return [lines[i % len(lines)] for i in range(n)]
 
 
-def world_images(n: int, seed: int, split: str, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """n single-object world images as float [-1, 1] [n, 3, 32, 32] and their class labels [n]."""
-    batch = generate_batch(n, seed, split=split, start=start, image_size=IMAGE_SIZE, with_text=False)
+def world_images(n: int, seed: int, split: str, start: int = 0,
+                 image_size: int = IMAGE_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """n single-object world images as float [-1, 1] [n, 3, S, S] (S = image_size, 32 by default; a scene is the
+    same picture at every size) and their class labels [n]."""
+    batch = generate_batch(n, seed, split=split, start=start, image_size=image_size, with_text=False)
     return batch.float_images() * 2 - 1, batch.labels.long()
 
 

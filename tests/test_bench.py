@@ -136,6 +136,19 @@ def test_cli_prints_the_table(tmp_path, capsys):
     assert not list(out.glob("*.png"))
 
 
+def test_table_heading_says_the_new_tokens_each_sample_got():
+    """The heading reads vanilla's tokens a sample: an image family ignores --max-new-tokens (a 16x16-token model
+    makes 256 whatever the cap), a VLM's rows stop at EOS; the cap alone only when they agree."""
+    from mmspec.bench.report import new_tokens_heading
+
+    settings = {"max_new_tokens": 64, "num_samples": 4}
+    rows = [{"method": "sjd", "new_tokens": 1024.0}, {"method": "vanilla", "new_tokens": 1024.0}]
+    assert new_tokens_heading(rows, settings) == "256 new tokens a sample (--max-new-tokens 64)"
+    assert new_tokens_heading([{"method": "vanilla", "new_tokens": 256.0}], settings) == "64 new tokens"
+    assert new_tokens_heading([{"method": "vanilla", "new_tokens": 250.0}], settings).startswith("62.5 new tokens")
+    assert new_tokens_heading([{"method": "sjd", "new_tokens": 256.0}], settings) == "max 64 new tokens"
+
+
 def test_gate_log_shows_what_each_budget_did(tmp_path, caplog, capsys):
     """`--gate-log` turns the budgets' DEBUG lines on (stderr): each configuration's batch as it starts and, after
     each drafted call, the options chosen with their step seconds and expected tokens, and the gate's calls."""

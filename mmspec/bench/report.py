@@ -315,13 +315,26 @@ def budget_notices(summary: Mapping[str, Any]) -> list[str]:
             if row.get("budget_notice")]
 
 
+def new_tokens_heading(rows: Sequence[Mapping[str, Any]], settings: Mapping[str, Any]) -> str:
+    """The new tokens a sample got in vanilla's passes, beside --max-new-tokens when they differ: an image family
+    generates its model's token count whatever the cap (a 16x16-token LlamaGen: 256), a VLM stops rows at EOS."""
+    vanilla = next((row for row in rows if row["method"] == "vanilla"), None)
+    cap = settings["max_new_tokens"]
+    if vanilla is None or not settings["num_samples"]:
+        return f"max {cap} new tokens"
+    per_sample = vanilla["new_tokens"] / settings["num_samples"]
+    if per_sample == cap:
+        return f"{cap} new tokens"
+    return f"{per_sample:.4g} new tokens a sample (--max-new-tokens {cap})"
+
+
 def tables_markdown(summary: Mapping[str, Any]) -> str:
     """The per-batch-size tables with a heading each (what `mmspec bench` prints)."""
     s = summary["settings"]
     blocks = []
     for table in summary["batch_sizes"]:
         blocks.append(f"### {summary['family']} · batch size {table['batch_size']} · {s['num_samples']} samples · "
-                      f"{s['max_new_tokens']} new tokens · temperature {s['temperature']:g} · "
+                      f"{new_tokens_heading(table['methods'], s)} · temperature {s['temperature']:g} · "
                       f"{s['repeats']} repeats\n\n" + _with_phases(table["methods"]))
     return "\n".join(blocks)
 

@@ -4,10 +4,13 @@ import json
 import os
 
 import pytest
+import torch
 from llamagen_dummies import get_dummy_components
 
 from image_ar.llamagen.pipeline import LlamaGenPipeline
+from image_ar.llamagen.vq import LlamaGenVQ
 from mmspec.cli import main
+from mmspec.data.artifacts import ASSETS_DIR
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +111,27 @@ def test_train_llamagen_smoke(tmp_path):
     assert info["recon"]["n"] == 64 and "--recon-eval-images 64" in (out / "README.md").read_text()
     pipe = LlamaGenPipeline.from_pretrained(out)
     assert pipe.transformer.config.block_size == 64
+
+
+def test_train_llamagen_at_64_pixels_with_a_given_tokenizer(tmp_path):
+    """`--image-size 64 --vq-from FOLDER`: the world at 64x64 through the embedded tokenizer (saved as it is), GPTs
+    of 16x16 = 256 tokens, the card and record saying so; a --vq-from without a VQ config refused up front."""
+    out, vq = tmp_path / "llamagen-64", ASSETS_DIR / "llamagen" / "vqvae"
+    common = ["train", "llamagen", "--out", str(out), "--work-dir", str(tmp_path / "work"), "--image-size", "64",
+              "--stages", "vq,target,eval", "--target-steps", "2", "--num-train-images", "32",
+              "--recon-eval-images", "16", "--gpt-batch-size", "4", "--eval-images-per-class", "1", "--threads", "1",
+              "--no-compile", "--quiet"]
+    assert main([*common, "--vq-from", str(tmp_path)]) == 2 and not out.exists()
+    assert main([*common, "--vq-from", str(vq)]) == 0
+    pipe = LlamaGenPipeline.from_pretrained(out)
+    assert pipe.transformer.config.block_size == 256 and pipe.draft_transformer is None
+    assert torch.equal(pipe.vqvae.state_dict()["quantize.embedding.weight"],
+                       LlamaGenVQ.from_pretrained(vq).state_dict()["quantize.embedding.weight"])
+    info = json.loads((out / "training.json").read_text())
+    assert info["vq"] == {"copied_from": str(vq), "image_size": 64} and info["recon"]["mse"] < 0.01
+    card = (out / "README.md").read_text()
+    assert "64x64 images, 256 VQ tokens each" in card and "--image-size 64" in card and f"copied from {vq}" in card
+    assert pipe(class_labels=[3], output_type="pt", generator=torch.Generator().manual_seed(0)).images.shape[-1] == 64
 
 
 def test_bench_family_runs_on_a_pipeline_folder(model_dir, tmp_path):
