@@ -212,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
         check((Path(args.vq_from) / "config.json").is_file(),
               f"--vq-from {args.vq_from} holds no config.json; pass a LlamaGen VQ folder, e.g. assets/llamagen/vqvae.")
     stages, folder, work = open_training(args, STAGES)
+    check(args.vq_from is None or "vq" in stages, "--vq-from gives the 'vq' stage its tokenizer: add vq to --stages.")
     out, info = folder.out, folder.info
 
     size = args.image_size

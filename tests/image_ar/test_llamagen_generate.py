@@ -115,13 +115,15 @@ def test_train_llamagen_smoke(tmp_path):
 
 def test_train_llamagen_at_64_pixels_with_a_given_tokenizer(tmp_path):
     """`--image-size 64 --vq-from FOLDER`: the world at 64x64 through the embedded tokenizer (saved as it is), GPTs
-    of 16x16 = 256 tokens, the card and record saying so; a --vq-from without a VQ config refused up front."""
+    of 16x16 = 256 tokens, the card and record saying so; a --vq-from without a VQ config, or without the vq stage,
+    refused up front."""
     out, vq = tmp_path / "llamagen-64", ASSETS_DIR / "llamagen" / "vqvae"
     common = ["train", "llamagen", "--out", str(out), "--work-dir", str(tmp_path / "work"), "--image-size", "64",
               "--stages", "vq,target,eval", "--target-steps", "2", "--num-train-images", "32",
               "--recon-eval-images", "16", "--gpt-batch-size", "4", "--eval-images-per-class", "1", "--threads", "1",
               "--no-compile", "--quiet"]
     assert main([*common, "--vq-from", str(tmp_path)]) == 2 and not out.exists()
+    assert main([*common, "--vq-from", str(vq), "--stages", "target"]) == 2 and not out.exists()
     assert main([*common, "--vq-from", str(vq)]) == 0
     pipe = LlamaGenPipeline.from_pretrained(out)
     assert pipe.transformer.config.block_size == 256 and pipe.draft_transformer is None
