@@ -18,7 +18,9 @@ acceptance rule the parameters select). The record's kind says what building it 
 (drafter, acceptance rule) pair for the shared loop, a `CallMethod` (a collaborative method with its own schedule:
 CoDe, CSpD) the pipeline to call and its arguments, a `DrafterMethod` names the trained drafter model the family's
 tree drafter runs (the VLM). A family's `method_kind` is the kind its decorator declares; `needs` names the
-pipeline components a method runs besides the target, so a pipeline offers exactly the methods it has parts for.
+pipeline components a method runs besides the target, so a pipeline offers exactly the methods it has parts for;
+`check(given)` the checks of the given values that need no model, which `check_given` runs (and so every command
+before it loads a model, and `build`).
 
 A *family* record holds the pipeline folder loader and embedded default, the hooks `mmspec generate` and the image
 demo use (`generate`, `num_classes`, `sampling_defaults`), the bench hook (`bench() -> mmspec.bench.Family`) and
@@ -87,15 +89,19 @@ class MethodRecord:
     lossless: Callable[[Mapping[str, Any]], bool]
     description: str = ""
     needs: tuple[str, ...] = ()
+    check: Callable[[Mapping[str, Any]], None] | None = None  # check(given): value checks that need no model
 
     def check_given(self, given: Mapping[str, Any] | None, family: str = "") -> dict[str, Any]:
-        """The given parameters, after checking that the method takes each (InputError naming the known ones)."""
+        """The given parameters, after checking that the method takes each (InputError naming the known ones) and
+        the record's `check` of their values."""
         given = dict(given or {})
         unknown = sorted(set(given) - set(self.params))
         if unknown:
             known = ", ".join(self.params) or "no parameters"
             where = f"{family} method" if family else "method"
             raise InputError(f"{where} {self.name!r} takes {known}; got {', '.join(unknown)}.")
+        if self.check is not None:  # before any model loads: `mmspec generate` calls this first
+            self.check(given)
         return given
 
     def build(self, context: Any, given: Mapping[str, Any] | None = None, family: str = "") -> Any:
@@ -212,17 +218,19 @@ class FamilyRecord:
 
     def method(self, name: str | None = None, *, params: tuple[ParamSource, ...] = (), skip: tuple[str, ...] = (),
                lossless: bool | Callable[[Mapping[str, Any]], bool] = True, description: str | None = None,
-               needs: tuple[str, ...] = ()) -> Callable[[Callable], Callable]:
+               needs: tuple[str, ...] = (),
+               check: Callable[[Mapping[str, Any]], None] | None = None) -> Callable[[Callable], Callable]:
         """Decorator: declare `fn` as a method (see the module docstring). `params`: the constructors (or mappings)
         its `**given` is forwarded to; `skip`: their parameters the family supplies itself; `needs`: the pipeline
-        components it runs besides the target."""
+        components it runs besides the target; `check(given)`: the checks of their values that need no model
+        (InputError), run before a command loads one."""
 
         def declare(fn: Callable) -> Callable:
             own = list(inspect.signature(fn).parameters.values())[1:]  # the first is the family's context
             merged = {**parameters_of(*params, skip=skip),
                       **{p.name: p.default for p in own if p.default is not p.empty}}
             summary = description or (inspect.getdoc(fn) or "").split("\n\n")[0].replace("\n", " ")
-            self.add(name or fn.__name__.replace("_", "-"), fn, merged, lossless, summary, needs)
+            self.add(name or fn.__name__.replace("_", "-"), fn, merged, lossless, summary, needs, check=check)
             return fn
 
         return declare

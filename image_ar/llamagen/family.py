@@ -10,7 +10,7 @@ acceptance rule its parameters select. See docs/llamagen_pipeline.md, docs/sjd_g
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -22,6 +22,8 @@ from image_ar.llamagen.methods import (
     SUPPLIED,
     MethodContext,
     acceptance_rule,
+    check_accept,
+    check_jacobi,
     eagle_tree_drafter,
     llamagen_jacobi_drafter,
 )
@@ -110,6 +112,30 @@ def rule_lossless(mode: str | None = None):
     return lossless
 
 
+def jacobi_checks(mode: str | None = None) -> Callable[[Mapping[str, Any]], None]:
+    """`check(given)` of a Jacobi method whose rule is `mode` (None: the one its `accept` parameter names): the
+    drafter's and the rule's checks that need no model, so a command refuses a bad value before it loads one."""
+
+    def check_given(given: Mapping[str, Any]) -> None:
+        jacobi, rule = split(given, llamagen_jacobi_drafter)
+        check_jacobi(**jacobi)
+        check_accept(mode or rule.pop("accept", "coupled"), rule)
+
+    return check_given
+
+
+def check_tree_accept(given: Mapping[str, Any]) -> None:
+    """`check(given)` of an EAGLE tree method: its acceptance mode exists, takes the given rule parameters and
+    verifies trees (the Jacobi-only modes verify chains)."""
+    rule = split(given, *TREE)[-1]
+    accept = rule.pop("accept", "coupled")
+    check_accept(accept, rule)
+    mode = ACCEPT_RULES[accept]
+    check(mode is None or mode.supports_tree, f"accept={accept!r} verifies chains only (Jacobi windows); EAGLE "
+                                              "trees take " + ", ".join(
+                                                  m for m, c in ACCEPT_RULES.items() if c is None or c.supports_tree))
+
+
 @FAMILY.method()
 def vanilla(ctx: MethodContext) -> tuple:
     """One target forward per token (the reference every method is compared with)."""
@@ -135,7 +161,8 @@ def draft_model(ctx: MethodContext, num_draft_tokens: int = 4, draft_temperature
     return drafter, ctx.params.exact_rule(accept)
 
 
-@FAMILY.method(params=(llamagen_jacobi_drafter, *CHAIN_ACCEPT), skip=SUPPLIED, lossless=rule_lossless())
+@FAMILY.method(params=(llamagen_jacobi_drafter, *CHAIN_ACCEPT), skip=SUPPLIED, lossless=rule_lossless(),
+               check=jacobi_checks())
 def sjd(ctx: MethodContext, **given: Any) -> tuple:
     """Speculative Jacobi decoding: a window of drafts re-sampled from the target every forward; accept="lossless"
     (exact; greedy at temperature 0), "lantern", "gsd" or "capped" (Lumina-mGPT 2.0's code) with that rule's
@@ -144,7 +171,8 @@ def sjd(ctx: MethodContext, **given: Any) -> tuple:
     return llamagen_jacobi_drafter(ctx, **jacobi), acceptance_rule(ctx, **rule)
 
 
-@FAMILY.method(params=(llamagen_jacobi_drafter, GSDRule, GSD_TABLE), skip=SUPPLIED, lossless=rule_lossless("gsd"))
+@FAMILY.method(params=(llamagen_jacobi_drafter, GSDRule, GSD_TABLE), skip=SUPPLIED, lossless=rule_lossless("gsd"),
+               check=jacobi_checks("gsd"))
 def gsd(ctx: MethodContext, **given: Any) -> tuple:
     """Grouped speculative decoding: SJD drafting, GSD's grouped acceptance (lossy; g = 50 is the paper's
     PartiPrompts setting, the public code's is 14 with group_window="code")."""
@@ -153,15 +181,11 @@ def gsd(ctx: MethodContext, **given: Any) -> tuple:
 
 
 @FAMILY.method(params=(*TREE, *ACCEPT), skip=(*SUPPLIED, *TREE_SKIP), lossless=rule_lossless(),
-               needs=("eagle_drafter",))
+               needs=("eagle_drafter",), check=check_tree_accept)
 def eagle(ctx: MethodContext, **given: Any) -> tuple:
     """EAGLE-2 dynamic trees from the eagle_drafter (top_k children per frontier node, depth levels, total_tokens
     nodes including the root), lossless tree verification by default (accept= another mode)."""
-    tree, rule = split(given, *TREE)
-    mode = ACCEPT_RULES.get(rule.get("accept", "coupled"))
-    check(mode is None or mode.supports_tree, f"accept={rule.get('accept')!r} verifies chains only (Jacobi windows); "
-                                              "EAGLE trees take " + ", ".join(
-                                                  m for m, c in ACCEPT_RULES.items() if c is None or c.supports_tree))
+    tree, rule = split(given, *TREE)  # the rule's mode verifies trees: check_tree_accept
     return eagle_tree_drafter(ctx, "eagle", **tree), acceptance_rule(ctx, **rule)
 
 

@@ -14,6 +14,7 @@ greedy variants at temperature 0.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -109,6 +110,18 @@ def accept_params(mode: str) -> dict[str, Any]:
     return {**parameters_of(rule, skip=SUPPLIED), **(GSD_TABLE if rule is GSDRule else {})}
 
 
+def check_accept(accept: str, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The parameters (with defaults) of acceptance mode `accept`, after checking the mode and that it takes every
+    one of `given` (InputError otherwise); needs no model."""
+    if accept not in ACCEPT_RULES:
+        raise InputError(f"unknown acceptance mode {accept!r}; choose one of {', '.join(ACCEPT_RULES)}.")
+    takes = accept_params(accept)
+    unknown = sorted(set(given) - set(takes))
+    if unknown:
+        raise InputError(f"accept={accept!r} takes {', '.join(takes) or 'no parameters'}; got {', '.join(unknown)}.")
+    return takes
+
+
 def acceptance_rule(ctx: MethodContext, accept: str = "coupled", **given: Any) -> AcceptanceRule | str:
     """The acceptance rule of a method: `accept` names the mode, `given` the parameters of its rule that a caller
     set (the rule's defaults apply to the rest). lossless (speculative sampling) and coupled (the target's own sample
@@ -116,12 +129,7 @@ def acceptance_rule(ctx: MethodContext, accept: str = "coupled", **given: Any) -
     over the VQ codebook's neighbours (its greedy variant at temperature 0); gsd is GSD's grouped rule (at
     temperature 0 p is one-hot and it reduces to greedy verification); capped is Lumina-mGPT 2.0's SJD code's
     speculative sampling with q capped at `cap` in the residual (lossy when p and q both exceed the cap)."""
-    if accept not in ACCEPT_RULES:
-        raise InputError(f"unknown acceptance mode {accept!r}; choose one of {', '.join(ACCEPT_RULES)}.")
-    takes = accept_params(accept)
-    unknown = sorted(set(given) - set(takes))
-    if unknown:
-        raise InputError(f"accept={accept!r} takes {', '.join(takes) or 'no parameters'}; got {', '.join(unknown)}.")
+    takes = check_accept(accept, given)
     if ACCEPT_RULES[accept] is None:  # an exact mode
         return ctx.params.exact_rule(accept)
     if accept == "capped":
@@ -149,6 +157,18 @@ def resolve_interval(interval: Any, block_size: int, window: int) -> tuple[int, 
     return start, end
 
 
+def check_jacobi(window: Any = 16, init: Any = "random", interval: Any = None, coupling: Any = None) -> None:
+    """The checks of `llamagen_jacobi_drafter`'s parameters that need no model (the interval's bounds need the
+    image's token count); InputError on the first that fails."""
+    check_positive_int("window", window)
+    check(window <= MAX_WINDOW, f"window must be <= {MAX_WINDOW} (the target's cache keeps room for "
+                                f"{MAX_WINDOW - 1} drafts), got {window}.")
+    check_init(init)
+    check_coupling(coupling)
+    if interval != "reference":
+        check_interval(interval)
+
+
 def llamagen_jacobi_drafter(ctx: MethodContext, window: int = 16, init: str = "random",
                             interval: Any = None, coupling: str | None = None) -> JacobiDrafter:
     """A JacobiDrafter over the pipeline's VQ vocabulary: `window` positions re-sampled from the target every
@@ -159,10 +179,7 @@ def llamagen_jacobi_drafter(ctx: MethodContext, window: int = 16, init: str = "r
     `mmspec.jacobi`), None = the rule's own (gumbel under the coupled rule, none otherwise). The image row width
     feeds the horizon inits; its randomness is the call's keyed noise (the loop's, from the user's generators);
     greedy tails at temperature 0."""
-    check_positive_int("window", window)
-    check(window <= MAX_WINDOW, f"window must be <= {MAX_WINDOW} (the target's cache keeps room for "
-                                f"{MAX_WINDOW - 1} drafts), got {window}.")
-    check_init(init)
+    check_jacobi(window, init, interval, coupling)
     block_size, row_width, vocab_size = ctx.pipeline.image_token_layout()
     start, end = resolve_interval(interval, block_size, window)
     return JacobiDrafter(vocab_size, window, init, interval=(start, end), greedy=ctx.params.greedy,

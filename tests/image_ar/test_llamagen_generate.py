@@ -90,7 +90,15 @@ def test_argument_errors_come_before_any_model_loads(model_dir, tmp_path, capsys
                           (("--num-images", "1000000000"), "--num-images must be a whole number from 1 to 100000"),
                           (("--seed", "-1"), "--seed"), (("--temperature", "-1"), "temperature"),
                           (("--prompt", ""), "--prompt"),
-                          (("--job", str(tmp_path / "none.jsonl")), "is not a file")):
+                          (("--job", str(tmp_path / "none.jsonl")), "is not a file"),
+                          # method values that need no model (a 7B target's load takes minutes)
+                          (("--method", "sjd", "--method-arg", "window=0"), "window must be an integer >= 1"),
+                          (("--method", "gsd", "--method-arg", "init=zeros"), "init must be one of"),
+                          (("--method", "sjd", "--method-arg", "coupling=tight"), "coupling"),
+                          (("--method", "sjd", "--method-arg", "interval=[5,2]"), "interval end must be > start"),
+                          (("--method", "sjd", "--method-arg", "accept=nope"), "unknown acceptance mode 'nope'"),
+                          (("--method", "sjd", "--method-arg", "k=3"), "accept='coupled' takes no parameters; got k"),
+                          (("--method", "eagle", "--method-arg", "accept=capped"), "verifies chains only")):
         assert main(["generate", "--family", "llamagen", "--model", str(model_dir), *args,
                      "--out", str(tmp_path / "out")]) == 2
         assert message in capsys.readouterr().err
