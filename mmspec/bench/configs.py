@@ -66,6 +66,8 @@ def parse_config(text: str, family: Family, settings: Any = None) -> MethodConfi
             known = ", ".join(defaults) or "none"
             raise InputError(f"method {name!r} has no parameter {key!r}; its parameters: {known}.")
         given[key] = parse_value(value)
+    if family.methods[name].check is not None:  # the values that need no model: before any is built
+        family.methods[name].check(given)
     label = name if not assignments else ":".join([name, *assignments])
     return MethodConfig(label=label, method=name, params={**defaults, **given}, given=given)
 

@@ -93,6 +93,7 @@ class Method:
     lossless: bool | Callable[[Mapping[str, Any]], bool] = True
     params: Mapping[str, Any] = field(default_factory=dict)
     description: str = ""
+    check: Callable[[Mapping[str, Any]], None] | None = None  # check(given): value checks that need no model
 
     def is_lossless(self, params: Mapping[str, Any]) -> bool:
         return bool(self.lossless(params) if callable(self.lossless) else self.lossless)
@@ -141,8 +142,12 @@ def methods_of(record: Any, runner: Callable[[Any], MethodFn], budget: bool = Fa
     method but vanilla also takes the bench parameter `budget` (`fixed`, `auto`, `auto-no-<part>`: `mmspec.budget`;
     None = the method's default), which the runner pops before building the method (`pop_budget`)."""
     extra = {"budget": None} if budget else {}
+
+    def own_check(m: Any) -> Callable[[Mapping[str, Any]], None] | None:
+        return None if m.check is None else lambda given: m.check({k: v for k, v in given.items() if k not in extra})
+
     return {name: Method(runner(m), lossless=m.is_lossless, description=m.description,
-                         params={**m.params, **(extra if name != "vanilla" else {})})
+                         params={**m.params, **(extra if name != "vanilla" else {})}, check=own_check(m))
             for name, m in record.methods.items()}
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from image_ar.llamagen.pipeline import LlamaGenPipeline
 from image_ar.llamagen.vq import LlamaGenVQ
 from mmspec.cli import main
 from mmspec.data.artifacts import ASSETS_DIR
+from mmspec.errors import InputError
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +163,22 @@ def test_bench_family_runs_on_a_pipeline_folder(model_dir, tmp_path):
     assert len(lines) == 12  # 4 samples x 3 methods x 1 repeat
     grouped = [m for m in summary["batch_sizes"][0]["methods"] if m["method"] == "sjd:accept=gsd:group_size=4"]
     assert grouped and grouped[0]["lossless"] is False
+
+
+def test_bench_refuses_a_bad_method_value_before_building_models(model_dir, tmp_path, capsys):
+    """The method record's value checks run as the --methods list is parsed, before the family builds a model."""
+    from mmspec.bench import get_family, parse_method_list
+
+    for config, message in (("sjd:window=0", "window must be an integer >= 1"),
+                            ("sjd:budget=fixed:accept=nope", "unknown acceptance mode 'nope'"),
+                            ("gsd:coupling=tight", "coupling must be one of")):
+        with pytest.raises(InputError, match=re.escape(message)):
+            parse_method_list(config, get_family("llamagen"))
+    assert parse_method_list("sjd:budget=fixed:window=8", get_family("llamagen"))[1].given == {"budget": "fixed",
+                                                                                              "window": 8}
+    assert main(["bench", "--family", "llamagen", "--methods", "sjd:window=0", "--family-option", f"model={model_dir}",
+                 "--no-plots", "--quiet", "--out", str(tmp_path / "b")]) == 2
+    assert "window must be an integer >= 1" in capsys.readouterr().err
 
 
 def test_bench_reports_how_closely_sampled_tokens_follow_the_target(model_dir, tmp_path):
