@@ -101,12 +101,16 @@ def load_images(paths: str | Path | list):
 
 
 def parse_tree(text: str | None) -> tuple[int, int, int] | None:
+    """--tree depth,top_k,total_tokens, checked as every tree drafter checks it (before the model loads)."""
     if text is None:
         return None
     try:
         depth, top_k, total = (int(part) for part in text.split(","))
     except ValueError:
         raise InputError(f"--tree must be depth,top_k,total_tokens (e.g. 4,8,30), got {text!r}.") from None
+    from mmspec.feature_drafter import check_tree_params
+
+    check_tree_params(top_k, depth, total)
     return depth, top_k, total
 
 

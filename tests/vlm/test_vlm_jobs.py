@@ -167,6 +167,17 @@ def test_bad_rows_stop_the_job_before_the_model_loads_or_are_skipped(folder, tmp
     assert any("not an image file" in line for line in skipped)
 
 
+def test_a_bad_tree_is_refused_before_the_model_loads(folder, capsys, monkeypatch):
+    loads = []
+    monkeypatch.setattr(SpeculativeVLM, "from_pretrained", classmethod(lambda cls, *a, **k: loads.append(a)))
+    for tree, message in (("0,8,30", "depth must be an integer >= 1"), ("4,0,30", "top_k must be an integer >= 1"),
+                          ("4,8,1", "total_tokens must be an integer >= 2"), ("2,2,30", "total_tokens=30 exceeds")):
+        assert main(["vlm", "--model", str(folder / "model"), "--tree", tree, "--image", str(folder / "scene0.png"),
+                     "--prompt", QUESTION]) == 2
+        assert message in capsys.readouterr().err
+    assert loads == []
+
+
 def test_a_single_question_longer_than_the_models_positions_is_refused(folder, tmp_path, capsys):
     assert main(["vlm", "--model", str(folder / "model"), "--drafter", "none", "--image",
                  str(folder / "scene0.png"), "--prompt", "describe the scene " * 200]) == 2
