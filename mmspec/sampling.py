@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,11 +54,15 @@ class SamplingParams:
         """The rule of an exact acceptance mode: "lossless" (speculative sampling) or "coupled" (the target's own
         sample at every index: vanilla's tokens for the same generators, `mmspec.verify.coupled`); "greedy" at
         temperature 0, where both are greedy verification."""
-        check(accept in EXACT_MODES, f"accept must be one of {', '.join(EXACT_MODES)}, got {accept!r}.")
+        check_exact_mode(accept)
         return "greedy" if self.greedy else accept
 
 
 EXACT_MODES = ("lossless", "coupled")  # the exact acceptance modes (`SamplingParams.exact_rule`)
+
+
+def check_exact_mode(accept: Any) -> None:
+    check(accept in EXACT_MODES, f"accept must be one of {', '.join(EXACT_MODES)}, got {accept!r}.")
 
 
 def validate_sampling_args(temperature: float, top_k: int, top_p: float) -> None:

@@ -28,10 +28,10 @@ from image_ar.llamagen.methods import (
     llamagen_jacobi_drafter,
 )
 from mmspec.data.artifacts import ASSETS_DIR
-from mmspec.errors import check
+from mmspec.errors import check, check_positive_int
 from mmspec.families import FamilyRecord, model_guidance_defaults, split
 from mmspec.lm import DraftModelDrafter, NoDrafter
-from mmspec.sampling import SamplingParams
+from mmspec.sampling import SamplingParams, check_exact_mode
 from mmspec.stats import SpecStats
 from mmspec.verify import CappedRule, GSDRule, LanternRule, rule_keeps_distribution
 
@@ -142,7 +142,13 @@ def vanilla(ctx: MethodContext) -> tuple:
     return NoDrafter(), ctx.rule_name()
 
 
-@FAMILY.method(needs=("draft_transformer",))
+def check_draft_model(given: Mapping[str, Any]) -> None:
+    """`check(given)` of draft-model: the draft size and the exact acceptance mode (no model needed)."""
+    check_positive_int("num_draft_tokens", given.get("num_draft_tokens", 1))
+    check_exact_mode(given.get("accept", "coupled"))
+
+
+@FAMILY.method(needs=("draft_transformer",), check=check_draft_model)
 def draft_model(ctx: MethodContext, num_draft_tokens: int = 4, draft_temperature: float | None = None,
                 accept: str = "coupled") -> tuple:
     """Classic speculative sampling with the pipeline's small draft_transformer (same VQ vocabulary, same CFG and

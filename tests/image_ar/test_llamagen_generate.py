@@ -100,7 +100,9 @@ def test_argument_errors_come_before_any_model_loads(model_dir, tmp_path, capsys
                           (("--method", "sjd", "--method-arg", "interval=[5,2]"), "interval end must be > start"),
                           (("--method", "sjd", "--method-arg", "accept=nope"), "unknown acceptance mode 'nope'"),
                           (("--method", "sjd", "--method-arg", "k=3"), "accept='coupled' takes no parameters; got k"),
-                          (("--method", "eagle", "--method-arg", "accept=capped"), "verifies chains only")):
+                          (("--method", "eagle", "--method-arg", "accept=capped"), "verifies chains only"),
+                          (("--method", "draft-model", "--method-arg", "num_draft_tokens=0"), "num_draft_tokens"),
+                          (("--method", "draft-model", "--method-arg", "accept=lantern"), "accept must be one of")):
         assert main(["generate", "--family", "llamagen", "--model", str(model_dir), *args,
                      "--out", str(tmp_path / "out")]) == 2
         assert message in capsys.readouterr().err
