@@ -126,6 +126,13 @@ def plain_view(batch: int, device: torch.device) -> VerifyResult:
     return VerifyResult(zeros.unsqueeze(1), zeros, torch.zeros(batch, 0, dtype=torch.bool, device=device), zeros)
 
 
+def check_window_settings(gamma: Any = 8, prefill_ratio: Any = 0.05) -> None:
+    """CSpD's window size and pre-filled share (no model needed: the MAR family checks them before it loads one)."""
+    check_positive_int("gamma", gamma)
+    check(isinstance(prefill_ratio, (int, float)) and not isinstance(prefill_ratio, bool) and 0 <= prefill_ratio <= 1,
+          f"prefill_ratio must be in [0, 1], got {prefill_ratio!r}.")
+
+
 def cspd_loop(target: MARModel, draft: MARModel, run: MARRun, draft_noise: MARRun, gamma: int, prefill_ratio: float,
               rule: CSpDRule, generator: Generators = None, on_progress: Progress | None = None,
               budget: ThroughputBudget | None = None) -> tuple[torch.Tensor, SpecStats]:
@@ -317,9 +324,7 @@ class CSpDPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                                        self.target.seq_len)
         num_sampling_steps = inference_steps(num_sampling_steps, num_inference_steps)
         target, seq = self.target, self.target.seq_len
-        check_positive_int("gamma", gamma)
-        check(isinstance(prefill_ratio, (int, float)) and 0 <= prefill_ratio <= 1,
-              f"prefill_ratio must be in [0, 1], got {prefill_ratio!r}.")
+        check_window_settings(gamma, prefill_ratio)
         check(isinstance(temperature, (int, float)) and temperature > 0,
               f"CSpD compares the two heads' Gaussians, so temperature must be > 0, got {temperature!r}.")
         run = prepare_run(target, class_labels, guidance_scale, cfg_schedule, temperature, num_sampling_steps,

@@ -15,10 +15,12 @@ cfg_schedule default to the target model's own (`MARModel.config.default_guidanc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from continuous.mar.cspd import CSpDPipeline
+from continuous.mar.cspd import CSpDPipeline, check_window_settings
 from continuous.mar.pipeline import MARPipeline
+from mmspec.budget import check_budget_mode
 from mmspec.cli.family_io import folder_loader
 from mmspec.data.artifacts import ASSETS_DIR
 from mmspec.errors import InputError, check
@@ -118,17 +120,28 @@ def vanilla(pipe: CSpDPipeline | MARPipeline, **given: Any) -> tuple[MARPipeline
     return (pipe.as_mar_pipeline("target") if isinstance(pipe, CSpDPipeline) else pipe), given
 
 
+def check_cspd(given: Mapping[str, Any]) -> None:
+    """`check(given)` of cspd: the window settings, the budget mode, the criterion and the rule built from them
+    (CSpDRule needs no model), so a command refuses a bad value before it loads one."""
+    given = dict(given)
+    criterion = given.pop("criterion", "paper")
+    check(criterion in CRITERIA, f"criterion must be one of {sorted(CRITERIA)}, got {criterion!r}.")
+    call, rule, _ = split(given, CSpDPipeline.__call__, CSpDRule)
+    check_window_settings(call.get("gamma", 8), call.get("prefill_ratio", 0.05))
+    check_budget_mode(call.get("budget"))
+    CSpDRule(**{**{k: v for k, v in CRITERIA[criterion]().config().items() if k != "name"}, **rule})
+
+
 @FAMILY.method(params=(parameters_of(CSpDPipeline.__call__, only=("gamma", "prefill_ratio", "align", "budget",
                                                                    *SHARED)),
-                       {"criterion": "paper"}, CSpDRule), lossless=False, needs=("draft",))
+                       {"criterion": "paper"}, CSpDRule), lossless=False, needs=("draft",), check=check_cspd)
 def cspd(pipe: CSpDPipeline | MARPipeline, **given: Any) -> tuple[CSpDPipeline, dict[str, Any]]:
     """CSpD: the draft MAR proposes a window of gamma tokens, one target pass verifies it (criterion "paper" or
     "reference_code", CSpDRule options on top)."""
     if not isinstance(pipe, CSpDPipeline):
         raise InputError("method 'cspd' needs a CSpD folder (a target and a draft MAR sharing the VAE); this one "
                          "holds a single MARPipeline. Make one with `mmspec convert mar --draft ...`.")
-    criterion = given.pop("criterion", "paper")
+    criterion = given.pop("criterion", "paper")  # a known one: check_cspd
     call, rule, _ = split(given, CSpDPipeline.__call__, CSpDRule)
-    check(criterion in CRITERIA, f"criterion must be one of {sorted(CRITERIA)}, got {criterion!r}.")
     preset = {k: v for k, v in CRITERIA[criterion]().config().items() if k != "name"}
     return pipe, {**call, "rule": CSpDRule(**{**preset, **rule})}

@@ -75,6 +75,20 @@ def test_generate_errors_are_clear(folders, tmp_path, capsys):
     assert "method 'vanilla' drafts nothing: drop --budget" in capsys.readouterr().err
 
 
+def test_cspd_values_are_refused_before_the_model_loads(folders, tmp_path, capsys, monkeypatch):
+    from mmspec.families import get_family
+
+    record = get_family("mar")
+    loads = []
+    monkeypatch.setattr(record, "load", lambda *a, **k: loads.append(a))
+    for arg, message in (("gamma=0", "gamma must be an integer >= 1"), ("prefill_ratio=2", "prefill_ratio must be"),
+                         ("criterion=magic", "criterion must be one of"), ("budget=sometimes", "budget must be"),
+                         ("distance_scale=-1", "distance_scale")):
+        assert generate(folders[0], tmp_path / "x", "--method", "cspd", "--method-arg", arg) == 2
+        assert message in capsys.readouterr().err
+    assert loads == []
+
+
 def test_generate_budget_reaches_cspd(folders, tmp_path, capsys):
     """--budget is CSpD's window budget: fixed drafts gamma every window (no budget counts), auto counts the windows
     it chose. The default is fixed (CSpD's rule is relaxed: its images depend on the draft sizes), and the job
