@@ -120,18 +120,19 @@ def world_sequences(pipe: LlamaGenPipeline, n: int, seed: int, quiet: bool = Tru
     t2i pipeline {"ids", "text_ids" [n, L], "masks" [n, L]} (the captions as its tokenizer gives them)."""
     from image_ar.llamagen.train import tokenize
     from image_ar.llamagen.train_t2i import caption_data
-    from mmspec.world_training import IMAGE_SIZE
+    from mmspec.data import IMAGE_SIZES
 
     target = pipe.transformer
     grid = math.isqrt(target.config.block_size)
-    factor = pipe.vqvae.downsample_factor
-    if grid * factor != IMAGE_SIZE:
-        raise InputError(f"--data world tokenizes {IMAGE_SIZE}x{IMAGE_SIZE} world images, but this pipeline makes "
-                         f"{grid * factor}x{grid * factor} images ({grid}x{grid} tokens, VQ factor {factor}); use "
-                         "--data target (the target's own samples).")
+    size = grid * pipe.vqvae.downsample_factor  # the pipeline's image side
+    if size not in IMAGE_SIZES:
+        raise InputError(f"--data world tokenizes world images of {' or '.join(map(str, IMAGE_SIZES))} pixels, but "
+                         f"this pipeline makes {size}x{size} images ({grid}x{grid} tokens, VQ factor "
+                         f"{pipe.vqvae.downsample_factor}); use --data target (the target's own samples).")
     if target.config.model_type == "t2i":
-        return caption_data(pipe.vqvae, pipe.tokenizer, n, seed, max_length=target.config.cls_token_num, quiet=quiet)
-    return dict(zip(("ids", "labels"), tokenize(pipe.vqvae, n, seed)))
+        return caption_data(pipe.vqvae, pipe.tokenizer, n, seed, max_length=target.config.cls_token_num, quiet=quiet,
+                            image_size=size)
+    return dict(zip(("ids", "labels"), tokenize(pipe.vqvae, n, seed, image_size=size)))
 
 
 @torch.no_grad()

@@ -28,9 +28,10 @@ from tqdm.auto import tqdm
 
 from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.pipeline import LlamaGenPipeline
+from image_ar.llamagen.rope import grid_size_of
 from image_ar.llamagen.text import caption_condition, preprocess_caption, tokenize_captions
 from image_ar.llamagen.vq import LlamaGenVQ
-from mmspec.data import generate_batch
+from mmspec.data import IMAGE_SIZES, generate_batch
 from mmspec.data.artifacts import ASSETS_DIR, explicit_command
 from mmspec.errors import check
 from mmspec.model_card import with_metadata
@@ -50,7 +51,7 @@ GUIDANCE_GRID = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 7.5)
 CAPTION_TOKENS = 16  # the longest world caption is 14 tokens with its EOS
 WORLD_T5 = dict(d_model=128, d_kv=32, d_ff=256, num_layers=2, num_heads=4, dropout_rate=0.0,
                 feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0)
-WORLD_T2I_COMMON = dict(block_size=64, model_type="t2i", cls_token_num=CAPTION_TOKENS, caption_dim=128,
+WORLD_T2I_COMMON = dict(model_type="t2i", cls_token_num=CAPTION_TOKENS, caption_dim=128,
                         class_dropout_prob=0.1, multiple_of=32, token_dropout_p=0.0, resid_dropout_p=0.0,
                         ffn_dropout_p=0.0)
 WORLD_T2I_GPT = {"target": dict(dim=192, n_layer=8, n_head=6), "draft": dict(dim=96, n_layer=3, n_head=3)}
@@ -60,6 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_staged_arguments(parser, "llamagen-t2i", STAGES, "scratch folder (token and caption cache)")
     parser.add_argument("--vq", default=str(ASSETS_DIR / "llamagen" / "vqvae"),
                         help="the image tokenizer (a LlamaGenVQ folder); default the class-conditional default's")
+    parser.add_argument("--image-size", type=int, choices=IMAGE_SIZES, default=IMAGE_SIZE,
+                        help="world image side in pixels (default 32: 8x8 = 64 tokens an image; 64: 16x16 = 256, "
+                             "through the same tokenizer)")
     parser.add_argument("--num-train-images", type=int, default=100_000, help="world images tokenized for training")
     parser.add_argument("--target-steps", type=int, default=3500)
     parser.add_argument("--draft-steps", type=int, default=3000)
@@ -105,19 +109,20 @@ def world_text_encoder(vocab_size: int):
     return T5EncoderModel(T5Config(vocab_size=vocab_size, **WORLD_T5))
 
 
-def world_t2i_gpt(kind: str, vocab_size: int) -> LlamaGenGPT:
-    return LlamaGenGPT(vocab_size=vocab_size, **WORLD_T2I_COMMON, **WORLD_T2I_GPT[kind])
+def world_t2i_gpt(kind: str, vocab_size: int, block_size: int = 64) -> LlamaGenGPT:
+    return LlamaGenGPT(vocab_size=vocab_size, block_size=block_size, **WORLD_T2I_COMMON, **WORLD_T2I_GPT[kind])
 
 
 # ----------------------------------------------------------------------------------------------------- data
 @torch.no_grad()
 def caption_data(vq: LlamaGenVQ, tokenizer, n: int, seed: int, split: str = "train", chunk: int = 500,
-                 max_length: int = CAPTION_TOKENS, quiet: bool = False) -> dict[str, torch.Tensor]:
-    """VQ token ids [n, 64] (int16), caption token ids [n, L] (int16) and masks [n, L] (bool) of n single-object
-    world images and their captions (cleaned as the pipeline cleans prompts)."""
+                 max_length: int = CAPTION_TOKENS, quiet: bool = False,
+                 image_size: int = IMAGE_SIZE) -> dict[str, torch.Tensor]:
+    """VQ token ids [n, (image_size / 4)^2] (int16), caption token ids [n, L] (int16) and masks [n, L] (bool) of n
+    single-object world images and their captions (cleaned as the pipeline cleans prompts)."""
     ids, text_ids, masks, cleaned = [], [], [], {}
     for start in tqdm(range(0, n, chunk), desc=f"tokenize {split}", leave=False, disable=quiet):
-        batch = generate_batch(min(chunk, n - start), seed, split=split, start=start, image_size=IMAGE_SIZE)
+        batch = generate_batch(min(chunk, n - start), seed, split=split, start=start, image_size=image_size)
         ids.append(vq.quantize_ids(batch.float_images() * 2 - 1).short())
         texts = [cleaned.setdefault(c, preprocess_caption(c, True)) for c in batch.captions]
         tokens, mask = tokenize_captions(tokenizer, texts, max_length, clean=False)  # cleaned above, once each
@@ -131,7 +136,7 @@ def train_t2i_gpt(kind: str, data: dict, vocab_size: int, text_vocab: int, args:
                   encoder=None) -> tuple[LlamaGenGPT, object, dict]:
     """Train a t2i GPT (`kind` target: with a new caption encoder, jointly; draft: on `encoder`, frozen)."""
     torch.manual_seed(args.seed)
-    model = world_t2i_gpt(kind, vocab_size).train()
+    model = world_t2i_gpt(kind, vocab_size, data["ids"].shape[1]).train()  # block size: the images' token count
     joint = encoder is None
     encoder = (world_text_encoder(text_vocab) if joint else encoder).train(joint)
     params = list(model.parameters()) + (list(encoder.parameters()) if joint else [])
@@ -169,7 +174,8 @@ def judge_captions(pipe: LlamaGenPipeline, n: int, seed: int, chunk: int = 64,
     real images."""
     from mmspec.metrics import attribute_agreement, world_fid
 
-    batch = generate_batch(n, seed, split="val", image_size=IMAGE_SIZE)
+    side = 4 * grid_size_of(pipe.transformer.config.block_size)  # the model's image size (the VQ downsamples 4x)
+    batch = generate_batch(n, seed, split="val", image_size=side)
     gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(n)]
     images = torch.cat([pipe(batch.captions[s:s + chunk], generator=gens[s:s + chunk], output_type="pt",
                              guidance_scale=guidance_scale).images
@@ -188,13 +194,14 @@ def choose_guidance(pipe: LlamaGenPipeline, n: int, seed: int, grid: tuple[float
             "sweep": [{k: e[k] for k in ("guidance_scale", "all_attributes", "world_fid")} for e in sweep]}
 
 
-def _card(command: str, info: dict) -> str:
+def _card(command: str, info: dict, grid: int) -> str:
     tgt, dr, ev = info.get("target", {}), info.get("draft", {}), info.get("eval", {})
     lines = card_head("Embedded text-to-image LlamaGen default (world)", [
         "A text-conditional LlamaGen trained on mmspec's procedural world: a small T5-architecture caption encoder",
         "(trained from scratch with the GPT; the world tokenizer made T5-style), a t2i LlamaGen GPT reading its",
         f"features ({CAPTION_TOKENS} caption tokens, left-padded as the official pipeline does), the class-conditional",
-        "default's VQ tokenizer (32x32 images, 64 tokens), and a small draft GPT. Made by:"],
+        f"default's VQ tokenizer ({grid * 4}x{grid * 4} images, {grid * grid} tokens), and a small draft GPT. Made "
+        "by:"],
         command, info.get("machine", ""))
     lines += [
         f"| text_encoder | T5EncoderModel {json.dumps({k: WORLD_T5[k] for k in ('d_model', 'num_layers')})}, "
@@ -234,10 +241,15 @@ def run(args: argparse.Namespace) -> int:
                                                   "class-conditional default first: mmspec train llamagen.")
     vq = LlamaGenVQ.from_pretrained(args.vq).eval()
     tokenizer = world_t5_tokenizer()
-    cache = work / f"captions-{args.num_train_images}-seed{args.seed}.pt"
+    size = args.image_size
+    cache = work / (f"captions-{args.num_train_images}-seed{args.seed}" + ("" if size == 32 else f"-{size}px") + ".pt")
+
+    def make_data() -> dict[str, torch.Tensor]:
+        return caption_data(vq, tokenizer, args.num_train_images, args.seed, image_size=size)
+
     data = None
     if "target" in stages and not folder.done("transformer"):
-        data = cached_tensors(cache, args.force, lambda: caption_data(vq, tokenizer, args.num_train_images, args.seed))
+        data = cached_tensors(cache, args.force, make_data)
         model, encoder, info["target"] = train_t2i_gpt("target", data, vq.config.codebook_size, len(tokenizer), args)
         folder.save(encoder, "text_encoder")
         folder.save(model, "transformer")
@@ -247,8 +259,7 @@ def run(args: argparse.Namespace) -> int:
 
         check((out / "text_encoder" / "config.json").is_file(), "the draft needs the target's text_encoder: run the "
                                                                  "'target' stage first.")
-        data = data or cached_tensors(cache, args.force,
-                                      lambda: caption_data(vq, tokenizer, args.num_train_images, args.seed))
+        data = data or cached_tensors(cache, args.force, make_data)
         encoder = T5EncoderModel.from_pretrained(out / "text_encoder").eval()
         model, _, info["draft"] = train_t2i_gpt("draft", data, vq.config.codebook_size, len(tokenizer), args, encoder)
         folder.save(model, "draft_transformer")
@@ -279,9 +290,10 @@ def run(args: argparse.Namespace) -> int:
                                                    guidance_scale=tuning["chosen"])
         folder.record()
         command = explicit_command("mmspec train llamagen-t2i", args, [
-            "out", "seed", "vq", "num_train_images", "target_steps", "draft_steps", "batch_size", "lr",
+            "out", "seed", "vq", "image_size", "num_train_images", "target_steps", "draft_steps", "batch_size", "lr",
             "eval_captions", "tune_captions", "guidance_grid", "threads"])
-        (out / "README.md").write_text(with_metadata(_card(command, info), pipeline_tag="text-to-image",
+        card = _card(command, info, grid_size_of(pipe.transformer.config.block_size))
+        (out / "README.md").write_text(with_metadata(card, pipeline_tag="text-to-image",
                                                      tags=["llamagen", "text-to-image", "world"]))
         print(json.dumps(info.get("eval", {}), indent=2))
     print(f"wrote {out}")

@@ -222,6 +222,25 @@ def test_train_t2i_makes_a_pipeline_folder_with_a_card(tmp_path):
     assert torch.equal(loaded(caption, method="eagle", **greedy).tokens, loaded(caption, **greedy).tokens)
 
 
+def test_train_t2i_at_64_pixels_and_its_world_drafter_data(tmp_path):
+    """`--image-size 64`: captions with 64x64 world images through the same tokenizer, a GPT of 16x16 = 256 tokens,
+    judged at that size, the card saying so; the EAGLE trainer's world data follows the pipeline's image size."""
+    from image_ar.llamagen.train_eagle import world_sequences
+    from mmspec.cli import main
+
+    out = tmp_path / "out"
+    assert main(["train", "llamagen-t2i", "--out", str(out), "--work-dir", str(tmp_path / "work"),
+                 "--image-size", "64", "--stages", "target,eval", "--num-train-images", "16", "--target-steps", "2",
+                 "--batch-size", "4", "--eval-captions", "2", "--tune-captions", "2", "--guidance-grid", "1",
+                 "--no-compile", "--threads", "1", "--quiet"]) == 0
+    card = (out / "README.md").read_text()
+    assert "(64x64 images, 256 tokens)" in card and "--image-size 64" in card
+    pipe = LlamaGenPipeline.from_pretrained(out)
+    assert pipe.transformer.config.block_size == 256
+    data = world_sequences(pipe, 4, 0)
+    assert data["ids"].shape == (4, 256) and data["text_ids"].shape[0] == 4
+
+
 def test_bench_family_on_held_out_captions(pipe, tmp_path):
     """`mmspec bench --family llamagen-t2i`: every method on held-out world captions, the judge's attribute
     agreement and caption-matched world-FID as quality, lossless methods exact at temperature 0, and the token
