@@ -22,6 +22,7 @@ greedy output). Glossary: V vocabulary, C candidates per token, B rows, N tree n
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -31,6 +32,15 @@ from mmspec.tree import Children, DraftTree, SteeredTree, TreeShape, expand_eagl
 from mmspec.verify import VerifyResult
 
 UNSEEN = -1.0e4  # the score of an unseen token's children: below every known candidate's
+
+
+class Fillers(NamedTuple):
+    """`AdjacencyTable.fillers`: made once per call from the banned ids, so `children` reads them from here."""
+
+    rank_lp: torch.Tensor  # [C] -log(rank + 1)
+    pool: torch.Tensor  # [M] filler ids, the lowest first
+    pool_lp: torch.Tensor  # [M] UNSEEN, a little lower each id; banned ones -inf
+    banned: torch.Tensor  # [X] ids no draft may hold
 
 
 class AdjacencyTable:
@@ -58,25 +68,26 @@ class AdjacencyTable:
         else:
             table[tokens[keep]] = ranked[keep]  # [M, C]
 
-    def children(self, tokens: torch.Tensor, banned: torch.Tensor, fill: tuple) -> Children:
+    def children(self, tokens: torch.Tensor, fill: Fillers) -> Children:
         """The candidates of each of tokens [B, F] for a tree's top-k children, without a [B, F, V] tensor: its
-        ranked next tokens at log-score -log(rank + 1) (banned ones -inf), then the lowest other token ids at UNSEEN
-        (an unseen token's children: below every known candidate), enough of them that k remain (`fill`: what
+        ranked next tokens at log-score -log(rank + 1) (fill's banned ones -inf), then the lowest other token ids at
+        UNSEEN (an unseen token's children: below every known candidate), enough of them that k remain (`fill`: what
         `fillers(k, banned)` made)."""
-        rank_lp, pool, pool_lp = fill  # [C], [M], [M]
+        rank_lp, pool, pool_lp, banned = fill  # [C], [M], [M], [X]
         ranked = self.next_tokens[tokens]  # [B, F, C] (-1: not seen)
         usable = ranked >= 0 if banned.numel() == 0 else (ranked >= 0) & ~torch.isin(ranked, banned)  # [B, F, C]
         taken = (pool == ranked.unsqueeze(-1)).any(-2)  # [B, F, M] fillers that are candidates already
         logp = torch.cat([rank_lp.masked_fill(~usable, float("-inf")), pool_lp.masked_fill(taken, float("-inf"))], -1)
         return Children(logp, torch.cat([ranked, pool.expand(*tokens.shape, -1)], -1))  # [B, F, C + M] each
 
-    def fillers(self, k: int, banned: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(rank log-scores [C], filler ids [M], their log-scores [M]: UNSEEN, the lowest ids first, banned ones
-        -inf) for `children` with up to k children a node, on banned's device."""
+    def fillers(self, k: int, banned: torch.Tensor) -> Fillers:
+        """What `children` needs beside the table for up to k children a node, on banned's device: rank log-scores,
+        filler ids (the lowest first) at UNSEEN, banned ones -inf, and the banned ids themselves."""
         device = banned.device
         pool = torch.arange(min(k + self.candidates + banned.numel(), self.next_tokens.shape[0]), device=device)
         pool_lp = (UNSEEN - 1e-2 * pool.float()).masked_fill(torch.isin(pool, banned), float("-inf"))
-        return -torch.log1p(torch.arange(self.candidates, dtype=torch.float32, device=device)), pool, pool_lp
+        return Fillers(-torch.log1p(torch.arange(self.candidates, dtype=torch.float32, device=device)), pool, pool_lp,
+                       banned)
 
 
 class TokenRecyclingDrafter(SteeredTree):
@@ -112,7 +123,7 @@ class TokenRecyclingDrafter(SteeredTree):
 
     def propose(self, state: DecodeState) -> DraftTree:
         def score(tokens: torch.Tensor, ids: torch.Tensor, parent_ids: torch.Tensor, depth: int) -> Children:
-            return self.table.children(tokens, self.banned, self.fill)  # [B, F, C + M]
+            return self.table.children(tokens, self.fill)  # [B, F, C + M]
 
         return expand_eagle2(state.last_token, score, top_k=self.top_k, depth=self.depth, total_tokens=self.total)
 

@@ -24,7 +24,7 @@ def test_the_table_keeps_each_tokens_latest_ranking_and_scores_by_rank():
     assert table.next_tokens[0].tolist() == [0, 3] and table.next_tokens[3].tolist() == [1, 3]
     table.next_tokens[0] = -1
     banned = torch.tensor([5])
-    children = table.children(torch.tensor([[3, 0]]), banned, table.fillers(3, banned))  # [1, 2, C + M] each
+    children = table.children(torch.tensor([[3, 0]]), table.fillers(3, banned))  # [1, 2, C + M] each
     best, at = children.logp.topk(3, dim=-1)  # [1, 2, 3]
     tokens = children.tokens.gather(-1, at)
     assert tokens[0, 0, :2].tolist() == [1, 3] and best[0, 0, 1] == pytest.approx(-0.6931, abs=1e-4)  # ranks 0, 1
