@@ -64,6 +64,12 @@ def prompt_list(path: str | None, n: int, split: str, seed: int) -> list[str]:
     return [lines[i % len(lines)] for i in range(n)]
 
 
+def size_tag(image_size: int) -> str:
+    """A token cache's name tag for the world image size: none at the default 32 (the names before sizes existed),
+    else "-64px"."""
+    return "" if image_size == IMAGE_SIZE else f"-{image_size}px"
+
+
 def world_images(n: int, seed: int, split: str, start: int = 0,
                  image_size: int = IMAGE_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
     """n single-object world images as float [-1, 1] [n, 3, S, S] (S = image_size, 32 by default; a scene is the

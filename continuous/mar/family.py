@@ -120,16 +120,23 @@ def vanilla(pipe: CSpDPipeline | MARPipeline, **given: Any) -> tuple[MARPipeline
     return (pipe.as_mar_pipeline("target") if isinstance(pipe, CSpDPipeline) else pipe), given
 
 
-def check_cspd(given: Mapping[str, Any]) -> None:
-    """`check(given)` of cspd: the window settings, the budget mode, the criterion and the rule built from them
-    (CSpDRule needs no model), so a command refuses a bad value before it loads one."""
+def cspd_call(given: Mapping[str, Any]) -> dict[str, Any]:
+    """CSpDPipeline's keyword arguments for cspd's given parameters: the call's own, and `rule`, the criterion's
+    CSpDRule with the given rule options on top (needs no model)."""
     given = dict(given)
     criterion = given.pop("criterion", "paper")
     check(criterion in CRITERIA, f"criterion must be one of {sorted(CRITERIA)}, got {criterion!r}.")
     call, rule, _ = split(given, CSpDPipeline.__call__, CSpDRule)
+    preset = {k: v for k, v in CRITERIA[criterion]().config().items() if k != "name"}
+    return {**call, "rule": CSpDRule(**{**preset, **rule})}
+
+
+def check_cspd(given: Mapping[str, Any]) -> None:
+    """`check(given)` of cspd: the criterion and the rule built from it (`cspd_call`), the window settings and the
+    budget mode, so a command refuses a bad value before it loads a model."""
+    call = cspd_call(given)
     check_window_settings(call.get("gamma", 8), call.get("prefill_ratio", 0.05))
     check_budget_mode(call.get("budget"))
-    CSpDRule(**{**{k: v for k, v in CRITERIA[criterion]().config().items() if k != "name"}, **rule})
 
 
 @FAMILY.method(params=(parameters_of(CSpDPipeline.__call__, only=("gamma", "prefill_ratio", "align", "budget",
@@ -141,7 +148,4 @@ def cspd(pipe: CSpDPipeline | MARPipeline, **given: Any) -> tuple[CSpDPipeline, 
     if not isinstance(pipe, CSpDPipeline):
         raise InputError("method 'cspd' needs a CSpD folder (a target and a draft MAR sharing the VAE); this one "
                          "holds a single MARPipeline. Make one with `mmspec convert mar --draft ...`.")
-    criterion = given.pop("criterion", "paper")  # a known one: check_cspd
-    call, rule, _ = split(given, CSpDPipeline.__call__, CSpDRule)
-    preset = {k: v for k, v in CRITERIA[criterion]().config().items() if k != "name"}
-    return pipe, {**call, "rule": CSpDRule(**{**preset, **rule})}
+    return pipe, cspd_call(given)

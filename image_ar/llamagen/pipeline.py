@@ -158,6 +158,10 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
         config = self.transformer.config
         return config.block_size, grid_size_of(config.block_size), config.vocab_size
 
+    def image_size(self) -> int:
+        """The side in pixels of the images it makes: the token grid's side x the VQ's downsampling factor."""
+        return grid_size_of(self.transformer.config.block_size) * self.vqvae.downsample_factor
+
     def code_vectors(self, as_decoded: bool = False) -> torch.Tensor:
         """The VQ codebook [V, C]: raw vectors (LANTERN's table, as the reference code) or, as_decoded, the
         L2-normalised latents the decoder sees."""

@@ -29,7 +29,6 @@ from tqdm.auto import tqdm
 
 from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.pipeline import LlamaGenPipeline
-from image_ar.llamagen.rope import grid_size_of
 from image_ar.llamagen.vq import LlamaGenVQ
 from image_ar.llamagen.vq_train import VQLossWeights, vq_loss
 from mmspec.data import IMAGE_SIZES, NUM_CLASSES
@@ -47,6 +46,7 @@ from mmspec.world_training import (
     open_training,
     optimizer_step,
     recon_card_line,
+    size_tag,
     world_images,
 )
 
@@ -169,16 +169,16 @@ def evaluate_pipeline(pipe: LlamaGenPipeline, per_class: int, seed: int, use_dra
 
 
 # ----------------------------------------------------------------------------------------------------- run
-def _card(command: str, info: dict, grid: int) -> str:
+def _card(command: str, info: dict, pipe: LlamaGenPipeline) -> str:
     vq, tgt, dr = info.get("vq", {}), info.get("target", {}), info.get("draft", {})
-    ev, size = info.get("eval", {}), grid * 4  # the VQ downsamples 4x
+    ev, size, tokens = info.get("eval", {}), pipe.image_size(), pipe.transformer.config.block_size
     vq_training = (f"copied from {vq['copied_from']}" if "copied_from" in vq else
                    f"{vq.get('steps')} steps x {vq.get('batch_size')} images | {vq.get('seconds', 0):.0f} s")
     lines = [
         "# Embedded LlamaGen default (world)",
         "",
         "A class-conditional LlamaGen (GPT + VQ tokenizer) trained on mmspec's procedural world (16 classes: 4 shapes",
-        f"x 4 colours, {size}x{size} images, {grid * grid} VQ tokens each), plus a small draft LlamaGen sharing "
+        f"x 4 colours, {size}x{size} images, {tokens} VQ tokens each), plus a small draft LlamaGen sharing "
         "the tokenizer. Made by:",
         "",
         f"    {command}",
@@ -229,8 +229,7 @@ def run(args: argparse.Namespace) -> int:
     check((out / "vqvae" / "config.json").is_file(), f"no VQ tokenizer in {out}/vqvae: run the 'vq' stage first.")
     vq = LlamaGenVQ.from_pretrained(out / "vqvae").eval()
 
-    tokens = f"tokens-{args.num_train_images}-seed{args.seed}" + ("" if size == 32 else f"-{size}px")
-    cache, data = work / f"{tokens}.pt", None
+    cache, data = work / f"tokens-{args.num_train_images}-seed{args.seed}{size_tag(size)}.pt", None
     for kind, component, steps in (("target", "transformer", args.target_steps),
                                    ("draft", "draft_transformer", args.draft_steps)):
         if kind not in stages or folder.done(component):
@@ -260,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
             "recon_eval_images", "num_train_images", "target_steps", "draft_steps", "gpt_batch_size", "gpt_lr",
             "eval_images_per_class", "threads"])
         card_text = with_metadata(
-            _card(command, info, grid_size_of(pipe.transformer.config.block_size)),
+            _card(command, info, pipe),
             pipeline_tag="unconditional-image-generation", tags=["llamagen", "class-conditional", "world"])
         (out / "README.md").write_text(card_text)
         print(json.dumps(info.get("eval", {}), indent=2))

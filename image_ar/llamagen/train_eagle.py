@@ -122,12 +122,10 @@ def world_sequences(pipe: LlamaGenPipeline, n: int, seed: int, quiet: bool = Tru
     from image_ar.llamagen.train_t2i import caption_data
     from mmspec.data import IMAGE_SIZES
 
-    target = pipe.transformer
-    grid = math.isqrt(target.config.block_size)
-    size = grid * pipe.vqvae.downsample_factor  # the pipeline's image side
+    target, size = pipe.transformer, pipe.image_size()
     if size not in IMAGE_SIZES:
         raise InputError(f"--data world tokenizes world images of {' or '.join(map(str, IMAGE_SIZES))} pixels, but "
-                         f"this pipeline makes {size}x{size} images ({grid}x{grid} tokens, VQ factor "
+                         f"this pipeline makes {size}x{size} images ({target.config.block_size} tokens, VQ factor "
                          f"{pipe.vqvae.downsample_factor}); use --data target (the target's own samples).")
     if target.config.model_type == "t2i":
         return caption_data(pipe.vqvae, pipe.tokenizer, n, seed, max_length=target.config.cls_token_num, quiet=quiet,
@@ -313,8 +311,7 @@ def is_world_pipeline(pipe: LlamaGenPipeline) -> bool:
     from mmspec.world_training import IMAGE_SIZE
 
     target = pipe.transformer.config
-    size = math.isqrt(target.block_size) * pipe.vqvae.downsample_factor
-    return size == IMAGE_SIZE and (target.model_type == "t2i" or target.num_classes == NUM_CLASSES)
+    return pipe.image_size() == IMAGE_SIZE and (target.model_type == "t2i" or target.num_classes == NUM_CLASSES)
 
 
 def eval_conditions(pipe: LlamaGenPipeline, n: int, seed: int,

@@ -28,7 +28,6 @@ from tqdm.auto import tqdm
 
 from image_ar.llamagen.gpt import LlamaGenGPT
 from image_ar.llamagen.pipeline import LlamaGenPipeline
-from image_ar.llamagen.rope import grid_size_of
 from image_ar.llamagen.text import caption_condition, preprocess_caption, tokenize_captions
 from image_ar.llamagen.vq import LlamaGenVQ
 from mmspec.data import IMAGE_SIZES, generate_batch
@@ -43,6 +42,7 @@ from mmspec.world_training import (
     card_head,
     open_training,
     optimizer_step,
+    size_tag,
 )
 
 STAGES = ("target", "draft", "eval")
@@ -174,8 +174,7 @@ def judge_captions(pipe: LlamaGenPipeline, n: int, seed: int, chunk: int = 64,
     real images."""
     from mmspec.metrics import attribute_agreement, world_fid
 
-    side = 4 * grid_size_of(pipe.transformer.config.block_size)  # the model's image size (the VQ downsamples 4x)
-    batch = generate_batch(n, seed, split="val", image_size=side)
+    batch = generate_batch(n, seed, split="val", image_size=pipe.image_size())
     gens = [torch.Generator().manual_seed(seed * 1_000_003 + i) for i in range(n)]
     images = torch.cat([pipe(batch.captions[s:s + chunk], generator=gens[s:s + chunk], output_type="pt",
                              guidance_scale=guidance_scale).images
@@ -194,14 +193,14 @@ def choose_guidance(pipe: LlamaGenPipeline, n: int, seed: int, grid: tuple[float
             "sweep": [{k: e[k] for k in ("guidance_scale", "all_attributes", "world_fid")} for e in sweep]}
 
 
-def _card(command: str, info: dict, grid: int) -> str:
+def _card(command: str, info: dict, pipe: LlamaGenPipeline) -> str:
     tgt, dr, ev = info.get("target", {}), info.get("draft", {}), info.get("eval", {})
     lines = card_head("Embedded text-to-image LlamaGen default (world)", [
         "A text-conditional LlamaGen trained on mmspec's procedural world: a small T5-architecture caption encoder",
         "(trained from scratch with the GPT; the world tokenizer made T5-style), a t2i LlamaGen GPT reading its",
         f"features ({CAPTION_TOKENS} caption tokens, left-padded as the official pipeline does), the class-conditional",
-        f"default's VQ tokenizer ({grid * 4}x{grid * 4} images, {grid * grid} tokens), and a small draft GPT. Made "
-        "by:"],
+        f"default's VQ tokenizer ({pipe.image_size()}x{pipe.image_size()} images, "
+        f"{pipe.transformer.config.block_size} tokens), and a small draft GPT. Made by:"],
         command, info.get("machine", ""))
     lines += [
         f"| text_encoder | T5EncoderModel {json.dumps({k: WORLD_T5[k] for k in ('d_model', 'num_layers')})}, "
@@ -242,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     vq = LlamaGenVQ.from_pretrained(args.vq).eval()
     tokenizer = world_t5_tokenizer()
     size = args.image_size
-    cache = work / (f"captions-{args.num_train_images}-seed{args.seed}" + ("" if size == 32 else f"-{size}px") + ".pt")
+    cache = work / f"captions-{args.num_train_images}-seed{args.seed}{size_tag(size)}.pt"
 
     def make_data() -> dict[str, torch.Tensor]:
         return caption_data(vq, tokenizer, args.num_train_images, args.seed, image_size=size)
@@ -292,8 +291,7 @@ def run(args: argparse.Namespace) -> int:
         command = explicit_command("mmspec train llamagen-t2i", args, [
             "out", "seed", "vq", "image_size", "num_train_images", "target_steps", "draft_steps", "batch_size", "lr",
             "eval_captions", "tune_captions", "guidance_grid", "threads"])
-        card = _card(command, info, grid_size_of(pipe.transformer.config.block_size))
-        (out / "README.md").write_text(with_metadata(card, pipeline_tag="text-to-image",
+        (out / "README.md").write_text(with_metadata(_card(command, info, pipe), pipeline_tag="text-to-image",
                                                      tags=["llamagen", "text-to-image", "world"]))
         print(json.dumps(info.get("eval", {}), indent=2))
     print(f"wrote {out}")

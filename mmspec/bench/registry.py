@@ -144,7 +144,7 @@ def methods_of(record: Any, runner: Callable[[Any], MethodFn], budget: bool = Fa
     extra = {"budget": None} if budget else {}
 
     def own_check(m: Any) -> Callable[[Mapping[str, Any]], None] | None:
-        return None if m.check is None else lambda given: m.check({k: v for k, v in given.items() if k not in extra})
+        return None if m.check is None else lambda given: m.check(pop_budget(given)[0])
 
     return {name: Method(runner(m), lossless=m.is_lossless, description=m.description,
                          params={**m.params, **(extra if name != "vanilla" else {})}, check=own_check(m))
