@@ -55,13 +55,17 @@ class AdjacencyTable:
     def candidates(self) -> int:
         return self.next_tokens.shape[1]
 
+    def to(self, device: torch.device | str) -> AdjacencyTable:
+        """The table on `device` (kept between calls, it moves with the rows: the drafter's `begin` moves it)."""
+        self.next_tokens = self.next_tokens.to(device)
+        return self
+
     def update(self, tokens: torch.Tensor, next_probs: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Row x of the table <- the top-C of the target's next-token distribution after x, for tokens [...] and
         next_probs [..., V] where `keep` [...] (None: everywhere; a kept token is >= 0; a token scored twice keeps one
-        of its rankings). The top-C is read in place: no copy of the kept rows' [V] distributions."""
+        of its rankings). The top-C is read in place: no copy of the kept rows' [V] distributions. The table is on
+        tokens' device (`to`)."""
         table = self.next_tokens
-        if table.device != tokens.device:
-            self.next_tokens = table = table.to(tokens.device)
         ranked = next_probs.topk(self.candidates, dim=-1).indices  # [..., C]
         if keep is None:
             table[tokens] = ranked
@@ -117,7 +121,7 @@ class TokenRecyclingDrafter(SteeredTree):
     def begin(self, inputs: object, state: DecodeState) -> None:
         """The table, the banned ids and the fillers move to the rows' device (a step may draft before any update)."""
         device = state.done.device
-        self.table.next_tokens = self.table.next_tokens.to(device)
+        self.table.to(device)
         self.banned = self.banned.to(device)
         self.fill = self.table.fillers(self.full_shape.top_k, self.banned)
 

@@ -26,7 +26,8 @@ def test_configurations_set_the_budget_as_written():
 @pytest.mark.parametrize("text, says", [
     ("eagle@auto:nonsense=1", "nonsense"), ("eagle@sometimes", "after '@'"), ("eagle@forced:", "one step"),
     ("eagle@forced:sideways", "option names"), ("eagle@auto:decay=2", "decay"),
-    ("vanilla@auto:decay=0.8", "no draft budget"), ("eagle@auto:decay", "KEY=VALUE"), ("eagle:depth", "KEY=VALUE"),
+    ("vanilla@auto:decay=0.8", "no draft budget"), ("eagle@auto:decay", "KEY=VALUE"),
+    ("eagle@auto:decay=0.8:decay=0.9", "given twice"), ("eagle:depth", "KEY=VALUE"),
 ])
 def test_a_bad_configuration_is_refused_before_any_call(text, says):
     with pytest.raises(InputError, match=says):

@@ -126,7 +126,7 @@ def plain_view(batch: int, device: torch.device) -> VerifyResult:
     return VerifyResult(zeros.unsqueeze(1), zeros, torch.zeros(batch, 0, dtype=torch.bool, device=device), zeros)
 
 
-def check_window_settings(gamma: Any = 8, prefill_ratio: Any = 0.05) -> None:
+def check_window_settings(gamma: Any, prefill_ratio: Any) -> None:
     """CSpD's window size and pre-filled share (no model needed: the MAR family checks them before it loads one)."""
     check_positive_int("gamma", gamma)
     check(isinstance(prefill_ratio, (int, float)) and not isinstance(prefill_ratio, bool) and 0 <= prefill_ratio <= 1,

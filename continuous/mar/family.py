@@ -134,9 +134,9 @@ def cspd_call(given: Mapping[str, Any]) -> dict[str, Any]:
 def check_cspd(given: Mapping[str, Any]) -> None:
     """`check(given)` of cspd: the criterion and the rule built from it (`cspd_call`), the window settings and the
     budget mode, so a command refuses a bad value before it loads a model."""
-    call = cspd_call(given)
-    check_window_settings(call.get("gamma", 8), call.get("prefill_ratio", 0.05))
-    check_budget_mode(call.get("budget"))
+    call = {**parameters_of(CSpDPipeline.__call__, only=("gamma", "prefill_ratio", "budget")), **cspd_call(given)}
+    check_window_settings(call["gamma"], call["prefill_ratio"])
+    check_budget_mode(call["budget"])
 
 
 @FAMILY.method(params=(parameters_of(CSpDPipeline.__call__, only=("gamma", "prefill_ratio", "align", "budget",

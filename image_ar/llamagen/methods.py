@@ -93,7 +93,7 @@ class MethodContext:
         """GSD's embedding table [V, C]: "target" the transformer's input token embeddings (as the official GSD code
         uses Lumina-mGPT's `embed_tokens`; the default), "codebook" the L2-normalised VQ codebook (the latents the
         decoder sees), None no table (probability test only)."""
-        check(table in GSD_EMBEDDINGS, f"embeddings must be 'target', 'codebook' or None, got {table!r}.")
+        check_gsd_table(table)
         if table == "target":
             return self.pipeline.input_token_embeddings().detach().float()
         if table == "codebook":
@@ -110,15 +110,29 @@ def accept_params(mode: str) -> dict[str, Any]:
     return {**parameters_of(rule, skip=SUPPLIED), **(GSD_TABLE if rule is GSDRule else {})}
 
 
+def check_gsd_table(table: Any) -> None:
+    """GSD's `embeddings` names a table (`MethodContext.token_embeddings`)."""
+    check(table in GSD_EMBEDDINGS, f"embeddings must be 'target', 'codebook' or None, got {table!r}.")
+
+
 def check_accept(accept: str, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The parameters (with defaults) of acceptance mode `accept`, after checking the mode and that it takes every
-    one of `given` (InputError otherwise); needs no model."""
+    """The parameters (with defaults) of acceptance mode `accept`, after checking the mode, that it takes every one
+    of `given` and their values (the rule built over a placeholder table: its own checks); InputError otherwise;
+    needs no model."""
     if accept not in ACCEPT_RULES:
         raise InputError(f"unknown acceptance mode {accept!r}; choose one of {', '.join(ACCEPT_RULES)}.")
     takes = accept_params(accept)
     unknown = sorted(set(given) - set(takes))
     if unknown:
         raise InputError(f"accept={accept!r} takes {', '.join(takes) or 'no parameters'}; got {', '.join(unknown)}.")
+    rule = ACCEPT_RULES[accept]
+    if rule is LanternRule:
+        LanternRule(torch.zeros(1, 1, dtype=torch.long), **given)  # [1, 1]: the codebook's table comes at the build
+    elif rule is GSDRule:
+        check_gsd_table(given.get("embeddings", GSD_TABLE["embeddings"]))
+        GSDRule(**{name: value for name, value in given.items() if name != "embeddings"})
+    elif rule is not None:
+        rule(**given)
     return takes
 
 

@@ -305,13 +305,12 @@ def train_drafter(pipe: LlamaGenPipeline, data: dict[str, torch.Tensor], args: a
 
 # -------------------------------------------------------------------------------------------------- measure
 def is_world_pipeline(pipe: LlamaGenPipeline) -> bool:
-    """True when the pipeline makes world images (32x32; c2i: the world's classes), which the world judge can
-    score."""
-    from mmspec.data import NUM_CLASSES
-    from mmspec.world_training import IMAGE_SIZE
+    """True when the pipeline makes world images (a world image size, 32 or 64 px; c2i: the world's classes), which
+    the world judge can score (it resizes to its own input size)."""
+    from mmspec.data import IMAGE_SIZES, NUM_CLASSES
 
     target = pipe.transformer.config
-    return pipe.image_size() == IMAGE_SIZE and (target.model_type == "t2i" or target.num_classes == NUM_CLASSES)
+    return pipe.image_size() in IMAGE_SIZES and (target.model_type == "t2i" or target.num_classes == NUM_CLASSES)
 
 
 def eval_conditions(pipe: LlamaGenPipeline, n: int, seed: int,
@@ -326,7 +325,7 @@ def eval_conditions(pipe: LlamaGenPipeline, n: int, seed: int,
     if prompts is not None:
         return {"prompt": prompt_list(prompts, n, "train", seed)}, None
     if pipe.transformer.config.model_type == "t2i":
-        batch = generate_batch(n, seed, split="val", image_size=IMAGE_SIZE)
+        batch = generate_batch(n, seed, split="val", image_size=IMAGE_SIZE)  # the captions: the same at any size
         return {"prompt": batch.captions}, lambda images: attribute_agreement(images, batch)["all_attributes"]
     labels = torch.arange(n) % pipe.transformer.config.num_classes  # [n]
     return {"class_labels": labels.tolist()}, lambda images: class_accuracy(images, labels)

@@ -11,13 +11,14 @@ are not a speed proxy here, wall-clock is.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from image_ar.var.code import CoDePipeline
 from image_ar.var.pipeline import VARPipeline
 from mmspec.cli.family_io import folder_loader
 from mmspec.data.artifacts import ASSETS_DIR
-from mmspec.errors import InputError
+from mmspec.errors import InputError, check
 from mmspec.families import CallMethod, FamilyRecord, method_call_generate, parameters_of
 
 DEFAULTS = {"guidance_scale": 4.0, "temperature": 1.0, "top_k": 0, "top_p": 1.0}
@@ -51,8 +52,16 @@ def vanilla(pipe: CoDePipeline | VARPipeline) -> tuple[VARPipeline, dict[str, An
     return (pipe.as_var_pipeline("drafter") if isinstance(pipe, CoDePipeline) else pipe), {}
 
 
+def check_code(given: Mapping[str, Any]) -> None:
+    """`check(given)` of code before a model loads: draft_steps None or an integer >= 0 (its upper bound, the
+    models' scale count, is checked by the call)."""
+    steps = given.get("draft_steps")
+    check(steps is None or (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 0),
+          f"draft_steps must be an integer >= 0 (the scales the large model makes), got {steps!r}.")
+
+
 @FAMILY.method(params=(parameters_of(CoDePipeline.__call__, only=("draft_steps",)),), lossless=False,
-               needs=("refiner",))
+               needs=("refiner",), check=check_code)
 def code(pipe: CoDePipeline | VARPipeline, **given: Any) -> tuple[CoDePipeline, dict[str, Any]]:
     """CoDe: the large model makes the first draft_steps scales (default all but the last two), the small one the
     rest."""

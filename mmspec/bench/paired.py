@@ -22,7 +22,6 @@ import contextlib
 import logging
 import random
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +31,9 @@ import torch
 from mmspec.bench.cli import parse_options, show_gate_verdicts
 from mmspec.bench.configs import MethodConfig, parse_config, parse_value
 from mmspec.bench.registry import REFERENCE_METHOD, BenchSettings, Family, available_families, get_family
+from mmspec.bench.runner import timed_run
 from mmspec.budget import BudgetConfig
 from mmspec.errors import InputError, check, check_positive_int
-from mmspec.phases import synchronize
 from mmspec.testing.budgets import CallScript, forced_budget
 
 log = logging.getLogger("mmspec.bench.paired")
@@ -76,8 +75,9 @@ def parse_paired(text: str, family: Family, settings: BenchSettings) -> PairedCo
         except ValueError as err:
             raise InputError(f"{text!r}: {err}") from None
     if mode == "auto":  # (a method whose default is fixed, a relaxed rule's, runs the budget too)
-        values = dict(pair.split("=", 1) for pair in pairs if "=" in pair)
-        check(len(values) == len(pairs), f"{text!r}: every BudgetConfig field after @auto must be KEY=VALUE.")
+        check(all("=" in pair for pair in pairs), f"{text!r}: every BudgetConfig field after @auto must be KEY=VALUE.")
+        values = dict(pair.split("=", 1) for pair in pairs)
+        check(len(values) == len(pairs), f"{text!r}: a BudgetConfig field is given twice after @auto.")
         try:
             budget = BudgetConfig(**{k: parse_value(v) for k, v in values.items()}) if values else "auto"
         except TypeError as err:
@@ -92,7 +92,6 @@ def paired_times(family: Family, models: Any, settings: BenchSettings, configs: 
     """Time every configuration once a round on the round's batch (the family's inputs, `batch_size` a call, taken
     in turn), in a shuffled order seeded by `seed`, after `WARMUP_ROUNDS` untimed rounds."""
     samples = family.inputs(settings)
-    device = torch.device(settings.device)
     times = PairedTimes({c.label: [] for c in configs}, {c.label: [] for c in configs})
     order, rng = list(configs), random.Random(seed)
     for r in range(rounds + WARMUP_ROUNDS):
@@ -103,11 +102,7 @@ def paired_times(family: Family, models: Any, settings: BenchSettings, configs: 
             forcing = forced_budget(paired.forced) if paired.forced else contextlib.nullcontext()
             log.debug("%s, round %d", paired.label, r)
             with forcing:
-                synchronize(device)
-                start = time.perf_counter()
-                out = method.run(models, batch, settings, paired.config.given)
-                synchronize(device)
-                seconds = time.perf_counter() - start
+                out, seconds = timed_run(method, models, batch, settings, paired.config.given)
             if r >= WARMUP_ROUNDS:
                 times.seconds[paired.label].append(seconds)
                 times.gated[paired.label].append(bool(out.stats.extra.get("calls_without_drafter", 0)))

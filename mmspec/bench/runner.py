@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from mmspec.bench.configs import MethodConfig, parse_method_list
 from mmspec.bench.memory import PeakMemory
 from mmspec.bench.records import batch_records
-from mmspec.bench.registry import REFERENCE_METHOD, BenchSettings, Family, MethodOutput, Sample, get_family
+from mmspec.bench.registry import REFERENCE_METHOD, BenchSettings, Family, Method, MethodOutput, Sample, get_family
 from mmspec.errors import InputError, check, check_device, check_nonnegative, check_positive_int
 from mmspec.forced import Forcing
 from mmspec.phases import PhaseTimes, record_phases, synchronize
@@ -172,6 +172,17 @@ def _check_output(output: Any, batch: Sequence[Sample], label: str) -> MethodOut
     return output
 
 
+def timed_run(method: Method, models: Any, batch: Sequence[Sample], settings: BenchSettings,
+              given: dict[str, Any]) -> tuple[MethodOutput, float]:
+    """`method.run` on one batch and its wall-clock seconds, the device synchronised before and after."""
+    device = torch.device(settings.device)
+    synchronize(device)
+    start = time.perf_counter()
+    output = method.run(models, batch, settings, given)
+    synchronize(device)
+    return output, time.perf_counter() - start
+
+
 def run_config(family: Family, models: Any, config: MethodConfig, batches: Sequence[Sequence[Sample]],
                settings: BenchSettings, meter: PeakMemory, phase_times: bool = False,
                phase_ops: bool = False, reseed: bool = True, forcing: Forcing | None = None) -> list[_BatchRun]:
@@ -191,10 +202,7 @@ def run_config(family: Family, models: Any, config: MethodConfig, batches: Seque
                   else nullcontext())
         with (record_phases(device, count_ops=phase_ops) if phase_times or phase_ops else nullcontext() as phases,
               forced as call):
-            start = time.perf_counter()
-            output = method.run(models, batch, settings, config.given)
-            synchronize(device)
-            wall = time.perf_counter() - start
+            output, wall = timed_run(method, models, batch, settings, config.given)
         runs.append(_BatchRun(batch, _check_output(output, batch, config.label), wall, meter.peak(), phases,
                               None if call is None else (call.rewrites, call.decisions)))
     return runs

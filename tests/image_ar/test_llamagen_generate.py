@@ -100,6 +100,10 @@ def test_argument_errors_come_before_any_model_loads(model_dir, tmp_path, capsys
                           (("--method", "sjd", "--method-arg", "interval=[5,2]"), "interval end must be > start"),
                           (("--method", "sjd", "--method-arg", "accept=nope"), "unknown acceptance mode 'nope'"),
                           (("--method", "sjd", "--method-arg", "k=3"), "accept='coupled' takes no parameters; got k"),
+                          (("--method", "sjd", "--method-arg", "accept=lantern", "--method-arg", "delta=2"),
+                           "delta must be in [0, 1]"),
+                          (("--method", "gsd", "--method-arg", "p_thr=-1"), "p_thr must be > 0"),
+                          (("--method", "gsd", "--method-arg", "embeddings=pixels"), "embeddings must be 'target'"),
                           (("--method", "eagle", "--method-arg", "accept=capped"), "verifies chains only"),
                           (("--method", "draft-model", "--method-arg", "num_draft_tokens=0"), "num_draft_tokens"),
                           (("--method", "draft-model", "--method-arg", "accept=lantern"), "accept must be one of")):
@@ -173,7 +177,8 @@ def test_bench_refuses_a_bad_method_value_before_building_models(model_dir, tmp_
 
     for config, message in (("sjd:window=0", "window must be an integer >= 1"),
                             ("sjd:budget=fixed:accept=nope", "unknown acceptance mode 'nope'"),
-                            ("gsd:coupling=tight", "coupling must be one of")):
+                            ("gsd:coupling=tight", "coupling must be one of"),
+                            ("sjd:accept=lantern:k=0", "k must be an integer >= 1")):
         with pytest.raises(InputError, match=re.escape(message)):
             parse_method_list(config, get_family("llamagen"))
     assert parse_method_list("sjd:budget=fixed:window=8", get_family("llamagen"))[1].given == {"budget": "fixed",

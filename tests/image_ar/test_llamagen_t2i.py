@@ -224,8 +224,9 @@ def test_train_t2i_makes_a_pipeline_folder_with_a_card(tmp_path):
 
 def test_train_t2i_at_64_pixels_and_its_world_drafter_data(tmp_path):
     """`--image-size 64`: captions with 64x64 world images through the same tokenizer, a GPT of 16x16 = 256 tokens,
-    judged at that size, the card saying so; the EAGLE trainer's world data follows the pipeline's image size."""
-    from image_ar.llamagen.train_eagle import world_sequences
+    judged at that size, the card saying so; the EAGLE trainer's world data follows the pipeline's image size and its
+    eval is judged by the world judge."""
+    from image_ar.llamagen.train_eagle import is_world_pipeline, world_sequences
     from mmspec.cli import main
 
     out = tmp_path / "out"
@@ -239,6 +240,7 @@ def test_train_t2i_at_64_pixels_and_its_world_drafter_data(tmp_path):
     assert pipe.transformer.config.block_size == 256
     data = world_sequences(pipe, 4, 0)
     assert data["ids"].shape == (4, 256) and data["text_ids"].shape[0] == 4
+    assert is_world_pipeline(pipe)
 
 
 def test_bench_family_on_held_out_captions(pipe, tmp_path):

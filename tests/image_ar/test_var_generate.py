@@ -76,6 +76,8 @@ def test_generate_errors_are_clear(folders, tmp_path, capsys):
     assert "var method 'vanilla' takes no parameters; got draft_steps" in capsys.readouterr().err
     assert generate(code_dir, tmp_path / "c", "--method", "code", "--method-arg", "draft_steps=9") == 2
     assert "draft_steps must be an integer in [0, 3]" in capsys.readouterr().err
+    assert generate(code_dir, tmp_path / "f", "--method", "code", "--method-arg", "draft_steps=-1") == 2
+    assert "draft_steps must be an integer >= 0" in capsys.readouterr().err  # before the load (`check_code`)
     assert generate(code_dir, tmp_path / "d", "--method", "code", "--method-arg", "depth=2") == 2
     assert "var method 'code' takes draft_steps; got depth" in capsys.readouterr().err
     assert main(["generate", "--family", "llamagen", "--model", str(code_dir), "--out", str(tmp_path / "e"),
