@@ -36,6 +36,7 @@ from mmspec.data.artifacts import explicit_command
 from mmspec.errors import check
 from mmspec.model_card import with_metadata
 from mmspec.world_training import (
+    IMAGE_SIZE,
     add_recon_eval_argument,
     add_runtime_arguments,
     add_staged_arguments,
@@ -60,7 +61,7 @@ WORLD_GPT = {"target": dict(dim=192, n_layer=8, n_head=6), "draft": dict(dim=96,
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_staged_arguments(parser, "llamagen", STAGES, "scratch folder (token cache)")
-    parser.add_argument("--image-size", type=int, choices=IMAGE_SIZES, default=32,
+    parser.add_argument("--image-size", type=int, choices=IMAGE_SIZES, default=IMAGE_SIZE,
                         help="world image side in pixels (default 32: 8x8 = 64 tokens an image; 64: 16x16 = 256)")
     parser.add_argument("--vq-from", default=None, metavar="FOLDER",
                         help="copy this trained LlamaGen VQ tokenizer folder (e.g. assets/llamagen/vqvae) instead "
@@ -84,7 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 # ------------------------------------------------------------------------------------------------------ VQ
 def train_vq(steps: int, batch_size: int, lr: float, seed: int, quiet: bool,
-             object_weight: float = 10.0, image_size: int = 32) -> tuple[LlamaGenVQ, dict]:
+             object_weight: float = 10.0, image_size: int = IMAGE_SIZE) -> tuple[LlamaGenVQ, dict]:
     torch.manual_seed(seed)
     model = LlamaGenVQ(**WORLD_VQ).train()
     opt = torch.optim.Adam(model.parameters(), lr=lr)
@@ -105,7 +106,7 @@ def train_vq(steps: int, batch_size: int, lr: float, seed: int, quiet: bool,
 
 @torch.no_grad()
 def tokenize(vq: LlamaGenVQ, n: int, seed: int, split: str = "train", chunk: int = 500,
-             image_size: int = 32) -> tuple[torch.Tensor, ...]:
+             image_size: int = IMAGE_SIZE) -> tuple[torch.Tensor, ...]:
     """VQ token ids [n, (image_size / 4)^2] (int16) and labels [n] of n world images."""
     ids, labels = [], []
     for start in range(0, n, chunk):
@@ -116,7 +117,7 @@ def tokenize(vq: LlamaGenVQ, n: int, seed: int, split: str = "train", chunk: int
 
 
 @torch.no_grad()
-def evaluate_vq(vq: LlamaGenVQ, n: int, seed: int, image_size: int = 32) -> dict:
+def evaluate_vq(vq: LlamaGenVQ, n: int, seed: int, image_size: int = IMAGE_SIZE) -> dict:
     from mmspec.metrics import class_accuracy, world_fid
 
     images, labels = world_images(n, seed, "test", image_size=image_size)
