@@ -267,6 +267,11 @@ class JacobiDrafter:
 
     # ------------------------------------------------------------------------------------------- protocol
     @property
+    def max_draft_nodes(self) -> int:
+        """The most positions a verify scores: the window (the target keeps that much cache room)."""
+        return self.window
+
+    @property
     def draft_sizes(self) -> list[int]:
         """Window drafts a budget chooses from: 0 (a plain step), 2^i - 1 and window - 1 (a window of 1, 2, 4, 8,
         .. and the configured one: few sizes, since each must run a few steps to show what it accepts)."""

@@ -224,6 +224,12 @@ def teacher_forced_probs(runner: GuidedRunner, inputs: Any, tokens: torch.Tensor
 DRAFT_ROOM = 64
 
 
+def room_for_drafts(drafter: Any) -> int:
+    """The cache room an LMTarget keeps for `drafter`'s largest verify: its `max_draft_nodes` (a tree's node budget, a
+    Jacobi window), at least DRAFT_ROOM."""
+    return max(DRAFT_ROOM, int(getattr(drafter, "max_draft_nodes", 0)))
+
+
 @dataclass(frozen=True)
 class TokenLayout:
     """Which tokens each generated-token index may take: index t is of kind kinds[t] (an index past the end takes

@@ -28,8 +28,6 @@ from mmspec.lm import DRAFT_ROOM, PrefillFn, TokenLayout
 from mmspec.sampling import SamplingParams
 from mmspec.verify import AcceptanceRule, CappedRule, GSDRule, LanternRule
 
-# LMTarget (as the pipeline builds it) keeps room for DRAFT_ROOM draft entries after the last token
-MAX_WINDOW = DRAFT_ROOM + 1
 # acceptance modes a method's `accept` may name, and the parameters the pipeline supplies to their rules itself
 ACCEPT_RULES: dict[str, type[AcceptanceRule] | None] = {"lossless": None, "coupled": None, "lantern": LanternRule,
                                                          "gsd": GSDRule, "capped": CappedRule}
@@ -172,11 +170,9 @@ def resolve_interval(interval: Any, block_size: int, window: int) -> tuple[int, 
 
 
 def check_jacobi(window: Any = 16, init: Any = "random", interval: Any = None, coupling: Any = None) -> None:
-    """The checks of `llamagen_jacobi_drafter`'s parameters that need no model (the interval's bounds need the
-    image's token count); InputError on the first that fails."""
+    """The checks of `llamagen_jacobi_drafter`'s parameters that need no model (the window's and the interval's
+    upper bounds need the image's token count); InputError on the first that fails."""
     check_positive_int("window", window)
-    check(window <= MAX_WINDOW, f"window must be <= {MAX_WINDOW} (the target's cache keeps room for "
-                                f"{MAX_WINDOW - 1} drafts), got {window}.")
     check_init(init)
     check_coupling(coupling)
     if interval != "reference":
@@ -195,6 +191,10 @@ def llamagen_jacobi_drafter(ctx: MethodContext, window: int = 16, init: str = "r
     greedy tails at temperature 0."""
     check_jacobi(window, init, interval, coupling)
     block_size, row_width, vocab_size = ctx.pipeline.image_token_layout()
+    # any window up to the image's length (or a short image's DRAFT_ROOM + 1): the target keeps room for it
+    limit = max(block_size, DRAFT_ROOM + 1)
+    check(window <= limit, f"window must be <= {limit} (the image's {block_size} tokens or {DRAFT_ROOM + 1}, whichever "
+                           f"is larger), got {window}.")
     start, end = resolve_interval(interval, block_size, window)
     return JacobiDrafter(vocab_size, window, init, interval=(start, end), greedy=ctx.params.greedy,
                          row_width=row_width, init_tokens=ctx.pipeline.image_token_ids(),

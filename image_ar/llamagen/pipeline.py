@@ -287,12 +287,10 @@ class LlamaGenPipeline(MMSpecPipelineMixin, DiffusionPipeline):
                             condition_prefill(guided, cond_mask, negative, negative_mask), batch)
         drafter, rule = FAMILY.get_method(method).build(ctx, method_kwargs, "LlamaGen")
 
-        from mmspec.lm import DRAFT_ROOM, LMTarget  # the target: the transformer with CFG, under the sampling params
+        from mmspec.lm import LMTarget, room_for_drafts  # the target: the transformer with CFG, under the params
 
         block = self.transformer.config.block_size
-        # room for the largest verify: a tree drafter says its node budget; chains and windows fit in DRAFT_ROOM
-        draft_room = max(DRAFT_ROOM, getattr(drafter, "max_draft_nodes", 0))
-        target = LMTarget(self.transformer, params, max_new_tokens=block, max_draft_nodes=draft_room,
+        target = LMTarget(self.transformer, params, max_new_tokens=block, max_draft_nodes=room_for_drafts(drafter),
                           guidance_scale=ctx.guidance_scale, prefill_fn=ctx.prefill_fn)
         for model in (self.transformer, self.draft_transformer):  # positions are bounded here; no per-call sync
             if model is not None:

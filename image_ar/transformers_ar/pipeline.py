@@ -44,7 +44,7 @@ from mmspec.budget import make_budget
 from mmspec.diffusers_folder import MMSpecPipelineMixin
 from mmspec.errors import InputError, check
 from mmspec.hf_loading import load_transformers_folder, read_folder_config
-from mmspec.lm import DRAFT_ROOM, LMTarget, PrefillFn, TokenLayout
+from mmspec.lm import LMTarget, PrefillFn, TokenLayout, room_for_drafts
 from mmspec.loop import generate
 from mmspec.pipeline_io import check_generators, check_no_inference_steps, check_output_type, finish_generation
 from mmspec.sampling import SamplingParams
@@ -199,7 +199,7 @@ class TransformersImagePipeline(MMSpecPipelineMixin, DiffusionPipeline):
         guided = guidance_scale != 1.0
         ctx = MethodContext(self, params, guidance_scale if guided else None, prefill(guided), batch, layout)
         drafter, rule = FAMILY.get_method(method).build(ctx, method_kwargs, type(self).__name__)
-        target = LMTarget(lm, params, max_new_tokens=num_tokens, max_draft_nodes=DRAFT_ROOM,
+        target = LMTarget(lm, params, max_new_tokens=num_tokens, max_draft_nodes=room_for_drafts(drafter),
                           guidance_scale=ctx.guidance_scale, prefill_fn=ctx.prefill_fn, layout=layout)
         draft_budget = make_budget(budget, target, drafter, rule, batch, self.budgets)
         return self.with_token_progress(num_tokens, user_step, lambda on_step: generate(

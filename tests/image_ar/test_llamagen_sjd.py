@@ -116,6 +116,30 @@ def test_an_image_does_not_depend_on_its_batch(pipe, method):
     assert torch.equal(batch.tokens[1], single.tokens[0])
 
 
+def test_a_window_longer_than_the_default_cache_room_runs_exact():
+    """The target keeps cache room for the drafter's window (`max_draft_nodes`), not a fixed 64 entries: a window of
+    100 on a 100-token image, sampled late in the image too, gives vanilla's tokens under the coupled rule."""
+    from image_ar.llamagen.gpt import LlamaGenGPT
+
+    comps = get_dummy_components()
+    torch.manual_seed(0)
+    comps["transformer"] = LlamaGenGPT(dim=32, n_layer=2, vocab_size=64, n_head=2, block_size=100, num_classes=4,
+                                       class_dropout_prob=0.1, multiple_of=16).eval()
+    torch.nn.init.normal_(comps["transformer"].output.weight, std=0.5)
+    p = LlamaGenPipeline(**{**comps, "draft_transformer": None})
+    p.set_progress_bar_config(disable=True)
+
+    def call(**kwargs):
+        gens = [torch.Generator().manual_seed(i) for i in range(len(LABELS))]
+        return p(class_labels=LABELS, generator=gens, top_k=16, output_type="latent", **kwargs)
+
+    sjd = call(method="sjd", method_kwargs={"window": 100}, budget="fixed")
+    assert torch.equal(sjd.tokens, call().tokens) and sjd.tokens.shape[1] == 100
+    assert sjd.stats.num_target_forwards < 100
+    with pytest.raises(InputError, match=r"window must be <= 100 \(the image's 100 tokens"):
+        p(class_labels=[0], method="sjd", method_kwargs={"window": 101}, output_type="latent")
+
+
 def test_sjd_needs_no_more_target_forwards_than_vanilla(pipe):
     vanilla = sampled(pipe, "vanilla", 1)
     for kwargs in ({}, {"init": "repeat_horizon"}, {"window": 3}, {"interval": "reference", "window": 4}):
