@@ -254,6 +254,21 @@ def test_acceptance_and_exploration_are_per_segment_of_the_call():
     assert budget.explored == [1, 2]  # one more step (2 rows) in the first segment
 
 
+def test_windows_valued_per_size_learn_each_segment_apart_too():
+    """Jacobi windows (valued per size) keep a model per segment as the other drafters: windows that accept nothing
+    at an image's start (a 256-token world image's first row) do not keep the rest of the call plain."""
+    config = BudgetConfig(warmup=4, refresh_every=0, timing=False, gate=False, plain_probe=0, segments=2, hold=1)
+    budget = started(chain_budget([1.0, 1.0], config, per_size=True), batch=2)
+    draft, on = ChainDraft(torch.zeros(2, 1, dtype=torch.long)), torch.ones(2, dtype=torch.bool)
+    for left, accepted in (([8, 8], [0, 0]), ([7, 7], [0, 0]), ([4, 4], [1, 1]), ([3, 3], [1, 1])):
+        assert choose(budget, 2, left) == 1  # explores (a window's first step at a size is not counted)
+        budget.observe(result(accepted, [1, 1]), on, draft)
+        if left == [7, 7]:
+            assert choose(budget, 2, [6, 6]) == 0 and budget.segment == 0  # the first half: plain
+    assert choose(budget, 2, [2, 2]) == 1 and budget.segment == 1  # the second half drafts by estimate
+    assert [model.moments()[0][1] for model in budget.by_segment] == [1.0, 2.0]
+
+
 def test_a_probe_explores_its_first_segment_and_settles_at_once_where_nothing_pays():
     """A call after calls without the drafter probes: its first segment explores again, and where that segment's
     estimate never drafts, the call settles after `settle_after` plain choices without exploring its later segments

@@ -16,13 +16,13 @@ class BudgetConfig:
     # -- acceptance model
     decay: float = 0.9  # weight of a step's verdicts after each later step: acceptance drifts along an image or
     # answer (an image's first rows draft worse than its middle), and ten steps of a batch are enough to follow it
-    window_decay: float = 0.97  # the same for a drafter valued per size (Jacobi windows, one segment): with ten
+    window_decay: float = 0.97  # the same for a drafter valued per size (Jacobi windows): with ten
     # steps a bad stretch read the best window below a smaller one and kept it off (SJD b1 89% of the fixed window of
     # 16 over 19 passes, 58% in the worst; 96% over 24 with this)
     segments: int = 4  # acceptance is learnt apart in each quarter of the tokens a call generates: an image's first
     # rows draft worse than its later ones (world LlamaGen's EAGLE chain of 2 accepts 0.27 tokens a step over an
-    # image's first 4 steps, 1.1-1.2 after its 20th), and one model fed by a call's first steps under-reads the rest
-    # (Jacobi windows keep one segment: a window's verdicts depend on the steps that filled it)
+    # image's first 4 steps, 1.1-1.2 after its 20th; SJD's windows on a 256-token world image accept almost nothing
+    # over its first 16-30 tokens), and one model fed by a call's first steps under-reads the rest
     prior_rows: float = 2.0  # pseudo-rows at the pooled rate behind each position's rate: one verdict of a deep
     # position decides nothing
     # -- cost model

@@ -53,8 +53,7 @@ class ThroughputBudget:
         self.names = [str(o) for o in self.options]
         assert self.options[0] == PLAIN and len(self.keys) == len(self.options)
         self.full_key = self.keys[-1] if full_key is None else full_key
-        # one segment for Jacobi windows: a window's verdicts depend on the steps that filled it, across segments
-        self.segments = 1 if per_size else self.config.segments
+        self.segments = self.config.segments
         self.by_segment = [AcceptanceModel(self.options, self.config, per_size) for _ in range(self.segments)]
         self.explored = [0] * self.segments  # rows of the exploration choices made in each segment
         self.costs = StepCosts(self.options, self.config)
