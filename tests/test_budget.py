@@ -301,6 +301,22 @@ def test_a_probe_explores_its_first_segment_and_settles_at_once_where_nothing_pa
     assert budget.explored == [3, 3]
 
 
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_refresh_resumes_the_estimate_of_a_segment_settled_on_plain_steps(resume):
+    """A segment settles on plain steps after `settle_after` plain choices; a refresh there explores, and (`resume`)
+    the choices after it are by estimate again, so what it showed is read: here its draft was accepted."""
+    config = BudgetConfig(warmup=1, refresh_every=4, timing=False, gate=False, plain_probe=0, settle_after=2,
+                          segments=2, resume=resume)
+    budget = started(chain_budget([1.0, 1.0], config))
+    draft, on = ChainDraft(torch.zeros(1, 1, dtype=torch.long)), torch.ones(1, dtype=torch.bool)
+    chosen = []
+    for accepted in ([0], None, None, None, [1], None):
+        chosen.append(choose(budget))
+        if accepted is not None:
+            budget.observe(result(accepted, [1]), on, draft)
+    assert chosen == [1, 0, 0, 0, 1, 1 if resume else 0]  # explore, plain (settled at the third), refresh
+
+
 def test_a_refresh_while_chains_are_chosen_drafts_the_deepest_chain():
     full = TreeShape(4, 3, 12)
     drafter = TreeModelDrafter(toy_model(seed=0, vocab_size=8), top_k=4, depth=3, total_tokens=12)

@@ -34,7 +34,7 @@ BUDGET_MODES = ("auto", "fixed")
 PARTS = {"timing": {"timing": False}, "tail": {"batch_tail": False}, "gate": {"gate": False},
          "explore": {"warmup": 0, "refresh_every": 0}, "settle": {"settle_after": 10 ** 9}, "hold": {"hold": 1},
          "probe": {"plain_probe": 0}, "segments": {"segments": 1}, "window-memory": {"window_decay": 0.9},
-         "retime": {"retime": False}}
+         "retime": {"retime": False}, "resume": {"resume": False}}
 
 
 class Budget(Protocol):

@@ -53,6 +53,7 @@ class BudgetConfig:
     batch_tail: bool = True  # at batch > 1 compare options by the time until the last row is done
     gate: bool = True  # run whole calls without the drafter after a call that never drafted by estimate
     retime: bool = True  # a probe after calls without the drafter times its steps afresh (the load may have moved)
+    resume: bool = True  # a refresh ends a segment's settling on plain steps (else what it shows is never read)
 
     def __post_init__(self) -> None:
         for name in ("decay", "window_decay"):

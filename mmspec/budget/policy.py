@@ -10,9 +10,9 @@ from `StepCosts`; plain steps win ties. A segment's first choices, until `warmup
 deepest, among those costing at most `explore_cost` plain steps; a refresh while chains are chosen drafts the
 deepest such chain, the only way to learn the positions past them). While the estimate drafts and fewer than
 `plain_probe` plain steps were measured, a plain step runs (its cost measured). `settle_after` plain choices in a
-row settle the segment on plain steps (no estimate until the next segment); where every later segment, explored,
-would choose a plain step too, they return SETTLE: plain steps for the rest of the call. Drafters valued per size
-hold a window (not a plain step) for `hold` steps. A call after calls without the drafter (the gate's `retrying`)
+row settle the segment on plain steps (no estimate until the next segment or refresh); where every later segment,
+explored, would choose a plain step too, they return SETTLE: plain steps for the rest of the call. Drafters valued per
+size hold a window (not a plain step) for `hold` steps. A call after calls without the drafter (the gate's `retrying`)
 probes: its first segment explores again (once), the later ones only once an estimate drafts, and its steps are timed
 afresh (`retime`: the prices measured before the skipped calls are dropped, a chain timed at a bad moment among them).
 
@@ -138,8 +138,8 @@ class ThroughputBudget:
             return self._last
         self._held, self._exploring = 1, False
         refresh = config.refresh_every > 0 and self.choices >= self.refresh_at
-        if refresh:
-            self.refreshes += 1
+        if refresh:  # (what it shows is read by estimates again, in a segment settled on plain steps too: `resume`)
+            self.refreshes, self._plain_run = self.refreshes + 1, 0 if config.resume else self._plain_run
             self.refresh_at += config.refresh_every * 2 ** self.refreshes
         if refresh and self._last is not None and self.options[self._last].is_chain:
             return self.explore_option(chains_only=True)
