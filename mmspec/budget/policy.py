@@ -53,9 +53,8 @@ class ThroughputBudget:
         self.names = [str(o) for o in self.options]
         assert self.options[0] == PLAIN and len(self.keys) == len(self.options)
         self.full_key = self.keys[-1] if full_key is None else full_key
-        self.segments = self.config.segments
-        self.by_segment = [AcceptanceModel(self.options, self.config, per_size) for _ in range(self.segments)]
-        self.explored = [0] * self.segments  # rows of the exploration choices made in each segment
+        self.by_segment = [AcceptanceModel(self.options, self.config, per_size) for _ in range(self.config.segments)]
+        self.explored = [0] * self.config.segments  # rows of the exploration choices made in each segment
         self.costs = StepCosts(self.options, self.config)
         if costs is not None:
             self.costs.table = list(costs)
@@ -126,7 +125,8 @@ class ThroughputBudget:
         """Set the segment from the longest row's tokens left (`longest`) against the call's first one; a new segment
         starts its plain run afresh."""
         self._total = self._total or max(longest, 1.0)
-        segment = min(int(self.segments * (1.0 - longest / self._total)), self.segments - 1)
+        segments = self.config.segments
+        segment = min(int(segments * (1.0 - longest / self._total)), segments - 1)
         if segment != self.segment:
             self.segment, self._plain_run = segment, 0
 
@@ -159,7 +159,7 @@ class ThroughputBudget:
         self._plain_run = self._plain_run + 1 if best == 0 else 0
         if self._plain_run == config.settle_after:
             self._settled = all(self.explored[s] >= config.warmup and self.chosen_by(rows_held, tail, s) == 0
-                                for s in range(self.segment + 1, self.segments))
+                                for s in range(self.segment + 1, config.segments))
         return best
 
     def chosen_by(self, rows_held: int, tail: list, segment: int) -> int:

@@ -12,9 +12,9 @@ from mmspec.sampling import cfg_combine
 WORDS = ["a", "small", "large", "red", "blue", "green", "circle", "square", "cross", "on", "background", "the"]
 
 
-def get_dummy_components(seed: int = 0) -> dict:
+def get_dummy_components(seed: int = 0, block_size: int = 16) -> dict:
     torch.manual_seed(seed)
-    gpt = dict(vocab_size=64, n_head=2, block_size=16, num_classes=4, class_dropout_prob=0.1, multiple_of=16)
+    gpt = dict(vocab_size=64, n_head=2, block_size=block_size, num_classes=4, class_dropout_prob=0.1, multiple_of=16)
     transformer = LlamaGenGPT(dim=32, n_layer=2, **gpt).eval()
     draft = LlamaGenGPT(dim=16, n_layer=1, **gpt).eval()
     for model in (transformer, draft):  # official init zeroes the head; give the dummies peaky random outputs

@@ -119,14 +119,7 @@ def test_an_image_does_not_depend_on_its_batch(pipe, method):
 def test_a_window_longer_than_the_default_cache_room_runs_exact():
     """The target keeps cache room for the drafter's window (`max_draft_nodes`), not a fixed 64 entries: a window of
     100 on a 100-token image, sampled late in the image too, gives vanilla's tokens under the coupled rule."""
-    from image_ar.llamagen.gpt import LlamaGenGPT
-
-    comps = get_dummy_components()
-    torch.manual_seed(0)
-    comps["transformer"] = LlamaGenGPT(dim=32, n_layer=2, vocab_size=64, n_head=2, block_size=100, num_classes=4,
-                                       class_dropout_prob=0.1, multiple_of=16).eval()
-    torch.nn.init.normal_(comps["transformer"].output.weight, std=0.5)
-    p = LlamaGenPipeline(**{**comps, "draft_transformer": None})
+    p = LlamaGenPipeline(**get_dummy_components(block_size=100))
     p.set_progress_bar_config(disable=True)
 
     def call(**kwargs):
