@@ -224,7 +224,7 @@ def test_the_batch_tail_prefers_steady_options_for_many_rows():
 
 
 def test_warmup_refreshes_and_the_exploration_option():
-    """The first choices and refreshes (16, 32, 64, ..) draft the exploration option: the deepest affordable chain
+    """The first choices and refreshes (16, 48, 112, ..) draft the exploration option: the deepest affordable chain
     (at most explore_cost plain steps), else the cheapest drafting one."""
     costs = [1.0 + 0.5 * k for k in range(8)]  # a chain of k costs 1 + k / 2 plain steps
     budget = started(chain_budget(costs, BudgetConfig(warmup=2, refresh_every=4, timing=False, gate=False)))
@@ -315,6 +315,21 @@ def test_a_refresh_resumes_the_estimate_of_a_segment_settled_on_plain_steps(resu
         if accepted is not None:
             budget.observe(result(accepted, [1]), on, draft)
     assert chosen == [1, 0, 0, 0, 1, 1 if resume else 0]  # explore, plain (settled at the third), refresh
+
+
+def test_windows_valued_per_size_count_their_refreshes_in_each_call():
+    """A window learns only from its own steps (a window not chosen is never read again but by a refresh), so a
+    budget of windows refreshes at choices 4, 12, .. of every call; other drafters count them over the budget's
+    life (a second call of 6 choices reaches none)."""
+    config = BudgetConfig(warmup=0, refresh_every=4, timing=False, gate=False, plain_probe=0, hold=1)
+    for per_size in (True, False):
+        budget = chain_budget([1.0, 3.0, 3.0], config, per_size=per_size)  # no estimate drafts
+        refreshes = []
+        for _ in range(2):
+            started(budget)
+            refreshes.append([i for i in range(6) if choose(budget) not in (0, SETTLE)])
+            budget.end()
+        assert refreshes == ([[4], [4]] if per_size else [[4], []]), (per_size, refreshes)
 
 
 def test_a_refresh_while_chains_are_chosen_drafts_the_deepest_chain():

@@ -114,8 +114,7 @@ def budget_config(mode: str | BudgetConfig | None, rule: Any) -> BudgetConfig | 
 
 
 def default_mode(lossless: bool) -> str:
-    """The method's default budget: "auto" for a lossless rule, "fixed" for a relaxed one (see the module
-    docstring)."""
+    """The method's default budget: "auto" for a lossless rule, "fixed" for a relaxed one (the module docstring)."""
     return "auto" if lossless else "fixed"
 
 

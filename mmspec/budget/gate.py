@@ -12,8 +12,7 @@ from mmspec.budget.config import BudgetConfig
 
 class CallGate:
     def __init__(self, config: BudgetConfig) -> None:
-        self.config = config
-        self.skip = 0  # calls left to run without the drafter
+        self.config, self.skip = config, 0  # skip: calls left to run without the drafter
         self.backoff = config.call_backoff  # calls skipped after the next call that never drafts by estimate
         self.retrying = False  # the drafted call now or next follows skipped calls: a probe, until its estimate drafts
         self.calls = {"drafted": 0, "without_drafter": 0}

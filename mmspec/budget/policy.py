@@ -3,18 +3,19 @@
     option* = argmax_o E[X | o] / seconds(o)                       (vLLM's adaptive K: E_acc(K) / ITL(K))
     at batch > 1: argmax_o r / (seconds(o) * E[steps until the last of n rows has r more tokens | o])
 
-E[X | o] and its variance come from the `AcceptanceModel` of the call's segment (`segments` equal parts of the tokens
-a call generates, by its longest row's progress: an image's first rows draft worse than its later ones), seconds(o)
-from `StepCosts`; plain steps win ties. A segment's first choices, until `warmup` rows, and refreshes at choices
-`refresh_every`, 2 x, 4 x .., draft the exploration option (the option that shows the most trees, then the
-deepest, among those costing at most `explore_cost` plain steps; a refresh while chains are chosen drafts the
-deepest such chain, the only way to learn the positions past them). While the estimate drafts and fewer than
-`plain_probe` plain steps were measured, a plain step runs (its cost measured). `settle_after` plain choices in a
-row settle the segment on plain steps (no estimate until the next segment or refresh); where every later segment,
-explored, would choose a plain step too, they return SETTLE: plain steps for the rest of the call. Drafters valued per
-size hold a window (not a plain step) for `hold` steps. A call after calls without the drafter (the gate's `retrying`)
-probes: its first segment explores again (once), the later ones only once an estimate drafts, and its steps are timed
-afresh (`retime`: the prices measured before the skipped calls are dropped, a chain timed at a bad moment among them).
+E[X | o] and its variance come from the `AcceptanceModel` of the call's segment (`segments` equal parts of the tokens a
+call generates, by its longest row's progress: an image's first rows draft worse than its later ones), seconds(o) from
+`StepCosts`; plain steps win ties. A segment's first choices, until `warmup` rows, and refreshes at choices
+`refresh_every`, 3 x, 7 x .. (over the budget's life; in each call for drafters valued per size) draft the exploration
+option (the option that shows the most trees, then the deepest, among those costing at most `explore_cost` plain steps;
+a refresh while chains are chosen drafts the deepest such chain, the only way to learn the positions past them). While
+the estimate drafts and fewer than `plain_probe` plain steps were measured, a plain step runs (its cost measured).
+`settle_after` plain choices in a row settle the segment on plain steps (no estimate until the next segment or refresh);
+where every later segment, explored, would choose a plain step too, they return SETTLE: plain steps for the rest of the
+call. Drafters valued per size hold a window (not a plain step) for `hold` steps. A call after calls without the drafter
+(the gate's `retrying`) probes: its first segment explores again (once), the later ones only once an estimate drafts,
+and its steps are timed afresh (`retime`: the prices measured before the skipped calls are dropped, a chain timed at a
+bad moment among them).
 
 Lossless: an option is chosen from past verdicts and measured costs only, before the step drafts anything, so the
 draft length is a stopping time of the draft-side process and the output law is the target's (docs/budgets.md;
@@ -56,10 +57,8 @@ class ThroughputBudget:
         self.by_segment = [AcceptanceModel(self.options, self.config, per_size) for _ in range(self.config.segments)]
         self.explored = [0] * self.config.segments  # rows of the exploration choices made in each segment
         self.costs = StepCosts(self.options, self.config)
-        if costs is not None:
-            self.costs.table = list(costs)
-        self.gate = CallGate(self.config)
-        self.per_size = per_size
+        self.costs.table = None if costs is None else list(costs)
+        self.gate, self.per_size = CallGate(self.config), per_size
         self.chosen: dict[str, int] = {}  # choices per option over the budget's life
         self.choices, self.refresh_at, self.refreshes = 0, self.config.refresh_every, 0
         self._rows_held = self._compiled_at = 0
@@ -75,6 +74,8 @@ class ThroughputBudget:
             self.explored[0] = min(self.explored[0], self.config.warmup - 1)
             if self.config.retime:  # .. whose steps are timed afresh: the load may have moved meanwhile
                 self.costs.steps, self.costs.medians = {}, {}
+        if drafts and self.per_size:  # a window learns from its own steps alone: its refreshes are counted per call
+            self.choices, self.refresh_at, self.refreshes = 0, self.config.refresh_every, 0
         return drafts
 
     def _start_call(self, live: tuple | None) -> None:
