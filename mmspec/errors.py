@@ -7,6 +7,7 @@ says what is wrong and what to do. The pure tensor functions that run in the hot
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,11 @@ def check(condition: bool, message: str) -> None:
     """Raise `InputError(message)` unless `condition` holds."""
     if not condition:
         raise InputError(message)
+
+
+def why_not_a_file(path: os.PathLike | str) -> str:
+    """What is wrong with a path that should be a file: "is a folder, not a file" or "does not exist"."""
+    return "is a folder, not a file" if os.path.isdir(path) else "does not exist"
 
 
 def check_probability(name: str, value: float, *, low_open: bool = True, high_closed: bool = True) -> None:

@@ -24,7 +24,7 @@ from mmspec.bench.files import atomic_write_text, prepare_output_dir
 from mmspec.cli.family_io import DTYPES, torch_dtype
 from mmspec.cli.jobs import ManifestWriter, job_budget, read_job_file
 from mmspec.data.artifacts import ASSETS_DIR
-from mmspec.errors import InputError, check
+from mmspec.errors import InputError, check, why_not_a_file
 from mmspec.limits import check_sampling, check_seed
 from mmspec.sampling import EXACT_MODES
 from mmspec.stats import SpecStats, budget_notice
@@ -87,7 +87,7 @@ def load_image(path: str | Path):
     import PIL.Image
 
     path = Path(path)
-    check(path.is_file(), f"image {path} does not exist.")
+    check(path.is_file(), f"image {path} {why_not_a_file(path)}.")
     try:
         with PIL.Image.open(path) as image:
             return image.convert("RGB")
@@ -289,7 +289,7 @@ def run_job(args: argparse.Namespace, tree: tuple[int, int, int] | None) -> int:
             path = Path(str(image))
             path = path if path.is_absolute() else job.parent / path
             if not path.is_file():
-                raise ValueError(f"image {path} does not exist")
+                raise ValueError(f"image {path} {why_not_a_file(path)}")
             paths.append(str(path))
         return {"image": paths if isinstance(fields["image"], list) else paths[0], "prompt": str(fields["prompt"])}
 

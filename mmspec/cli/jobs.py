@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from mmspec.bench.files import atomic_write_text
-from mmspec.errors import InputError
+from mmspec.errors import InputError, why_not_a_file
 from mmspec.limits import MAX_IMAGES_PER_ROW, SEED_LIMIT
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
@@ -116,7 +116,7 @@ def read_job_file(path: str | os.PathLike, base_seed: int, parse_inputs: Callabl
     known columns (image generation's by default)."""
     path = Path(path)
     if not path.is_file():
-        raise InputError(f"job file {path} does not exist.")
+        raise InputError(f"job file {path} {why_not_a_file(path)}.")
     if path.suffix.lower() not in (".jsonl", ".csv"):
         raise InputError(f"job file {path} must end in .jsonl or .csv.")
     rows, bad, seen = [], [], set()

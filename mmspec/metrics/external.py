@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from mmspec.errors import CheckpointError, InputError, check, check_positive_int
+from mmspec.errors import CheckpointError, InputError, check, check_positive_int, why_not_a_file
 from mmspec.metrics.quality import FIDResult, check_images
 
 
@@ -60,9 +60,8 @@ def check_weights_path(weights_path: str | os.PathLike | None, what: str) -> Pat
         )
     path = Path(weights_path).expanduser().resolve()
     if not path.is_file():
-        state = "is a folder, not a file" if path.is_dir() else "does not exist"
         raise InputError(
-            f"weights_path {str(path)!r} {state}; pass the local path of the {what} weights file."
+            f"weights_path {str(path)!r} {why_not_a_file(path)}; pass the local path of the {what} weights file."
         )
     return path
 

@@ -148,6 +148,7 @@ def test_a_lossless_sampled_job_drafts_its_fixed_tree_unless_told(folder, tmp_pa
 def test_bad_rows_stop_the_job_before_the_model_loads_or_are_skipped(folder, tmp_path, capsys, monkeypatch):
     rows = [*scenes(2), {"id": "broken", "image": "broken.png", "prompt": QUESTION},
             {"id": "missing", "image": "nowhere.png", "prompt": QUESTION}, {"id": "q9", "image": "scene0.png"},
+            {"id": "folder", "image": ".", "prompt": QUESTION},
             {"id": "long", "image": "scene1.png", "prompt": "describe the scene " * 200}]
     job = write_job(folder, "bad.jsonl", rows)
     out = tmp_path / "out"
@@ -163,8 +164,10 @@ def test_bad_rows_stop_the_job_before_the_model_loads_or_are_skipped(folder, tmp
     assert run_job(folder, job, out, "--drafter", "none", "--skip-bad") == 0
     assert sorted(answers(out)) == ["q0", "q1"]
     skipped = json.loads((out / "stats.json").read_text())["skipped_bad_rows"]
-    assert len(skipped) == 4 and any(line.startswith("long:") and "positions" in line for line in skipped)
+    assert len(skipped) == 5 and any(line.startswith("long:") and "positions" in line for line in skipped)
     assert any("not an image file" in line for line in skipped)
+    assert any("is a folder, not a file" in line for line in skipped) and any("nowhere.png does not exist" in line
+                                                                              for line in skipped)
 
 
 def test_a_bad_tree_is_refused_before_the_model_loads(folder, capsys, monkeypatch):
