@@ -4,28 +4,19 @@
 # paper's 2392 -> 1035 steps (tau 2.31, window 16) and GSD at its paper's 3.75x (g = 50), each on its default budget
 # and fixed; the papers' latency figures are SJD 2.15x and GSD 4.65x (docs/benchmarks.md puts them beside ours).
 # About 5 minutes on an H200 (two samples a method: the first warms up). Run from the repository root; on the device
-# machine (which lacks diffusers), carry a folder `.wheels` holding a diffusers wheel, as scripts/official_sizes_gpu.sh.
+# machine, carry `.wheels` (scripts/gpu_common.sh).
 #   MODEL=tiny-lumina DEVICE=cpu DTYPE=float32 LIMIT=60 bash scripts/lumina_mgpt_gpu.sh   # a CPU dry run on a folder
 #   (python -m image_ar.transformers_ar.tiny tiny-lumina --model lumina-mgpt writes one)
 set -uo pipefail
-DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; LIMIT=${LIMIT:-420}; PY=${PYTHON:-python3}
-OUT=${OUT:-runs/lumina-gpu}; WORK=$(mktemp -d)
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-$PY -c "import diffusers" 2>/dev/null || $PY -m pip install --no-index --no-deps -q .wheels/*.whl
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-log() { echo "[$(date +%T)] $*" | tee -a "$OUT/log.txt"; }
+LIMIT=${LIMIT:-420}; OUT=${OUT:-runs/lumina-gpu}
+source scripts/gpu_common.sh
 if [ -n "${MODEL:-}" ]; then TARGET=(--family-option model="$MODEL"); else
   TARGET=(--family-option size=lumina-mgpt-7b-768 --family-option dtype="$DTYPE" --family-option logit_scale=40); fi
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >>"$OUT/log.txt" 2>&1
-$PY -c "import torch; print('torch', torch.__version__)" >>"$OUT/log.txt" 2>&1
+machine_header
 for paper in "sjd 2.31" "gsd 3.75"; do
   set -- $paper
-  log "start paper_$1"
-  timeout $((LIMIT / 2)) $PY -m mmspec bench --family lumina-mgpt "${TARGET[@]}" --family-option decode=false \
+  family_bench lumina-mgpt "paper_$1" $((LIMIT / 2)) "${TARGET[@]}" --family-option decode=false \
     --family-option guidance_scale=3.0 --force-acceptance "tau=$2:depth=16" --methods "vanilla,$1,$1:budget=fixed" \
-    --batch-sizes 1 --num-samples 1 --repeats 1 --warmup 1 --temperature 1 --seed 0 --device "$DEVICE" --no-plots \
-    --quiet --out "$WORK/paper_$1" >>"$OUT/log.txt" 2>&1
-  log "end paper_$1 (exit $?)"
+    --batch-sizes 1 --num-samples 1 --repeats 1 --warmup 1 --temperature 1
 done
-(cd "$WORK" && find . -name 'summary.*' | tar czf "$OUT/summaries.tar.gz" -T -)
-log "wrote $OUT/summaries.tar.gz"
+archive_summaries

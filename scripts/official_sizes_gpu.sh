@@ -7,33 +7,18 @@
 #   5. VAR-d30 against CoDe (d30 drafts, d16 refines) at batch 1 and 8 (CoDe accepts nothing: no forcing);
 #   6. MAR-L against CSpD with MAR-B's draft at batch 1 (random pair: timing at its own acceptance, no forcing).
 # Each step has its own time limit (525 s in all); summaries land in $OUT as one
-# archive plus the log. Run from the repository root; on the device machine (which lacks diffusers), carry a folder
-# `.wheels` holding a diffusers wheel (`pip download diffusers --no-deps -d .wheels`).
+# archive plus the log. Run from the repository root; on the device machine, carry `.wheels` (scripts/gpu_common.sh).
 #   SIZE=B VAR_SIZE=d20 DEVICE=cpu DTYPE=float32 SAMPLES=1 LIMIT=60 bash scripts/official_sizes_gpu.sh   # a CPU dry run
 #   (on a CPU the MAR step only starts: one MAR-L image takes 28 minutes there)
 set -uo pipefail
-SIZE=${SIZE:-XL}; VAR_SIZE=${VAR_SIZE:-d30}; MAR_SIZE=${MAR_SIZE:-L}; DEVICE=${DEVICE:-cuda}; DTYPE=${DTYPE:-bfloat16}; SAMPLES=${SAMPLES:-2}; LIMIT=${LIMIT:-80}
-PY=${PYTHON:-python3}; OUT=${OUT:-runs/official-gpu}; WORK=$(mktemp -d)
-mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-$PY -c "import diffusers" 2>/dev/null || $PY -m pip install --no-index --no-deps -q .wheels/*.whl
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-log() { echo "[$(date +%T)] $*" | tee -a "$OUT/log.txt"; }
-bench() {  # NAME LIMIT ARGS...: one bench into $WORK/NAME, cut at LIMIT seconds (llamagen unless ARGS name a family)
+SIZE=${SIZE:-XL}; VAR_SIZE=${VAR_SIZE:-d30}; MAR_SIZE=${MAR_SIZE:-L}; SAMPLES=${SAMPLES:-2}; LIMIT=${LIMIT:-80}
+OUT=${OUT:-runs/official-gpu}
+source scripts/gpu_common.sh
+bench() {  # NAME LIMIT ARGS...: LlamaGen at temperature 1, top-k 64
   local name=$1 limit=$2; shift 2
-  log "start $name"
-  timeout "$limit" $PY -m mmspec bench --family llamagen --temperature 1 --family-option top_k=64 --seed 0 \
-    --device "$DEVICE" --no-plots --quiet --out "$WORK/$name" "$@" >>"$OUT/log.txt" 2>&1
-  log "end $name (exit $?)"
+  family_bench llamagen "$name" "$limit" --temperature 1 --family-option top_k=64 "$@"
 }
-family_bench() {  # FAMILY NAME LIMIT ARGS...: the same for VAR or MAR
-  local family=$1 name=$2 limit=$3; shift 3
-  log "start $name"
-  timeout "$limit" $PY -m mmspec bench --family "$family" --temperature 1 --seed 0 --device "$DEVICE" --no-plots \
-    --quiet --out "$WORK/$name" "$@" >>"$OUT/log.txt" 2>&1
-  log "end $name (exit $?)"
-}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >>"$OUT/log.txt" 2>&1
-$PY -c "import torch; print('torch', torch.__version__)" >>"$OUT/log.txt" 2>&1
+machine_header
 ALL=vanilla,sjd,sjd:budget=fixed,gsd,gsd:budget=fixed,eagle,eagle:budget=fixed,lantern,lantern:budget=fixed
 # logit_scale 40: peaked heads, so the random EAGLE drafter's trees grow as deep as a trained one's (docs/benchmarks.md)
 OFFICIAL=(--family-option size="$SIZE" --family-option dtype="$DTYPE" --family-option decode=false
@@ -53,10 +38,9 @@ bench paper_gsd 30 "${OFFICIAL[@]}" --force-acceptance tau=3.75:depth=16 --metho
 bench graphs_b1 "$LIMIT" "${OFFICIAL[@]}" --family-option compile=reduce-overhead \
   --force-acceptance "$WORK/world/summary.json" --methods vanilla,sjd:budget=fixed,eagle:budget=fixed \
   --batch-sizes 1 --num-samples 2 --repeats 2 --warmup 1
-family_bench var var_code 60 --family-option size="$VAR_SIZE" --family-option small_size=d16 --family-option dtype="$DTYPE" \
+family_bench var var_code 60 --temperature 1 --family-option size="$VAR_SIZE" --family-option small_size=d16 --family-option dtype="$DTYPE" \
   --family-option decode=false --methods vanilla,code --batch-sizes 1,8 --num-samples 8 --repeats 1 --warmup 1
-family_bench mar mar_cspd 45 --family-option size="$MAR_SIZE" --family-option draft_size=B \
+family_bench mar mar_cspd 45 --temperature 1 --family-option size="$MAR_SIZE" --family-option draft_size=B \
   --family-option dtype="$DTYPE" --family-option decode=false --methods vanilla,cspd --batch-sizes 1 --num-samples 1 \
   --repeats 1 --warmup 0
-(cd "$WORK" && find . -name 'summary.*' | tar czf "$OUT/summaries.tar.gz" -T -)
-log "wrote $OUT/summaries.tar.gz"
+archive_summaries
