@@ -10,10 +10,11 @@
 #   FAMILIES="llamagen llamagen-t2i" bash scripts/budget_grid_gpu.sh   # carry assets/llamagen, assets/llamagen-t2i
 #   FAMILIES=vlm bash scripts/budget_grid_gpu.sh                        # carry assets/vlm
 #   FAMILIES=mar bash scripts/budget_grid_gpu.sh                        # carry assets/mar
-#   DEVICE=cpu SAMPLES_B1=1 SAMPLES_BATCH=8 BATCHES=8 LIMIT=90 bash scripts/budget_grid_gpu.sh   # a CPU dry run
+#   DEVICE=cpu SAMPLES_B1=1 SAMPLES_BATCH=8 BATCHES=8 LIMIT=90 ROUNDS=2 bash scripts/budget_grid_gpu.sh   # a CPU dry run
 set -uo pipefail
 FAMILIES=${FAMILIES:-llamagen llamagen-t2i vlm mar}
 SAMPLES_B1=${SAMPLES_B1:-4}; SAMPLES_BATCH=${SAMPLES_BATCH:-32}; BATCHES=${BATCHES:-8,32}; LIMIT=${LIMIT:-40}
+ROUNDS=${ROUNDS:-30}
 OUT=${OUT:-runs/budget-grid-gpu}
 source scripts/gpu_common.sh
 machine_header
@@ -23,7 +24,7 @@ VLM=vanilla,eagle,vispec,msd,specvlm,eagle:budget=fixed,eagle:budget=fixed:top_k
 VLM=$VLM,specvlm:budget=fixed:top_k=1:depth=9:total_tokens=10
 MAR=vanilla,cspd:gamma=8:criterion=reference_code,cspd:gamma=8:criterion=reference_code:budget=auto
 declare -A METHODS=([llamagen]=$IMAGE [llamagen-t2i]=$IMAGE [vlm]=$VLM [mar]=$MAR)
-declare -A LIMITS=([llamagen]=$LIMIT [llamagen-t2i]=$LIMIT [vlm]=$LIMIT [mar]=$((LIMIT * 3 / 2)))  # MAR's steps are longest
+declare -A LIMITS=([llamagen]=$LIMIT [llamagen-t2i]=$LIMIT [vlm]=$((LIMIT * 3 / 2)) [mar]=$((LIMIT * 3 / 2)))
 declare -A SETTINGS=([llamagen]="--temperature 1 --family-option top_k=64"
                      [llamagen-t2i]="--temperature 1 --family-option top_k=64"
                      [vlm]="--temperature 0 --max-new-tokens 96 --family-option long_fraction=1.0"
@@ -38,4 +39,11 @@ for family in $FAMILIES; do
   family_bench "$family" "${family}_batched" "${LIMITS[$family]}" --methods "${METHODS[$family]}" ${SETTINGS[$family]} \
     --batch-sizes "$BATCHES" --num-samples "$SAMPLES_BATCH" --repeats 1 --warmup 1 --gate-log
 done
+if [[ " $FAMILIES " == *" vlm "* ]]; then  # the training-free drafters at batch 1 (recycle's table learns across
+  log "start vlm_training_free"               # calls, so call by call: mmspec.bench.paired)
+  timeout "${LIMITS[vlm]}" $PY scripts/paired_calls.py --family vlm --family-option long_fraction=1.0 \
+    --max-new-tokens 96 --device "$DEVICE" --batch-size 1 --rounds "$ROUNDS" \
+    --methods pld,recycle,recycle@fixed,recycle@fixed:top_k=1:depth=4:total_tokens=5 >>"$OUT/log.txt" 2>&1
+  log "end vlm_training_free (exit $?)"
+fi
 archive_summaries

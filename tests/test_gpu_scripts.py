@@ -1,8 +1,8 @@
 """The GPU scripts (`scripts/*_gpu.sh`) run their benches with arguments the current bench accepts: each script runs
-with a stand-in Python that records every `mmspec bench` command, and each recorded command goes through the
-bench's own parser and the checks `mmspec bench` makes before it loads a model (batch sizes, settings, the family,
-every method configuration, the forcing profile). A script is run on a device machine with a few minutes of device
-time, so a renamed option or method must fail here, not there."""
+with a stand-in Python that records every `mmspec bench` and `scripts/paired_calls.py` command, and each recorded
+command goes through the bench's own parser and the checks `mmspec bench` makes before it loads a model (batch
+sizes, settings, the family, every method configuration, the forcing profile). A script is run on a device machine
+with a few minutes of device time, so a renamed option or method must fail here, not there."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 
 from mmspec.bench.cli import add_arguments, parse_int_list, parse_options
 from mmspec.bench.configs import parse_method_list
+from mmspec.bench.paired import parse_arguments
 from mmspec.bench.registry import BenchSettings, get_family
 from mmspec.bench.runner import check_run_args
 from mmspec.forced import parse_forcing
@@ -25,9 +26,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*_gpu.sh"))
 RECORDER = """#!{python}
 import json, os, sys
-if sys.argv[1:3] == ["-m", "mmspec"]:
+command = sys.argv[3:] if sys.argv[1:3] == ["-m", "mmspec"] else None
+if sys.argv[1:2] == ["scripts/paired_calls.py"]:
+    command = ["paired", *sys.argv[2:]]
+if command is not None:
     with open(os.environ["RECORD"], "a") as f:
-        f.write(json.dumps(sys.argv[3:]) + "\\n")
+        f.write(json.dumps(command) + "\\n")
 """
 
 
@@ -46,7 +50,11 @@ def recorded_benches(script: str, tmp_path: Path) -> list[list[str]]:
 
 
 def check_bench_command(argv: list[str]) -> None:
-    """What `mmspec bench` checks before it loads a model (`mmspec.bench.cli.run`), without running anything."""
+    """What `mmspec bench` checks before it loads a model (`mmspec.bench.cli.run`), without running anything; a
+    paired-call run (`scripts/paired_calls.py`) its own checks (`mmspec.bench.paired.parse_arguments`)."""
+    if argv[0] == "paired":
+        parse_arguments(argv[1:])
+        return
     assert argv[0] == "bench", argv
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -136,7 +136,10 @@ def report_lines(times: PairedTimes, seed: int = 1) -> list[str]:
     return lines
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def parse_arguments(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, BenchSettings, Family,
+                                                               list[PairedConfig]]:
+    """The command line, checked as a run needs it before any model is built (InputError otherwise): the arguments,
+    the bench settings, the family and the configurations (vanilla first)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--family", default="llamagen",
@@ -152,16 +155,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gate-log", action="store_true", help="each budget's DEBUG line after every call")
     args = parser.parse_args(argv)
+    for name in ("--batch-size", "--rounds", "--threads"):
+        check_positive_int(name, getattr(args, name.removeprefix("--").replace("-", "_")))
+    settings = BenchSettings(num_samples=args.batch_size * (args.rounds + WARMUP_ROUNDS),
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
+                             device=args.device, options=parse_options(args.family_option))
+    family = get_family(args.family)
+    labels = [REFERENCE_METHOD, *(m for m in args.methods.split(",") if m.strip() != REFERENCE_METHOD)]
+    check(len(set(labels)) == len(labels), f"--methods names a configuration twice: {args.methods!r}.")
+    return args, settings, family, [parse_paired(label, family, settings) for label in labels]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
     try:
-        for name in ("--batch-size", "--rounds", "--threads"):
-            check_positive_int(name, getattr(args, name.removeprefix("--").replace("-", "_")))
-        settings = BenchSettings(num_samples=args.batch_size * (args.rounds + WARMUP_ROUNDS),
-                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
-                                 device=args.device, options=parse_options(args.family_option))
-        family = get_family(args.family)
-        labels = [REFERENCE_METHOD, *(m for m in args.methods.split(",") if m.strip() != REFERENCE_METHOD)]
-        check(len(set(labels)) == len(labels), f"--methods names a configuration twice: {args.methods!r}.")
-        configs = [parse_paired(label, family, settings) for label in labels]
+        args, settings, family, configs = parse_arguments(argv)
     except InputError as err:
         print(f"paired_calls: {err}", file=sys.stderr)
         return 2
