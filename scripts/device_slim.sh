@@ -4,18 +4,27 @@
 #   bash scripts/device_slim.sh slim             # assets/ untracked in the index and ignored (.git/info/exclude)
 #   bash scripts/device_slim.sh size PATH...     # MiB a call carrying PATHs would send (at most 64)
 #   bash scripts/device_slim.sh restore          # assets/ tracked again (from HEAD), the exclude line dropped
-# Between slim and restore, commit nothing: the index then lacks assets/. Asset folders carried in one call stay on
-# a warm device machine for the next (ignored outputs are kept), so a later call need not carry them again.
+# Between slim and restore the index lacks assets/, so a commit would delete them: slim installs a pre-commit hook
+# that refuses commits until restore (which removes it). Asset folders carried in one call stay on a warm device
+# machine for the next (ignored outputs are kept), so a later call need not carry them again.
 set -euo pipefail
 EXCLUDE=$(git rev-parse --git-path info/exclude)
+HOOK=$(git rev-parse --git-path hooks/pre-commit)
+MARK="# device_slim: refuse commits while assets/ is untracked"
 case "${1:-}" in
   slim)
+    [ -z "$(git status --porcelain -- assets)" ] || { echo "assets/ has changes: commit or drop them first" >&2; exit 1; }
+    [ ! -e "$HOOK" ] || { echo "$HOOK exists: slim would replace it; move it away first" >&2; exit 1; }
     git rm -r -q --cached assets
     grep -qx "/assets/" "$EXCLUDE" 2>/dev/null || echo "/assets/" >>"$EXCLUDE"
+    mkdir -p "$(dirname "$HOOK")"
+    printf '#!/bin/sh\n%s\necho "assets/ is untracked for a device call: bash scripts/device_slim.sh restore" >&2\nexit 1\n' \
+      "$MARK" >"$HOOK" && chmod +x "$HOOK"
     echo "assets/ untracked; carry what the command needs, then: bash scripts/device_slim.sh restore" ;;
   restore)
     git reset -q -- assets
     sed -i '\#^/assets/$#d' "$EXCLUDE"
+    ! grep -qxF "$MARK" "$HOOK" 2>/dev/null || rm "$HOOK"
     git status --short -- assets | head -5 ;;
   size)
     shift
