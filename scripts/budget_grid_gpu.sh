@@ -40,7 +40,7 @@ for family in $FAMILIES; do
     --batch-sizes "$BATCHES" --num-samples "$SAMPLES_BATCH" --repeats 1 --warmup 1 --gate-log
 done
 if [[ " $FAMILIES " == *" vlm "* ]]; then  # the training-free drafters at batch 1 (recycle's table learns across
-  log "start vlm_training_free"               # calls, so call by call: mmspec.bench.paired)
+  log "start vlm_training_free ($(uptime | sed 's/.*load/load/'))"  # calls: call by call, mmspec.bench.paired)
   timeout "${LIMITS[vlm]}" $PY scripts/paired_calls.py --family vlm --family-option long_fraction=1.0 \
     --max-new-tokens 96 --device "$DEVICE" --batch-size 1 --rounds "$ROUNDS" \
     --methods pld,recycle,recycle@fixed,recycle@fixed:top_k=1:depth=4:total_tokens=5 >>"$OUT/log.txt" 2>&1
