@@ -94,6 +94,8 @@ class MethodRecord:
     def check_given(self, given: Mapping[str, Any] | None, family: str = "") -> dict[str, Any]:
         """The given parameters, after checking that the method takes each (InputError naming the known ones) and
         the record's `check` of their values."""
+        check(given is None or isinstance(given, Mapping),
+              f"method_kwargs must be a dict of the method's parameters, got {type(given).__name__}.")
         given = dict(given or {})
         unknown = sorted(set(given) - set(self.params))
         if unknown:

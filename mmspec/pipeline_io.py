@@ -22,6 +22,7 @@ import torch
 from diffusers.utils import BaseOutput
 
 from mmspec.errors import InputError, check
+from mmspec.sampling import check_generator_types
 from mmspec.stats import SpecStats
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
@@ -32,8 +33,17 @@ def class_labels_tensor(class_labels: Any, num_images_per_prompt: int, num_class
     """Class ids (an int, a list or a tensor) checked against the model's classes, each repeated
     num_images_per_prompt times: [N] int64 on `device`."""
     check(class_labels is not None, "pass class_labels (an int, a list of ints or a tensor of class ids).")
-    labels = torch.as_tensor([class_labels] if isinstance(class_labels, int) else class_labels).long()
-    check(labels.dim() == 1 and labels.numel() > 0, "class_labels must be an int or a 1-D list of ints.")
+    if isinstance(class_labels, (torch.Tensor, np.ndarray)):
+        labels = torch.as_tensor(class_labels)
+        whole = not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool)
+    else:
+        items = [class_labels] if isinstance(class_labels, (int, np.integer)) else class_labels
+        whole = isinstance(items, (list, tuple)) and all(
+            isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in items)
+        labels = torch.as_tensor(items if whole else [])
+    check(whole and labels.dim() == 1 and labels.numel() > 0, "class_labels must be a class id (int), a list of "
+          f"them or a 1-D integer tensor, got {repr(class_labels)[:80]}.")
+    labels = labels.long()
     bad = labels[(labels < 0) | (labels >= num_classes)]
     if bad.numel():
         raise InputError(f"class label(s) {bad.tolist()} outside [0, {num_classes}); this model has {num_classes} "
@@ -42,8 +52,9 @@ def class_labels_tensor(class_labels: Any, num_images_per_prompt: int, num_class
 
 
 def check_generators(generator: Any, batch: int) -> None:
-    """A list of generators must hold one per image."""
-    if isinstance(generator, list):
+    """generator is None, one torch.Generator or a list of them holding one per image."""
+    check_generator_types(generator)
+    if isinstance(generator, (list, tuple)):
         check(len(generator) == batch, f"got {len(generator)} generators for {batch} images; pass one per image "
               "(num_images_per_prompt x conditions), one generator, or None.")
 

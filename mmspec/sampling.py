@@ -155,8 +155,17 @@ def probs_from_params(logits: torch.Tensor, params: SamplingParams, soft_greedy:
 
 
 # --------------------------------------------------------------------------------------------- randomness
+def check_generator_types(generator: Any) -> None:
+    """generator is None, one torch.Generator or a list / tuple of them (InputError otherwise)."""
+    if not (generator is None or isinstance(generator, torch.Generator) or (
+            isinstance(generator, (list, tuple)) and all(isinstance(g, torch.Generator) for g in generator))):
+        raise InputError(f"generator must be a torch.Generator, a list of them (one per row) or None, got "
+                         f"{repr(generator)[:80]}.")
+
+
 def generator_list(generator: Generators, batch: int) -> list[torch.Generator] | None:
     """The per-row generators of a list (checked: one per row), or None for a single generator or None."""
+    check_generator_types(generator)
     if generator is None or isinstance(generator, torch.Generator):
         return None
     gens = list(generator)

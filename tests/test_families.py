@@ -100,6 +100,8 @@ def test_method_records_check_parameters_and_declarations():
     assert isinstance(method, LoopMethod) and built == LoopParts("ctx", (2, {"delta": 0.3}))
     with pytest.raises(InputError, match="scratch method 'relaxed-copy' takes k, delta, lam, reject, window; got wide"):
         method.build("ctx", {"wide": 1}, "scratch")
+    with pytest.raises(InputError, match="method_kwargs must be a dict of the method's parameters, got str"):
+        method.build("ctx", "window=3")
     with pytest.raises(InputError, match="unknown scratch method 'nope'; available: relaxed-copy"):
         record.get_method("nope")
     with pytest.raises(InputError, match="declares method 'relaxed-copy' twice"):

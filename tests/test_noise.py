@@ -57,6 +57,9 @@ def test_keys_come_from_the_generators_and_follow_the_rows():
     assert kept.keys.tolist() == [int(per_row.keys[2]), int(per_row.keys[0])]
     with pytest.raises(InputError, match="got 2 generators for a batch of 3 rows"):
         KeyedNoise.from_generators([torch.Generator(), torch.Generator()], 3)
+    for wrong in ("0", [torch.Generator(), None], 7):  # one line, not an AttributeError from deep inside
+        with pytest.raises(InputError, match="generator must be a torch.Generator, a list of them"):
+            KeyedNoise.from_generators(wrong, 2)
 
 
 def test_the_numbers_are_pinned_across_versions():

@@ -85,6 +85,9 @@ class PipelineTesterMixin:
         """kind -> (call arguments on top of one condition, the error's regex)."""
         return {"label outside": ({"class_labels": [self.num_classes]}, "outside"),
                 "no labels": ({"class_labels": None}, "class_labels"),
+                "label type": ({"class_labels": [1.5]}, "class_labels must be"),
+                "label text": ({"class_labels": "a cat"}, "class_labels|prompt"),
+                "generator type": ({"generator": "x"}, "generator must be"),
                 "output_type": ({"output_type": "gif"}, "output_type"),
                 "generators": ({"class_labels": [0, 0], "generator": [torch.Generator()]}, "generators"),
                 "num_images": ({"num_images_per_prompt": 0}, "num_images_per_prompt")}
@@ -234,4 +237,5 @@ class PromptPipelineTesterMixin(PipelineTesterMixin):
                 "prompt list": ({"prompt": ["a red circle", 3]}, "list of strings"),
                 "output_type": ({"output_type": "gif"}, "output_type"),
                 "generators": ({"prompt": self.labels(2), "generator": [torch.Generator()]}, "generators"),
+                "generator type": ({"generator": [None]}, "generator must be"),
                 "num_images": ({"num_images_per_prompt": 0}, "num_images_per_prompt")}
