@@ -33,11 +33,12 @@ def class_labels_tensor(class_labels: Any, num_images_per_prompt: int, num_class
     """Class ids (an int, a list or a tensor) checked against the model's classes, each repeated
     num_images_per_prompt times: [N] int64 on `device`."""
     check(class_labels is not None, "pass class_labels (an int, a list of ints or a tensor of class ids).")
-    if isinstance(class_labels, (torch.Tensor, np.ndarray)):
-        labels = torch.as_tensor(class_labels)
+    if isinstance(class_labels, torch.Tensor):
+        labels = class_labels
         whole = not (labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool)
-    else:
-        items = [class_labels] if isinstance(class_labels, (int, np.integer)) else class_labels
+    else:  # (a numpy array's items as Python numbers, checked as a list's)
+        items = class_labels.tolist() if isinstance(class_labels, np.ndarray) else class_labels
+        items = [items] if isinstance(items, (int, np.integer)) else items
         whole = isinstance(items, (list, tuple)) and all(
             isinstance(c, (int, np.integer)) and not isinstance(c, bool) for c in items)
         labels = torch.as_tensor(items if whole else [])

@@ -13,13 +13,14 @@ HOOK=$(git rev-parse --git-path hooks/pre-commit)
 MARK="# device_slim: refuse commits while assets/ is untracked"
 case "${1:-}" in
   slim)
-    [ -z "$(git status --porcelain -- assets)" ] || { echo "assets/ has changes: commit or drop them first" >&2; exit 1; }
+    [ -z "$(git status --porcelain -- assets)" ] ||
+      { echo "assets/ has changes: commit or drop them first" >&2; exit 1; }
     [ ! -e "$HOOK" ] || { echo "$HOOK exists: slim would replace it; move it away first" >&2; exit 1; }
     git rm -r -q --cached assets
     grep -qx "/assets/" "$EXCLUDE" 2>/dev/null || echo "/assets/" >>"$EXCLUDE"
     mkdir -p "$(dirname "$HOOK")"
-    printf '#!/bin/sh\n%s\necho "assets/ is untracked for a device call: bash scripts/device_slim.sh restore" >&2\nexit 1\n' \
-      "$MARK" >"$HOOK" && chmod +x "$HOOK"
+    printf '#!/bin/sh\n%s\necho "%s" >&2\nexit 1\n' "$MARK" \
+      "assets/ is untracked for a device call: bash scripts/device_slim.sh restore" >"$HOOK" && chmod +x "$HOOK"
     echo "assets/ untracked; carry what the command needs, then: bash scripts/device_slim.sh restore" ;;
   restore)
     git reset -q -- assets

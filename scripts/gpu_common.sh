@@ -16,12 +16,16 @@ MISSING=$($PY -c "import importlib.util as u; print(*(m for m in ('diffusers', '
 $PY -c "from importlib.metadata import entry_points as e; assert e(group='mmspec.families')" 2>/dev/null ||
   $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$SITE" . >/dev/null 2>&1
 log() { echo "[$(date +%T)] $*" | tee -a "$OUT/log.txt"; }
+timed() {  # NAME LIMIT COMMAND...: COMMAND's output into the log, cut at LIMIT seconds; its start (with the load)
+  local name=$1 limit=$2; shift 2  # and its exit status logged
+  log "start $name ($(uptime | sed 's/.*load/load/'))"
+  timeout "$limit" "$@" >>"$OUT/log.txt" 2>&1
+  log "end $name (exit $?)"
+}
 family_bench() {  # FAMILY NAME LIMIT ARGS...: one bench into $WORK/NAME, cut at LIMIT seconds (each batch size's
   local family=$1 name=$2 limit=$3; shift 3  # figures are written when it completes, so a cut run keeps them)
-  log "start $name ($(uptime | sed 's/.*load/load/'))"
-  timeout "$limit" $PY -m mmspec bench --family "$family" --seed 0 --device "$DEVICE" --no-plots --quiet \
-    --out "$WORK/$name" "$@" >>"$OUT/log.txt" 2>&1
-  log "end $name (exit $?)"
+  timed "$name" "$limit" $PY -m mmspec bench --family "$family" --seed 0 --device "$DEVICE" --no-plots --quiet \
+    --out "$WORK/$name" "$@"
 }
 machine_header() {  # the GPU, driver, torch and transformers into the log
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >>"$OUT/log.txt" 2>&1

@@ -38,8 +38,9 @@ bench paper_gsd 30 "${OFFICIAL[@]}" --force-acceptance tau=3.75:depth=16 --metho
 bench graphs_b1 "$LIMIT" "${OFFICIAL[@]}" --family-option compile=reduce-overhead \
   --force-acceptance "$WORK/world/summary.json" --methods vanilla,sjd:budget=fixed,eagle:budget=fixed \
   --batch-sizes 1 --num-samples 2 --repeats 2 --warmup 1
-family_bench var var_code 60 --temperature 1 --family-option size="$VAR_SIZE" --family-option small_size=d16 --family-option dtype="$DTYPE" \
-  --family-option decode=false --methods vanilla,code --batch-sizes 1,8 --num-samples 8 --repeats 1 --warmup 1
+family_bench var var_code 60 --temperature 1 --family-option size="$VAR_SIZE" --family-option small_size=d16 \
+  --family-option dtype="$DTYPE" --family-option decode=false --methods vanilla,code --batch-sizes 1,8 --num-samples 8 \
+  --repeats 1 --warmup 1
 family_bench mar mar_cspd 45 --temperature 1 --family-option size="$MAR_SIZE" --family-option draft_size=B \
   --family-option dtype="$DTYPE" --family-option decode=false --methods vanilla,cspd --batch-sizes 1 --num-samples 1 \
   --repeats 1 --warmup 0
